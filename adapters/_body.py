@@ -1,0 +1,45 @@
+"""Byte-level JSON body edits shared by the adapters: splice keys in without re-encoding the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+encoder = msgspec.json.Encoder()
+
+
+def splice(body: bytes, extra: bytes) -> bytes:
+    """Insert `"k":v,...` pairs (given without braces) before the object's closing brace."""
+    if not extra:
+        return body
+    end = body.rstrip()
+    if not end.endswith(b"}"):
+        raise ValueError("body is not a JSON object")
+    inner = end[:-1].rstrip()
+    sep = b"" if inner.endswith(b"{") else b","
+    return inner + sep + extra + b"}"
+
+
+def rewrite(fields: dict[str, msgspec.Raw], drop: Iterable[str] = (), set_: dict[str, bytes] | None = None) -> bytes:
+    """Re-encode a {key: raw} body with some keys dropped or replaced; other values stay byte for byte."""
+    for k in drop:
+        fields.pop(k, None)
+    if set_:
+        for k, v in set_.items():
+            fields[k] = msgspec.Raw(v)
+    return encoder.encode(fields)
+
+
+def pairs(**kv: bytes) -> bytes:
+    """`"a":1,"b":"x"` from already-encoded JSON values."""
+    return b",".join(b'"' + k.encode() + b'":' + v for k, v in kv.items())
+
+
+def iter_sse_data(body: bytes) -> Iterable[bytes]:
+    """The payloads of `data:` lines of an SSE body, `[DONE]` excluded."""
+    for line in body.split(b"\n"):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            if payload and payload != b"[DONE]":
+                yield payload

@@ -1,0 +1,93 @@
+"""What every engine adapter provides: the one place a wire format is known.
+
+An adapter is pure: it turns a parsed client request into engine request bodies, judges what an
+engine answered, and reads the engine's metrics and info endpoints. The orchestrator does the
+I/O and picks the handoff shape from `handoff`:
+
+- `HandoffMode.CONCURRENT` (SGLang): the same body, plus a bootstrap room, goes to prefill and
+  decode at once; the engines meet through the prefill's bootstrap server.
+- `HandoffMode.SEQUENTIAL` (vLLM NIXL): prefill with `max_tokens=1` first; its
+  `kv_transfer_params` go verbatim into the decode request.
+- `HandoffMode.NONE` (plain OpenAI-compatible servers): colocated only.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar, Protocol
+
+import msgspec
+
+from gateway.parse import ParsedRequest
+from policies.snapshot import Engine, WorkerLoad, WorkerState
+
+
+class HandoffMode(enum.Enum):
+    NONE = "none"
+    SEQUENTIAL = "sequential"
+    CONCURRENT = "concurrent"
+
+
+class HandoffCtx(msgspec.Struct, frozen=True):
+    request_id: str
+    prefill: WorkerState
+    decode: WorkerState
+    room: int  # SGLang bootstrap room (first one of a batch); unused by vLLM
+    rooms: tuple[int, ...] = ()  # one per batch element / sample when the request is a batch
+
+
+class PrefillVerdict(msgspec.Struct, frozen=True):
+    """The adapter's reading of a finished prefill leg."""
+
+    ok: bool
+    reason: str = ""
+    kv_params: msgspec.Raw | None = None  # vLLM: the object to hand to the decode, verbatim
+    prompt_tokens: int | None = None
+    first_token: int | None = None  # the token the prefill sampled, when the engine shows it
+    retryable: bool = True  # a failure another pair might not have (False: the request is at fault)
+    status: int = 200
+    body: bytes = b""  # the engine's body, kept for error pass-through
+
+
+class ProbeInfo(msgspec.Struct, frozen=True):
+    """What a worker's info endpoints said about it."""
+
+    model: str | None = None
+    context_length: int | None = None
+    max_input_len: int | None = None
+    disaggregation_mode: str | None = None
+    bootstrap_port: int | None = None
+
+
+class EngineAdapter(Protocol):
+    engine: ClassVar[Engine]
+    handoff: ClassVar[HandoffMode]
+    health_path: ClassVar[str]
+    metrics_path: ClassVar[str]
+    info_paths: ClassVar[tuple[str, ...]]
+
+    def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
+        """The body for a single worker doing both phases (usually the client's bytes)."""
+        ...
+
+    def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes: ...
+
+    def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes: ...
+
+    def judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
+        """Is this prefill answer a sound basis for the decode? Pure; never raises."""
+        ...
+
+    def merge_decode_body(self, req: ParsedRequest, prefill_body: bytes, decode_body: bytes) -> bytes:
+        """The client's non-streamed body from both legs (SGLang logprob merge); usually `decode_body`."""
+        ...
+
+    def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
+        """(path, body) of the engine's abort call, or None when closing the connection is the abort."""
+        ...
+
+    def parse_load(self, metrics_text: str) -> WorkerLoad: ...
+
+    def parse_info(self, path: str, body: bytes, into: ProbeInfo) -> ProbeInfo:
+        """Fold one info endpoint's answer (`info_paths`) into what is known of the worker."""
+        ...

@@ -1,0 +1,67 @@
+"""Any OpenAI-compatible server (vLLM or SGLang in normal mode, or others): colocated passthrough."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo
+from adapters.prom import sum_metrics
+from gateway.parse import ParsedRequest
+from policies.snapshot import Engine, WorkerLoad
+
+
+class _ModelCard(msgspec.Struct):
+    id: str
+    max_model_len: int | None = None
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelCard]
+
+
+class OpenAIAdapter:
+    engine: ClassVar[Engine] = Engine.OPENAI
+    handoff: ClassVar[HandoffMode] = HandoffMode.NONE
+    health_path: ClassVar[str] = "/health"
+    metrics_path: ClassVar[str] = "/metrics"
+    info_paths: ClassVar[tuple[str, ...]] = ("/v1/models",)
+
+    def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
+        return req.body
+
+    def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
+        raise NotImplementedError("plain OpenAI-compatible servers have no P/D protocol")
+
+    def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
+        raise NotImplementedError("plain OpenAI-compatible servers have no P/D protocol")
+
+    def judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
+        return PrefillVerdict(ok=False, reason="no P/D protocol", retryable=False)
+
+    def merge_decode_body(self, req: ParsedRequest, prefill_body: bytes, decode_body: bytes) -> bytes:
+        return decode_body
+
+    def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
+        return None
+
+    def parse_load(self, metrics_text: str) -> WorkerLoad:
+        # vLLM and SGLang in normal mode publish their own names; read whichever is there.
+        m = sum_metrics(
+            metrics_text,
+            ("vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs", "sglang:num_queue_reqs"),
+        )
+        return WorkerLoad(
+            running=int(m.get("vllm:num_requests_running", 0.0) + m.get("sglang:num_running_reqs", 0.0)),
+            waiting=int(m.get("vllm:num_requests_waiting", 0.0) + m.get("sglang:num_queue_reqs", 0.0)),
+        )
+
+    def parse_info(self, path: str, body: bytes, into: ProbeInfo) -> ProbeInfo:
+        if path == "/v1/models":
+            cards = msgspec.json.decode(body, type=_ModelList).data
+            if cards:
+                return msgspec.structs.replace(
+                    into, model=cards[0].id, context_length=cards[0].max_model_len or into.context_length
+                )
+        return into

@@ -1,0 +1,258 @@
+"""SGLang P/D: the same body plus a bootstrap room goes to prefill and decode at once.
+
+Wire facts (../shared/PROTOCOLS.md §1): `bootstrap_host` is the prefill's host, `bootstrap_port`
+its bootstrap server's port, `bootstrap_room` a random 63-bit integer that both engines use as
+the rendezvous key. A scalar room in a batch of n is read by the engine as room+i for element i
+(`_normalize_bootstrap_params`), so scalars are sent for batches and `n > 1` too. The decode's
+response is the client's; the prefill's is read to the end and judged: a prefill that fails or
+aborts (SGLang answers 200 with an abort event on streams) means the decode will wait for KV that
+never comes (300 s by default), so the orchestrator aborts it.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+from urllib.parse import urlsplit
+
+import msgspec
+
+from adapters import _body
+from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo
+from adapters.prom import sum_metrics
+from gateway.parse import ParsedRequest
+from policies.snapshot import Engine, RouteKind, WorkerLoad
+
+_OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+class _FinishReason(msgspec.Struct):
+    type: str | None = None
+    status_code: int | None = None
+    message: str | None = None
+
+
+class _MetaInfo(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: _FinishReason | None = None
+
+
+class _GenerateOut(msgspec.Struct):
+    meta_info: _MetaInfo | None = None
+    output_ids: list[int] | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+
+
+class _Choice(msgspec.Struct):
+    finish_reason: str | None = None
+
+
+class _OpenAIOut(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: msgspec.Raw = msgspec.Raw()  # empty: absent
+    object: str | None = None
+    message: str | None = None
+
+
+_gen_dec = msgspec.json.Decoder(_GenerateOut | list[_GenerateOut])
+_oai_dec = msgspec.json.Decoder(_OpenAIOut)
+
+
+class _ModelCard(msgspec.Struct):
+    id: str
+    max_model_len: int | None = None
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelCard]
+
+
+class _ServerInfo(msgspec.Struct):
+    context_length: int | None = None
+    max_req_input_len: int | None = None
+    disaggregation_mode: str | None = None
+    disaggregation_bootstrap_port: int | None = None
+
+
+def _host_of(url: str) -> str:
+    return urlsplit(url).hostname or "127.0.0.1"
+
+
+class SGLangAdapter:
+    engine: ClassVar[Engine] = Engine.SGLANG
+    handoff: ClassVar[HandoffMode] = HandoffMode.CONCURRENT
+    health_path: ClassVar[str] = "/health"
+    metrics_path: ClassVar[str] = "/metrics"
+    info_paths: ClassVar[tuple[str, ...]] = ("/v1/models", "/server_info")
+
+    # -- bodies ---------------------------------------------------------------------------
+
+    def _rid_pair(self, req: ParsedRequest, request_id: str) -> bytes:
+        # A rid lets the gateway abort the request by name (/abort_request). Batches would need a
+        # list of rids; closing the connection aborts those.
+        if req.fields.rid or req.is_batch or req.n > 1:
+            return b""
+        return _body.pairs(rid=_body.encoder.encode(request_id))
+
+    def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
+        if req.has_owned_fields:
+            fields = req.decode_dict()
+            return _body.splice(_body.rewrite(fields, drop=_OWNED), self._rid_pair(req, request_id))
+        return _body.splice(req.body, self._rid_pair(req, request_id))
+
+    def _pd_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
+        port = ctx.prefill.bootstrap_port
+        extra = _body.pairs(
+            bootstrap_host=_body.encoder.encode(_host_of(ctx.prefill.url)),
+            bootstrap_port=b"null" if port is None else str(port).encode(),
+            bootstrap_room=str(ctx.room).encode(),
+        )
+        rid = self._rid_pair(req, ctx.request_id)
+        if rid:
+            extra += b"," + rid
+        if req.has_owned_fields:
+            return _body.splice(_body.rewrite(req.decode_dict(), drop=_OWNED), extra)
+        return _body.splice(req.body, extra)
+
+    def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
+        return self._pd_body(req, ctx)
+
+    def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
+        return self._pd_body(req, ctx)
+
+    # -- judging the prefill --------------------------------------------------------------
+
+    def judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
+        if status != 200:
+            retryable = status >= 500 or status in (408, 429)
+            return PrefillVerdict(
+                ok=False, reason=f"prefill answered HTTP {status}", retryable=retryable, status=status, body=body
+            )
+        payloads = list(_body.iter_sse_data(body)) if req.stream else [body]
+        if not payloads:
+            return PrefillVerdict(ok=False, reason="prefill answered an empty body", status=502)
+        prompt_tokens: int | None = None
+        first_token: int | None = None
+        for payload in payloads:
+            try:
+                if req.route is RouteKind.GENERATE:
+                    outs = _gen_dec.decode(payload)
+                    for out in outs if isinstance(outs, list) else [outs]:
+                        fr = out.meta_info.finish_reason if out.meta_info else None
+                        if fr is not None and fr.type == "abort":
+                            code = fr.status_code or 500
+                            return PrefillVerdict(
+                                ok=False,
+                                reason=f"prefill aborted the request: {fr.message or 'no reason given'}",
+                                retryable=code >= 500,
+                                status=code,
+                                body=payload,
+                            )
+                        if out.meta_info and out.meta_info.prompt_tokens is not None and not isinstance(outs, list):
+                            prompt_tokens = out.meta_info.prompt_tokens
+                        if out.output_ids and first_token is None and not isinstance(outs, list):
+                            first_token = out.output_ids[0]
+                else:
+                    o = _oai_dec.decode(payload)
+                    if o.error or o.object == "error":
+                        return PrefillVerdict(ok=False, reason="prefill sent an error event", status=500, body=payload)
+                    for c in o.choices or ():
+                        if c.finish_reason == "abort":
+                            return PrefillVerdict(ok=False, reason="prefill aborted the request", status=500)
+                    if o.usage and o.usage.prompt_tokens is not None:
+                        prompt_tokens = o.usage.prompt_tokens
+            except msgspec.DecodeError:
+                return PrefillVerdict(ok=False, reason="prefill answered a body that is not JSON", status=502)
+        return PrefillVerdict(ok=True, prompt_tokens=prompt_tokens, first_token=first_token)
+
+    def merge_decode_body(self, req: ParsedRequest, prefill_body: bytes, decode_body: bytes) -> bytes:
+        if not (req.return_logprob and req.route is RouteKind.GENERATE and not req.stream):
+            return decode_body
+        try:
+            p = msgspec.json.decode(prefill_body)
+            d = msgspec.json.decode(decode_body)
+        except msgspec.DecodeError:
+            return decode_body
+        pairs = zip(p, d, strict=False) if isinstance(p, list) and isinstance(d, list) else [(p, d)]
+        for pi, di in pairs:
+            if isinstance(pi, dict) and isinstance(di, dict):
+                merge_input_logprobs(pi.get("meta_info") or {}, di.get("meta_info") or {})
+        return _body.encoder.encode(d)
+
+    def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
+        rid: str | None = request_id
+        if req.fields.rid:
+            try:
+                v = msgspec.json.decode(req.fields.rid)
+            except msgspec.DecodeError:
+                v = None
+            rid = v if isinstance(v, str) else None
+        elif req.is_batch or req.n > 1:
+            rid = None
+        if rid is None:
+            return None
+        return "/abort_request", _body.encoder.encode({"rid": rid})
+
+    # -- load and info ----------------------------------------------------------------------
+
+    def parse_load(self, metrics_text: str) -> WorkerLoad:
+        m = sum_metrics(
+            metrics_text,
+            (
+                "sglang:num_running_reqs",
+                "sglang:num_queue_reqs",
+                "sglang:num_prefill_inflight_queue_reqs",
+                "sglang:num_decode_prealloc_queue_reqs",
+                "sglang:num_decode_transfer_queue_reqs",
+                "sglang:token_usage",
+                "sglang:cache_hit_rate",
+            ),
+        )
+        waiting = (
+            m.get("sglang:num_queue_reqs", 0.0)
+            + m.get("sglang:num_decode_prealloc_queue_reqs", 0.0)
+            + m.get("sglang:num_decode_transfer_queue_reqs", 0.0)
+        )
+        return WorkerLoad(
+            running=int(m.get("sglang:num_running_reqs", 0.0) + m.get("sglang:num_prefill_inflight_queue_reqs", 0.0)),
+            waiting=int(waiting),
+            kv_usage=m.get("sglang:token_usage", 0.0),
+            cache_hit_rate=m.get("sglang:cache_hit_rate", 0.0),
+        )
+
+    def parse_info(self, path: str, body: bytes, into: ProbeInfo) -> ProbeInfo:
+        if path == "/v1/models":
+            cards = msgspec.json.decode(body, type=_ModelList).data
+            if cards:
+                ctx = cards[0].max_model_len or into.context_length
+                return msgspec.structs.replace(into, model=cards[0].id, context_length=ctx)
+            return into
+        if path == "/server_info":
+            info = msgspec.json.decode(body, type=_ServerInfo)
+            return msgspec.structs.replace(
+                into,
+                context_length=info.context_length or into.context_length,
+                max_input_len=info.max_req_input_len,
+                disaggregation_mode=info.disaggregation_mode,
+                bootstrap_port=info.disaggregation_bootstrap_port,
+            )
+        return into
+
+
+def merge_input_logprobs(prefill_meta: dict[str, object], decode_meta: dict[str, object]) -> None:
+    """Give the decode's meta_info the prompt logprobs only the prefill computed.
+
+    The prefill scored the whole prompt; the decode knows at most its last position. The merge
+    keeps the prefill's list and appends only decode entries past its end, so no position is
+    counted twice (sglang-router 0.3.2 prepends and duplicates the decode's first entry).
+    """
+    for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
+        p = prefill_meta.get(key)
+        d = decode_meta.get(key)
+        if isinstance(p, list) and p:
+            tail = d[len(p) :] if isinstance(d, list) else []
+            decode_meta[key] = p + tail

@@ -1,0 +1,159 @@
+"""vLLM P/D with the NIXL connector: prefill first with `max_tokens=1`, then decode with its params.
+
+Wire facts (../shared/PROTOCOLS.md §2, vLLM 0.32/0.33): the prefill request carries
+`kv_transfer_params = {"do_remote_decode": true, ...nulls}`, `stream=false`, `max_tokens=1` (and
+`max_completion_tokens=1` when the client used it), no `stream_options`, no `min_tokens`. The
+prefill answers with a top-level `kv_transfer_params` object, which goes verbatim into the decode
+request (the client's body otherwise unchanged). The same `X-Request-Id` goes on both legs; the
+client's own id is kept (vllm-router overwrites it). Closing the connection aborts a vLLM request.
+
+Client-sent `kv_transfer_params` are always removed: real vLLM answers 200 with another prompt's
+tokens when handed foreign params (../shared/captures/FINDINGS.md).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import msgspec
+
+from adapters import _body
+from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo
+from adapters.prom import sum_metrics
+from gateway.parse import ParsedRequest
+from policies.snapshot import Engine, WorkerLoad
+
+PREFILL_KV_REQUEST = (
+    b'{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,'
+    b'"remote_block_ids":null,"remote_host":null,"remote_port":null}'
+)
+
+
+class KVTransferParams(msgspec.Struct):
+    do_remote_prefill: bool | None = None
+    remote_block_ids: list[msgspec.Raw] | None = None  # per KV group in 0.33 ([[1, 2]]), flat in older
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_num_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _Choice(msgspec.Struct):
+    finish_reason: str | None = None
+
+
+class _PrefillOut(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()  # empty: absent
+
+
+_prefill_dec = msgspec.json.Decoder(_PrefillOut)
+_params_dec = msgspec.json.Decoder(KVTransferParams)
+
+
+class _ModelCard(msgspec.Struct):
+    id: str
+    max_model_len: int | None = None
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelCard]
+
+
+class VLLMAdapter:
+    engine: ClassVar[Engine] = Engine.VLLM
+    handoff: ClassVar[HandoffMode] = HandoffMode.SEQUENTIAL
+    health_path: ClassVar[str] = "/health"
+    metrics_path: ClassVar[str] = "/metrics"
+    info_paths: ClassVar[tuple[str, ...]] = ("/v1/models",)
+
+    def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
+        if req.fields.kv_transfer_params:
+            return _body.rewrite(req.decode_dict(), drop=("kv_transfer_params",))
+        return req.body
+
+    def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
+        fields = req.decode_dict()
+        set_: dict[str, bytes] = {"stream": b"false", "max_tokens": b"1", "kv_transfer_params": PREFILL_KV_REQUEST}
+        if "max_completion_tokens" in fields:
+            set_["max_completion_tokens"] = b"1"
+        return _body.rewrite(
+            fields, drop=("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params"), set_=set_
+        )
+
+    def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
+        params = prefill.kv_params if prefill is not None else None
+        base = req.body
+        if req.fields.kv_transfer_params:
+            base = _body.rewrite(req.decode_dict(), drop=("kv_transfer_params",))
+        if params is None:
+            return base
+        return _body.splice(base, b'"kv_transfer_params":' + bytes(params))
+
+    def judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
+        if status != 200:
+            retryable = status >= 500 or status in (408, 429)
+            return PrefillVerdict(
+                ok=False, reason=f"prefill answered HTTP {status}", retryable=retryable, status=status, body=body
+            )
+        try:
+            out = _prefill_dec.decode(body)
+        except msgspec.DecodeError:
+            return PrefillVerdict(ok=False, reason="prefill answered a body that is not JSON", status=502)
+        raw = out.kv_transfer_params
+        if not raw or bytes(raw) == b"null":
+            # Without params the decode would silently recompute the prompt (vLLM PR #42703).
+            return PrefillVerdict(ok=False, reason="prefill returned no kv_transfer_params", status=502)
+        try:
+            params = _params_dec.decode(raw)
+        except msgspec.DecodeError:
+            return PrefillVerdict(ok=False, reason="prefill returned malformed kv_transfer_params", status=502)
+        if not params.remote_engine_id or params.remote_block_ids is None:
+            return PrefillVerdict(ok=False, reason="kv_transfer_params lack engine id or block ids", status=502)
+        finish = out.choices[0].finish_reason if out.choices else None
+        if finish not in ("length", "stop"):
+            return PrefillVerdict(ok=False, reason=f"prefill finished with {finish!r}", status=502)
+        prompt_tokens = out.usage.prompt_tokens if out.usage else None
+        return PrefillVerdict(ok=True, kv_params=raw, prompt_tokens=prompt_tokens)
+
+    def merge_decode_body(self, req: ParsedRequest, prefill_body: bytes, decode_body: bytes) -> bytes:
+        return decode_body
+
+    def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
+        return None  # vLLM aborts a request when its connection closes
+
+    def parse_load(self, metrics_text: str) -> WorkerLoad:
+        m = sum_metrics(
+            metrics_text,
+            (
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "vllm:kv_cache_usage_perc",
+                "vllm:prefix_cache_hits_total",
+                "vllm:prefix_cache_queries_total",
+            ),
+        )
+        queries = m.get("vllm:prefix_cache_queries_total", 0.0)
+        hit_rate = m.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries > 0 else 0.0
+        return WorkerLoad(
+            running=int(m.get("vllm:num_requests_running", 0.0)),
+            waiting=int(m.get("vllm:num_requests_waiting", 0.0)),
+            kv_usage=m.get("vllm:kv_cache_usage_perc", 0.0),
+            cache_hit_rate=hit_rate,
+        )
+
+    def parse_info(self, path: str, body: bytes, into: ProbeInfo) -> ProbeInfo:
+        if path == "/v1/models":
+            cards = msgspec.json.decode(body, type=_ModelList).data
+            if cards:
+                return msgspec.structs.replace(
+                    into, model=cards[0].id, context_length=cards[0].max_model_len or into.context_length
+                )
+        return into

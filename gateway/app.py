@@ -1,0 +1,127 @@
+"""Wiring: a `Gateway` built from a `GatewayConfig` — registry, policy, orchestrator, server and the
+background tasks (health probes, metric scrapes). Nothing here is global; tests build as many
+gateways as they like in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+
+from gateway.config import GatewayConfig
+from gateway.handlers import Handlers
+from gateway.health import HealthChecker, HealthSettings
+from gateway.http.limits import ServerLimits
+from gateway.http.server import HttpServer, start_server
+from gateway.logging import get_logger
+from gateway.metrics import GatewayMetrics
+from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
+from gateway.registry import BreakerSettings, Registry, Worker
+from policies.build import build_policy
+
+log = get_logger("pd_gateway")
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
+        self.cfg = cfg
+        b = cfg.breaker
+        self.registry = Registry(BreakerSettings(b.failure_threshold, b.success_threshold, b.open_s))
+        for wc in cfg.workers:
+            key = wc.api_key(os.environ)
+            self.registry.add(
+                Worker(
+                    wc.worker_id, wc.url, wc.role, wc.engine,
+                    model=wc.model, bootstrap_port=wc.bootstrap_port, weight=wc.weight,
+                    labels=tuple(sorted(wc.labels.items())), connect_timeout_s=cfg.timeouts.connect_s,
+                    authorization=f"Bearer {key}".encode() if key else None,
+                )
+            )
+        self.policy = build_policy(
+            cfg.policy, prefill=cfg.prefill_policy, decode=cfg.decode_policy, decider=cfg.decider
+        )
+        self.metrics = metrics or GatewayMetrics()
+        self.metrics.watch_cluster(self.registry.snapshot)
+        t, r = cfg.timeouts, cfg.retries
+        self.orchestrator = Orchestrator(
+            self.registry, self.policy, self.metrics,
+            OrchestratorSettings(
+                timeouts=Timeouts(connect_s=t.connect_s, prefill_s=t.prefill_s, handoff_s=t.handoff_s,
+                                  idle_s=t.idle_s, total_s=t.total_s),
+                retries=RetrySettings(r.max_attempts, r.backoff_initial_s, r.backoff_max_s, r.multiplier, r.jitter),
+                chars_per_token=cfg.guards.chars_per_token_estimate,
+                forward_authorization=cfg.forward_authorization,
+            ),
+        )
+        self.handlers = Handlers(
+            self.registry, self.orchestrator, self.metrics,
+            request_id_headers=cfg.request_id_headers, max_n=cfg.limits.max_n,
+            max_tokens_cap=cfg.limits.max_tokens_cap,
+        )
+        h = cfg.health
+        self.health = HealthChecker(
+            self.registry,
+            HealthSettings(interval_s=h.interval_s, timeout_s=h.timeout_s, failure_threshold=h.failure_threshold,
+                           success_threshold=h.success_threshold, scrape_interval_s=h.scrape_interval_s),
+        )
+        self.server: HttpServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None, "the gateway is not started"
+        return self.server.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.listen.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Probe every worker once (bounded by the probe timeout), then listen."""
+        await self.health.probe_all()
+        lim = self.cfg.limits
+        self.server = await start_server(
+            self.handlers, self.cfg.listen.host, self.cfg.listen.port,
+            limits=ServerLimits(max_body_bytes=lim.max_body_bytes, max_header_bytes=lim.max_header_bytes,
+                                read_timeout_s=lim.read_timeout_s),
+        )
+        self._tasks = [
+            asyncio.create_task(self.health.run_probes(), name="health-probes"),
+            asyncio.create_task(self.health.run_scrapes(), name="metric-scrapes"),
+        ]
+        snap = self.registry.snapshot()
+        log.info("gateway.started", url=self.url, policy=self.policy.name,
+                 workers=[{"id": w.id, "role": w.role.value, "engine": w.engine.value, "model": w.model,
+                           "healthy": w.healthy} for w in snap.workers])
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish for `grace_s`, then cancel the rest
+        (their engine legs are aborted by the orchestrator as they unwind)."""
+        if self.server is not None:
+            self.server.stop_accepting()
+            await self.server.wait_idle(grace_s)
+            await self.server.close()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await self.orchestrator.drain_background()
+        await self.registry.close()
+
+
+async def run_forever(gw: Gateway, grace_s: float = 10.0) -> None:
+    """Serve until SIGINT/SIGTERM, then shut down gracefully."""
+    await gw.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("gateway.stopping", grace_s=grace_s)
+        await gw.stop(grace_s)

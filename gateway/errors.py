@@ -1,0 +1,163 @@
+"""Typed gateway errors and the one place that turns them into OpenAI-shaped HTTP answers."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class ErrorCode(enum.StrEnum):
+    INVALID_REQUEST = "invalid_request"
+    INVALID_JSON = "invalid_json"
+    MODEL_NOT_FOUND = "model_not_found"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    NO_WORKER = "no_worker_available"
+    OVERLOADED = "overloaded"
+    UPSTREAM_CONNECT = "upstream_connect_error"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_PROTOCOL = "upstream_protocol_error"
+    PREFILL_FAILED = "prefill_failed"
+    KV_INTEGRITY = "kv_integrity_violation"
+    UNAUTHORIZED = "unauthorized"
+    INTERNAL = "internal_error"
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+_encoder = msgspec.json.Encoder()
+
+
+class GatewayError(Exception):
+    """An error the gateway answers itself. `retryable` errors may be retried on other workers."""
+
+    status: int = 500
+    code: ErrorCode = ErrorCode.INTERNAL
+    type: str = "server_error"
+    retryable: bool = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: ErrorCode | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code.value, self.param)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        h = [(b"content-type", b"application/json")]
+        if self.retry_after_s is not None:
+            h.append((b"retry-after", str(max(1, round(self.retry_after_s))).encode()))
+        return h
+
+
+class BadRequest(GatewayError):
+    status = 400
+    code = ErrorCode.INVALID_REQUEST
+    type = "invalid_request_error"
+
+
+class NotFound(GatewayError):
+    status = 404
+    code = ErrorCode.NOT_FOUND
+    type = "invalid_request_error"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    code = ErrorCode.MODEL_NOT_FOUND
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(BadRequest):
+    code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
+
+
+class NoWorker(GatewayError):
+    status = 503
+    code = ErrorCode.NO_WORKER
+    type = "server_error"
+
+
+class Overloaded(GatewayError):
+    status = 429
+    code = ErrorCode.OVERLOADED
+    type = "rate_limit_error"
+
+
+class UpstreamFailure(GatewayError):
+    """An engine failed in a way that another worker may not (connect error, 5xx, timeout...)."""
+
+    status = 502
+    code = ErrorCode.UPSTREAM_ERROR
+    type = "server_error"
+    retryable = True
+
+    def __init__(self, message: str, *, phase: str, worker: str | None = None, **kw: object) -> None:
+        super().__init__(message, **kw)  # type: ignore[arg-type]
+        self.phase = phase
+        self.worker = worker
+
+
+class UpstreamTimeout(UpstreamFailure):
+    status = 504
+    code = ErrorCode.UPSTREAM_TIMEOUT
+
+
+class PrefillFailed(UpstreamFailure):
+    code = ErrorCode.PREFILL_FAILED
+
+
+class KVIntegrityError(UpstreamFailure):
+    code = ErrorCode.KV_INTEGRITY
+
+
+class UpstreamRejected(GatewayError):
+    """The engine answered 4xx: the request itself is at fault; passed to the client as is."""
+
+    retryable = False
+
+    def __init__(self, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
+        super().__init__(f"engine answered {status}", status=status)
+        self.raw_body = body
+        self.content_type = content_type
+
+    def body(self) -> bytes:
+        return self.raw_body
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"content-type", self.content_type)]
+
+
+def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> bytes:
+    return _encoder.encode(ErrorBody(ErrorDetail(message=message, type=type_, param=param, code=code)))  # type: ignore[arg-type]
+
+
+def sse_error_event(message: str, type_: str = "server_error", code: str | None = None) -> bytes:
+    """A final SSE event carrying an OpenAI-shaped error (what the openai client raises on)."""
+    return b"data: " + error_body(message, type_, code) + b"\n\n"

@@ -1,0 +1,90 @@
+"""Prometheus metrics on an injected CollectorRegistry (no module-level metric objects).
+
+Per-request cost matters: label children are cached, inter-token latency is observed once per
+request (its mean), and per-worker gauges are read from the registry at scrape time by a
+collector instead of being updated on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from policies.snapshot import ClusterSnapshot
+
+_LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdgw_requests", "Client requests by route, model, plan kind and outcome",
+            ("route", "model", "plan", "outcome"), registry=r,
+        )
+        self.e2e = Histogram(
+            "pdgw_request_duration_seconds", "End-to-end request latency", ("route", "plan"),
+            buckets=_LAT_BUCKETS, registry=r,
+        )
+        self.ttft = Histogram(
+            "pdgw_time_to_first_token_seconds", "Time from request to the first body byte sent to the client",
+            ("route", "plan"), buckets=_LAT_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "pdgw_inter_token_latency_seconds", "Mean gap between streamed chunks, one observation per request",
+            ("route", "plan"), buckets=_ITL_BUCKETS, registry=r,
+        )
+        self.phase = Histogram(
+            "pdgw_phase_duration_seconds", "Duration of each handoff phase (prefill, handoff, decode)",
+            ("phase",), buckets=_LAT_BUCKETS, registry=r,
+        )
+        self.upstream_errors = Counter(
+            "pdgw_upstream_errors", "Engine failures by worker, phase and code", ("worker", "phase", "code"),
+            registry=r,
+        )
+        self.retries = Counter("pdgw_retries", "Attempts retried on another worker or pair", ("reason",), registry=r)
+        self.fallbacks = Counter("pdgw_fallbacks", "Fallback ladder rungs taken", ("rung",), registry=r)
+        self.guard_failures = Counter(
+            "pdgw_guard_failures", "KV-integrity guard failures", ("guard", "stage"), registry=r
+        )
+        self.aborts_sent = Counter("pdgw_engine_aborts", "Abort calls sent to engines", ("engine",), registry=r)
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def watch_cluster(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
+        self.registry.register(_ClusterCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _ClusterCollector(Collector):
+    def __init__(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._snapshot()
+        labels = ["worker", "role", "engine", "model"]
+        inflight = GaugeMetricFamily("pdgw_worker_inflight", "Requests the gateway has in flight per worker", labels=labels)
+        healthy = GaugeMetricFamily("pdgw_worker_healthy", "1 when the worker is usable", labels=labels)
+        waiting = GaugeMetricFamily("pdgw_worker_queue", "Engine-reported waiting requests", labels=labels)
+        kv = GaugeMetricFamily("pdgw_worker_kv_usage", "Engine-reported KV cache usage (0..1)", labels=labels)
+        for w in snap.workers:
+            lv = [w.id, w.role.value, w.engine.value, w.model or ""]
+            inflight.add_metric(lv, w.inflight)
+            healthy.add_metric(lv, 1.0 if w.usable else 0.0)
+            waiting.add_metric(lv, w.load.waiting)
+            kv.add_metric(lv, w.load.kv_usage)
+        yield from (inflight, healthy, waiting, kv)

@@ -1,0 +1,542 @@
+"""Runs one request's plan: colocated, SGLang-style concurrent P/D, or vLLM-style sequential P/D.
+
+Per request: plan with the policy → execute through the worker's adapter → relay the decode's
+bytes to the client. Failures before the first byte reached the client are retried on another
+worker or pair (the failed ones excluded) up to `retries.max_attempts`; after the first byte,
+the client's stream ends with an SSE error event, never a clean `[DONE]`.
+
+Every engine request is tied to the client's: when the client goes away (the server cancels the
+handler) or a phase deadline expires, both legs are cancelled, their connections closed (vLLM's
+abort), and SGLang's `/abort_request` is sent, so no engine keeps working for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from adapters import HandoffCtx, HandoffMode, PrefillVerdict
+from gateway.errors import (
+    BadRequest,
+    GatewayError,
+    ModelNotFound,
+    NoWorker,
+    PrefillFailed,
+    UpstreamFailure,
+    UpstreamRejected,
+    UpstreamTimeout,
+    sse_error_event,
+)
+from gateway.http.client import UpstreamResponse
+from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
+from gateway.http.server import HttpResponder
+from gateway.ids import new_room
+from gateway.logging import get_logger
+from gateway.metrics import GatewayMetrics
+from gateway.parse import ParsedRequest
+from gateway.registry import Registry, Worker
+from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
+from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
+
+log = get_logger("pd_gateway.request")
+
+_EVENT_STREAM = b"text/event-stream"
+
+
+class Timeouts(msgspec.Struct, frozen=True):
+    connect_s: float = 2.0
+    prefill_s: float = 60.0  # to the prefill's verdict (SGLang: also to the decode's headers)
+    handoff_s: float = 30.0  # decode's response headers after the prefill finished
+    idle_s: float = 60.0  # between two body chunks of a stream
+    total_s: float = 600.0  # the whole request
+    abort_s: float = 2.0  # an abort call to an engine
+
+
+class RetrySettings(msgspec.Struct, frozen=True):
+    max_attempts: int = 3
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 2.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+
+def backoff_s(attempt: int, r: RetrySettings, rng: random.Random) -> float:
+    """Delay before attempt `attempt + 1` (attempt counts from 1): exponential with jitter."""
+    base = min(r.backoff_max_s, r.backoff_initial_s * r.multiplier ** (attempt - 1))
+    return max(0.0, base * (1.0 + r.jitter * (2.0 * rng.random() - 1.0)))
+
+
+class OrchestratorSettings(msgspec.Struct, frozen=True):
+    timeouts: Timeouts = Timeouts()
+    retries: RetrySettings = RetrySettings()
+    chars_per_token: float = 4.0  # estimate for text prompts when no tokenizer is configured
+    forward_authorization: bool = False
+
+
+class _Attempt:
+    """What one attempt learned, for logging and metrics."""
+
+    __slots__ = ("decode", "echo", "first_byte_at", "plan_kind", "prefill", "prefill_done_at")
+
+    def __init__(self, echo: tuple[bytes, bytes]) -> None:
+        self.echo = echo  # the x-request-id header echoed to the client
+        self.plan_kind = "none"
+        self.prefill: str | None = None
+        self.decode: str | None = None
+        self.prefill_done_at = 0.0
+        self.first_byte_at = 0.0
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        registry: Registry,
+        policy: Policy,
+        metrics: GatewayMetrics,
+        settings: OrchestratorSettings | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.settings = settings or OrchestratorSettings()
+        self.rng = rng or random.Random()
+        self._background: set[asyncio.Task[None]] = set()
+        self._loop_time: Callable[[], float] = time.monotonic
+
+    # -- entry ---------------------------------------------------------------------------------
+
+    def view(self, req: ParsedRequest, request_id: str) -> RequestView:
+        units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / self.settings.chars_per_token) + 1
+        return RequestView(
+            request_id=request_id,
+            model=req.model,
+            route=req.route,
+            prompt_tokens=units,
+            max_tokens=req.accounting_max_tokens * req.n * req.batch,
+            stream=req.stream,
+            n=req.n,
+            greedy=req.greedy,
+            session_key=req.fields.session_id or req.fields.user,
+        )
+
+    async def serve(self, req: ParsedRequest, request_id: str, res: HttpResponder, auth: bytes | None) -> None:
+        started = time.monotonic()
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
+        if auth is not None and self.settings.forward_authorization:
+            headers.append((b"authorization", auth))
+        view = self.view(req, request_id)
+        exclude: set[str] = set()
+        attempt_no = 0
+        outcome = "ok"
+        echo = (b"x-request-id", request_id.encode())
+        a = _Attempt(echo)
+        try:
+            async with asyncio.timeout(self.settings.timeouts.total_s):
+                while True:
+                    attempt_no += 1
+                    a = _Attempt(echo)
+                    plan = self.policy.plan(
+                        view, self.registry.snapshot(), frozenset(exclude) | self.registry.open_pairs()
+                    )
+                    if not isinstance(plan, Reject):
+                        self.policy.observe(routed_event(view, plan))
+                    try:
+                        await self._execute(plan, req, request_id, res, headers, view, a)
+                        self.policy.observe(Completed(
+                            request_id, plan_worker_ids(plan),
+                            ttft_s=(a.first_byte_at - started) if a.first_byte_at else None,
+                        ))
+                        return
+                    except UpstreamFailure as e:
+                        self.policy.observe(Failed(request_id, plan_worker_ids(plan), e.phase))
+                        self.metrics.child(self.metrics.upstream_errors, e.worker or "", e.phase, e.code.value).inc()
+                        if res.started or attempt_no >= self.settings.retries.max_attempts:
+                            raise
+                        exclude.update(_blame(plan, e))
+                        self.metrics.child(self.metrics.retries, e.phase).inc()
+                        log.info("request.retry", request_id=request_id, attempt=attempt_no, phase=e.phase,
+                                 worker=e.worker, error=e.message)
+                        await asyncio.sleep(backoff_s(attempt_no, self.settings.retries, self.rng))
+        except TimeoutError:
+            outcome = "timeout"
+            self._fail(res, UpstreamTimeout("the request exceeded its total deadline", phase="total"))
+        except GatewayError as e:
+            outcome = e.code.value
+            self._fail(res, e)
+        except asyncio.CancelledError:
+            outcome = "client_gone"
+            raise
+        finally:
+            end = time.monotonic()
+            route = req.route.value
+            self.metrics.child(self.metrics.requests, route, req.model, a.plan_kind, outcome).inc()
+            self.metrics.child(self.metrics.e2e, route, a.plan_kind).observe(end - started)
+            if a.first_byte_at:
+                self.metrics.child(self.metrics.ttft, route, a.plan_kind).observe(a.first_byte_at - started)
+            log.info(
+                "request.done", request_id=request_id, model=req.model, route=route, plan=a.plan_kind,
+                prefill=a.prefill, decode=a.decode, attempts=attempt_no, outcome=outcome,
+                duration_ms=round((end - started) * 1000, 3),
+                ttft_ms=round((a.first_byte_at - started) * 1000, 3) if a.first_byte_at else None,
+            )
+
+    def _fail(self, res: HttpResponder, e: GatewayError) -> None:
+        if res.closed:
+            return
+        if res.started:
+            # Mid-stream: a final error event and the end of the stream; no [DONE] after it.
+            res.write(sse_error_event(e.message, e.type, e.code.value))
+            res.end()
+        else:
+            res.send(e.status, e.headers(), e.body())
+
+    # -- plans ---------------------------------------------------------------------------------
+
+    async def _execute(
+        self,
+        plan: Colocated | Disaggregated | Reject,
+        req: ParsedRequest,
+        request_id: str,
+        res: HttpResponder,
+        headers: list[tuple[bytes, bytes]],
+        view: RequestView,
+        a: _Attempt,
+    ) -> None:
+        tokens = view.prompt_tokens + view.max_tokens
+        if isinstance(plan, Reject):
+            if plan.status == 404:
+                raise ModelNotFound(plan.reason, param="model")
+            raise NoWorker(plan.reason, retry_after_s=1.0)
+        if isinstance(plan, Colocated):
+            w = self.registry.get(plan.worker.id)
+            a.plan_kind, a.decode = "colocated", w.id
+            await self._colocated(w, req, request_id, res, headers, tokens, a)
+            return
+        p = self.registry.get(plan.prefill.id)
+        d = self.registry.get(plan.decode.id)
+        a.plan_kind, a.prefill, a.decode = "disaggregated", p.id, d.id
+        ctx = HandoffCtx(request_id=request_id, prefill=plan.prefill, decode=plan.decode, room=new_room(self.rng))
+        if d.adapter.handoff is HandoffMode.CONCURRENT:
+            await self._concurrent(p, d, ctx, req, res, headers, view, tokens, a)
+        elif d.adapter.handoff is HandoffMode.SEQUENTIAL:
+            await self._sequential(p, d, ctx, req, res, headers, tokens, a)
+        else:
+            raise NoWorker(f"engine {d.engine.value} has no P/D protocol")
+
+    async def _colocated(
+        self,
+        w: Worker,
+        req: ParsedRequest,
+        request_id: str,
+        res: HttpResponder,
+        headers: list[tuple[bytes, bytes]],
+        tokens: int,
+        a: _Attempt,
+    ) -> None:
+        body = w.adapter.colocated_body(req, request_id)
+        self.registry.acquire(w, tokens)
+        resp: UpstreamResponse | None = None
+        ok = False
+        try:
+            try:
+                async with asyncio.timeout(self.settings.timeouts.prefill_s):
+                    resp = await w.pool.request("POST", req.path, headers, body)
+            except TimeoutError:
+                raise UpstreamTimeout(f"worker {w.id} sent no response headers in time", phase="first_byte",
+                                      worker=w.id) from None
+            await self._relay(resp, w, req, res, a, phase="colocated")
+            ok = True
+        except (UpstreamConnectError, UpstreamProtocolError) as e:
+            raise UpstreamFailure(f"worker {w.id}: {e}", phase="colocated", worker=w.id) from None
+        finally:
+            if not ok:
+                self._abort_leg(w, resp, req, request_id)
+            self.registry.release(w, tokens)
+            self.registry.record(w, ok or res.closed)
+
+    async def _concurrent(
+        self,
+        p: Worker,
+        d: Worker,
+        ctx: HandoffCtx,
+        req: ParsedRequest,
+        res: HttpResponder,
+        headers: list[tuple[bytes, bytes]],
+        view: RequestView,
+        tokens: int,
+        a: _Attempt,
+    ) -> None:
+        """SGLang: prefill and decode start together; the decode's bytes are held until the
+        prefill's verdict is in (its response arrives once the KV has been shipped)."""
+        t = self.settings.timeouts
+        pbody = p.adapter.prefill_body(req, ctx)
+        dbody = d.adapter.decode_body(req, ctx, None)
+        self.registry.acquire(p, view.prompt_tokens)
+        self.registry.acquire(d, tokens)
+        pair = self.registry.pair_breaker(p.id, d.id)
+        prefill_task = asyncio.ensure_future(self._call_whole(p, req.path, headers, pbody, "prefill"))
+        decode_task = asyncio.ensure_future(d.pool.request("POST", req.path, headers, dbody))
+        resp: UpstreamResponse | None = None
+        ok_p = ok_d = False
+        t0 = time.monotonic()
+        try:
+            try:
+                async with asyncio.timeout(t.prefill_s):
+                    status, prefill_out = await self._await_prefill(prefill_task, decode_task, d, req, res)
+            except TimeoutError:
+                raise UpstreamTimeout(f"prefill {p.id} gave no verdict within {t.prefill_s:g}s", phase="prefill",
+                                      worker=p.id) from None
+            a.prefill_done_at = time.monotonic()
+            self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
+            verdict = p.adapter.judge_prefill(req, status, prefill_out)
+            if not verdict.ok:
+                raise _prefill_error(p, verdict)
+            ok_p = True
+            try:
+                async with asyncio.timeout(t.handoff_s):
+                    resp = await decode_task
+            except TimeoutError:
+                raise UpstreamTimeout(f"decode {d.id} sent no response headers within {t.handoff_s:g}s of the "
+                                      "prefill's verdict", phase="handoff", worker=d.id) from None
+            except (UpstreamConnectError, UpstreamProtocolError) as e:
+                raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
+            self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
+            merge = None
+            if req.return_logprob:
+                def merge(body: bytes) -> bytes:
+                    return d.adapter.merge_decode_body(req, prefill_out, body)
+            await self._relay(resp, d, req, res, a, phase="decode", transform=merge)
+            ok_d = True
+        finally:
+            if not ok_d:
+                prefill_task.cancel()
+                if not decode_task.done():
+                    decode_task.cancel()
+                elif resp is None and not decode_task.cancelled() and decode_task.exception() is None:
+                    resp = decode_task.result()
+                if not ok_p:
+                    self._abort_leg(p, None, req, ctx.request_id)
+                self._abort_leg(d, resp, req, ctx.request_id)
+            self.registry.release(p, view.prompt_tokens)
+            self.registry.release(d, tokens)
+            gone = res.closed
+            self.registry.record(p, ok_p or gone)
+            self.registry.record(d, ok_d or gone or not ok_p)
+            if pair.record(ok_d or gone):
+                self.registry.changed()
+
+    async def _await_prefill(
+        self,
+        prefill_task: asyncio.Future[tuple[int, bytes]],
+        decode_task: asyncio.Future[UpstreamResponse],
+        d: Worker,
+        req: ParsedRequest,
+        res: HttpResponder,
+    ) -> tuple[int, bytes]:
+        """The prefill's (status, body); fails early if the decode fails before it."""
+        while not prefill_task.done():
+            await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task.done():
+                break
+            exc = decode_task.exception()
+            if exc is not None:
+                if isinstance(exc, UpstreamConnectError | UpstreamProtocolError):
+                    raise UpstreamFailure(f"decode {d.id}: {exc}", phase="decode", worker=d.id)
+                raise exc
+            resp = decode_task.result()
+            if resp.status != 200:
+                # The decode refused before the prefill finished: its answer is final.
+                body = await resp.read()
+                resp.release()
+                raise _upstream_status_error(resp.status, body, d, "decode")
+            await prefill_task  # decode headers are in (a stream); only the prefill's verdict is missing
+        return prefill_task.result()
+
+    async def _sequential(
+        self,
+        p: Worker,
+        d: Worker,
+        ctx: HandoffCtx,
+        req: ParsedRequest,
+        res: HttpResponder,
+        headers: list[tuple[bytes, bytes]],
+        tokens: int,
+        a: _Attempt,
+    ) -> None:
+        """vLLM: prefill (max_tokens=1) to the end, judge its kv_transfer_params, then decode."""
+        t = self.settings.timeouts
+        pair = self.registry.pair_breaker(p.id, d.id)
+        pbody = p.adapter.prefill_body(req, ctx)
+        t0 = time.monotonic()
+        ok_p = False
+        self.registry.acquire(p, tokens)
+        try:
+            try:
+                async with asyncio.timeout(t.prefill_s):
+                    status, out = await self._call_whole(p, req.path, headers, pbody, "prefill")
+            except TimeoutError:
+                raise UpstreamTimeout(f"prefill {p.id} did not answer within {t.prefill_s:g}s", phase="prefill",
+                                      worker=p.id) from None
+            verdict = p.adapter.judge_prefill(req, status, out)
+            if not verdict.ok:
+                raise _prefill_error(p, verdict)
+            ok_p = True
+        finally:
+            self.registry.release(p, tokens)
+            self.registry.record(p, ok_p or res.closed)
+        a.prefill_done_at = time.monotonic()
+        self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
+        dbody = d.adapter.decode_body(req, ctx, verdict)
+        resp: UpstreamResponse | None = None
+        ok_d = False
+        self.registry.acquire(d, tokens)
+        try:
+            try:
+                async with asyncio.timeout(t.handoff_s):
+                    resp = await d.pool.request("POST", req.path, headers, dbody)
+            except TimeoutError:
+                raise UpstreamTimeout(f"decode {d.id} sent no response headers within {t.handoff_s:g}s",
+                                      phase="handoff", worker=d.id) from None
+            except (UpstreamConnectError, UpstreamProtocolError) as e:
+                raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
+            self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
+            await self._relay(resp, d, req, res, a, phase="decode")
+            ok_d = True
+        finally:
+            if not ok_d:
+                self._abort_leg(d, resp, req, ctx.request_id)
+            self.registry.release(d, tokens)
+            self.registry.record(d, ok_d or res.closed)
+            if pair.record(ok_d or res.closed):
+                self.registry.changed()
+
+    # -- I/O helpers -----------------------------------------------------------------------------
+
+    async def _call_whole(
+        self, w: Worker, path: str, headers: list[tuple[bytes, bytes]], body: bytes, phase: str
+    ) -> tuple[int, bytes]:
+        """One engine call read to the end: (status, body)."""
+        try:
+            resp = await w.pool.request("POST", path, headers, body)
+            try:
+                out = await resp.read()
+            except BaseException:
+                resp.abort()
+                raise
+            resp.release()
+            return resp.status, out
+        except (UpstreamConnectError, UpstreamProtocolError) as e:
+            raise UpstreamFailure(f"{phase} {w.id}: {e}", phase=phase, worker=w.id) from None
+
+    async def _relay(
+        self,
+        resp: UpstreamResponse,
+        w: Worker,
+        req: ParsedRequest,
+        res: HttpResponder,
+        a: _Attempt,
+        *,
+        phase: str,
+        transform: Callable[[bytes], bytes] | None = None,
+    ) -> None:
+        """Pass an engine's answer to the client: errors mapped, bodies and streams as bytes."""
+        status = resp.status
+        ctype = resp.header(b"content-type") or b"application/json"
+        if status != 200:
+            body = await resp.read()
+            resp.release()
+            raise _upstream_status_error(status, body, w, phase, ctype)
+        if not ctype.startswith(_EVENT_STREAM):
+            body = await resp.read()
+            resp.release()
+            if transform is not None:
+                body = transform(body)
+            a.first_byte_at = time.monotonic()
+            res.send(200, [(b"content-type", ctype), a.echo], body)
+            return
+        res.start_stream(200, [(b"content-type", ctype), (b"cache-control", b"no-cache"), a.echo])
+        a.first_byte_at = time.monotonic()
+        idle = self.settings.timeouts.idle_s
+        loop = asyncio.get_running_loop()
+        chunks = 0
+        try:
+            async with asyncio.timeout(idle) as cm:
+                write = res.write
+
+                def sink(data: bytes) -> None:
+                    nonlocal chunks
+                    chunks += 1
+                    write(data)
+                    cm.reschedule(loop.time() + idle)
+
+                await resp.pipe(sink, flow=res)
+        except TimeoutError:
+            resp.abort()
+            raise UpstreamTimeout(f"worker {w.id} sent nothing for {idle:g}s mid-stream", phase="idle",
+                                  worker=w.id) from None
+        except UpstreamProtocolError as e:
+            raise UpstreamFailure(f"worker {w.id} broke the stream: {e}", phase=phase, worker=w.id) from None
+        resp.release()
+        end = time.monotonic()
+        if chunks > 1:
+            self.metrics.child(self.metrics.itl, req.route.value, a.plan_kind).observe(
+                (end - a.first_byte_at) / (chunks - 1)
+            )
+        res.end()
+
+    def _abort_leg(self, w: Worker, resp: UpstreamResponse | None, req: ParsedRequest, request_id: str) -> None:
+        """Stop an engine working on a request nobody will read: close the connection, and send
+        the engine's abort call where it has one."""
+        if resp is not None:
+            resp.abort()
+        call = w.adapter.abort_call(req, request_id)
+        if call is None:
+            return
+        task = asyncio.ensure_future(self._send_abort(w, *call))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_abort(self, w: Worker, path: str, body: bytes) -> None:
+        self.metrics.child(self.metrics.aborts_sent, w.engine.value).inc()
+        try:
+            async with asyncio.timeout(self.settings.timeouts.abort_s):
+                resp = await w.pool.request("POST", path, [(b"content-type", b"application/json")], body)
+                await resp.read()
+                resp.release()
+        except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
+            log.warning("abort.failed", worker=w.id, error=str(e))
+
+    async def drain_background(self, timeout: float = 5.0) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout)
+
+
+def _blame(plan: Colocated | Disaggregated | Reject, e: UpstreamFailure) -> set[str]:
+    """Ids to exclude from the next attempt: the failed worker, or the pair when the link failed."""
+    if isinstance(plan, Disaggregated):
+        pair = f"{plan.prefill.id}|{plan.decode.id}"
+        return {pair, e.worker} if e.worker else {pair}
+    if isinstance(plan, Colocated):
+        return {plan.worker.id}
+    return set()
+
+
+def _upstream_status_error(
+    status: int, body: bytes, w: Worker, phase: str, ctype: bytes = b"application/json"
+) -> GatewayError:
+    if status >= 500 or status in (408, 429):
+        return UpstreamFailure(f"worker {w.id} answered HTTP {status}: {body[:200]!r}", phase=phase, worker=w.id)
+    return UpstreamRejected(status, body, ctype)
+
+
+def _prefill_error(p: Worker, v: PrefillVerdict) -> GatewayError:
+    if v.retryable:
+        return PrefillFailed(f"prefill {p.id}: {v.reason}", phase="prefill", worker=p.id)
+    if v.body and v.status < 500 and v.body.lstrip().startswith(b"{") and b'"error"' in v.body:
+        return UpstreamRejected(v.status, v.body)
+    return BadRequest(v.reason, status=v.status if 400 <= v.status < 500 else 400)

@@ -1,0 +1,195 @@
+"""Parse a client request once: a typed view of the fields routing needs; the body stays bytes.
+
+Only the routing fields are decoded (one msgspec pass over a Struct that ignores every other
+key). The prompt is not decoded when it is a string: its JSON length is an upper bound on its
+UTF-8 length, which is what the length estimate needs (see `ParsedRequest.prompt_units`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from gateway.errors import BadRequest
+from policies.snapshot import RouteKind
+
+# Accounting defaults when the client gives no limit (engines differ; these only weigh load).
+DEFAULT_MAX_TOKENS = {RouteKind.COMPLETIONS: 16, RouteKind.CHAT: 256, RouteKind.GENERATE: 128}
+
+
+class _SamplingParams(msgspec.Struct):
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+
+
+class _StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class _Fields(msgspec.Struct):
+    """The keys the gateway reads. Unknown keys are ignored here and passed through untouched."""
+
+    model: str | None = None
+    stream: bool | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    stream_options: _StreamOptions | None = None
+    # prompts, kept raw
+    prompt: msgspec.Raw = msgspec.Raw()  # empty: absent
+    messages: msgspec.Raw = msgspec.Raw()  # empty: absent
+    text: msgspec.Raw = msgspec.Raw()  # empty: absent
+    input_ids: msgspec.Raw = msgspec.Raw()  # empty: absent
+    sampling_params: _SamplingParams | None = None
+    return_logprob: bool | None = None
+    logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent
+    rid: msgspec.Raw = msgspec.Raw()  # empty: absent
+    user: str | None = None
+    session_id: str | None = None
+    # fields the gateway owns on the way to engines; a client must not smuggle them in
+    bootstrap_host: msgspec.Raw = msgspec.Raw()  # empty: absent
+    bootstrap_port: msgspec.Raw = msgspec.Raw()  # empty: absent
+    bootstrap_room: msgspec.Raw = msgspec.Raw()  # empty: absent
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()  # empty: absent
+
+
+_decoder = msgspec.json.Decoder(_Fields)
+_any_decoder = msgspec.json.Decoder()
+
+
+class ParsedRequest:
+    """A client request after parsing. `body` is the client's bytes, untouched."""
+
+    __slots__ = (
+        "batch",
+        "body",
+        "fields",
+        "greedy",
+        "has_owned_fields",
+        "include_usage",
+        "is_batch",
+        "max_tokens",
+        "model",
+        "n",
+        "path",
+        "prompt_is_ids",
+        "prompt_units",
+        "return_logprob",
+        "route",
+        "stream",
+    )
+
+    def __init__(self, route: RouteKind, path: str, body: bytes, f: _Fields, model: str) -> None:
+        self.route = route
+        self.path = path
+        self.body = body
+        self.fields = f
+        self.model = model
+        self.stream = bool(f.stream)
+        self.include_usage = bool(f.stream_options and f.stream_options.include_usage)
+        self.return_logprob = bool(f.return_logprob)
+        self.has_owned_fields = (
+            bool(f.bootstrap_host) or bool(f.bootstrap_port) or bool(f.bootstrap_room) or bool(f.kv_transfer_params)
+        )
+        sp = f.sampling_params
+        if route is RouteKind.GENERATE:
+            explicit = sp.max_new_tokens if sp else None
+            temperature = sp.temperature if sp else None
+            top_k = sp.top_k if sp else None
+            n = (sp.n if sp else None) or 1
+        else:
+            explicit = f.max_completion_tokens if f.max_completion_tokens is not None else f.max_tokens
+            temperature, top_k, n = f.temperature, f.top_k, f.n or 1
+        self.max_tokens: int | None = explicit
+        self.n = n
+        self.greedy = temperature == 0 or top_k == 1
+        self.batch, self.is_batch, self.prompt_units, self.prompt_is_ids = _measure_prompt(route, f)
+
+    @property
+    def accounting_max_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS[self.route]
+
+    def decode_dict(self) -> dict[str, msgspec.Raw]:
+        """The body as {key: raw value}, for adapters that rewrite keys (values stay bytes)."""
+        out: dict[str, msgspec.Raw] = msgspec.json.decode(self.body, type=dict[str, msgspec.Raw])
+        return out
+
+
+def parse_request(
+    route: RouteKind, path: str, body: bytes, *, default_model: str | None, max_n: int, max_tokens_cap: int | None
+) -> ParsedRequest:
+    if not body.strip():
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        f = _decoder.decode(body)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"invalid request: {e}", param=_param_of(str(e))) from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}", code=None) from None
+    model = f.model
+    if route is not RouteKind.GENERATE:
+        if not model:
+            raise BadRequest("missing required parameter: 'model'", param="model")
+    elif not model:
+        if default_model is None:
+            raise BadRequest("missing 'model' and more than one model is served", param="model")
+        model = default_model
+    if route is RouteKind.CHAT and not f.messages:
+        raise BadRequest("missing required parameter: 'messages'", param="messages")
+    if route is RouteKind.COMPLETIONS and not f.prompt:
+        raise BadRequest("missing required parameter: 'prompt'", param="prompt")
+    if route is RouteKind.GENERATE and not f.text and not f.input_ids:
+        raise BadRequest("either 'text' or 'input_ids' is required", param="text")
+    req = ParsedRequest(route, path, body, f, model)
+    if req.max_tokens is not None:
+        if req.max_tokens < 1 and route is not RouteKind.GENERATE:
+            raise BadRequest("'max_tokens' must be at least 1", param="max_tokens")
+        if max_tokens_cap is not None and req.max_tokens > max_tokens_cap:
+            raise BadRequest(f"'max_tokens' must be at most {max_tokens_cap}", param="max_tokens")
+    if not 1 <= req.n <= max_n:
+        raise BadRequest(f"'n' must be between 1 and {max_n}", param="n")
+    return req
+
+
+def _param_of(msg: str) -> str | None:
+    # msgspec says "... - at `$.max_tokens`"
+    at = msg.rfind("$.")
+    if at < 0:
+        return None
+    return msg[at + 2 :].rstrip("`").split("[")[0].split(".")[0] or None
+
+
+def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool]:
+    """(batch size, is a batch, prompt size summed over the batch, size is in token ids).
+
+    For text the size is an upper bound of its UTF-8 bytes (the JSON length, escapes included);
+    for token ids it is their exact count.
+    """
+    if route is RouteKind.CHAT:
+        raw = f.messages
+        if not raw or not bytes(raw).lstrip().startswith(b"["):
+            raise BadRequest("'messages' must be a non-empty array", param="messages")
+        if len(raw) <= 2 or bytes(raw).replace(b" ", b"") == b"[]":
+            raise BadRequest("'messages' must be a non-empty array", param="messages")
+        return 1, False, len(raw), False
+    raw = f.prompt if route is RouteKind.COMPLETIONS else (f.text if f.text else f.input_ids)
+    data = bytes(raw)
+    head = data.lstrip()[:1]
+    if head == b'"':
+        return 1, False, len(data), False
+    if head != b"[":
+        raise BadRequest("the prompt must be a string, a list of strings or a list of token ids", param="prompt")
+    value = _any_decoder.decode(data)
+    if not value:
+        raise BadRequest("the prompt must not be empty", param="prompt")
+    first = value[0]
+    if isinstance(first, int):  # one prompt as token ids
+        return 1, False, len(value), True
+    if isinstance(first, str):
+        return len(value), True, sum(len(s.encode()) for s in value if isinstance(s, str)), False
+    if isinstance(first, list):
+        return len(value), True, sum(len(x) for x in value if isinstance(x, list)), True
+    raise BadRequest("the prompt must be a string, a list of strings or a list of token ids", param="prompt")

@@ -1,0 +1,180 @@
+"""The workers the gateway knows, their live state, and the frozen snapshots policies read.
+
+Background tasks (health probes, metric scrapes, the admin API) and the request path (in-flight
+accounting, breaker outcomes) update `Worker` objects; `snapshot()` rebuilds the frozen
+`ClusterSnapshot` only when something changed since the last one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+import msgspec
+
+from adapters import ADAPTERS, EngineAdapter, ProbeInfo
+from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.http.client import UpstreamPool
+from policies.snapshot import ClusterSnapshot, Engine, Role, WorkerLoad, WorkerState
+
+
+class BreakerSettings(msgspec.Struct, frozen=True):
+    failure_threshold: int = 5
+    success_threshold: int = 2
+    open_s: float = 30.0
+
+    def new(self) -> CircuitBreaker:
+        return CircuitBreaker(self.failure_threshold, self.success_threshold, self.open_s)
+
+
+class Worker:
+    """Mutable runtime state of one worker. Only the registry's owner mutates it."""
+
+    __slots__ = ("adapter", "authorization", "bootstrap_port", "breaker", "configured_model", "draining",
+                 "engine", "healthy", "host", "id", "inflight", "inflight_tokens", "info", "labels", "load",
+                 "pool", "port", "probe_failures", "probe_successes", "role", "url", "weight")
+
+    def __init__(
+        self,
+        id: str,
+        url: str,
+        role: Role,
+        engine: Engine,
+        *,
+        model: str | None = None,
+        bootstrap_port: int | None = None,
+        weight: float = 1.0,
+        labels: tuple[tuple[str, str], ...] = (),
+        breaker: CircuitBreaker | None = None,
+        connect_timeout_s: float = 2.0,
+        authorization: bytes | None = None,
+    ) -> None:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", ""):
+            raise ValueError(f"worker {id}: only http:// URLs are supported, got {url!r}")
+        self.id = id
+        self.url = f"http://{parts.hostname}:{parts.port or 80}"
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or 80
+        self.role = role
+        self.engine = engine
+        self.adapter: EngineAdapter = ADAPTERS[engine]
+        self.configured_model = model
+        self.bootstrap_port = bootstrap_port
+        self.weight = weight
+        self.labels = labels
+        self.breaker = breaker or CircuitBreaker()
+        self.pool = UpstreamPool(self.host, self.port, connect_timeout_s=connect_timeout_s)
+        self.authorization = authorization
+        self.healthy = False  # until the first probe says otherwise
+        self.draining = False
+        self.inflight = 0
+        self.inflight_tokens = 0
+        self.load = WorkerLoad()
+        self.info = ProbeInfo()
+        self.probe_failures = 0
+        self.probe_successes = 0
+
+    @property
+    def model(self) -> str | None:
+        return self.configured_model or self.info.model
+
+    def state(self) -> WorkerState:
+        return WorkerState(
+            id=self.id,
+            url=self.url,
+            role=self.role,
+            engine=self.engine,
+            model=self.model,
+            healthy=self.healthy and self.breaker.state is not BreakerState.OPEN,
+            draining=self.draining,
+            context_length=self.info.context_length,
+            max_input_len=self.info.max_input_len,
+            bootstrap_port=self.bootstrap_port if self.bootstrap_port is not None else self.info.bootstrap_port,
+            weight=self.weight,
+            labels=self.labels,
+            inflight=self.inflight,
+            inflight_tokens=self.inflight_tokens,
+            load=self.load,
+        )
+
+
+class Registry:
+    def __init__(self, breaker: BreakerSettings | None = None) -> None:
+        self._workers: dict[str, Worker] = {}
+        self._pair_breakers: dict[str, CircuitBreaker] = {}
+        self._breaker = breaker or BreakerSettings()
+        self._version = 0
+        self._snap_version = -1
+        self._snap = ClusterSnapshot(version=0, workers=())
+
+    # -- membership ---------------------------------------------------------------------------
+
+    def add(self, worker: Worker) -> None:
+        if worker.id in self._workers:
+            raise ValueError(f"a worker with id {worker.id!r} already exists")
+        worker.breaker = self._breaker.new()
+        self._workers[worker.id] = worker
+        self.changed()
+
+    async def remove(self, worker_id: str) -> Worker:
+        w = self._workers.pop(worker_id)
+        for key in [k for k in self._pair_breakers if worker_id in k.split("|")]:
+            del self._pair_breakers[key]
+        self.changed()
+        return w
+
+    def get(self, worker_id: str) -> Worker:
+        return self._workers[worker_id]
+
+    def find(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    def workers(self) -> Iterable[Worker]:
+        return self._workers.values()
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def changed(self) -> None:
+        self._version += 1
+
+    def snapshot(self) -> ClusterSnapshot:
+        if self._snap_version != self._version:
+            self._snap = ClusterSnapshot(
+                version=self._version, workers=tuple(w.state() for w in self._workers.values())
+            )
+            self._snap_version = self._version
+        return self._snap
+
+    def pair_breaker(self, prefill_id: str, decode_id: str) -> CircuitBreaker:
+        key = f"{prefill_id}|{decode_id}"
+        b = self._pair_breakers.get(key)
+        if b is None:
+            b = self._pair_breakers[key] = self._breaker.new()
+        return b
+
+    def open_pairs(self) -> frozenset[str]:
+        """Pair ids ("prefill|decode") whose breaker refuses traffic now."""
+        return frozenset(k for k, b in self._pair_breakers.items() if not b.allows())
+
+    def acquire(self, w: Worker, tokens: int) -> None:
+        w.inflight += 1
+        w.inflight_tokens += tokens
+        w.breaker.on_dispatch()
+        self._version += 1
+
+    def release(self, w: Worker, tokens: int) -> None:
+        w.inflight -= 1
+        w.inflight_tokens -= tokens
+        self._version += 1
+
+    def record(self, w: Worker, ok: bool) -> None:
+        if w.breaker.record(ok):
+            self._version += 1
+
+    async def close(self) -> None:
+        for w in self._workers.values():
+            await w.pool.close()

@@ -1,0 +1,219 @@
+"""Adapters checked against exchanges captured from the real engines (tests/fixtures/captures)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from adapters import ADAPTERS, HandoffCtx, ProbeInfo
+from adapters._body import splice
+from adapters.prom import sum_metrics
+from adapters.sglang import merge_input_logprobs
+from gateway.parse import parse_request
+from policies.snapshot import Engine, Role, RouteKind, WorkerState
+
+CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures"
+SGL = ADAPTERS[Engine.SGLANG]
+VLLM = ADAPTERS[Engine.VLLM]
+
+
+def capture(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((CAPTURES / name).read_text())
+    return data
+
+
+def endpoints() -> dict[str, str]:
+    data: dict[str, str] = json.loads((CAPTURES / "endpoints.json").read_text())
+    return data
+
+
+def parsed(route: RouteKind, body: dict[str, Any]) -> Any:
+    path = {RouteKind.GENERATE: "/generate", RouteKind.CHAT: "/v1/chat/completions",
+            RouteKind.COMPLETIONS: "/v1/completions"}[route]
+    return parse_request(route, path, json.dumps(body).encode(), default_model="m", max_n=8, max_tokens_cap=None)
+
+
+def ctx(engine: Engine, room: int = 42, bootstrap_port: int | None = 31590) -> HandoffCtx:
+    p = WorkerState(id="p", url="http://127.0.0.1:31580", role=Role.PREFILL, engine=engine,
+                    bootstrap_port=bootstrap_port)
+    d = WorkerState(id="d", url="http://127.0.0.1:31581", role=Role.DECODE, engine=engine)
+    return HandoffCtx(request_id="req-1", prefill=p, decode=d, room=room)
+
+
+# ---- SGLang -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["sglang_generate_nonstream.json", "sglang_generate_stream.json"])
+def test_sglang_bodies_match_what_the_real_pd_pair_was_sent(name: str) -> None:
+    cap = capture(name)
+    sent = cap["prefill"]["request"]["body"]
+    client = {k: v for k, v in sent.items() if not k.startswith("bootstrap_")}
+    req = parsed(RouteKind.GENERATE, client)
+    c = ctx(Engine.SGLANG, room=sent["bootstrap_room"], bootstrap_port=sent["bootstrap_port"])
+    for body in (SGL.prefill_body(req, c), SGL.decode_body(req, c, None)):
+        got = json.loads(body)
+        assert got.pop("rid") == "req-1"  # ours, so that /abort_request can name the request
+        assert got == sent
+
+
+def test_sglang_client_bootstrap_fields_are_replaced_not_duplicated() -> None:
+    req = parsed(RouteKind.GENERATE, {"text": "hi", "bootstrap_room": 7, "bootstrap_host": "evil"})
+    raw = SGL.prefill_body(req, ctx(Engine.SGLANG, room=9))
+    assert raw.count(b"bootstrap_room") == 1
+    got = json.loads(raw)
+    assert got["bootstrap_room"] == 9 and got["bootstrap_host"] == "127.0.0.1"
+
+
+def test_sglang_batch_sends_scalar_room_and_no_rid() -> None:
+    req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "max_tokens": 3})
+    got = json.loads(SGL.prefill_body(req, ctx(Engine.SGLANG, room=100)))
+    assert got["bootstrap_room"] == 100 and "rid" not in got
+    assert SGL.abort_call(req, "req-1") is None
+
+
+@pytest.mark.parametrize(
+    "name", ["sglang_generate_nonstream.json", "sglang_generate_stream.json", "sglang_completions_nonstream.json",
+             "sglang_chat_stream_usage.json"]
+)
+def test_sglang_real_prefill_answers_are_judged_sound(name: str) -> None:
+    cap = capture(name)
+    body = dict(cap["prefill"]["request"]["body"])
+    route = RouteKind.GENERATE if "generate" in name else (RouteKind.CHAT if "chat" in name else RouteKind.COMPLETIONS)
+    req = parsed(route, body)
+    v = SGL.judge_prefill(req, cap["prefill"]["status"], cap["prefill"]["raw_body"].encode())
+    assert v.ok, v.reason
+    if route is RouteKind.GENERATE:
+        assert v.prompt_tokens == 8
+        raw = cap["decode"]["raw_body"]
+        first = raw.split("data: ", 2)[1].split("\n")[0] if raw.startswith("data: ") else raw
+        assert v.first_token == json.loads(first)["output_ids"][0]
+
+
+def test_sglang_prefill_abort_event_on_a_200_stream_is_a_failure() -> None:
+    # The #30233 shape seen on real 0.5.23: HTTP 200, one event with finish_reason abort, prompt_tokens 1.
+    event = {"text": "", "output_ids": [], "meta_info": {"prompt_tokens": 1, "finish_reason": {
+        "type": "abort", "message": "Input length (1100 tokens) exceeds the maximum allowed length (1018 tokens).",
+        "status_code": 400, "err_type": "BadRequestError"}}}
+    raw = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+    req = parsed(RouteKind.GENERATE, {"text": "x", "stream": True})
+    v = SGL.judge_prefill(req, 200, raw)
+    assert not v.ok and not v.retryable and v.status == 400 and "exceeds" in v.reason
+
+
+def test_sglang_prefill_http_errors() -> None:
+    req = parsed(RouteKind.GENERATE, {"text": "x"})
+    assert not SGL.judge_prefill(req, 400, b'{"error":{"message":"too long"}}').retryable
+    assert SGL.judge_prefill(req, 503, b"").retryable
+
+
+def test_sglang_logprob_merge_counts_each_prompt_position_once() -> None:
+    p = {"input_token_logprobs": [[None, 1, None], [-0.5, 2, None]]}
+    d = {"input_token_logprobs": [[None, 1, None]]}
+    merge_input_logprobs(p, d)
+    assert d["input_token_logprobs"] == [[None, 1, None], [-0.5, 2, None]]
+
+
+def test_sglang_load_and_info_from_real_endpoints() -> None:
+    ep = endpoints()
+    load = SGL.parse_load(ep["sglang prefill /metrics"])
+    assert load.running == 0 and load.waiting == 0 and 0.0 <= load.kv_usage <= 1.0
+    info = ProbeInfo()
+    for path in SGL.info_paths:
+        info = SGL.parse_info(path, ep[f"sglang prefill {path}"].encode(), info)
+    assert info.model == "./tiny-llama"
+    assert info.context_length == 1536 and info.max_input_len == 1018
+    assert info.disaggregation_mode == "prefill" and info.bootstrap_port == 31590
+
+
+# ---- vLLM -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["vllm_completions_nonstream.json", "vllm_chat_nonstream.json",
+                                  "vllm_chat_stream_usage.json"])
+def test_vllm_handoff_bodies_match_the_real_exchange(name: str) -> None:
+    cap = capture(name)
+    client = dict(cap["single"]["request"]["body"])
+    route = RouteKind.CHAT if "chat" in name else RouteKind.COMPLETIONS
+    req = parsed(route, client)
+    c = ctx(Engine.VLLM)
+    prefill = json.loads(VLLM.prefill_body(req, c))
+    want = dict(cap["prefill"]["request"]["body"])
+    for k in ("max_completion_tokens",):
+        want.pop(k, None)
+        prefill.pop(k, None)
+    assert prefill == want
+    v = VLLM.judge_prefill(req, 200, cap["prefill"]["raw_body"].encode())
+    assert v.ok, v.reason
+    assert v.prompt_tokens == cap["prefill"]["json"]["usage"]["prompt_tokens"]
+    decode = json.loads(VLLM.decode_body(req, c, v))
+    assert decode == cap["decode"]["request"]["body"]
+
+
+def test_vllm_params_are_forwarded_byte_for_byte() -> None:
+    cap = capture("vllm_completions_nonstream.json")
+    req = parsed(RouteKind.COMPLETIONS, dict(cap["single"]["request"]["body"]))
+    raw = cap["prefill"]["raw_body"].encode()
+    v = VLLM.judge_prefill(req, 200, raw)
+    assert v.kv_params is not None and bytes(v.kv_params) in raw
+    assert bytes(v.kv_params) in VLLM.decode_body(req, ctx(Engine.VLLM), v)
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ({"choices": [{"finish_reason": "length"}], "kv_transfer_params": None}, "no kv_transfer_params"),
+        ({"choices": [{"finish_reason": "length"}], "kv_transfer_params": {"remote_block_ids": [[1]]}}, "lack"),
+        ({"choices": [{"finish_reason": "abort"}], "kv_transfer_params": {"remote_engine_id": "e",
+                                                                         "remote_block_ids": [[1]]}}, "finished"),
+    ],
+)
+def test_vllm_unsound_prefill_answers_are_refused(body: dict[str, Any], why: str) -> None:
+    req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "x"})
+    v = VLLM.judge_prefill(req, 200, json.dumps(body).encode())
+    assert not v.ok and why in v.reason
+
+
+def test_vllm_client_kv_transfer_params_never_reach_an_engine() -> None:
+    req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "x", "kv_transfer_params": {"remote_engine_id": "z"}})
+    assert b"kv_transfer_params" not in VLLM.colocated_body(req, "r")
+    assert b'"z"' not in VLLM.prefill_body(req, ctx(Engine.VLLM))
+    assert b'"z"' not in VLLM.decode_body(req, ctx(Engine.VLLM), None)
+
+
+def test_vllm_load_and_info_from_real_endpoints() -> None:
+    ep = endpoints()
+    load = VLLM.parse_load(ep["vllm decode /metrics"])
+    assert load.running == 0 and load.waiting == 0 and 0.0 <= load.cache_hit_rate <= 1.0
+    info = VLLM.parse_info("/v1/models", ep["vllm prefill /v1/models"].encode(), ProbeInfo())
+    assert info.model == "tiny" and info.context_length == 512
+
+
+# ---- shared helpers -------------------------------------------------------------------------
+
+
+def test_splice_keeps_bytes_and_handles_empty_objects() -> None:
+    assert splice(b'{"a": 1 }\n', b'"b":2') == b'{"a": 1,"b":2}'
+    assert splice(b"{}", b'"b":2') == b'{"b":2}'
+    with pytest.raises(ValueError):
+        splice(b"[1]", b'"b":2')
+
+
+def test_sum_metrics_sums_label_sets_and_ignores_lookalikes() -> None:
+    text = 'x_total{a="1"} 2.0\nx_total{a="2"} 3\nx_created 99\n# HELP x_total y\nx 7\n'
+    assert sum_metrics(text, ["x_total", "x"]) == {"x_total": 5.0, "x": 7.0}
+
+
+def test_parse_errors_name_the_field() -> None:
+    from gateway.errors import BadRequest
+
+    with pytest.raises(BadRequest) as e:
+        parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": "many"})
+    assert e.value.param == "max_tokens"
+    with pytest.raises(BadRequest):
+        parse_request(RouteKind.CHAT, "/v1/chat/completions", b"{not json", default_model=None, max_n=1,
+                      max_tokens_cap=None)
+    assert msgspec.json.decode(e.value.body())["error"]["type"] == "invalid_request_error"
