@@ -1,0 +1,193 @@
+"""`pd-gateway serve` flags, read like sglang-router's, merged over an optional TOML file.
+
+    pd-gateway serve --prefill http://p1:30000 8998 --prefill http://p2:30000 none \\
+        --decode http://d1:30001 --worker http://c1:8000 --engine sglang --policy least_load
+
+Merge rules: `--config FILE` is read first. Workers given by flags (`--prefill`, `--decode`,
+`--worker`) are **appended** to the file's `workers`; every other flag **replaces** the file's
+value. `--engine` and `--model` apply only to the workers given by flags. For an SGLang
+`--prefill URL` without a port the bootstrap port is SGLang's default, 8998; `none` means the
+prefill has no bootstrap server. The merged document is decoded and validated once, so a flag
+error reads like a file error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.config import (
+    PHASE_TIMEOUTS,
+    SGLANG_DEFAULT_BOOTSTRAP_PORT,
+    ConfigError,
+    GatewayConfig,
+    TimeoutsConfig,
+    config_from_raw,
+    normalize_raw,
+    read_toml,
+)
+from policies.config import policy_shorthand
+from policies.snapshot import Engine
+
+_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pd-gateway serve",
+        description="Run the gateway in front of SGLang / vLLM / OpenAI-compatible workers.",
+        epilog="Workers given by flags are appended to the config file's workers; other flags replace "
+        "the file's values.",
+    )
+    w = p.add_argument_group("workers")
+    w.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill worker, with its SGLang bootstrap port (default 8998 for sglang; 'none' for none)",
+    )
+    w.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker")
+    w.add_argument("--worker", action="append", default=[], metavar="URL", help="a colocated worker")
+    w.add_argument(
+        "--engine",
+        choices=[e.value for e in Engine],
+        default=Engine.SGLANG.value,
+        help="engine of the workers given by flags (default: sglang)",
+    )
+    w.add_argument(
+        "--model", default=None, help="model served by the workers given by flags (default: probed)"
+    )
+
+    s = p.add_argument_group("server")
+    s.add_argument(
+        "--config", default=None, metavar="FILE", help="TOML config file (see docs/configuration.md)"
+    )
+    s.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    s.add_argument("--log-level", choices=_LOG_LEVELS, default=None)
+    s.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None, help="JSON log lines")
+
+    r = p.add_argument_group("routing")
+    for flag in ("--policy", "--prefill-policy", "--decode-policy"):
+        r.add_argument(
+            flag,
+            default=None,
+            metavar="NAME",
+            help="round_robin | random | least_load | power_of_two | plugin:NAME"
+            + ("" if flag == "--policy" else " (default: --policy)"),
+        )
+    r.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="disaggregate only when at least this many prompt tokens are uncached (default 0: always)",
+    )
+
+    k = p.add_argument_group("limits")
+    k.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="whole-request timeout (timeouts.total_s); lowers larger phase timeouts to it",
+    )
+    k.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests in flight (limits.max_concurrent)",
+    )
+    k.add_argument(
+        "--admin-token-env",
+        default=None,
+        metavar="VAR",
+        help="enable the admin API with this env var's token",
+    )
+    return p
+
+
+def _prefill_worker(values: list[str], engine: Engine, model: str | None) -> dict[str, Any]:
+    if len(values) > 2:
+        raise ConfigError(f"--prefill takes URL [BOOTSTRAP_PORT|none], got {' '.join(values)}")
+    url = values[0]
+    worker: dict[str, Any] = {"url": url, "role": "prefill", "engine": engine.value}
+    if len(values) == 2:
+        port = values[1]
+        if port.lower() != "none":
+            try:
+                worker["bootstrap_port"] = int(port)
+            except ValueError:
+                raise ConfigError(
+                    f"--prefill {url}: bootstrap port {port!r} is not a number or 'none'"
+                ) from None
+    elif engine is Engine.SGLANG:
+        worker["bootstrap_port"] = SGLANG_DEFAULT_BOOTSTRAP_PORT
+    if model is not None:
+        worker["model"] = model
+    return worker
+
+
+def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Apply parsed flags over a raw (file) document: workers appended, scalars replaced."""
+    doc = normalize_raw(raw)
+    engine = Engine(args.engine)
+    flag_workers: list[dict[str, Any]] = [_prefill_worker(v, engine, args.model) for v in args.prefill]
+    for role, urls in (("decode", args.decode), ("colocated", args.worker)):
+        for url in urls:
+            worker: dict[str, Any] = {"url": url, "role": role, "engine": engine.value}
+            if args.model is not None:
+                worker["model"] = args.model
+            flag_workers.append(worker)
+    if flag_workers:
+        doc["workers"] = [*doc.get("workers", []), *flag_workers]
+
+    def section(name: str) -> dict[str, Any]:
+        current = doc.get(name, {})
+        table = dict(current) if isinstance(current, dict) else current
+        doc[name] = table
+        return table  # a non-table here fails decoding with the key's path
+
+    if args.host is not None:
+        section("listen")["host"] = args.host
+    if args.port is not None:
+        section("listen")["port"] = args.port
+    if args.log_level is not None:
+        doc["log_level"] = args.log_level
+    if args.log_json is not None:
+        doc["log_json"] = args.log_json
+    for key in ("policy", "prefill_policy", "decode_policy"):
+        value = getattr(args, key)
+        if value is not None:
+            doc[key] = policy_shorthand(value)
+    if args.min_prefill_tokens is not None:
+        section("decider")["min_prefill_tokens"] = args.min_prefill_tokens
+    if args.request_timeout_s is not None:
+        timeouts = section("timeouts")
+        timeouts["total_s"] = args.request_timeout_s
+        # a shorter whole-request limit lowers the phase limits above it instead of failing
+        # their "<= total_s" check; phase limits below it are kept
+        defaults = TimeoutsConfig()
+        for name in PHASE_TIMEOUTS:
+            current = timeouts.get(name, getattr(defaults, name)) if isinstance(timeouts, dict) else None
+            if isinstance(current, int | float) and current > args.request_timeout_s:
+                timeouts[name] = args.request_timeout_s
+    if args.max_concurrent is not None:
+        section("limits")["max_concurrent"] = args.max_concurrent
+    if args.admin_token_env is not None:
+        admin = section("admin")
+        admin.pop("token", None)  # the flag replaces whatever the file chose
+        admin["token_env"] = args.admin_token_env
+    return doc
+
+
+def parse_serve_args(argv: Sequence[str]) -> GatewayConfig:
+    """Flags (and `--config FILE`) to a validated config. Raises ConfigError; argparse exits on bad syntax."""
+    args = build_serve_parser().parse_args(list(argv))
+    raw = read_toml(args.config) if args.config is not None else {}
+    source = f"{args.config} + flags" if args.config is not None else "flags"
+    return config_from_raw(merge_args(raw, args), source)

@@ -1,0 +1,406 @@
+"""The gateway's configuration: frozen msgspec Structs, decoded strictly from TOML (and flags).
+
+`load_config(path)` reads a TOML file; `gateway.cli_args.parse_serve_args(argv)` reads flags on
+top of an optional `--config FILE`. Both produce one frozen `GatewayConfig`, built once in
+`main` and passed down; nothing reads configuration from globals or the environment here
+(`api_key_env` / `token_env` name variables that the caller resolves with an explicit
+`environ`). Every section forbids unknown fields, so a typo is an error naming the key and
+where it is (``unknown field `tiemouts` at `$` ``). Validation lives in `__post_init__`.
+See docs/configuration.md for an annotated example.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+from policies.config import DeciderCfg, PolicyCfg, RoundRobinCfg, policy_shorthand
+from policies.snapshot import Engine, Role
+
+MiB = 1024 * 1024
+KiB = 1024
+SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+FallbackRung = Literal["other_pair", "colocated", "decode_self_prefill", "shed"]
+POLICY_FIELDS = ("policy", "prefill_policy", "decode_policy")
+PHASE_TIMEOUTS = ("connect_s", "prefill_s", "handoff_s", "idle_s")
+
+_HEADER_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message says which key and why."""
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+def _positive(section: str, **values: float) -> None:
+    for name, value in values.items():
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{section}.{name} must be a positive number, got {value!r}")
+
+
+def _non_negative(section: str, **values: float) -> None:
+    for name, value in values.items():
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{section}.{name} must be >= 0, got {value!r}")
+
+
+class ListenConfig(_Section, frozen=True):
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"listen.port must be in 0..65535, got {self.port}")
+
+
+class WorkerConfig(_Section, frozen=True):
+    """One upstream server. `worker_id` (id, else name, else URL) is its stable key."""
+
+    url: str
+    role: Role
+    engine: Engine = Engine.SGLANG
+    id: str | None = None
+    name: str | None = None
+    model: str | None = None  # None: learnt by probing
+    bootstrap_port: int | None = None  # SGLang prefill only
+    weight: float = 1.0
+    labels: dict[str, str] = {}
+    api_key_env: str | None = None  # env var holding the Bearer key the gateway sends it
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"worker url {self.url!r} must be http(s)://host[:port]")
+        try:
+            parts.port  # noqa: B018 - raises ValueError on a bad port
+        except ValueError as e:
+            raise ValueError(f"worker url {self.url!r}: {e}") from None
+        if self.engine is Engine.OPENAI and self.role is not Role.COLOCATED:
+            raise ValueError(f"worker {self.url}: engine openai can only be colocated, not {self.role}")
+        if self.bootstrap_port is not None:
+            if not (self.engine is Engine.SGLANG and self.role is Role.PREFILL):
+                raise ValueError(
+                    f"worker {self.url}: bootstrap_port applies only to sglang prefill workers "
+                    f"(this one is {self.engine} {self.role})"
+                )
+            if not 1 <= self.bootstrap_port <= 65535:
+                raise ValueError(f"worker {self.url}: bootstrap_port must be in 1..65535")
+        _positive("worker", weight=self.weight)
+        for key in ("id", "name", "model", "api_key_env"):
+            if getattr(self, key) == "":
+                raise ValueError(f"worker {self.url}: {key} must not be empty")
+
+    @property
+    def worker_id(self) -> str:
+        return self.id or self.name or self.url.rstrip("/")
+
+    def api_key(self, environ: Mapping[str, str]) -> str | None:
+        """The key from `environ[api_key_env]`; ConfigError if the variable is named but unset."""
+        if self.api_key_env is None:
+            return None
+        value = environ.get(self.api_key_env)
+        if not value:
+            raise ConfigError(f"worker {self.worker_id}: environment variable {self.api_key_env} is not set")
+        return value
+
+
+class TimeoutsConfig(_Section, frozen=True):
+    """Seconds. Each phase limit is at most `total_s`."""
+
+    connect_s: float = 2.0  # TCP connect to a worker
+    prefill_s: float = 60.0  # prefill leg until its response is complete
+    handoff_s: float = 30.0  # KV handoff: prefill done -> decode's first byte
+    idle_s: float = 60.0  # longest silence inside a stream
+    total_s: float = 600.0  # whole request
+    probe_s: float = 5.0  # one health/info probe
+
+    def __post_init__(self) -> None:
+        values = msgspec.structs.asdict(self)
+        _positive("timeouts", **values)
+        for name in PHASE_TIMEOUTS:
+            if values[name] > self.total_s:
+                raise ValueError(
+                    f"timeouts.{name} ({values[name]}) must be <= timeouts.total_s ({self.total_s})"
+                )
+
+
+class RetriesConfig(_Section, frozen=True):
+    """Attempts per request (first try included) and exponential backoff with jitter."""
+
+    max_attempts: int = 3
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 2.0
+    multiplier: float = 2.0
+    jitter: float = 0.2  # fraction of each delay drawn at random, 0..1
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("retries.max_attempts must be >= 1")
+        _non_negative("retries", backoff_initial_s=self.backoff_initial_s, backoff_max_s=self.backoff_max_s)
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError("retries.backoff_initial_s must be <= retries.backoff_max_s")
+        if self.multiplier < 1:
+            raise ValueError("retries.multiplier must be >= 1")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError("retries.jitter must be in [0, 1]")
+
+
+class BreakerConfig(_Section, frozen=True):
+    """Per worker and per (prefill, decode) pair."""
+
+    failure_threshold: int = 5  # consecutive failures that open it
+    success_threshold: int = 2  # successes in half-open that close it
+    open_s: float = 30.0  # time open before a half-open trial
+
+    def __post_init__(self) -> None:
+        _positive(
+            "breaker",
+            failure_threshold=self.failure_threshold,
+            success_threshold=self.success_threshold,
+            open_s=self.open_s,
+        )
+
+
+class HealthConfig(_Section, frozen=True):
+    interval_s: float = 5.0  # between probes of one worker
+    timeout_s: float = 3.0  # one probe
+    failure_threshold: int = 3  # failed probes before unhealthy
+    success_threshold: int = 1  # good probes before healthy again
+    scrape_interval_s: float = 2.0  # /metrics scrape for load
+
+    def __post_init__(self) -> None:
+        _positive("health", **msgspec.structs.asdict(self))
+
+
+class LimitsConfig(_Section, frozen=True):
+    max_body_bytes: int = 16 * MiB  # 413 above
+    max_header_bytes: int = 64 * KiB  # 431 above
+    read_timeout_s: float = 30.0  # 408 if the request is not read by then
+    max_concurrent: int = 4096  # requests in flight upstream
+    max_queue: int = 1024  # requests waiting for a slot; 503 beyond
+    queue_timeout_s: float = 30.0  # longest wait for a slot
+    max_tokens_cap: int | None = None  # reject (400) larger max_tokens; None: no cap
+    max_n: int = 128  # largest `n`
+    per_client_max_concurrent: int = 0  # per client address; 0 = off
+
+    def __post_init__(self) -> None:
+        _positive(
+            "limits",
+            max_body_bytes=self.max_body_bytes,
+            max_header_bytes=self.max_header_bytes,
+            read_timeout_s=self.read_timeout_s,
+            max_concurrent=self.max_concurrent,
+            queue_timeout_s=self.queue_timeout_s,
+            max_n=self.max_n,
+        )
+        _non_negative(
+            "limits", max_queue=self.max_queue, per_client_max_concurrent=self.per_client_max_concurrent
+        )
+        if self.max_tokens_cap is not None:
+            _positive("limits", max_tokens_cap=self.max_tokens_cap)
+
+
+class GuardsConfig(_Section, frozen=True):
+    length_preflight: bool = True  # prompt + max_tokens vs the chosen workers' context length
+    prefill_verdict: bool = True  # vLLM prefill: status, finish reason, kv_transfer_params sane
+    decode_consistency: bool = True  # decode's prompt tokens == prefill's; greedy first token agrees
+    shadow_fraction: float = 0.0  # share of requests also run colocated and compared
+    chars_per_token_estimate: float = 4.0  # prompt length estimate without a tokenizer
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError("guards.shadow_fraction must be in [0, 1]")
+        _positive("guards", chars_per_token_estimate=self.chars_per_token_estimate)
+
+
+class FallbackConfig(_Section, frozen=True):
+    """Rungs tried in order after a failure before the first byte reached the client."""
+
+    ladder: tuple[FallbackRung, ...] = ("other_pair", "colocated", "decode_self_prefill", "shed")
+
+    def __post_init__(self) -> None:
+        if len(set(self.ladder)) != len(self.ladder):
+            raise ValueError(f"fallback.ladder has duplicates: {list(self.ladder)}")
+        if "shed" in self.ladder and self.ladder[-1] != "shed":
+            raise ValueError("fallback.ladder: 'shed' must be the last rung")
+
+
+class AdminConfig(_Section, frozen=True):
+    """The admin API (worker add/remove/drain) is off unless a token is configured."""
+
+    token_env: str | None = None  # env var holding the bearer token (preferred)
+    token: str | None = None  # the token itself (avoid in shared files)
+
+    def __post_init__(self) -> None:
+        if self.token_env is not None and self.token is not None:
+            raise ValueError("admin: set token_env or token, not both")
+        if self.token == "" or self.token_env == "":
+            raise ValueError("admin: token / token_env must not be empty")
+
+    @property
+    def enabled(self) -> bool:
+        return self.token_env is not None or self.token is not None
+
+    def resolve_token(self, environ: Mapping[str, str]) -> str | None:
+        """The token, reading `environ[token_env]`; ConfigError if that variable is unset."""
+        if self.token is not None:
+            return self.token
+        if self.token_env is None:
+            return None
+        value = environ.get(self.token_env)
+        if not value:
+            raise ConfigError(f"admin.token_env: environment variable {self.token_env} is not set")
+        return value
+
+
+class GatewayConfig(_Section, frozen=True):
+    listen: ListenConfig = ListenConfig()
+    workers: tuple[WorkerConfig, ...] = ()
+    policy: PolicyCfg = RoundRobinCfg()
+    prefill_policy: PolicyCfg | None = None  # None: `policy`
+    decode_policy: PolicyCfg | None = None  # None: `policy`
+    decider: DeciderCfg = DeciderCfg()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    retries: RetriesConfig = RetriesConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    health: HealthConfig = HealthConfig()
+    limits: LimitsConfig = LimitsConfig()
+    guards: GuardsConfig = GuardsConfig()
+    fallback: FallbackConfig = FallbackConfig()
+    request_id_headers: tuple[str, ...] = ("x-request-id", "x-correlation-id")
+    forward_authorization: bool = False  # pass the client's Authorization header to workers
+    admin: AdminConfig = AdminConfig()
+    log_level: LogLevel = "info"
+    log_json: bool = True
+
+    def __post_init__(self) -> None:
+        ids: set[str] = set()
+        urls: set[str] = set()
+        for w in self.workers:
+            if w.worker_id in ids:
+                raise ValueError(f"duplicate worker id {w.worker_id!r}")
+            url = w.url.rstrip("/")
+            if url in urls:
+                raise ValueError(f"duplicate worker url {w.url!r}")
+            ids.add(w.worker_id)
+            urls.add(url)
+        for h in self.request_id_headers:
+            if not _HEADER_TOKEN.match(h):
+                raise ValueError(f"request_id_headers: {h!r} must be a lowercase header name")
+
+    @property
+    def effective_prefill_policy(self) -> PolicyCfg:
+        return self.prefill_policy if self.prefill_policy is not None else self.policy
+
+    @property
+    def effective_decode_policy(self) -> PolicyCfg:
+        return self.decode_policy if self.decode_policy is not None else self.policy
+
+
+# ---- decoding --------------------------------------------------------------------------------
+
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>[^`]*)`(?: - at `(?P<path>[^`]*)`)?$")
+
+
+def _message(e: msgspec.ValidationError) -> str:
+    text = str(e)
+    m = _UNKNOWN.match(text)
+    if m:
+        return f"unknown field `{m['key']}` at `{m['path'] or '$'}`"
+    return text
+
+
+def normalize_raw(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Expand shorthands that plain TOML allows: `policy = "least_load"` becomes a table."""
+    out = dict(raw)
+    for key in POLICY_FIELDS:
+        if isinstance(out.get(key), str):
+            out[key] = policy_shorthand(out[key])
+    return out
+
+
+def config_from_raw(raw: Mapping[str, Any], source: str = "config") -> GatewayConfig:
+    """Decode a parsed document (dict) strictly; raises ConfigError naming `source` and the key."""
+    try:
+        return msgspec.convert(normalize_raw(raw), GatewayConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{source}: {_message(e)}") from None
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The raw TOML document; ConfigError when unreadable or not TOML."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and strictly decode a TOML config file. Raises ConfigError."""
+    return config_from_raw(read_toml(path), str(path))
+
+
+# ---- encoding (for `--print-config` and round trips) ----------------------------------------
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _key(k: str) -> str:
+    return k if _BARE_KEY.match(k) else json.dumps(k)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        items = ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items() if x is not None)
+        return "{ " + items + " }" if items else "{}"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def to_toml(cfg: GatewayConfig) -> str:
+    """The config as TOML that `load_config` reads back to an equal config (None values omitted)."""
+    doc: dict[str, Any] = msgspec.to_builtins(cfg)
+    head: list[str] = []
+    tables: list[str] = []
+    for key, value in doc.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            tables.append(f"\n[{_key(key)}]")
+            tables += [f"{_key(k)} = {_value(v)}" for k, v in value.items() if v is not None]
+        elif isinstance(value, list | tuple) and value and all(isinstance(x, dict) for x in value):
+            for item in value:
+                tables.append(f"\n[[{_key(key)}]]")
+                tables += [f"{_key(k)} = {_value(v)}" for k, v in item.items() if v is not None]
+        else:
+            head.append(f"{_key(key)} = {_value(value)}")
+    return "\n".join(head + tables).lstrip("\n") + "\n"

@@ -1,0 +1,297 @@
+"""The policy contract: a whole-plan `Policy`, the events it observes, and the llm-d style roles.
+
+A `Policy` turns `(RequestView, ClusterSnapshot)` into a `Plan` (`Colocated`, `Disaggregated` or
+`Reject`). `plan()` only reads; every state change (round-robin cursors, caches) happens in
+`observe(event)`, which the orchestrator calls with `Routed`, `Completed` and `Failed` events.
+
+Inside a policy the choice of one worker from a pool is split into the roles of llm-d's
+scheduler: `Filter`s narrow the candidates, weighted `Scorer`s score them in [0, 1], a `Picker`
+chooses. `Profile` bundles them and `run_profile()` runs them; the P/D policy in
+`policies.pd` uses one profile per role (decode, prefill, colocated) and a `Decider` for the
+"is prefill elsewhere worth it" question.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from policies.snapshot import (
+    ClusterSnapshot,
+    Colocated,
+    Disaggregated,
+    Plan,
+    Reject,
+    RequestView,
+    Role,
+    WorkerState,
+)
+
+
+def pair_id(prefill_id: str, decode_id: str) -> str:
+    """The id of a (prefill, decode) pair as it appears in `exclude` sets: ``"prefill_id|decode_id"``."""
+    return f"{prefill_id}|{decode_id}"
+
+
+# ---- events --------------------------------------------------------------------------------
+
+
+class Routed(msgspec.Struct, frozen=True, tag="routed"):
+    """A plan was accepted and is about to run. `worker_ids[i]` had role `roles[i]`.
+
+    Disaggregated plans list (prefill, decode); colocated plans list the one worker.
+    """
+
+    request_id: str
+    model: str
+    worker_ids: tuple[str, ...]
+    roles: tuple[Role, ...]
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return len(self.worker_ids) == 2
+
+
+class Completed(msgspec.Struct, frozen=True, tag="completed"):
+    """The request finished successfully on these workers."""
+
+    request_id: str
+    worker_ids: tuple[str, ...]
+    ttft_s: float | None = None
+    output_tokens: int = 0
+
+
+class Failed(msgspec.Struct, frozen=True, tag="failed"):
+    """An attempt failed. `phase` is where: "connect", "prefill", "handoff", "decode", "guard"."""
+
+    request_id: str
+    worker_ids: tuple[str, ...]
+    phase: str
+
+
+PolicyEvent = Routed | Completed | Failed
+
+
+def plan_worker_ids(plan: Plan) -> tuple[str, ...]:
+    """The worker ids a plan uses, prefill first; () for a `Reject`."""
+    match plan:
+        case Disaggregated():
+            return (plan.prefill.id, plan.decode.id)
+        case Colocated():
+            return (plan.worker.id,)
+        case Reject():
+            return ()
+
+
+def routed_event(req: RequestView, plan: Colocated | Disaggregated) -> Routed:
+    """The `Routed` event the orchestrator sends for an accepted plan."""
+    workers = (plan.prefill, plan.decode) if isinstance(plan, Disaggregated) else (plan.worker,)
+    return Routed(
+        request_id=req.request_id,
+        model=req.model,
+        worker_ids=tuple(w.id for w in workers),
+        roles=tuple(w.role for w in workers),
+        prompt_tokens=req.prompt_tokens,
+        max_tokens=req.max_tokens,
+    )
+
+
+# ---- the whole-plan contract -----------------------------------------------------------------
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Chooses a whole plan for one request.
+
+    Invariants every implementation keeps (`policies.testing.check_plan` checks them):
+    - `plan()` is a pure read of `snap`: no I/O, no mutation of the policy (drawing from an
+      injected RNG is the one allowed exception);
+    - a returned worker is usable (`healthy and not draining`), serves `req.model`, and its id
+      is not in `exclude`; a disaggregated pair has a PREFILL and a DECODE worker of the same
+      engine and its pair id (`pair_id(p, d)`) is not in `exclude`;
+    - `Reject(..., 404)` for a model no worker serves, `Reject(..., 503)` when none is usable.
+    """
+
+    name: str
+
+    def plan(self, req: RequestView, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
+        """Return a plan. `exclude` holds worker ids and pair ids that already failed for this request."""
+        ...
+
+    def observe(self, event: PolicyEvent) -> None:
+        """Update internal state. The only place a policy mutates itself."""
+        ...
+
+
+# ---- llm-d roles -----------------------------------------------------------------------------
+
+
+class NoCandidates(Exception):
+    """A profile ran out of candidates (`stage` names the filter, or "input")."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(f"no candidates left after {stage}")
+        self.stage = stage
+
+
+class Filter(Protocol):
+    name: str
+
+    def filter(self, req: RequestView, cands: Sequence[WorkerState]) -> Sequence[WorkerState]:
+        """Return a subset of `cands` (order kept). Pure."""
+        ...
+
+
+class Scorer(Protocol):
+    name: str
+
+    def score(self, req: RequestView, cands: Sequence[WorkerState]) -> Mapping[str, float]:
+        """Scores keyed by `WorkerState.id`, in [0, 1] (higher is better). Pure; missing ids score 0."""
+        ...
+
+
+class Picker(Protocol):
+    name: str
+
+    def pick(self, req: RequestView, scored: Sequence[tuple[WorkerState, float]]) -> WorkerState:
+        """Choose one of the (non-empty) scored candidates. Pure apart from an injected RNG."""
+        ...
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """Implemented by filters, scorers and pickers that keep state (e.g. a round-robin cursor)."""
+
+    def observe(self, event: PolicyEvent) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What `run_profile` chose and why (per-scorer scores, for logs and metrics)."""
+
+    worker: WorkerState
+    totals: Mapping[str, float]
+    scores: Mapping[str, Mapping[str, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Filters, then weighted scorers, then a picker: how one worker is chosen from one pool.
+
+    A runtime composite holding behaviour, so a dataclass rather than a wire Struct.
+    """
+
+    name: str
+    picker: Picker
+    filters: tuple[Filter, ...] = ()
+    scorers: tuple[tuple[Scorer, float], ...] = ()  # (scorer, weight)
+
+    def select(self, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState:
+        """`run_profile(self, ...).worker`; raises `NoCandidates`."""
+        return run_profile(self, req, cands).worker
+
+    def observe(self, event: PolicyEvent) -> None:
+        """Forward an event to every part that keeps state."""
+        for part in (*self.filters, *(s for s, _ in self.scorers), self.picker):
+            if isinstance(part, Observer):
+                part.observe(event)
+
+
+def run_profile(p: Profile, req: RequestView, cands: Sequence[WorkerState]) -> Decision:
+    """Run `p` over `cands`: filters (stop when empty), weighted scorers clamped to [0, 1], picker."""
+    if not cands:
+        raise NoCandidates("input")
+    for f in p.filters:
+        cands = f.filter(req, cands)
+        if not cands:
+            raise NoCandidates(f.name)
+    totals = {w.id: 0.0 for w in cands}
+    per_scorer: dict[str, Mapping[str, float]] = {}
+    for s, weight in p.scorers:
+        got = s.score(req, cands)
+        per_scorer[s.name] = got
+        for wid in totals:
+            totals[wid] += min(max(got.get(wid, 0.0), 0.0), 1.0) * weight
+    chosen = p.picker.pick(req, [(w, totals[w.id]) for w in cands])
+    return Decision(worker=chosen, totals=totals, scores=per_scorer)
+
+
+@runtime_checkable
+class RoleSelector(Protocol):
+    """Chooses one worker of a pool. `Profile` implements it; a plugin policy may too, which
+    lets it serve as `prefill_policy` / `decode_policy` alongside another policy."""
+
+    @property
+    def name(self) -> str: ...
+
+    def select(self, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState:
+        """Choose from non-empty `cands`; raise `NoCandidates` if none fits. Pure."""
+        ...
+
+    def observe(self, event: PolicyEvent) -> None: ...
+
+
+class Decider(Protocol):
+    """Should this request be disaggregated, given the decode worker already chosen?"""
+
+    def should_disaggregate(self, req: RequestView, decode: WorkerState, cached_tokens: int) -> bool:
+        """`cached_tokens`: estimated prompt tokens already cached on `decode`. Pure."""
+        ...
+
+
+class CacheEstimator(Protocol):
+    """Estimates how many prompt tokens a worker already holds in its prefix cache."""
+
+    def cached_tokens(self, req: RequestView, worker: WorkerState) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NoCacheEstimate:
+    """The default estimator: nothing is assumed cached."""
+
+    def cached_tokens(self, req: RequestView, worker: WorkerState) -> int:
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class NonCachedTokensDecider:
+    """Disaggregate when the uncached part of the prompt is at least `min_prefill_tokens`.
+
+    llm-d's prefix-based P/D decider: `prompt_tokens - cached_tokens >= min_prefill_tokens`.
+    `min_prefill_tokens = 0` (the default) always disaggregates.
+    """
+
+    min_prefill_tokens: int = 0
+
+    def should_disaggregate(self, req: RequestView, decode: WorkerState, cached_tokens: int) -> bool:
+        return req.prompt_tokens - cached_tokens >= self.min_prefill_tokens
+
+
+__all__ = [
+    "CacheEstimator",
+    "Completed",
+    "Decider",
+    "Decision",
+    "Failed",
+    "Filter",
+    "NoCacheEstimate",
+    "NoCandidates",
+    "NonCachedTokensDecider",
+    "Observer",
+    "Picker",
+    "Policy",
+    "PolicyEvent",
+    "Profile",
+    "RoleSelector",
+    "Routed",
+    "Scorer",
+    "pair_id",
+    "plan_worker_ids",
+    "routed_event",
+    "run_profile",
+]

@@ -1,0 +1,125 @@
+"""`PDPolicy`: the planning order every built-in policy shares (decode first, then the decider).
+
+For the request's model, with `exclude` applied (worker ids and ``"prefill|decode"`` pair ids):
+
+1. No worker serves the model at all (usable or not) -> `Reject(..., 404)`.
+2. P/D: the decode candidates are the usable decode workers that have at least one usable
+   prefill worker of the **same engine** whose pair is not excluded. The decode selector picks
+   one, the `Decider` is asked whether to disaggregate (with the `CacheEstimator`'s guess of
+   what is already cached on that decode worker):
+   - yes -> the prefill selector picks among that engine's prefill workers -> `Disaggregated`;
+   - no  -> a colocated worker if there is one, else (vLLM) the decode worker prefills itself
+     (`Colocated(decode)`), else (SGLang decode cannot prefill alone) disaggregate anyway.
+3. No pair possible (no P/D pool, or every pair excluded): a colocated worker; else a usable
+   vLLM decode worker on its own (`Colocated(decode)`); else `Reject(..., 503)`.
+
+The role selectors (`RoleSelector`: usually a `Profile`) own the choice within a pool; this
+class owns only the order. It never mutates itself in `plan()`; `observe()` forwards events
+to the selectors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from policies.base import (
+    CacheEstimator,
+    Decider,
+    NoCacheEstimate,
+    NoCandidates,
+    NonCachedTokensDecider,
+    PolicyEvent,
+    RoleSelector,
+    pair_id,
+)
+from policies.snapshot import (
+    ClusterSnapshot,
+    Colocated,
+    Disaggregated,
+    Engine,
+    Plan,
+    Reject,
+    RequestView,
+    Role,
+    WorkerState,
+)
+
+
+class PDPolicy:
+    """A `Policy` built from three role selectors and a decider (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        decode: RoleSelector,
+        prefill: RoleSelector,
+        colocated: RoleSelector,
+        decider: Decider | None = None,
+        cache: CacheEstimator | None = None,
+    ) -> None:
+        self.name = name
+        self.decode = decode
+        self.prefill = prefill
+        self.colocated = colocated
+        self.decider: Decider = decider if decider is not None else NonCachedTokensDecider()
+        self.cache: CacheEstimator = cache if cache is not None else NoCacheEstimate()
+
+    def __repr__(self) -> str:
+        return f"PDPolicy(name={self.name!r})"
+
+    def plan(self, req: RequestView, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
+        model = req.model
+        if not any(w.serves(model) for w in snap.workers):
+            return Reject(f"unknown model {model!r}: no worker serves it", 404)
+        decodes = snap.pool(Role.DECODE, model, exclude)
+        prefills = snap.pool(Role.PREFILL, model, exclude)
+        colocated = snap.pool(Role.COLOCATED, model, exclude)
+
+        pairable = [d for d in decodes if _pair_prefills(d, prefills, exclude)]
+        while pairable:
+            decode = _select(self.decode, req, pairable)
+            if decode is None:
+                break
+            if not self.decider.should_disaggregate(req, decode, self.cache.cached_tokens(req, decode)):
+                worker = _select(self.colocated, req, colocated)
+                if worker is not None:
+                    return Colocated(worker, reason="decider: colocated")
+                if decode.engine is Engine.VLLM:
+                    return Colocated(decode, reason="decider: decode self-prefill")
+            prefill = _select(self.prefill, req, _pair_prefills(decode, prefills, exclude))
+            if prefill is not None:
+                return Disaggregated(prefill, decode)
+            # the prefill selector's filters refused every prefill for this decode: try another
+            pairable = [d for d in pairable if d.id != decode.id]
+
+        worker = _select(self.colocated, req, colocated)
+        if worker is not None:
+            return Colocated(worker, reason="no P/D pair")
+        worker = _select(self.decode, req, [d for d in decodes if d.engine is Engine.VLLM])
+        if worker is not None:
+            return Colocated(worker, reason="decode self-prefill")
+        return Reject(f"no usable worker for model {model!r}", 503)
+
+    def observe(self, event: PolicyEvent) -> None:
+        seen: set[int] = set()
+        for selector in (self.decode, self.prefill, self.colocated):
+            if id(selector) not in seen:
+                seen.add(id(selector))
+                selector.observe(event)
+
+
+def _pair_prefills(
+    decode: WorkerState, prefills: Sequence[WorkerState], exclude: frozenset[str]
+) -> list[WorkerState]:
+    """Prefill workers that can pair with `decode`: same engine, pair not excluded."""
+    return [p for p in prefills if p.engine is decode.engine and pair_id(p.id, decode.id) not in exclude]
+
+
+def _select(selector: RoleSelector, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState | None:
+    if not cands:
+        return None
+    try:
+        return selector.select(req, cands)
+    except NoCandidates:
+        return None

@@ -1,0 +1,54 @@
+"""`round_robin`: each role takes the next worker in id order after the one it routed to last.
+
+Algorithm: candidates are sorted by worker id; the picker keeps, per (role, model), the id of
+the last worker a `Routed` event reported for that role, and picks the first candidate whose id
+sorts after it (wrapping around). Keeping an id rather than an index means workers joining,
+leaving or being excluded never make it skip or repeat more than necessary.
+
+Parameters: none. Worker `weight` is ignored. The cursor advances only in `observe(Routed)`,
+so `plan()` stays a pure read: a caller that plans without reporting `Routed` gets the same
+worker again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from policies.base import PolicyEvent, Profile, Routed
+from policies.pd import PDPolicy
+from policies.snapshot import RequestView, Role, WorkerState
+
+
+class RoundRobinPicker:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[Role, str], str] = {}
+
+    def pick(self, req: RequestView, scored: Sequence[tuple[WorkerState, float]]) -> WorkerState:
+        cands = sorted((w for w, _ in scored), key=lambda w: w.id)
+        last = self._last.get((cands[0].role, req.model))
+        if last is not None:
+            for w in cands:
+                if w.id > last:
+                    return w
+        return cands[0]
+
+    def observe(self, event: PolicyEvent) -> None:
+        if isinstance(event, Routed):
+            for wid, role in zip(event.worker_ids, event.roles, strict=True):
+                self._last[(role, event.model)] = wid
+
+
+def round_robin_profile(name: str = "round_robin") -> Profile:
+    return Profile(name=name, picker=RoundRobinPicker())
+
+
+def make_policy() -> PDPolicy:
+    """A whole round-robin policy (one cursor per role)."""
+    return PDPolicy(
+        "round_robin",
+        decode=round_robin_profile(),
+        prefill=round_robin_profile(),
+        colocated=round_robin_profile(),
+    )
