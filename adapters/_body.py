@@ -21,7 +21,9 @@ def splice(body: bytes, extra: bytes) -> bytes:
     return inner + sep + extra + b"}"
 
 
-def rewrite(fields: dict[str, msgspec.Raw], drop: Iterable[str] = (), set_: dict[str, bytes] | None = None) -> bytes:
+def rewrite(
+    fields: dict[str, msgspec.Raw], drop: Iterable[str] = (), set_: dict[str, bytes] | None = None
+) -> bytes:
     """Re-encode a {key: raw} body with some keys dropped or replaced; other values stay byte for byte."""
     for k in drop:
         fields.pop(k, None)

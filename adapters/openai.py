@@ -31,6 +31,9 @@ class OpenAIAdapter:
     def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
         return req.body
 
+    def supports_pd(self, req: ParsedRequest) -> bool:
+        return False
+
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
         raise NotImplementedError("plain OpenAI-compatible servers have no P/D protocol")
 
@@ -50,7 +53,12 @@ class OpenAIAdapter:
         # vLLM and SGLang in normal mode publish their own names; read whichever is there.
         m = sum_metrics(
             metrics_text,
-            ("vllm:num_requests_running", "vllm:num_requests_waiting", "sglang:num_running_reqs", "sglang:num_queue_reqs"),
+            (
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "sglang:num_running_reqs",
+                "sglang:num_queue_reqs",
+            ),
         )
         return WorkerLoad(
             running=int(m.get("vllm:num_requests_running", 0.0) + m.get("sglang:num_running_reqs", 0.0)),

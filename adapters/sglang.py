@@ -118,6 +118,9 @@ class SGLangAdapter:
             return _body.splice(_body.rewrite(req.decode_dict(), drop=_OWNED), extra)
         return _body.splice(req.body, extra)
 
+    def supports_pd(self, req: ParsedRequest) -> bool:
+        return True
+
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
         return self._pd_body(req, ctx)
 
@@ -130,7 +133,11 @@ class SGLangAdapter:
         if status != 200:
             retryable = status >= 500 or status in (408, 429)
             return PrefillVerdict(
-                ok=False, reason=f"prefill answered HTTP {status}", retryable=retryable, status=status, body=body
+                ok=False,
+                reason=f"prefill answered HTTP {status}",
+                retryable=retryable,
+                status=status,
+                body=body,
             )
         payloads = list(_body.iter_sse_data(body)) if req.stream else [body]
         if not payloads:
@@ -152,14 +159,20 @@ class SGLangAdapter:
                                 status=code,
                                 body=payload,
                             )
-                        if out.meta_info and out.meta_info.prompt_tokens is not None and not isinstance(outs, list):
+                        if (
+                            out.meta_info
+                            and out.meta_info.prompt_tokens is not None
+                            and not isinstance(outs, list)
+                        ):
                             prompt_tokens = out.meta_info.prompt_tokens
                         if out.output_ids and first_token is None and not isinstance(outs, list):
                             first_token = out.output_ids[0]
                 else:
                     o = _oai_dec.decode(payload)
                     if o.error or o.object == "error":
-                        return PrefillVerdict(ok=False, reason="prefill sent an error event", status=500, body=payload)
+                        return PrefillVerdict(
+                            ok=False, reason="prefill sent an error event", status=500, body=payload
+                        )
                     for c in o.choices or ():
                         if c.finish_reason == "abort":
                             return PrefillVerdict(ok=False, reason="prefill aborted the request", status=500)
@@ -218,7 +231,9 @@ class SGLangAdapter:
             + m.get("sglang:num_decode_transfer_queue_reqs", 0.0)
         )
         return WorkerLoad(
-            running=int(m.get("sglang:num_running_reqs", 0.0) + m.get("sglang:num_prefill_inflight_queue_reqs", 0.0)),
+            running=int(
+                m.get("sglang:num_running_reqs", 0.0) + m.get("sglang:num_prefill_inflight_queue_reqs", 0.0)
+            ),
             waiting=int(waiting),
             kv_usage=m.get("sglang:token_usage", 0.0),
             cache_hit_rate=m.get("sglang:cache_hit_rate", 0.0),

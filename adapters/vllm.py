@@ -79,13 +79,24 @@ class VLLMAdapter:
             return _body.rewrite(req.decode_dict(), drop=("kv_transfer_params",))
         return req.body
 
+    def supports_pd(self, req: ParsedRequest) -> bool:
+        # One prefill answer carries one kv_transfer_params object: batches and n > 1 would hand the
+        # decode a single prompt's KV for several sequences.
+        return not req.is_batch and req.n == 1
+
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
         fields = req.decode_dict()
-        set_: dict[str, bytes] = {"stream": b"false", "max_tokens": b"1", "kv_transfer_params": PREFILL_KV_REQUEST}
+        set_: dict[str, bytes] = {
+            "stream": b"false",
+            "max_tokens": b"1",
+            "kv_transfer_params": PREFILL_KV_REQUEST,
+        }
         if "max_completion_tokens" in fields:
             set_["max_completion_tokens"] = b"1"
         return _body.rewrite(
-            fields, drop=("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params"), set_=set_
+            fields,
+            drop=("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params"),
+            set_=set_,
         )
 
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
@@ -101,7 +112,11 @@ class VLLMAdapter:
         if status != 200:
             retryable = status >= 500 or status in (408, 429)
             return PrefillVerdict(
-                ok=False, reason=f"prefill answered HTTP {status}", retryable=retryable, status=status, body=body
+                ok=False,
+                reason=f"prefill answered HTTP {status}",
+                retryable=retryable,
+                status=status,
+                body=body,
             )
         try:
             out = _prefill_dec.decode(body)
@@ -114,9 +129,13 @@ class VLLMAdapter:
         try:
             params = _params_dec.decode(raw)
         except msgspec.DecodeError:
-            return PrefillVerdict(ok=False, reason="prefill returned malformed kv_transfer_params", status=502)
+            return PrefillVerdict(
+                ok=False, reason="prefill returned malformed kv_transfer_params", status=502
+            )
         if not params.remote_engine_id or params.remote_block_ids is None:
-            return PrefillVerdict(ok=False, reason="kv_transfer_params lack engine id or block ids", status=502)
+            return PrefillVerdict(
+                ok=False, reason="kv_transfer_params lack engine id or block ids", status=502
+            )
         finish = out.choices[0].finish_reason if out.choices else None
         if finish not in ("length", "stop"):
             return PrefillVerdict(ok=False, reason=f"prefill finished with {finish!r}", status=502)

@@ -32,9 +32,15 @@ class Gateway:
             key = wc.api_key(os.environ)
             self.registry.add(
                 Worker(
-                    wc.worker_id, wc.url, wc.role, wc.engine,
-                    model=wc.model, bootstrap_port=wc.bootstrap_port, weight=wc.weight,
-                    labels=tuple(sorted(wc.labels.items())), connect_timeout_s=cfg.timeouts.connect_s,
+                    wc.worker_id,
+                    wc.url,
+                    wc.role,
+                    wc.engine,
+                    model=wc.model,
+                    bootstrap_port=wc.bootstrap_port,
+                    weight=wc.weight,
+                    labels=tuple(sorted(wc.labels.items())),
+                    connect_timeout_s=cfg.timeouts.connect_s,
                     authorization=f"Bearer {key}".encode() if key else None,
                 )
             )
@@ -45,25 +51,42 @@ class Gateway:
         self.metrics.watch_cluster(self.registry.snapshot)
         t, r = cfg.timeouts, cfg.retries
         self.orchestrator = Orchestrator(
-            self.registry, self.policy, self.metrics,
+            self.registry,
+            self.policy,
+            self.metrics,
             OrchestratorSettings(
-                timeouts=Timeouts(connect_s=t.connect_s, prefill_s=t.prefill_s, handoff_s=t.handoff_s,
-                                  idle_s=t.idle_s, total_s=t.total_s),
-                retries=RetrySettings(r.max_attempts, r.backoff_initial_s, r.backoff_max_s, r.multiplier, r.jitter),
+                timeouts=Timeouts(
+                    connect_s=t.connect_s,
+                    prefill_s=t.prefill_s,
+                    handoff_s=t.handoff_s,
+                    idle_s=t.idle_s,
+                    total_s=t.total_s,
+                ),
+                retries=RetrySettings(
+                    r.max_attempts, r.backoff_initial_s, r.backoff_max_s, r.multiplier, r.jitter
+                ),
                 chars_per_token=cfg.guards.chars_per_token_estimate,
                 forward_authorization=cfg.forward_authorization,
             ),
         )
         self.handlers = Handlers(
-            self.registry, self.orchestrator, self.metrics,
-            request_id_headers=cfg.request_id_headers, max_n=cfg.limits.max_n,
+            self.registry,
+            self.orchestrator,
+            self.metrics,
+            request_id_headers=cfg.request_id_headers,
+            max_n=cfg.limits.max_n,
             max_tokens_cap=cfg.limits.max_tokens_cap,
         )
         h = cfg.health
         self.health = HealthChecker(
             self.registry,
-            HealthSettings(interval_s=h.interval_s, timeout_s=h.timeout_s, failure_threshold=h.failure_threshold,
-                           success_threshold=h.success_threshold, scrape_interval_s=h.scrape_interval_s),
+            HealthSettings(
+                interval_s=h.interval_s,
+                timeout_s=h.timeout_s,
+                failure_threshold=h.failure_threshold,
+                success_threshold=h.success_threshold,
+                scrape_interval_s=h.scrape_interval_s,
+            ),
         )
         self.server: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -82,18 +105,35 @@ class Gateway:
         await self.health.probe_all()
         lim = self.cfg.limits
         self.server = await start_server(
-            self.handlers, self.cfg.listen.host, self.cfg.listen.port,
-            limits=ServerLimits(max_body_bytes=lim.max_body_bytes, max_header_bytes=lim.max_header_bytes,
-                                read_timeout_s=lim.read_timeout_s),
+            self.handlers,
+            self.cfg.listen.host,
+            self.cfg.listen.port,
+            limits=ServerLimits(
+                max_body_bytes=lim.max_body_bytes,
+                max_header_bytes=lim.max_header_bytes,
+                read_timeout_s=lim.read_timeout_s,
+            ),
         )
         self._tasks = [
             asyncio.create_task(self.health.run_probes(), name="health-probes"),
             asyncio.create_task(self.health.run_scrapes(), name="metric-scrapes"),
         ]
         snap = self.registry.snapshot()
-        log.info("gateway.started", url=self.url, policy=self.policy.name,
-                 workers=[{"id": w.id, "role": w.role.value, "engine": w.engine.value, "model": w.model,
-                           "healthy": w.healthy} for w in snap.workers])
+        log.info(
+            "gateway.started",
+            url=self.url,
+            policy=self.policy.name,
+            workers=[
+                {
+                    "id": w.id,
+                    "role": w.role.value,
+                    "engine": w.engine.value,
+                    "model": w.model,
+                    "healthy": w.healthy,
+                }
+                for w in snap.workers
+            ],
+        )
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop accepting, let in-flight requests finish for `grace_s`, then cancel the rest

@@ -20,8 +20,17 @@ class BreakerState(enum.StrEnum):
 
 
 class CircuitBreaker:
-    __slots__ = ("_clock", "_failures", "_open_s", "_opened_at", "_successes", "_trial", "failure_threshold",
-                 "state", "success_threshold")
+    __slots__ = (
+        "_clock",
+        "_failures",
+        "_open_s",
+        "_opened_at",
+        "_successes",
+        "_trial",
+        "failure_threshold",
+        "state",
+        "success_threshold",
+    )
 
     def __init__(
         self,

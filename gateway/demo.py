@@ -43,18 +43,40 @@ Metrics: {url}/metrics   Readiness: {url}/readiness   Ctrl-C stops everything.
 """
 
 
-async def start_cluster(time_scale: float, profile: str | None) -> tuple[list[EmulatorHandle], list[WorkerConfig]]:
+async def start_cluster(
+    time_scale: float, profile: str | None
+) -> tuple[list[EmulatorHandle], list[WorkerConfig]]:
     extra = {"profile": profile} if profile else {}
     specs = [
-        ("sglang-prefill", EmulatorSpec(engine="sglang", role="prefill", model="demo-sglang", bootstrap_port=0,
-                                        time_scale=time_scale, **extra)),
-        ("sglang-decode", EmulatorSpec(engine="sglang", role="decode", model="demo-sglang", time_scale=time_scale,
-                                       **extra)),
-        ("vllm-prefill", EmulatorSpec(engine="vllm", role="prefill", model="demo-vllm", kv_port=0,
-                                      time_scale=time_scale, **extra)),
-        ("vllm-decode", EmulatorSpec(engine="vllm", role="decode", model="demo-vllm", time_scale=time_scale, **extra)),
-        ("colocated", EmulatorSpec(engine="vllm", role="both", model="demo-colocated", time_scale=time_scale,
-                                   **extra)),
+        (
+            "sglang-prefill",
+            EmulatorSpec(
+                engine="sglang",
+                role="prefill",
+                model="demo-sglang",
+                bootstrap_port=0,
+                time_scale=time_scale,
+                **extra,
+            ),
+        ),
+        (
+            "sglang-decode",
+            EmulatorSpec(engine="sglang", role="decode", model="demo-sglang", time_scale=time_scale, **extra),
+        ),
+        (
+            "vllm-prefill",
+            EmulatorSpec(
+                engine="vllm", role="prefill", model="demo-vllm", kv_port=0, time_scale=time_scale, **extra
+            ),
+        ),
+        (
+            "vllm-decode",
+            EmulatorSpec(engine="vllm", role="decode", model="demo-vllm", time_scale=time_scale, **extra),
+        ),
+        (
+            "colocated",
+            EmulatorSpec(engine="vllm", role="both", model="demo-colocated", time_scale=time_scale, **extra),
+        ),
     ]
     handles: list[EmulatorHandle] = []
     workers: list[WorkerConfig] = []
@@ -66,7 +88,10 @@ async def start_cluster(time_scale: float, profile: str | None) -> tuple[list[Em
         role = roles[spec.role]
         workers.append(
             WorkerConfig(
-                url=h.url, role=role, engine=engine, id=name,
+                url=h.url,
+                role=role,
+                engine=engine,
+                id=name,
                 bootstrap_port=h.bootstrap_port if engine is Engine.SGLANG and role is Role.PREFILL else None,
             )
         )
@@ -75,8 +100,9 @@ async def start_cluster(time_scale: float, profile: str | None) -> tuple[list[Em
 
 async def amain(host: str, port: int, time_scale: float, profile: str | None, log_level: str) -> None:
     handles, workers = await start_cluster(time_scale, profile)
-    gw = Gateway(GatewayConfig(listen=ListenConfig(host=host, port=port), workers=tuple(workers),
-                               log_level=log_level))  # type: ignore[arg-type]
+    gw = Gateway(
+        GatewayConfig(listen=ListenConfig(host=host, port=port), workers=tuple(workers), log_level=log_level)
+    )  # type: ignore[arg-type]
     await gw.start()
     print(f"pd-gateway demo: gateway on {gw.url} in front of {len(handles)} emulated workers")
     for w, h in zip(workers, handles, strict=True):
@@ -96,12 +122,15 @@ async def amain(host: str, port: int, time_scale: float, profile: str | None, lo
 
 
 def main(argv: Sequence[str]) -> int:
-    ap = argparse.ArgumentParser(prog="pd-gateway demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="pd-gateway demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--time-scale", type=float, default=0.05, help="emulator delay scale (0 = no delays)")
-    ap.add_argument("--profile", default=None, help="emulator timing profile (see `pd-gateway emulate --help`)")
+    ap.add_argument(
+        "--profile", default=None, help="emulator timing profile (see `pd-gateway emulate --help`)"
+    )
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(list(argv))
     configure(args.log_level)

@@ -30,7 +30,7 @@ class ErrorDetail(msgspec.Struct):
     message: str
     type: str
     param: str | None = None
-    code: str | None = None
+    code: str | int | None = None
 
 
 class ErrorBody(msgspec.Struct):
@@ -137,21 +137,49 @@ class KVIntegrityError(UpstreamFailure):
     code = ErrorCode.KV_INTEGRITY
 
 
+class _EngineError(msgspec.Struct):
+    """The shapes engines use: OpenAI's nested one, SGLang's flat one, or vLLM's."""
+
+    error: ErrorDetail | str | None = None
+    message: str | None = None
+    type: str | None = None
+    param: str | None = None
+    code: str | int | None = None
+    detail: str | None = None
+
+
 class UpstreamRejected(GatewayError):
-    """The engine answered 4xx: the request itself is at fault; passed to the client as is."""
+    """The engine answered 4xx: the request itself is at fault. Its message reaches the client,
+    in OpenAI's error shape whatever shape the engine used (SGLang's OpenAI routes answer a flat
+    `{"object": "error", "message": ...}`)."""
 
     retryable = False
+    type = "invalid_request_error"
 
     def __init__(self, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
-        super().__init__(f"engine answered {status}", status=status)
-        self.raw_body = body
-        self.content_type = content_type
+        message, param, code = _engine_message(body)
+        super().__init__(message, status=status, param=param)
+        self.engine_code = code
 
     def body(self) -> bytes:
-        return self.raw_body
+        return error_body(
+            self.message,
+            self.type,
+            self.engine_code if self.engine_code is not None else self.status,
+            self.param,
+        )
 
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [(b"content-type", self.content_type)]
+
+def _engine_message(body: bytes) -> tuple[str, str | None, str | int | None]:
+    try:
+        e = msgspec.json.decode(body, type=_EngineError)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        text = body.decode("utf-8", "replace").strip()[:2000]
+        return text or "the engine rejected the request", None, None
+    if isinstance(e.error, ErrorDetail):
+        return e.error.message, e.error.param, e.error.code
+    msg = e.message or (e.error if isinstance(e.error, str) else None) or e.detail
+    return msg or "the engine rejected the request", e.param, e.code
 
 
 def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> bytes:

@@ -104,12 +104,17 @@ class Handlers:
         ctype = req.header(b"content-type")
         try:
             if ctype is not None and b"json" not in ctype.lower():
-                raise BadRequest(f"unsupported content-type {ctype.decode(errors='replace')!r}; send application/json")
+                raise BadRequest(
+                    f"unsupported content-type {ctype.decode(errors='replace')!r}; send application/json"
+                )
             models = self.registry.snapshot().models()
             parsed = parse_request(
-                route, req.path, req.body,
+                route,
+                req.path,
+                req.body,
                 default_model=models[0] if len(models) == 1 else None,
-                max_n=self.max_n, max_tokens_cap=self.max_tokens_cap,
+                max_n=self.max_n,
+                max_tokens_cap=self.max_tokens_cap,
             )
         except GatewayError as e:
             self.metrics.child(self.metrics.requests, route.value, "", "none", e.code.value).inc()
@@ -133,8 +138,14 @@ class Handlers:
         cards = []
         for m in snap.models():
             limits = [w.context_length for w in snap.workers if w.model == m and w.context_length]
-            cards.append(ModelCard(id=m, created=self.started, max_model_len=min(limits) if limits else None,
-                                   routes=_routes(snap, m)))
+            cards.append(
+                ModelCard(
+                    id=m,
+                    created=self.started,
+                    max_model_len=min(limits) if limits else None,
+                    routes=_routes(snap, m),
+                )
+            )
         res.send(200, [JSON], _encoder.encode(ModelList(data=cards)))
 
     def metrics_page(self, req: HttpRequest, res: HttpResponder) -> None:

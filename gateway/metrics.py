@@ -25,35 +25,55 @@ class GatewayMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "pdgw_requests", "Client requests by route, model, plan kind and outcome",
-            ("route", "model", "plan", "outcome"), registry=r,
-        )
-        self.e2e = Histogram(
-            "pdgw_request_duration_seconds", "End-to-end request latency", ("route", "plan"),
-            buckets=_LAT_BUCKETS, registry=r,
-        )
-        self.ttft = Histogram(
-            "pdgw_time_to_first_token_seconds", "Time from request to the first body byte sent to the client",
-            ("route", "plan"), buckets=_LAT_BUCKETS, registry=r,
-        )
-        self.itl = Histogram(
-            "pdgw_inter_token_latency_seconds", "Mean gap between streamed chunks, one observation per request",
-            ("route", "plan"), buckets=_ITL_BUCKETS, registry=r,
-        )
-        self.phase = Histogram(
-            "pdgw_phase_duration_seconds", "Duration of each handoff phase (prefill, handoff, decode)",
-            ("phase",), buckets=_LAT_BUCKETS, registry=r,
-        )
-        self.upstream_errors = Counter(
-            "pdgw_upstream_errors", "Engine failures by worker, phase and code", ("worker", "phase", "code"),
+            "pdgw_requests",
+            "Client requests by route, model, plan kind and outcome",
+            ("route", "model", "plan", "outcome"),
             registry=r,
         )
-        self.retries = Counter("pdgw_retries", "Attempts retried on another worker or pair", ("reason",), registry=r)
+        self.e2e = Histogram(
+            "pdgw_request_duration_seconds",
+            "End-to-end request latency",
+            ("route", "plan"),
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdgw_time_to_first_token_seconds",
+            "Time from request to the first body byte sent to the client",
+            ("route", "plan"),
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdgw_inter_token_latency_seconds",
+            "Mean gap between streamed chunks, one observation per request",
+            ("route", "plan"),
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.phase = Histogram(
+            "pdgw_phase_duration_seconds",
+            "Duration of each handoff phase (prefill, handoff, decode)",
+            ("phase",),
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "pdgw_upstream_errors",
+            "Engine failures by worker, phase and code",
+            ("worker", "phase", "code"),
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdgw_retries", "Attempts retried on another worker or pair", ("reason",), registry=r
+        )
         self.fallbacks = Counter("pdgw_fallbacks", "Fallback ladder rungs taken", ("rung",), registry=r)
         self.guard_failures = Counter(
             "pdgw_guard_failures", "KV-integrity guard failures", ("guard", "stage"), registry=r
         )
-        self.aborts_sent = Counter("pdgw_engine_aborts", "Abort calls sent to engines", ("engine",), registry=r)
+        self.aborts_sent = Counter(
+            "pdgw_engine_aborts", "Abort calls sent to engines", ("engine",), registry=r
+        )
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
@@ -77,7 +97,9 @@ class _ClusterCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self._snapshot()
         labels = ["worker", "role", "engine", "model"]
-        inflight = GaugeMetricFamily("pdgw_worker_inflight", "Requests the gateway has in flight per worker", labels=labels)
+        inflight = GaugeMetricFamily(
+            "pdgw_worker_inflight", "Requests the gateway has in flight per worker", labels=labels
+        )
         healthy = GaugeMetricFamily("pdgw_worker_healthy", "1 when the worker is usable", labels=labels)
         waiting = GaugeMetricFamily("pdgw_worker_queue", "Engine-reported waiting requests", labels=labels)
         kv = GaugeMetricFamily("pdgw_worker_kv_usage", "Engine-reported KV cache usage (0..1)", labels=labels)

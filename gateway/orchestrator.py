@@ -111,7 +111,11 @@ class Orchestrator:
     # -- entry ---------------------------------------------------------------------------------
 
     def view(self, req: ParsedRequest, request_id: str) -> RequestView:
-        units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / self.settings.chars_per_token) + 1
+        units = (
+            req.prompt_units
+            if req.prompt_is_ids
+            else int(req.prompt_units / self.settings.chars_per_token) + 1
+        )
         return RequestView(
             request_id=request_id,
             model=req.model,
@@ -124,7 +128,9 @@ class Orchestrator:
             session_key=req.fields.session_id or req.fields.user,
         )
 
-    async def serve(self, req: ParsedRequest, request_id: str, res: HttpResponder, auth: bytes | None) -> None:
+    async def serve(
+        self, req: ParsedRequest, request_id: str, res: HttpResponder, auth: bytes | None
+    ) -> None:
         started = time.monotonic()
         headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
         if auth is not None and self.settings.forward_authorization:
@@ -147,20 +153,31 @@ class Orchestrator:
                         self.policy.observe(routed_event(view, plan))
                     try:
                         await self._execute(plan, req, request_id, res, headers, view, a)
-                        self.policy.observe(Completed(
-                            request_id, plan_worker_ids(plan),
-                            ttft_s=(a.first_byte_at - started) if a.first_byte_at else None,
-                        ))
+                        self.policy.observe(
+                            Completed(
+                                request_id,
+                                plan_worker_ids(plan),
+                                ttft_s=(a.first_byte_at - started) if a.first_byte_at else None,
+                            )
+                        )
                         return
                     except UpstreamFailure as e:
                         self.policy.observe(Failed(request_id, plan_worker_ids(plan), e.phase))
-                        self.metrics.child(self.metrics.upstream_errors, e.worker or "", e.phase, e.code.value).inc()
+                        self.metrics.child(
+                            self.metrics.upstream_errors, e.worker or "", e.phase, e.code.value
+                        ).inc()
                         if res.started or attempt_no >= self.settings.retries.max_attempts:
                             raise
                         exclude.update(_blame(plan, e))
                         self.metrics.child(self.metrics.retries, e.phase).inc()
-                        log.info("request.retry", request_id=request_id, attempt=attempt_no, phase=e.phase,
-                                 worker=e.worker, error=e.message)
+                        log.info(
+                            "request.retry",
+                            request_id=request_id,
+                            attempt=attempt_no,
+                            phase=e.phase,
+                            worker=e.worker,
+                            error=e.message,
+                        )
                         await asyncio.sleep(backoff_s(attempt_no, self.settings.retries, self.rng))
         except TimeoutError:
             outcome = "timeout"
@@ -179,8 +196,15 @@ class Orchestrator:
             if a.first_byte_at:
                 self.metrics.child(self.metrics.ttft, route, a.plan_kind).observe(a.first_byte_at - started)
             log.info(
-                "request.done", request_id=request_id, model=req.model, route=route, plan=a.plan_kind,
-                prefill=a.prefill, decode=a.decode, attempts=attempt_no, outcome=outcome,
+                "request.done",
+                request_id=request_id,
+                model=req.model,
+                route=route,
+                plan=a.plan_kind,
+                prefill=a.prefill,
+                decode=a.decode,
+                attempts=attempt_no,
+                outcome=outcome,
                 duration_ms=round((end - started) * 1000, 3),
                 ttft_ms=round((a.first_byte_at - started) * 1000, 3) if a.first_byte_at else None,
             )
@@ -219,8 +243,16 @@ class Orchestrator:
             return
         p = self.registry.get(plan.prefill.id)
         d = self.registry.get(plan.decode.id)
+        if not d.adapter.supports_pd(req):
+            # e.g. a vLLM batch: the decode worker (kv_both) serves it alone, correctly
+            a.plan_kind, a.decode = "decode_self_prefill", d.id
+            self.metrics.child(self.metrics.fallbacks, "decode_self_prefill").inc()
+            await self._colocated(d, req, request_id, res, headers, tokens, a)
+            return
         a.plan_kind, a.prefill, a.decode = "disaggregated", p.id, d.id
-        ctx = HandoffCtx(request_id=request_id, prefill=plan.prefill, decode=plan.decode, room=new_room(self.rng))
+        ctx = HandoffCtx(
+            request_id=request_id, prefill=plan.prefill, decode=plan.decode, room=new_room(self.rng)
+        )
         if d.adapter.handoff is HandoffMode.CONCURRENT:
             await self._concurrent(p, d, ctx, req, res, headers, view, tokens, a)
         elif d.adapter.handoff is HandoffMode.SEQUENTIAL:
@@ -245,10 +277,11 @@ class Orchestrator:
         try:
             try:
                 async with asyncio.timeout(self.settings.timeouts.prefill_s):
-                    resp = await w.pool.request("POST", req.path, headers, body)
+                    resp = await w.pool.request("POST", req.path, _for(w, headers), body)
             except TimeoutError:
-                raise UpstreamTimeout(f"worker {w.id} sent no response headers in time", phase="first_byte",
-                                      worker=w.id) from None
+                raise UpstreamTimeout(
+                    f"worker {w.id} sent no response headers in time", phase="first_byte", worker=w.id
+                ) from None
             await self._relay(resp, w, req, res, a, phase="colocated")
             ok = True
         except (UpstreamConnectError, UpstreamProtocolError) as e:
@@ -279,8 +312,10 @@ class Orchestrator:
         self.registry.acquire(p, view.prompt_tokens)
         self.registry.acquire(d, tokens)
         pair = self.registry.pair_breaker(p.id, d.id)
-        prefill_task = asyncio.ensure_future(self._call_whole(p, req.path, headers, pbody, "prefill"))
-        decode_task = asyncio.ensure_future(d.pool.request("POST", req.path, headers, dbody))
+        prefill_task = asyncio.ensure_future(
+            self._call_whole(p, req.path, _for(p, headers), pbody, "prefill")
+        )
+        decode_task = asyncio.ensure_future(d.pool.request("POST", req.path, _for(d, headers), dbody))
         resp: UpstreamResponse | None = None
         ok_p = ok_d = False
         t0 = time.monotonic()
@@ -289,8 +324,9 @@ class Orchestrator:
                 async with asyncio.timeout(t.prefill_s):
                     status, prefill_out = await self._await_prefill(prefill_task, decode_task, d, req, res)
             except TimeoutError:
-                raise UpstreamTimeout(f"prefill {p.id} gave no verdict within {t.prefill_s:g}s", phase="prefill",
-                                      worker=p.id) from None
+                raise UpstreamTimeout(
+                    f"prefill {p.id} gave no verdict within {t.prefill_s:g}s", phase="prefill", worker=p.id
+                ) from None
             a.prefill_done_at = time.monotonic()
             self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
             verdict = p.adapter.judge_prefill(req, status, prefill_out)
@@ -301,15 +337,21 @@ class Orchestrator:
                 async with asyncio.timeout(t.handoff_s):
                     resp = await decode_task
             except TimeoutError:
-                raise UpstreamTimeout(f"decode {d.id} sent no response headers within {t.handoff_s:g}s of the "
-                                      "prefill's verdict", phase="handoff", worker=d.id) from None
+                raise UpstreamTimeout(
+                    f"decode {d.id} sent no response headers within {t.handoff_s:g}s of the "
+                    "prefill's verdict",
+                    phase="handoff",
+                    worker=d.id,
+                ) from None
             except (UpstreamConnectError, UpstreamProtocolError) as e:
                 raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
             self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
             merge = None
             if req.return_logprob:
+
                 def merge(body: bytes) -> bytes:
                     return d.adapter.merge_decode_body(req, prefill_out, body)
+
             await self._relay(resp, d, req, res, a, phase="decode", transform=merge)
             ok_d = True
         finally:
@@ -378,10 +420,11 @@ class Orchestrator:
         try:
             try:
                 async with asyncio.timeout(t.prefill_s):
-                    status, out = await self._call_whole(p, req.path, headers, pbody, "prefill")
+                    status, out = await self._call_whole(p, req.path, _for(p, headers), pbody, "prefill")
             except TimeoutError:
-                raise UpstreamTimeout(f"prefill {p.id} did not answer within {t.prefill_s:g}s", phase="prefill",
-                                      worker=p.id) from None
+                raise UpstreamTimeout(
+                    f"prefill {p.id} did not answer within {t.prefill_s:g}s", phase="prefill", worker=p.id
+                ) from None
             verdict = p.adapter.judge_prefill(req, status, out)
             if not verdict.ok:
                 raise _prefill_error(p, verdict)
@@ -398,10 +441,13 @@ class Orchestrator:
         try:
             try:
                 async with asyncio.timeout(t.handoff_s):
-                    resp = await d.pool.request("POST", req.path, headers, dbody)
+                    resp = await d.pool.request("POST", req.path, _for(d, headers), dbody)
             except TimeoutError:
-                raise UpstreamTimeout(f"decode {d.id} sent no response headers within {t.handoff_s:g}s",
-                                      phase="handoff", worker=d.id) from None
+                raise UpstreamTimeout(
+                    f"decode {d.id} sent no response headers within {t.handoff_s:g}s",
+                    phase="handoff",
+                    worker=d.id,
+                ) from None
             except (UpstreamConnectError, UpstreamProtocolError) as e:
                 raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
             self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
@@ -477,8 +523,9 @@ class Orchestrator:
                 await resp.pipe(sink, flow=res)
         except TimeoutError:
             resp.abort()
-            raise UpstreamTimeout(f"worker {w.id} sent nothing for {idle:g}s mid-stream", phase="idle",
-                                  worker=w.id) from None
+            raise UpstreamTimeout(
+                f"worker {w.id} sent nothing for {idle:g}s mid-stream", phase="idle", worker=w.id
+            ) from None
         except UpstreamProtocolError as e:
             raise UpstreamFailure(f"worker {w.id} broke the stream: {e}", phase=phase, worker=w.id) from None
         resp.release()
@@ -489,7 +536,9 @@ class Orchestrator:
             )
         res.end()
 
-    def _abort_leg(self, w: Worker, resp: UpstreamResponse | None, req: ParsedRequest, request_id: str) -> None:
+    def _abort_leg(
+        self, w: Worker, resp: UpstreamResponse | None, req: ParsedRequest, request_id: str
+    ) -> None:
         """Stop an engine working on a request nobody will read: close the connection, and send
         the engine's abort call where it has one."""
         if resp is not None:
@@ -511,9 +560,16 @@ class Orchestrator:
         except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
             log.warning("abort.failed", worker=w.id, error=str(e))
 
-    async def drain_background(self, timeout: float = 5.0) -> None:
+    async def drain_background(self, within_s: float = 5.0) -> None:
         if self._background:
-            await asyncio.wait(list(self._background), timeout=timeout)
+            await asyncio.wait(list(self._background), timeout=within_s)
+
+
+def _for(w: Worker, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The engine-bound headers, with the worker's own API key when it has one."""
+    if w.authorization is None:
+        return headers
+    return [*(h for h in headers if h[0] != b"authorization"), (b"authorization", w.authorization)]
 
 
 def _blame(plan: Colocated | Disaggregated | Reject, e: UpstreamFailure) -> set[str]:
@@ -530,7 +586,9 @@ def _upstream_status_error(
     status: int, body: bytes, w: Worker, phase: str, ctype: bytes = b"application/json"
 ) -> GatewayError:
     if status >= 500 or status in (408, 429):
-        return UpstreamFailure(f"worker {w.id} answered HTTP {status}: {body[:200]!r}", phase=phase, worker=w.id)
+        return UpstreamFailure(
+            f"worker {w.id} answered HTTP {status}: {body[:200]!r}", phase=phase, worker=w.id
+        )
     return UpstreamRejected(status, body, ctype)
 
 

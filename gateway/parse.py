@@ -92,17 +92,20 @@ class ParsedRequest:
         self.include_usage = bool(f.stream_options and f.stream_options.include_usage)
         self.return_logprob = bool(f.return_logprob)
         self.has_owned_fields = (
-            bool(f.bootstrap_host) or bool(f.bootstrap_port) or bool(f.bootstrap_room) or bool(f.kv_transfer_params)
+            bool(f.bootstrap_host)
+            or bool(f.bootstrap_port)
+            or bool(f.bootstrap_room)
+            or bool(f.kv_transfer_params)
         )
         sp = f.sampling_params
         if route is RouteKind.GENERATE:
             explicit = sp.max_new_tokens if sp else None
             temperature = sp.temperature if sp else None
             top_k = sp.top_k if sp else None
-            n = (sp.n if sp else None) or 1
+            n = 1 if sp is None or sp.n is None else sp.n
         else:
             explicit = f.max_completion_tokens if f.max_completion_tokens is not None else f.max_tokens
-            temperature, top_k, n = f.temperature, f.top_k, f.n or 1
+            temperature, top_k, n = f.temperature, f.top_k, (1 if f.n is None else f.n)
         self.max_tokens: int | None = explicit
         self.n = n
         self.greedy = temperature == 0 or top_k == 1
@@ -119,7 +122,13 @@ class ParsedRequest:
 
 
 def parse_request(
-    route: RouteKind, path: str, body: bytes, *, default_model: str | None, max_n: int, max_tokens_cap: int | None
+    route: RouteKind,
+    path: str,
+    body: bytes,
+    *,
+    default_model: str | None,
+    max_n: int,
+    max_tokens_cap: int | None,
 ) -> ParsedRequest:
     if not body.strip():
         raise BadRequest("request body is empty; expected a JSON object")
@@ -181,7 +190,9 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool]
     if head == b'"':
         return 1, False, len(data), False
     if head != b"[":
-        raise BadRequest("the prompt must be a string, a list of strings or a list of token ids", param="prompt")
+        raise BadRequest(
+            "the prompt must be a string, a list of strings or a list of token ids", param="prompt"
+        )
     value = _any_decoder.decode(data)
     if not value:
         raise BadRequest("the prompt must not be empty", param="prompt")

@@ -30,9 +30,30 @@ class BreakerSettings(msgspec.Struct, frozen=True):
 class Worker:
     """Mutable runtime state of one worker. Only the registry's owner mutates it."""
 
-    __slots__ = ("adapter", "authorization", "bootstrap_port", "breaker", "configured_model", "draining",
-                 "engine", "healthy", "host", "id", "inflight", "inflight_tokens", "info", "labels", "load",
-                 "pool", "port", "probe_failures", "probe_successes", "role", "url", "weight")
+    __slots__ = (
+        "adapter",
+        "authorization",
+        "bootstrap_port",
+        "breaker",
+        "configured_model",
+        "draining",
+        "engine",
+        "healthy",
+        "host",
+        "id",
+        "inflight",
+        "inflight_tokens",
+        "info",
+        "labels",
+        "load",
+        "pool",
+        "port",
+        "probe_failures",
+        "probe_successes",
+        "role",
+        "url",
+        "weight",
+    )
 
     def __init__(
         self,
@@ -90,7 +111,9 @@ class Worker:
             draining=self.draining,
             context_length=self.info.context_length,
             max_input_len=self.info.max_input_len,
-            bootstrap_port=self.bootstrap_port if self.bootstrap_port is not None else self.info.bootstrap_port,
+            bootstrap_port=self.bootstrap_port
+            if self.bootstrap_port is not None
+            else self.info.bootstrap_port,
             weight=self.weight,
             labels=self.labels,
             inflight=self.inflight,

@@ -27,7 +27,10 @@ def main(argv: Sequence[str]) -> int:
         print(f"pd-gateway serve: {e}", file=sys.stderr)
         return 2
     if not cfg.workers:
-        print("pd-gateway serve: no workers; give --prefill/--decode/--worker or a --config file", file=sys.stderr)
+        print(
+            "pd-gateway serve: no workers; give --prefill/--decode/--worker or a --config file",
+            file=sys.stderr,
+        )
         return 2
     configure(cfg.log_level, cfg.log_json)
     install_uvloop()

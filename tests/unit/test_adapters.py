@@ -32,14 +32,20 @@ def endpoints() -> dict[str, str]:
 
 
 def parsed(route: RouteKind, body: dict[str, Any]) -> Any:
-    path = {RouteKind.GENERATE: "/generate", RouteKind.CHAT: "/v1/chat/completions",
-            RouteKind.COMPLETIONS: "/v1/completions"}[route]
-    return parse_request(route, path, json.dumps(body).encode(), default_model="m", max_n=8, max_tokens_cap=None)
+    path = {
+        RouteKind.GENERATE: "/generate",
+        RouteKind.CHAT: "/v1/chat/completions",
+        RouteKind.COMPLETIONS: "/v1/completions",
+    }[route]
+    return parse_request(
+        route, path, json.dumps(body).encode(), default_model="m", max_n=8, max_tokens_cap=None
+    )
 
 
 def ctx(engine: Engine, room: int = 42, bootstrap_port: int | None = 31590) -> HandoffCtx:
-    p = WorkerState(id="p", url="http://127.0.0.1:31580", role=Role.PREFILL, engine=engine,
-                    bootstrap_port=bootstrap_port)
+    p = WorkerState(
+        id="p", url="http://127.0.0.1:31580", role=Role.PREFILL, engine=engine, bootstrap_port=bootstrap_port
+    )
     d = WorkerState(id="d", url="http://127.0.0.1:31581", role=Role.DECODE, engine=engine)
     return HandoffCtx(request_id="req-1", prefill=p, decode=d, room=room)
 
@@ -76,13 +82,22 @@ def test_sglang_batch_sends_scalar_room_and_no_rid() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["sglang_generate_nonstream.json", "sglang_generate_stream.json", "sglang_completions_nonstream.json",
-             "sglang_chat_stream_usage.json"]
+    "name",
+    [
+        "sglang_generate_nonstream.json",
+        "sglang_generate_stream.json",
+        "sglang_completions_nonstream.json",
+        "sglang_chat_stream_usage.json",
+    ],
 )
 def test_sglang_real_prefill_answers_are_judged_sound(name: str) -> None:
     cap = capture(name)
     body = dict(cap["prefill"]["request"]["body"])
-    route = RouteKind.GENERATE if "generate" in name else (RouteKind.CHAT if "chat" in name else RouteKind.COMPLETIONS)
+    route = (
+        RouteKind.GENERATE
+        if "generate" in name
+        else (RouteKind.CHAT if "chat" in name else RouteKind.COMPLETIONS)
+    )
     req = parsed(route, body)
     v = SGL.judge_prefill(req, cap["prefill"]["status"], cap["prefill"]["raw_body"].encode())
     assert v.ok, v.reason
@@ -95,9 +110,19 @@ def test_sglang_real_prefill_answers_are_judged_sound(name: str) -> None:
 
 def test_sglang_prefill_abort_event_on_a_200_stream_is_a_failure() -> None:
     # The #30233 shape seen on real 0.5.23: HTTP 200, one event with finish_reason abort, prompt_tokens 1.
-    event = {"text": "", "output_ids": [], "meta_info": {"prompt_tokens": 1, "finish_reason": {
-        "type": "abort", "message": "Input length (1100 tokens) exceeds the maximum allowed length (1018 tokens).",
-        "status_code": 400, "err_type": "BadRequestError"}}}
+    event = {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {
+            "prompt_tokens": 1,
+            "finish_reason": {
+                "type": "abort",
+                "message": "Input length (1100 tokens) exceeds the maximum allowed length (1018 tokens).",
+                "status_code": 400,
+                "err_type": "BadRequestError",
+            },
+        },
+    }
     raw = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
     req = parsed(RouteKind.GENERATE, {"text": "x", "stream": True})
     v = SGL.judge_prefill(req, 200, raw)
@@ -132,8 +157,9 @@ def test_sglang_load_and_info_from_real_endpoints() -> None:
 # ---- vLLM -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["vllm_completions_nonstream.json", "vllm_chat_nonstream.json",
-                                  "vllm_chat_stream_usage.json"])
+@pytest.mark.parametrize(
+    "name", ["vllm_completions_nonstream.json", "vllm_chat_nonstream.json", "vllm_chat_stream_usage.json"]
+)
 def test_vllm_handoff_bodies_match_the_real_exchange(name: str) -> None:
     cap = capture(name)
     client = dict(cap["single"]["request"]["body"])
@@ -166,9 +192,17 @@ def test_vllm_params_are_forwarded_byte_for_byte() -> None:
     ("body", "why"),
     [
         ({"choices": [{"finish_reason": "length"}], "kv_transfer_params": None}, "no kv_transfer_params"),
-        ({"choices": [{"finish_reason": "length"}], "kv_transfer_params": {"remote_block_ids": [[1]]}}, "lack"),
-        ({"choices": [{"finish_reason": "abort"}], "kv_transfer_params": {"remote_engine_id": "e",
-                                                                         "remote_block_ids": [[1]]}}, "finished"),
+        (
+            {"choices": [{"finish_reason": "length"}], "kv_transfer_params": {"remote_block_ids": [[1]]}},
+            "lack",
+        ),
+        (
+            {
+                "choices": [{"finish_reason": "abort"}],
+                "kv_transfer_params": {"remote_engine_id": "e", "remote_block_ids": [[1]]},
+            },
+            "finished",
+        ),
     ],
 )
 def test_vllm_unsound_prefill_answers_are_refused(body: dict[str, Any], why: str) -> None:
@@ -178,7 +212,9 @@ def test_vllm_unsound_prefill_answers_are_refused(body: dict[str, Any], why: str
 
 
 def test_vllm_client_kv_transfer_params_never_reach_an_engine() -> None:
-    req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "x", "kv_transfer_params": {"remote_engine_id": "z"}})
+    req = parsed(
+        RouteKind.COMPLETIONS, {"model": "m", "prompt": "x", "kv_transfer_params": {"remote_engine_id": "z"}}
+    )
     assert b"kv_transfer_params" not in VLLM.colocated_body(req, "r")
     assert b'"z"' not in VLLM.prefill_body(req, ctx(Engine.VLLM))
     assert b'"z"' not in VLLM.decode_body(req, ctx(Engine.VLLM), None)
@@ -214,6 +250,12 @@ def test_parse_errors_name_the_field() -> None:
         parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": "many"})
     assert e.value.param == "max_tokens"
     with pytest.raises(BadRequest):
-        parse_request(RouteKind.CHAT, "/v1/chat/completions", b"{not json", default_model=None, max_n=1,
-                      max_tokens_cap=None)
+        parse_request(
+            RouteKind.CHAT,
+            "/v1/chat/completions",
+            b"{not json",
+            default_model=None,
+            max_n=1,
+            max_tokens_cap=None,
+        )
     assert msgspec.json.decode(e.value.body())["error"]["type"] == "invalid_request_error"

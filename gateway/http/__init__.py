@@ -1,0 +1,23 @@
+"""The data plane: an HTTP/1.1 server and an upstream client pool on raw asyncio Protocols +
+httptools. See docs/architecture.md."""
+
+from .client import FlowControl, UpstreamPool, UpstreamResponse
+from .errors import UpstreamConnectError, UpstreamError, UpstreamProtocolError, error_body
+from .limits import ServerLimits
+from .server import Handler, HttpRequest, HttpResponder, HttpServer, start_server
+
+__all__ = [
+    "FlowControl",
+    "Handler",
+    "HttpRequest",
+    "HttpResponder",
+    "HttpServer",
+    "ServerLimits",
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamProtocolError",
+    "UpstreamResponse",
+    "error_body",
+    "start_server",
+]

@@ -1,0 +1,601 @@
+"""Upstream HTTP/1.1 client: a keep-alive connection pool per origin on a raw
+``asyncio.Protocol`` + ``httptools.HttpResponseParser``.
+
+See docs/architecture.md (``gateway/http/client.py``) for the contract. Timeouts are applied by
+callers with ``asyncio.timeout``; the only timeout here is the connect timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from httptools import HttpParserCallbackError, HttpParserError, HttpResponseParser
+
+from .errors import UpstreamConnectError, UpstreamProtocolError
+
+__all__ = ["FlowControl", "UpstreamPool", "UpstreamResponse"]
+
+_METHODS: dict[str, bytes] = {
+    m: m.encode() for m in ("GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH")
+}
+_NO_BODY_METHODS = frozenset(("GET", "HEAD", "DELETE", "OPTIONS"))
+# Framing/hop-by-hop headers the pool sets itself; dropped from the caller's headers.
+_DROP = frozenset((b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"host"))
+_JOIN_BODY_MAX = 64 * 1024  # bodies up to this size go out in the same write as the head
+_BUFFER_HIGH = 1024 * 1024  # next_chunk(): pause the upstream above this many buffered bytes
+_BUFFER_LOW = 256 * 1024
+
+
+class FlowControl(Protocol):
+    """What ``UpstreamResponse.pipe(flow=...)`` subscribes to; ``HttpResponder`` is one."""
+
+    def add_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None: ...
+    def remove_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None: ...
+
+
+class _Stale(Exception):
+    """The connection closed before any byte of the response."""
+
+
+class UpstreamResponse:
+    """A response whose status line and headers are in; the body follows."""
+
+    __slots__ = (
+        "_buf",
+        "_buffered",
+        "_conn",
+        "_error",
+        "_flow",
+        "_pipe_fut",
+        "_released",
+        "_sink",
+        "_waiter",
+        "_whole",
+        "complete",
+        "headers",
+        "status",
+    )
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], conn: _UpstreamConnection) -> None:
+        self.status = status
+        self.headers = headers  # names lowercased
+        self.complete = False  # body fully received
+        self._conn = conn
+        self._buf: deque[bytes] = deque()
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], None] | None = None
+        self._pipe_fut: asyncio.Future[None] | None = None
+        self._flow: FlowControl | None = None
+        self._error: BaseException | None = None
+        self._released = False
+        self._whole = False
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (lowercase), or None."""
+        for n, v in self.headers:
+            if n == name:
+                return v
+        return None
+
+    def __repr__(self) -> str:
+        return f"<UpstreamResponse {self.status} complete={self.complete}>"
+
+    # -- called by the protocol ---------------------------------------------------------------
+    def _on_body(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            sink(data)
+            return
+        self._buf.append(data)
+        self._buffered += len(data)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+        if self._buffered > _BUFFER_HIGH and not self._whole:
+            self._conn.pause_reading()
+
+    def _on_complete(self) -> None:
+        self.complete = True
+        fut = self._pipe_fut
+        if fut is not None:
+            self._pipe_fut = None
+            self._end_pipe()
+            if not fut.done():
+                fut.set_result(None)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def _on_error(self, exc: BaseException) -> None:
+        if self.complete or self._error is not None:
+            return
+        self._error = exc
+        fut = self._pipe_fut
+        if fut is not None:
+            self._pipe_fut = None
+            self._end_pipe()
+            if not fut.done():
+                fut.set_exception(exc)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def _end_pipe(self) -> None:
+        self._sink = None
+        flow = self._flow
+        if flow is not None:
+            self._flow = None
+            flow.remove_flow_listener(self.pause_reading, self.resume_reading)
+
+    # -- public ---------------------------------------------------------------------------------
+    async def _wait(self) -> None:
+        w = self._conn._loop.create_future()
+        self._waiter = w
+        await w
+
+    async def read(self) -> bytes:
+        """The whole body (chunked decoding done)."""
+        self._whole = True
+        if self._conn._reading_paused:
+            self._conn.resume_reading()
+        while not self.complete:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        buf = self._buf
+        if len(buf) == 1:
+            data = buf.popleft()
+        else:
+            data = b"".join(buf)
+            buf.clear()
+        self._buffered = 0
+        return data
+
+    async def next_chunk(self) -> bytes:
+        """Body bytes as they arrive (whatever is buffered, joined); ``b""`` at the end."""
+        buf = self._buf
+        while not buf:
+            if self.complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        data = buf.popleft() if len(buf) == 1 else b"".join(buf)
+        buf.clear()
+        self._buffered = 0
+        if self._conn._reading_paused and self._sink is None:
+            self._conn.resume_reading()
+        return data
+
+    def pipe(self, sink: Callable[[bytes], None], *, flow: FlowControl | None = None) -> asyncio.Future[None]:
+        """Call ``sink(data)`` for each piece of body, directly from the protocol's data callback
+        (already-buffered body first, synchronously). The returned future resolves at the end of
+        the body, or fails with UpstreamProtocolError if the connection drops first, or with the
+        sink's exception (the connection is then aborted).
+
+        ``flow``: a :class:`FlowControl` (e.g. the client's ``HttpResponder``); while it signals
+        pause, reading from the upstream socket is paused (backpressure). Cancelling the future
+        aborts the upstream connection."""
+        loop = self._conn._loop
+        fut: asyncio.Future[None] = loop.create_future()
+        buf = self._buf
+        while buf:
+            sink(buf.popleft())
+        self._buffered = 0
+        if self._error is not None:
+            fut.set_exception(self._error)
+            return fut
+        if self.complete:
+            fut.set_result(None)
+            return fut
+        if self._pipe_fut is not None:
+            raise RuntimeError("pipe() already in progress")
+        self._sink = sink
+        self._pipe_fut = fut
+        if self._conn._reading_paused:
+            self._conn.resume_reading()
+        if flow is not None:
+            self._flow = flow
+            flow.add_flow_listener(self.pause_reading, self.resume_reading)
+        fut.add_done_callback(self._pipe_done)
+        return fut
+
+    def _pipe_done(self, fut: asyncio.Future[None]) -> None:
+        if fut.cancelled():
+            self._pipe_fut = None
+            self._end_pipe()
+            self.abort()
+
+    def pause_reading(self) -> None:
+        """Stop reading from the upstream socket (backpressure)."""
+        self._conn.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._conn.resume_reading()
+
+    def release(self) -> None:
+        """Return the connection to the pool if the body was fully read, else close it.
+        Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        conn = self._conn
+        pool = conn._pool
+        pool.in_use -= 1
+        if self.complete and conn._keep_alive and not conn._closed and not pool._closed:
+            if conn._reading_paused:
+                conn.resume_reading()
+            pool._put(conn)
+        else:
+            conn.abort()
+
+    def abort(self) -> None:
+        """Close the upstream connection now (how a request is cancelled upstream)."""
+        if not self._released:
+            self._released = True
+            self._conn._pool.in_use -= 1
+        self._conn.abort()
+
+    async def __aenter__(self) -> UpstreamResponse:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _UpstreamConnection(asyncio.Protocol):
+    __slots__ = (
+        "_closed",
+        "_has_cl",
+        "_has_te",
+        "_head_req",
+        "_headers",
+        "_hfut",
+        "_idle_since",
+        "_informational",
+        "_keep_alive",
+        "_loop",
+        "_parser",
+        "_pool",
+        "_read_to_close",
+        "_reading_paused",
+        "_resp",
+        "_seen",
+        "_transport",
+    )
+
+    def __init__(self, pool: UpstreamPool, loop: asyncio.AbstractEventLoop) -> None:
+        self._pool = pool
+        self._loop = loop
+        self._parser = HttpResponseParser(self)
+        self._transport: asyncio.Transport = None  # type: ignore[assignment]
+        self._closed = False
+        self._resp: UpstreamResponse | None = None
+        self._hfut: asyncio.Future[UpstreamResponse] | None = None
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._seen = False
+        self._keep_alive = False
+        self._head_req = False
+        self._has_cl = False
+        self._has_te = False
+        self._read_to_close = False
+        self._informational = False
+        self._reading_paused = False
+        self._idle_since = 0.0
+
+    # -- asyncio.Protocol -----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        hfut = self._hfut
+        if hfut is not None:
+            self._hfut = None
+            if not hfut.done():
+                if not self._seen:
+                    hfut.set_exception(_Stale(str(exc) if exc else "EOF"))
+                else:
+                    hfut.set_exception(UpstreamProtocolError("upstream closed the connection mid-headers"))
+        resp = self._resp
+        if resp is not None and not resp.complete:
+            if self._read_to_close:
+                resp._on_complete()  # the body of a response without length ends at EOF
+            else:
+                resp._on_error(UpstreamProtocolError("upstream closed the connection mid-body"))
+        pool = self._pool
+        if self._idle_since:
+            try:
+                pool._idle.remove(self)
+            except ValueError:
+                pass
+
+    def data_received(self, data: bytes) -> None:
+        self._seen = True
+        try:
+            self._parser.feed_data(data)
+        except HttpParserCallbackError as e:
+            ctx = e.__context__
+            self._fail(ctx if ctx is not None else UpstreamProtocolError(str(e)))
+        except HttpParserError as e:
+            self._fail(UpstreamProtocolError(f"invalid HTTP response from upstream: {e}"))
+
+    def eof_received(self) -> bool | None:
+        return False
+
+    # -- parser callbacks -----------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._hfut is None and not self._informational:
+            raise UpstreamProtocolError("unexpected data from upstream")
+        self._headers = []
+        self._has_cl = False
+        self._has_te = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-length":
+            self._has_cl = True
+        elif name == b"transfer-encoding":
+            self._has_te = True
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
+        if status < 200:
+            self._informational = True  # 100 Continue / 103: the real response follows
+            return
+        keep_alive = parser.should_keep_alive()
+        resp = UpstreamResponse(status, self._headers, self)
+        no_body = self._head_req or status == 204 or status == 304
+        self._read_to_close = not no_body and not self._has_cl and not self._has_te
+        if self._read_to_close or self._head_req:
+            keep_alive = False
+        self._keep_alive = keep_alive
+        self._resp = resp
+        hfut = self._hfut
+        self._hfut = None
+        if self._head_req:
+            resp.complete = True
+        if hfut is not None and not hfut.done():
+            hfut.set_result(resp)
+
+    def on_body(self, body: bytes) -> None:
+        resp = self._resp
+        if resp is None or resp.complete:
+            return  # e.g. after a HEAD response; the connection is not reused
+        resp._on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
+        resp = self._resp
+        if resp is not None and not resp.complete:
+            resp._on_complete()
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        hfut = self._hfut
+        if hfut is not None:
+            self._hfut = None
+            if not hfut.done():
+                hfut.set_exception(exc)
+        resp = self._resp
+        if resp is not None:
+            resp._on_error(exc)
+        self.abort()
+
+    def abort(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._transport.abort()
+
+    def pause_reading(self) -> None:
+        if not self._reading_paused and not self._closed:
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading_paused:
+            self._reading_paused = False
+            if not self._closed:
+                self._transport.resume_reading()
+
+    async def _send(self, data: bytes, body: bytes | None, head_req: bool) -> UpstreamResponse:
+        self._idle_since = 0.0
+        self._seen = False
+        self._resp = None
+        self._head_req = head_req
+        hfut: asyncio.Future[UpstreamResponse] = self._loop.create_future()
+        self._hfut = hfut
+        transport = self._transport
+        if body is None:
+            transport.write(data)
+        else:
+            transport.writelines((data, body))
+        try:
+            return await hfut
+        except asyncio.CancelledError:
+            self._hfut = None
+            self.abort()
+            raise
+
+
+class UpstreamPool:
+    """Keep-alive connection pool for one upstream origin ``host:port``."""
+
+    __slots__ = (
+        "_closed",
+        "_host_line",
+        "_idle",
+        "_loop",
+        "connect_timeout_s",
+        "host",
+        "idle_timeout_s",
+        "in_use",
+        "max_idle",
+        "port",
+    )
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        max_idle: int = 256,
+        connect_timeout_s: float = 5.0,
+        idle_timeout_s: float = 4.0,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.max_idle = max_idle
+        self.connect_timeout_s = connect_timeout_s
+        # Pooled connections idle longer than this are not reused (uvicorn, behind SGLang and
+        # vLLM, closes idle keep-alive connections after 5 s).
+        self.idle_timeout_s = idle_timeout_s
+        self.in_use = 0
+        self._idle: list[_UpstreamConnection] = []  # LIFO: the newest at the end
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        hostport = host if port == 80 else f"{host}:{port}"
+        if ":" in host and not host.startswith("["):
+            hostport = f"[{host}]" if port == 80 else f"[{host}]:{port}"
+        self._host_line = b"host: %s\r\n" % hostport.encode("idna")
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    def __repr__(self) -> str:
+        return f"<UpstreamPool {self.host}:{self.port} in_use={self.in_use} idle={len(self._idle)}>"
+
+    def _take(self, now: float) -> _UpstreamConnection | None:
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if conn._closed:
+                continue
+            if now - conn._idle_since > self.idle_timeout_s:
+                # The newest is too old, so are all below it.
+                conn.abort()
+                for c in idle:
+                    c.abort()
+                idle.clear()
+                return None
+            return conn
+        return None
+
+    def _put(self, conn: _UpstreamConnection) -> None:
+        idle = self._idle
+        if len(idle) >= self.max_idle:
+            idle.pop(0).abort()
+        assert self._loop is not None
+        conn._idle_since = self._loop.time()
+        idle.append(conn)
+
+    async def _connect(self) -> _UpstreamConnection:
+        loop = self._loop
+        assert loop is not None
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, proto = await loop.create_connection(
+                    lambda: _UpstreamConnection(self, loop), self.host, self.port
+                )
+        except TimeoutError:
+            raise UpstreamConnectError(
+                f"connect to {self.host}:{self.port} timed out after {self.connect_timeout_s} s"
+            ) from None
+        except OSError as e:
+            raise UpstreamConnectError(f"connect to {self.host}:{self.port} failed: {e}") from e
+        return proto
+
+    def _head(
+        self, method: str, path: str | bytes, headers: Sequence[tuple[bytes, bytes]], body: bytes | None
+    ) -> bytes:
+        m = _METHODS.get(method) or method.encode("ascii")
+        p = path if isinstance(path, bytes) else path.encode("latin-1")
+        parts = [m, b" ", p, b" HTTP/1.1\r\n"]
+        host = self._host_line
+        for n, v in headers:
+            if n in _DROP:
+                if n == b"host":
+                    host = b"host: %s\r\n" % v
+                continue
+            parts += (n, b": ", v, b"\r\n")
+        parts.append(host)
+        if body is not None:
+            parts.append(b"content-length: %d\r\n\r\n" % len(body))
+            if len(body) <= _JOIN_BODY_MAX:
+                parts.append(body)
+        elif method in _NO_BODY_METHODS:
+            parts.append(b"\r\n")
+        else:
+            parts.append(b"content-length: 0\r\n\r\n")
+        return b"".join(parts)
+
+    async def request(
+        self,
+        method: str,
+        path: str | bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes | None = None,
+    ) -> UpstreamResponse:
+        """Send a request; returns when the status line and headers are in.
+
+        Adds Host (unless given) and Content-Length; Content-Length/Transfer-Encoding/Connection/
+        Keep-Alive in ``headers`` are dropped. Raises UpstreamConnectError (nothing was sent, or a
+        reused idle connection was found dead before any response byte and a fresh one could not
+        be made; that case is retried once internally) or UpstreamProtocolError."""
+        if self._closed:
+            raise UpstreamConnectError(f"pool for {self.host}:{self.port} is closed")
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        data = self._head(method, path, headers, body)
+        extra = body if body is not None and len(body) > _JOIN_BODY_MAX else None
+        head_req = method == "HEAD"
+        self.in_use += 1
+        try:
+            conn = self._take(loop.time()) if self._idle else None
+            if conn is not None:
+                try:
+                    return await conn._send(data, extra, head_req)
+                except _Stale:
+                    pass  # the idle connection was dead: no response byte seen, retry once
+            conn = await self._connect()
+            try:
+                return await conn._send(data, extra, head_req)
+            except _Stale as e:
+                raise UpstreamProtocolError(
+                    f"upstream {self.host}:{self.port} closed a fresh connection before responding ({e})"
+                ) from None
+        except BaseException:
+            self.in_use -= 1
+            raise
+
+    async def close(self) -> None:
+        """Close idle connections; connections in use are closed when released."""
+        self._closed = True
+        idle = self._idle
+        self._idle = []
+        for c in idle:
+            c.abort()

@@ -1,0 +1,27 @@
+"""Limits the HTTP server enforces on every connection."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-connection limits of :class:`gateway.http.server.HttpServer`.
+
+    - ``max_body_bytes``: request bodies above this are answered 413 (checked against
+      Content-Length before the body is read, and while a chunked body arrives).
+    - ``max_header_bytes``: request line + headers above this are answered 431.
+    - ``read_timeout_s``: a request must be received completely within this many seconds of its
+      first byte, else 408.
+    - ``keepalive_timeout_s``: an idle keep-alive connection is closed after this many seconds.
+    - ``max_pipelined``: reading from a client is paused while this many complete requests are
+      queued behind the one being handled.
+    - ``backlog``: listen backlog.
+    """
+
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_header_bytes: int = 64 * 1024
+    read_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+    max_pipelined: int = 32
+    backlog: int = 2048

@@ -1,0 +1,711 @@
+"""HTTP/1.1 server on a raw ``asyncio.Protocol`` + ``httptools.HttpRequestParser``.
+
+One protocol object per client connection; one handler Task per complete request. Pipelined
+requests are queued and handled one after another, responses in order. See
+docs/architecture.md (``gateway/http/server.py``) for the contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from http import HTTPStatus
+from typing import Any
+
+from httptools import (
+    HttpParserCallbackError,
+    HttpParserError,
+    HttpParserUpgrade,
+    HttpRequestParser,
+    parse_url,
+)
+
+from .errors import error_body
+from .limits import ServerLimits
+
+__all__ = ["Handler", "HttpRequest", "HttpResponder", "HttpServer", "start_server"]
+
+log = logging.getLogger("gateway.http.server")
+
+Handler = Callable[["HttpRequest", "HttpResponder"], Coroutine[Any, Any, None]]
+
+_STATUS_LINES: dict[int, bytes] = {
+    s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode("latin-1")) for s in HTTPStatus
+}
+_METHODS: dict[bytes, str] = {
+    m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"OPTIONS", b"PATCH")
+}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+_SMALL = 16 * 1024  # below this, header+body / chunk framing+data are joined into one write
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = b"HTTP/1.1 %d Unknown\r\n" % status
+    return line
+
+
+class HttpRequest:
+    """A complete request, built by the protocol and read by handlers."""
+
+    __slots__ = ("body", "client", "headers", "http_version", "keep_alive", "method", "path", "query")
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        client: tuple[str, int] | None,
+        http_version: str = "1.1",
+        keep_alive: bool = True,
+    ) -> None:
+        self.method = method
+        self.path = path  # without the query string, not percent-decoded
+        self.query = query  # raw query string, "" if none
+        self.headers = headers  # names lowercased, values as sent
+        self.body = body
+        self.client = client
+        self.http_version = http_version
+        self.keep_alive = keep_alive
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (lowercase), or None."""
+        for n, v in self.headers:
+            if n == name:
+                return v
+        return None
+
+    def __repr__(self) -> str:
+        return f"<HttpRequest {self.method} {self.path}>"
+
+
+class HttpResponder:
+    """Writes the response of one request. Exactly one of ``send()`` or ``start_stream()`` …
+    ``end()`` (or ``abort()``)."""
+
+    __slots__ = ("_chunked", "_conn", "_finished", "_head_only", "_http10", "_keep_alive", "started")
+
+    def __init__(self, conn: _HttpConnection, request: HttpRequest) -> None:
+        self._conn = conn
+        self.started = False  # status line already sent
+        self._finished = False
+        self._keep_alive = request.keep_alive
+        self._head_only = request.method == "HEAD"
+        self._http10 = request.http_version == "1.0"
+        self._chunked = False
+
+    @property
+    def closed(self) -> bool:
+        """The client connection is lost (or was aborted)."""
+        return self._conn._closed
+
+    @property
+    def finished(self) -> bool:
+        """The response is complete (send()/end()/abort() done)."""
+        return self._finished
+
+    def _head(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bytearray:
+        conn = self._conn
+        if conn._server._draining or conn._eof:
+            self._keep_alive = False
+        buf = bytearray(_status_line(status))
+        for n, v in headers:
+            buf += n
+            buf += b": "
+            buf += v
+            buf += b"\r\n"
+        if not self._keep_alive:
+            buf += b"connection: close\r\n"
+        elif self._http10:
+            buf += b"connection: keep-alive\r\n"
+        return buf
+
+    def send(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> None:
+        """The whole response; Content-Length is set here. Headers must not include
+        Content-Length, Transfer-Encoding or Connection."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = True
+        conn = self._conn
+        if conn._closed:
+            self._finished = True
+            return
+        buf = self._head(status, headers)
+        buf += b"content-length: %d\r\n\r\n" % len(body)
+        transport = conn._transport
+        if self._head_only or not body:
+            transport.write(buf)
+        elif len(body) < _SMALL:
+            buf += body
+            transport.write(buf)
+        else:
+            transport.write(buf)
+            transport.write(body)
+        self._finish()
+
+    def start_stream(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        """Start a streamed response (Transfer-Encoding: chunked; for an HTTP/1.0 client the body
+        is delimited by closing the connection)."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = True
+        conn = self._conn
+        if conn._closed:
+            return
+        if self._http10 and not self._head_only:
+            self._keep_alive = False  # the body ends when the connection closes
+        buf = self._head(status, headers)
+        if not self._head_only and not self._http10:
+            buf += b"transfer-encoding: chunked\r\n"
+            self._chunked = True
+        buf += b"\r\n"
+        conn._transport.write(buf)
+
+    def write(self, data: bytes) -> None:
+        """One chunk of a streamed response; empty data is a no-op. Safe to use as a pipe sink:
+        data after the client is gone or the response is finished is dropped."""
+        if not data or self._finished or self._conn._closed or self._head_only:
+            return
+        transport = self._conn._transport
+        if self._chunked:
+            n = len(data)
+            if n < _SMALL:
+                transport.write(b"%x\r\n%b\r\n" % (n, data))
+            else:
+                transport.writelines((b"%x\r\n" % n, data, b"\r\n"))
+        else:
+            transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait while the client transport is paused (its write buffer is above high water)."""
+        conn = self._conn
+        if conn._write_paused and not conn._closed:
+            fut: asyncio.Future[None] = conn._loop.create_future()
+            conn._drain_waiters.append(fut)
+            await fut
+
+    def end(self) -> None:
+        """The last chunk; the connection stays reusable."""
+        if self._finished:
+            return
+        if not self.started:
+            raise RuntimeError("end() before start_stream()")
+        if self._chunked and not self._conn._closed:
+            self._conn._transport.write(_LAST_CHUNK)
+        self._finish()
+
+    def abort(self) -> None:
+        """Close the client connection now (buffered data is discarded)."""
+        self.started = True
+        self._finished = True
+        conn = self._conn
+        conn._listeners.clear()
+        if not conn._closed:
+            conn._transport.abort()
+
+    def add_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        """``pause()`` is called when the client transport pauses writing, ``resume()`` when it
+        resumes; if it is paused now, ``pause()`` is called at once. Removed automatically when
+        the response finishes."""
+        conn = self._conn
+        conn._listeners.append((pause, resume))
+        if conn._write_paused:
+            pause()
+
+    def remove_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        try:
+            self._conn._listeners.remove((pause, resume))
+        except ValueError:
+            pass
+
+    def _finish(self) -> None:
+        self._finished = True
+        conn = self._conn
+        if conn._listeners:
+            conn._listeners.clear()
+        if not self._keep_alive and not conn._closed:
+            conn._transport.close()
+
+
+class _Err:
+    __slots__ = ("code", "message", "status")
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+class _RequestError(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.err = _Err(status, message, code)
+
+
+class _StopParsing(Exception):
+    pass
+
+
+class _HttpConnection(asyncio.Protocol):
+    __slots__ = (
+        "_body_len",
+        "_body_parts",
+        "_client",
+        "_closed",
+        "_content_length",
+        "_cur",
+        "_drain_waiters",
+        "_eof",
+        "_expect",
+        "_handler",
+        "_hdr_bytes",
+        "_headers",
+        "_idle_t0",
+        "_in_headers",
+        "_limits",
+        "_listeners",
+        "_loop",
+        "_parser",
+        "_queue",
+        "_raw_hdr",
+        "_reading_paused",
+        "_req_t0",
+        "_responder",
+        "_server",
+        "_stop_parsing",
+        "_task",
+        "_transport",
+        "_url",
+        "_write_paused",
+    )
+
+    def __init__(self, server: HttpServer) -> None:
+        self._server = server
+        self._loop = server._loop
+        self._handler = server._handler
+        self._limits = server.limits
+        self._parser = HttpRequestParser(self)
+        self._transport: asyncio.Transport = None  # type: ignore[assignment]
+        self._client: tuple[str, int] | None = None
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._hdr_bytes = 0
+        self._raw_hdr = 0
+        self._in_headers = False
+        self._content_length: bytes | None = None
+        self._expect: bytes | None = None
+        self._body_parts: list[bytes] = []
+        self._body_len = 0
+        self._cur: HttpRequest | None = None
+        self._req_t0 = 0.0
+        self._idle_t0 = 0.0
+        self._queue: deque[HttpRequest | _Err] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._responder: HttpResponder | None = None
+        self._stop_parsing = False
+        self._eof = False
+        self._closed = False
+        self._write_paused = False
+        self._reading_paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._listeners: list[tuple[Callable[[], None], Callable[[], None]]] = []
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except (OSError, AttributeError):
+                pass
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self._client = (str(peer[0]), int(peer[1]))
+        self._idle_t0 = self._loop.time()
+        self._server._conns.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._server._conns.discard(self)
+        self._queue.clear()
+        self._listeners.clear()
+        task = self._task
+        resp = self._responder
+        if task is not None and resp is not None and not resp._finished:
+            task.cancel()
+        waiters = self._drain_waiters
+        if waiters:
+            self._drain_waiters = []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+
+    def eof_received(self) -> bool | None:
+        # The client half-closed: answer what is complete, then close.
+        self._eof = True
+        self._stop_parsing = True
+        self._req_t0 = 0.0
+        if self._task is None and not self._queue:
+            return False
+        return True
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        for pause, _ in self._listeners:
+            pause()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        for _, resume in self._listeners:
+            resume()
+        waiters = self._drain_waiters
+        if waiters:
+            self._drain_waiters = []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self._stop_parsing:
+            return
+        was_in_headers = self._in_headers
+        try:
+            self._parser.feed_data(data)
+        except HttpParserCallbackError as e:
+            ctx = e.__context__
+            if isinstance(ctx, _RequestError):
+                self._fail(ctx.err)
+            elif isinstance(ctx, _StopParsing):
+                pass
+            else:
+                log.exception("request parsing callback failed", exc_info=ctx)
+                self._fail(_Err(400, "Malformed HTTP request.", "bad_request"))
+        except HttpParserUpgrade:
+            # Upgrade requests (h2c, websocket) are served as plain HTTP/1.1 requests without a
+            # body, then the connection is closed; the rest of the data is not HTTP/1.1.
+            self._stop_parsing = True
+        except HttpParserError:
+            self._fail(_Err(400, "Malformed HTTP request.", "bad_request"))
+        else:
+            if self._in_headers and was_in_headers:
+                self._raw_hdr += len(data)
+                if self._raw_hdr > self._limits.max_header_bytes:
+                    self._fail(
+                        _Err(431, "Request header fields too large.", "request_header_fields_too_large")
+                    )
+
+    # -- parser callbacks ------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._stop_parsing:
+            raise _StopParsing
+        self._in_headers = True
+        self._raw_hdr = 0
+        self._hdr_bytes = 0
+        self._url = b""
+        self._headers = []
+        self._content_length = None
+        self._expect = None
+        self._body_parts = []
+        self._body_len = 0
+        self._idle_t0 = 0.0
+        self._req_t0 = self._loop.time()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        self._hdr_bytes += len(url)
+        if self._hdr_bytes > self._limits.max_header_bytes:
+            raise _RequestError(414, "Request URI too long.", "uri_too_long")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._hdr_bytes += len(name) + len(value) + 4
+        if self._hdr_bytes > self._limits.max_header_bytes:
+            raise _RequestError(431, "Request header fields too large.", "request_header_fields_too_large")
+        name = name.lower()
+        if name == b"content-length":
+            self._content_length = value
+        elif name == b"expect":
+            self._expect = value
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        parser = self._parser
+        mb = parser.get_method()
+        method = _METHODS.get(mb) or mb.decode("latin-1")
+        url = self._url
+        if url[:1] == b"/":
+            q = url.find(b"?")
+            if q < 0:
+                h = url.find(b"#")
+                path = (url if h < 0 else url[:h]).decode("latin-1")
+                query = ""
+            else:
+                path = url[:q].decode("latin-1")
+                rest = url[q + 1 :]
+                h = rest.find(b"#")
+                query = (rest if h < 0 else rest[:h]).decode("latin-1")
+        elif url == b"*":
+            path, query = "*", ""
+        else:
+            try:
+                u = parse_url(url)
+            except HttpParserError:
+                raise _RequestError(400, "Malformed request target.", "bad_request") from None
+            path = (u.path or b"/").decode("latin-1")
+            query = (u.query or b"").decode("latin-1")
+        version = parser.get_http_version()
+        keep_alive = parser.should_keep_alive()
+        if self._server._draining:
+            keep_alive = False
+        cl = self._content_length
+        if cl is not None:
+            try:
+                n = int(cl)
+            except ValueError:
+                raise _RequestError(400, "Invalid Content-Length.", "bad_request") from None
+            if n > self._limits.max_body_bytes:
+                raise _RequestError(413, "Request body too large.", "request_too_large")
+        if parser.should_upgrade() and cl is not None and cl != b"0":
+            raise _RequestError(400, "Upgrade with a request body is not supported.", "bad_request")
+        expect = self._expect
+        if expect is not None:
+            if expect.lower() != b"100-continue":
+                raise _RequestError(417, "Unsupported Expect header.", "expectation_failed")
+            # Only when nothing is in flight: a 100 must not interleave with another response.
+            if version == "1.1" and self._task is None and not self._queue:
+                self._transport.write(_CONTINUE)
+        self._cur = HttpRequest(method, path, query, self._headers, b"", self._client, version, keep_alive)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_len += len(body)
+        if self._body_len > self._limits.max_body_bytes:
+            raise _RequestError(413, "Request body too large.", "request_too_large")
+        self._body_parts.append(body)
+
+    def on_message_complete(self) -> None:
+        req = self._cur
+        assert req is not None
+        self._cur = None
+        parts = self._body_parts
+        if parts:
+            req.body = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._req_t0 = 0.0
+        if self._parser.should_upgrade():
+            req.keep_alive = False
+        if not req.keep_alive:
+            self._stop_parsing = True
+        if self._task is None and not self._queue:
+            self._dispatch(req)
+        else:
+            self._queue.append(req)
+            if len(self._queue) >= self._limits.max_pipelined and not self._reading_paused:
+                self._reading_paused = True
+                self._transport.pause_reading()
+
+    # -- request lifecycle -----------------------------------------------------------------
+    def _dispatch(self, req: HttpRequest) -> None:
+        resp = HttpResponder(self, req)
+        self._responder = resp
+        server = self._server
+        server.active_requests += 1
+        task = self._loop.create_task(self._handler(req, resp))
+        self._task = task
+        task.add_done_callback(self._on_done)
+
+    def _on_done(self, task: asyncio.Task[None]) -> None:
+        resp = self._responder
+        assert resp is not None
+        self._task = None
+        self._responder = None
+        server = self._server
+        server.active_requests -= 1
+        if server.active_requests == 0 and server._idle_waiters:
+            server._wake_idle()
+        exc = None if task.cancelled() else task.exception()
+        if not resp._finished:
+            if self._closed:
+                pass
+            elif not resp.started and not task.cancelled():
+                if exc is not None:
+                    log.error("handler failed", exc_info=exc)
+                else:
+                    log.error("handler returned without a response")
+                resp._keep_alive = False
+                resp.send(
+                    500,
+                    ((b"content-type", b"application/json"),),
+                    error_body("Internal server error.", type="server_error", code="internal_error"),
+                )
+            else:
+                if exc is not None:
+                    log.error("handler failed after the response started", exc_info=exc)
+                resp.abort()
+        elif exc is not None:
+            log.error("handler failed after its response", exc_info=exc)
+        if self._closed:
+            return
+        self._next()
+
+    def _next(self) -> None:
+        queue = self._queue
+        if queue:
+            item = queue.popleft()
+            if self._reading_paused and len(queue) < self._limits.max_pipelined // 2:
+                self._reading_paused = False
+                self._transport.resume_reading()
+            if isinstance(item, _Err):
+                self._write_error(item)
+            else:
+                self._dispatch(item)
+        elif self._eof:
+            self._transport.close()
+        elif self._cur is None and not self._in_headers:
+            if self._server._draining:
+                self._transport.close()
+            else:
+                self._idle_t0 = self._loop.time()
+
+    def _write_error(self, err: _Err) -> None:
+        body = error_body(err.message, code=err.code)
+        self._transport.write(
+            b"%scontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
+            % (_status_line(err.status), len(body), body)
+        )
+        self._transport.close()
+
+    def _fail(self, err: _Err) -> None:
+        """A protocol-level error: answer it after what is in flight, then close."""
+        self._stop_parsing = True
+        self._req_t0 = 0.0
+        self._in_headers = False
+        if self._closed:
+            return
+        if self._task is None and not self._queue:
+            self._write_error(err)
+        else:
+            self._queue.append(err)
+
+
+class HttpServer:
+    """A listening server; see :func:`start_server`."""
+
+    def __init__(self, handler: Handler, limits: ServerLimits, loop: asyncio.AbstractEventLoop) -> None:
+        self._handler = handler
+        self.limits = limits
+        self._loop = loop
+        self._server: asyncio.Server | None = None
+        self._conns: set[_HttpConnection] = set()
+        self._draining = False
+        self._idle_waiters: list[asyncio.Future[None]] = []
+        self._sweep_handle: asyncio.TimerHandle | None = None
+        self.active_requests = 0
+        self.host = ""
+        self.port = 0
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    def _protocol(self) -> _HttpConnection:
+        return _HttpConnection(self)
+
+    def _sweep_interval(self) -> float:
+        lim = self.limits
+        return max(0.02, min(1.0, lim.read_timeout_s / 4, lim.keepalive_timeout_s / 4))
+
+    def _sweep(self) -> None:
+        now = self._loop.time()
+        read_to = self.limits.read_timeout_s
+        ka_to = self.limits.keepalive_timeout_s
+        for c in list(self._conns):
+            if c._closed:
+                continue
+            if c._req_t0 and now - c._req_t0 > read_to:
+                c._fail(_Err(408, "Timed out reading the request.", "request_timeout"))
+            elif c._idle_t0 and now - c._idle_t0 > ka_to:
+                c._transport.close()
+        self._sweep_handle = self._loop.call_later(self._sweep_interval(), self._sweep)
+
+    def _wake_idle(self) -> None:
+        waiters = self._idle_waiters
+        self._idle_waiters = []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    def stop_accepting(self) -> None:
+        """Stop listening; idle keep-alive connections are closed, in-flight responses are sent
+        with ``Connection: close``."""
+        self._draining = True
+        if self._server is not None:
+            self._server.close()
+        for c in list(self._conns):
+            if c._task is None and not c._queue and c._cur is None and not c._in_headers:
+                c._transport.close()
+
+    async def wait_idle(self, timeout: float) -> bool:  # noqa: ASYNC109 (the contract)
+        """Wait until no request is in flight; False if ``timeout`` passed first."""
+        if self.active_requests == 0:
+            return True
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._idle_waiters.append(fut)
+        try:
+            async with asyncio.timeout(timeout):
+                await fut
+        except TimeoutError:
+            return self.active_requests == 0
+        return True
+
+    async def close(self) -> None:
+        """Stop accepting, close all connections and cancel running handlers."""
+        self.stop_accepting()
+        if self._sweep_handle is not None:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None
+        tasks = []
+        for c in list(self._conns):
+            if c._task is not None:
+                tasks.append(c._task)
+                c._task.cancel()
+            c._transport.close()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+async def start_server(
+    handler: Handler,
+    host: str,
+    port: int,
+    *,
+    limits: ServerLimits | None = None,
+    reuse_port: bool = False,
+    sock: socket.socket | None = None,
+) -> HttpServer:
+    """Listen on ``host:port`` (port 0 picks one; or on an already bound ``sock``) and serve
+    each complete request with ``await handler(request, responder)`` in its own Task."""
+    loop = asyncio.get_running_loop()
+    lim = limits if limits is not None else ServerLimits()
+    server = HttpServer(handler, lim, loop)
+    if sock is not None:
+        srv = await loop.create_server(server._protocol, sock=sock, backlog=lim.backlog)
+    else:
+        srv = await loop.create_server(
+            server._protocol, host, port, reuse_port=reuse_port or None, backlog=lim.backlog
+        )
+    server._server = srv
+    sockname = srv.sockets[0].getsockname()
+    server.host = str(sockname[0])
+    server.port = int(sockname[1])
+    server._sweep_handle = loop.call_later(server._sweep_interval(), server._sweep)
+    return server

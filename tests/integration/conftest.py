@@ -1,0 +1,114 @@
+"""A gateway in front of emulated engines, all in this process on 127.0.0.1 (real sockets).
+
+The cluster: an SGLang prefill + decode pair (`m-sglang`), a vLLM prefill + decode pair
+(`m-vllm`), and a colocated vLLM-protocol worker (`m-colocated`), all behind one gateway. Each
+P/D model also has a colocated reference emulator *outside* the gateway: P/D answers through the
+gateway must equal its answers token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
+from gateway.app import Gateway
+from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
+from policies.snapshot import Engine, Role
+
+
+@dataclass
+class Cluster:
+    gateway: Gateway
+    emulators: dict[str, EmulatorHandle]
+    reference: dict[str, EmulatorHandle] = field(default_factory=dict)  # model -> colocated reference
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+
+async def build_cluster(
+    time_scale: float = 0.0, faults: dict[str, list[str]] | None = None, **gw: object
+) -> Cluster:
+    faults = faults or {}
+    specs = {
+        "sgl-p": EmulatorSpec(
+            engine="sglang",
+            role="prefill",
+            model="m-sglang",
+            bootstrap_port=0,
+            time_scale=time_scale,
+            faults=faults.get("sgl-p", []),
+        ),
+        "sgl-d": EmulatorSpec(
+            engine="sglang",
+            role="decode",
+            model="m-sglang",
+            time_scale=time_scale,
+            faults=faults.get("sgl-d", []),
+        ),
+        "vllm-p": EmulatorSpec(
+            engine="vllm",
+            role="prefill",
+            model="m-vllm",
+            kv_port=0,
+            time_scale=time_scale,
+            faults=faults.get("vllm-p", []),
+        ),
+        "vllm-d": EmulatorSpec(
+            engine="vllm",
+            role="decode",
+            model="m-vllm",
+            time_scale=time_scale,
+            faults=faults.get("vllm-d", []),
+        ),
+        "col": EmulatorSpec(engine="vllm", role="both", model="m-colocated", time_scale=time_scale),
+    }
+    refs = {
+        "m-sglang": EmulatorSpec(engine="sglang", role="both", model="m-sglang", time_scale=time_scale),
+        "m-vllm": EmulatorSpec(engine="vllm", role="both", model="m-vllm", time_scale=time_scale),
+    }
+    emus = {name: await start_emulator(spec) for name, spec in specs.items()}
+    reference = {model: await start_emulator(spec) for model, spec in refs.items()}
+    roles = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.COLOCATED}
+    workers = []
+    for name, spec in specs.items():
+        engine, role = Engine(spec.engine), roles[spec.role]
+        workers.append(
+            WorkerConfig(
+                url=emus[name].url,
+                role=role,
+                engine=engine,
+                id=name,
+                bootstrap_port=emus[name].bootstrap_port
+                if engine is Engine.SGLANG and role is Role.PREFILL
+                else None,
+            )
+        )
+    cfg = GatewayConfig(
+        listen=ListenConfig(host="127.0.0.1", port=0),
+        workers=tuple(workers),
+        health=HealthConfig(interval_s=0.5, timeout_s=2.0),
+        **gw,
+    )  # type: ignore[arg-type]
+    gateway = Gateway(cfg)
+    await gateway.start()
+    return Cluster(gateway, emus, reference)
+
+
+async def stop_cluster(c: Cluster) -> None:
+    await c.gateway.stop(grace_s=1.0)
+    for h in [*c.emulators.values(), *c.reference.values()]:
+        await h.stop()
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    c = await build_cluster()
+    try:
+        yield c
+    finally:
+        await stop_cluster(c)

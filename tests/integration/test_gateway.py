@@ -1,0 +1,320 @@
+"""The gateway end to end on loopback: every endpoint, both engines, stream and not, the openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+from openai import AsyncOpenAI, BadRequestError, NotFoundError
+
+from tests.integration.conftest import Cluster
+
+PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far away, " * 8, "x"]
+
+
+async def post(
+    url: str, body: dict[str, Any] | bytes, headers: dict[str, str] | None = None
+) -> tuple[int, CIMultiDict[str], bytes]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    h = {"content-type": "application/json", **(headers or {})}
+    async with aiohttp.ClientSession() as s, s.post(url, data=data, headers=h) as r:
+        return r.status, CIMultiDict(r.headers), await r.read()
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data:"):
+            payload = line[5:].strip()
+            out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+def generated(route: str, raw: bytes, stream: bool) -> list[str]:
+    """The generated text per choice/prompt, streaming deltas joined."""
+    if not stream:
+        data = json.loads(raw)
+        if route == "/generate":
+            return [d["text"] for d in data] if isinstance(data, list) else [data["text"]]
+        key = "message" if route.endswith("chat/completions") else None
+        return [
+            (c["message"]["content"] if key else c["text"])
+            for c in sorted(data["choices"], key=lambda c: c["index"])
+        ]
+    events = [e for e in sse_events(raw) if e != "[DONE]"]
+    if route == "/generate":  # cumulative text per event; last one per index wins
+        last: dict[int, str] = {}
+        for e in events:
+            last[e.get("index", 0)] = e["text"]
+        return [last[i] for i in sorted(last)]
+    parts: dict[int, str] = {}
+    for e in events:
+        for c in e.get("choices", []):
+            piece = c.get("delta", {}).get("content") if "delta" in c else c.get("text")
+            parts[c["index"]] = parts.get(c["index"], "") + (piece or "")
+    return [parts[i] for i in sorted(parts)]
+
+
+def body_for(route: str, model: str, prompt: str, stream: bool, max_tokens: int = 12) -> dict[str, Any]:
+    if route == "/generate":
+        return {
+            "model": model,
+            "text": prompt,
+            "stream": stream,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens},
+        }
+    if route == "/v1/chat/completions":
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
+    return {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens, "stream": stream}
+
+
+CASES = [
+    ("m-sglang", "/generate"),
+    ("m-sglang", "/v1/completions"),
+    ("m-sglang", "/v1/chat/completions"),
+    ("m-vllm", "/v1/completions"),
+    ("m-vllm", "/v1/chat/completions"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("model", "route"), CASES)
+async def test_pd_output_equals_colocated_reference(
+    cluster: Cluster, model: str, route: str, stream: bool
+) -> None:
+    for prompt in PROMPTS:
+        body = body_for(route, model, prompt, stream)
+        status, headers, raw = await post(cluster.url + route, body)
+        assert status == 200, raw
+        ref_status, _, ref = await post(cluster.reference[model].url + route, body)
+        assert ref_status == 200
+        got, want = generated(route, raw, stream), generated(route, ref, stream)
+        assert got == want and all(want), (prompt, got, want)
+        if stream:
+            assert headers["Content-Type"].startswith("text/event-stream")
+            if route != "/generate" or model == "m-sglang":
+                assert sse_events(raw)[-1] == "[DONE]"
+    stats_p = await cluster.emulators["sgl-p" if model == "m-sglang" else "vllm-p"].stats()
+    assert stats_p["kv_transfers_ok"] if "kv_transfers_ok" in stats_p else True
+    stats_d = await cluster.emulators["sgl-d" if model == "m-sglang" else "vllm-d"].stats()
+    assert stats_d["completed"] >= len(PROMPTS)
+
+
+async def test_kv_really_moved(cluster: Cluster) -> None:
+    before_p = await cluster.emulators["vllm-p"].stats()
+    before_d = await cluster.emulators["vllm-d"].stats()
+    s, _, raw = await post(
+        cluster.url + "/v1/completions", body_for("/v1/completions", "m-vllm", "abc def", False)
+    )
+    assert s == 200, raw
+    after_p = await cluster.emulators["vllm-p"].stats()
+    after_d = await cluster.emulators["vllm-d"].stats()
+    assert after_p["completed"] == before_p["completed"] + 1
+    assert (
+        after_d["kv_transfers_ok"] + after_p["kv_transfers_ok"]
+        > before_d["kv_transfers_ok"] + before_p["kv_transfers_ok"]
+    )
+
+
+async def test_colocated_worker_and_models_listing(cluster: Cluster) -> None:
+    s, _, raw = await post(
+        cluster.url + "/v1/completions", body_for("/v1/completions", "m-colocated", "hi", False)
+    )
+    assert s == 200, raw
+    async with aiohttp.ClientSession() as sess:
+        async with sess.get(cluster.url + "/v1/models") as r:
+            models = await r.json()
+        ids = {m["id"]: m for m in models["data"]}
+        assert set(ids) == {"m-sglang", "m-vllm", "m-colocated"}
+        assert all(m["max_model_len"] for m in ids.values())
+        assert ids["m-sglang"]["routes"] == ["disaggregated:sglang"]
+        async with sess.get(cluster.url + "/health") as r:
+            assert r.status == 200
+        async with sess.get(cluster.url + "/readiness") as r:
+            assert r.status == 200 and (await r.json())["ready"] is True
+        async with sess.get(cluster.url + "/metrics") as r:
+            text = await r.text()
+        assert "pdgw_requests_total" in text and "pdgw_worker_inflight" in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("model", ["m-sglang", "m-vllm", "m-colocated"])
+async def test_openai_client_chat_and_completions(cluster: Cluster, model: str, stream: bool) -> None:
+    client = AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        if stream:
+            chunks = await client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "Say hi"}],
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            text, usage = "", None
+            async for ch in chunks:
+                if ch.choices:
+                    text += ch.choices[0].delta.content or ""
+                if ch.usage:
+                    usage = ch.usage
+            assert text and usage is not None and usage.completion_tokens == 8
+            stream_c = await client.completions.create(
+                model=model, prompt="abc", max_tokens=5, temperature=0, stream=True
+            )
+            ctext = "".join([c.choices[0].text async for c in stream_c if c.choices])
+            assert ctext
+        else:
+            r = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=8, temperature=0
+            )
+            assert r.choices[0].message.content and r.usage and r.usage.completion_tokens == 8
+            c = await client.completions.create(model=model, prompt="abc", max_tokens=5, temperature=0)
+            assert c.choices[0].text
+    finally:
+        await client.close()
+
+
+async def test_openai_client_errors(cluster: Cluster) -> None:
+    client = AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        with pytest.raises(NotFoundError) as nf:
+            await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        assert "nope" in str(nf.value)
+        with pytest.raises(BadRequestError):
+            await client.completions.create(model="m-vllm", prompt="x", max_tokens=-1)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("model", ["m-sglang", "m-vllm"])
+async def test_batches_and_n(cluster: Cluster, model: str) -> None:
+    body = {
+        "model": model,
+        "prompt": ["one", "two two", "three three three"],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+    s, _, raw = await post(cluster.url + "/v1/completions", body)
+    assert s == 200, raw
+    _, _, ref = await post(cluster.reference[model].url + "/v1/completions", body)
+    assert generated("/v1/completions", raw, False) == generated("/v1/completions", ref, False)
+    body_n = body_for("/v1/chat/completions", model, "pick", False) | {"n": 3}
+    s, _, raw = await post(cluster.url + "/v1/chat/completions", body_n)
+    assert s == 200, raw
+    _, _, ref = await post(cluster.reference[model].url + "/v1/chat/completions", body_n)
+    got = generated("/v1/chat/completions", raw, False)
+    assert len(got) == 3 and got == generated("/v1/chat/completions", ref, False)
+
+
+async def test_sglang_generate_batch_and_logprobs(cluster: Cluster) -> None:
+    ref = cluster.reference["m-sglang"].url
+    batch = {
+        "model": "m-sglang",
+        "input_ids": [[1, 2, 3, 4], [5, 6, 7]],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 5},
+    }
+    s, _, raw = await post(cluster.url + "/generate", batch)
+    assert s == 200, raw
+    _, _, want = await post(ref + "/generate", batch)
+    assert [d["output_ids"] for d in json.loads(raw)] == [d["output_ids"] for d in json.loads(want)]
+    lp = {
+        "model": "m-sglang",
+        "text": "The quick brown fox",
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+    }
+    s, _, raw = await post(cluster.url + "/generate", lp)
+    assert s == 200, raw
+    _, _, want = await post(ref + "/generate", lp)
+    got_meta, want_meta = json.loads(raw)["meta_info"], json.loads(want)["meta_info"]
+    assert got_meta["input_token_logprobs"] == want_meta["input_token_logprobs"]
+    assert json.loads(raw)["output_ids"] == json.loads(want)["output_ids"]
+
+
+async def test_request_ids_are_honoured_echoed_and_generated(cluster: Cluster) -> None:
+    s, h, raw = await post(
+        cluster.url + "/v1/completions",
+        body_for("/v1/completions", "m-vllm", "id test", False),
+        headers={"X-Request-Id": "client-id-123"},
+    )
+    assert s == 200 and h["X-Request-Id"] == "client-id-123"
+    assert json.loads(raw)["id"] == "cmpl-client-id-123"  # the engine saw the client's id: not overwritten
+    s, h, _ = await post(cluster.url + "/v1/completions", body_for("/v1/completions", "m-sglang", "x", False))
+    assert s == 200 and h["X-Request-Id"].startswith("gw-")
+    s, h, _ = await post(
+        cluster.url + "/v1/completions",
+        body_for("/v1/completions", "m-sglang", "x", False),
+        headers={"X-Correlation-Id": "corr-7"},
+    )
+    assert h["X-Request-Id"] == "corr-7"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/chat/completions", b"{not json", 400, None),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+        ("/v1/chat/completions", {"model": "m-vllm"}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "m-vllm", "messages": []}, 400, "messages"),
+        ("/v1/completions", {"model": "m-vllm", "prompt": "x", "stream": "yes"}, 400, "stream"),
+        ("/v1/completions", {"model": "m-vllm", "prompt": "x", "n": 0}, 400, "n"),
+        ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+        ("/v1/nothing", {"model": "m-vllm"}, 404, None),
+    ],
+)
+async def test_bad_requests_get_openai_shaped_errors(
+    cluster: Cluster, path: str, body: Any, status: int, param: str | None
+) -> None:
+    s, h, raw = await post(cluster.url + path, body)
+    assert s == status, raw
+    err = json.loads(raw)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert h["Content-Type"] == "application/json"
+
+
+async def test_wrong_method(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as s, s.get(cluster.url + "/v1/completions") as r:
+        assert r.status == 405 and "error" in await r.json()
+
+
+async def test_over_long_prompt_is_a_clear_4xx(cluster: Cluster) -> None:
+    for model in ("m-sglang", "m-vllm"):
+        body = body_for("/v1/completions", model, "z" * 200_000, False)
+        s, _, raw = await post(cluster.url + "/v1/completions", body)
+        assert 400 <= s < 500, raw
+        assert json.loads(raw)["error"]["message"]
+    for name in ("sgl-p", "sgl-d", "vllm-p", "vllm-d"):
+        assert (await cluster.emulators[name].stats())["in_flight"] == 0
+
+
+async def test_client_disconnect_mid_stream_stops_the_engines() -> None:
+    from tests.integration.conftest import build_cluster, stop_cluster
+
+    c = await build_cluster(time_scale=1.0)  # real delays: the stream is still running when we leave
+    try:
+        for model, names in (("m-sglang", ("sgl-p", "sgl-d")), ("m-vllm", ("vllm-p", "vllm-d"))):
+            body = body_for("/v1/completions", model, "long story", True, max_tokens=2000)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(c.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.content.readany()
+            for _ in range(100):
+                stats = [await c.emulators[n].stats() for n in names]
+                if all(st["in_flight"] == 0 for st in stats):
+                    break
+                await asyncio.sleep(0.02)
+            assert all(st["in_flight"] == 0 for st in stats), stats
+    finally:
+        await stop_cluster(c)
