@@ -14,6 +14,8 @@ import contextlib
 import signal
 from collections.abc import Sequence
 
+import msgspec
+
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, ListenConfig, WorkerConfig
@@ -46,7 +48,6 @@ Metrics: {url}/metrics   Readiness: {url}/readiness   Ctrl-C stops everything.
 async def start_cluster(
     time_scale: float, profile: str | None
 ) -> tuple[list[EmulatorHandle], list[WorkerConfig]]:
-    extra = {"profile": profile} if profile else {}
     specs = [
         (
             "sglang-prefill",
@@ -56,32 +57,31 @@ async def start_cluster(
                 model="demo-sglang",
                 bootstrap_port=0,
                 time_scale=time_scale,
-                **extra,
             ),
         ),
         (
             "sglang-decode",
-            EmulatorSpec(engine="sglang", role="decode", model="demo-sglang", time_scale=time_scale, **extra),
+            EmulatorSpec(engine="sglang", role="decode", model="demo-sglang", time_scale=time_scale),
         ),
         (
             "vllm-prefill",
-            EmulatorSpec(
-                engine="vllm", role="prefill", model="demo-vllm", kv_port=0, time_scale=time_scale, **extra
-            ),
+            EmulatorSpec(engine="vllm", role="prefill", model="demo-vllm", kv_port=0, time_scale=time_scale),
         ),
         (
             "vllm-decode",
-            EmulatorSpec(engine="vllm", role="decode", model="demo-vllm", time_scale=time_scale, **extra),
+            EmulatorSpec(engine="vllm", role="decode", model="demo-vllm", time_scale=time_scale),
         ),
         (
             "colocated",
-            EmulatorSpec(engine="vllm", role="both", model="demo-colocated", time_scale=time_scale, **extra),
+            EmulatorSpec(engine="vllm", role="both", model="demo-colocated", time_scale=time_scale),
         ),
     ]
     handles: list[EmulatorHandle] = []
     workers: list[WorkerConfig] = []
     roles = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.COLOCATED}
     for name, spec in specs:
+        if profile:
+            spec = msgspec.structs.replace(spec, profile=profile)
         h = await start_emulator(spec)
         handles.append(h)
         engine = Engine(spec.engine)
@@ -98,11 +98,9 @@ async def start_cluster(
     return handles, workers
 
 
-async def amain(host: str, port: int, time_scale: float, profile: str | None, log_level: str) -> None:
+async def amain(host: str, port: int, time_scale: float, profile: str | None) -> None:
     handles, workers = await start_cluster(time_scale, profile)
-    gw = Gateway(
-        GatewayConfig(listen=ListenConfig(host=host, port=port), workers=tuple(workers), log_level=log_level)
-    )  # type: ignore[arg-type]
+    gw = Gateway(GatewayConfig(listen=ListenConfig(host=host, port=port), workers=tuple(workers)))
     await gw.start()
     print(f"pd-gateway demo: gateway on {gw.url} in front of {len(handles)} emulated workers")
     for w, h in zip(workers, handles, strict=True):
@@ -136,5 +134,5 @@ def main(argv: Sequence[str]) -> int:
     configure(args.log_level)
     install_uvloop()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(amain(args.host, args.port, args.time_scale, args.profile, args.log_level))
+        asyncio.run(amain(args.host, args.port, args.time_scale, args.profile))
     return 0

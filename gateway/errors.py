@@ -183,7 +183,7 @@ def _engine_message(body: bytes) -> tuple[str, str | None, str | int | None]:
 
 
 def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> bytes:
-    return _encoder.encode(ErrorBody(ErrorDetail(message=message, type=type_, param=param, code=code)))  # type: ignore[arg-type]
+    return _encoder.encode(ErrorBody(ErrorDetail(message=message, type=type_, param=param, code=code)))
 
 
 def sse_error_event(message: str, type_: str = "server_error", code: str | None = None) -> bytes:

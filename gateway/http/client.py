@@ -11,13 +11,13 @@ import asyncio
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 from httptools import HttpParserCallbackError, HttpParserError, HttpResponseParser
 
 from .errors import UpstreamConnectError, UpstreamProtocolError
 
-__all__ = ["FlowControl", "UpstreamPool", "UpstreamResponse"]
+__all__ = ["Batching", "FlowControl", "UpstreamPool", "UpstreamResponse"]
 
 _METHODS: dict[str, bytes] = {
     m: m.encode() for m in ("GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH")
@@ -37,6 +37,13 @@ class FlowControl(Protocol):
     def remove_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None: ...
 
 
+class Batching(Protocol):
+    """What ``UpstreamResponse.pipe(batch=...)`` uses; ``HttpResponder`` is one."""
+
+    def cork(self) -> None: ...
+    def uncork(self) -> None: ...
+
+
 class _Stale(Exception):
     """The connection closed before any byte of the response."""
 
@@ -45,6 +52,7 @@ class UpstreamResponse:
     """A response whose status line and headers are in; the body follows."""
 
     __slots__ = (
+        "_batch",
         "_buf",
         "_buffered",
         "_conn",
@@ -71,6 +79,7 @@ class UpstreamResponse:
         self._sink: Callable[[bytes], None] | None = None
         self._pipe_fut: asyncio.Future[None] | None = None
         self._flow: FlowControl | None = None
+        self._batch: Batching | None = None
         self._error: BaseException | None = None
         self._released = False
         self._whole = False
@@ -133,6 +142,7 @@ class UpstreamResponse:
 
     def _end_pipe(self) -> None:
         self._sink = None
+        self._batch = None
         flow = self._flow
         if flow is not None:
             self._flow = None
@@ -178,7 +188,13 @@ class UpstreamResponse:
             self._conn.resume_reading()
         return data
 
-    def pipe(self, sink: Callable[[bytes], None], *, flow: FlowControl | None = None) -> asyncio.Future[None]:
+    def pipe(
+        self,
+        sink: Callable[[bytes], None],
+        *,
+        flow: FlowControl | None = None,
+        batch: Batching | None = None,
+    ) -> asyncio.Future[None]:
         """Call ``sink(data)`` for each piece of body, directly from the protocol's data callback
         (already-buffered body first, synchronously). The returned future resolves at the end of
         the body, or fails with UpstreamProtocolError if the connection drops first, or with the
@@ -186,7 +202,13 @@ class UpstreamResponse:
 
         ``flow``: a :class:`FlowControl` (e.g. the client's ``HttpResponder``); while it signals
         pause, reading from the upstream socket is paused (backpressure). Cancelling the future
-        aborts the upstream connection."""
+        aborts the upstream connection.
+
+        ``batch``: a :class:`Batching` (e.g. the ``HttpResponder`` whose ``write`` is the sink):
+        corked before and uncorked after each upstream read, so all the pieces of one read
+        reach the client in one write. Typical relay::
+
+            await up.pipe(responder.write, flow=responder, batch=responder)"""
         loop = self._conn._loop
         fut: asyncio.Future[None] = loop.create_future()
         buf = self._buf
@@ -202,6 +224,7 @@ class UpstreamResponse:
         if self._pipe_fut is not None:
             raise RuntimeError("pipe() already in progress")
         self._sink = sink
+        self._batch = batch
         self._pipe_fut = fut
         if self._conn._reading_paused:
             self._conn.resume_reading()
@@ -296,8 +319,8 @@ class _UpstreamConnection(asyncio.Protocol):
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self._transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -330,6 +353,10 @@ class _UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._seen = True
+        resp = self._resp
+        batch = resp._batch if resp is not None else None
+        if batch is not None:
+            batch.cork()
         try:
             self._parser.feed_data(data)
         except HttpParserCallbackError as e:
@@ -337,6 +364,9 @@ class _UpstreamConnection(asyncio.Protocol):
             self._fail(ctx if ctx is not None else UpstreamProtocolError(str(e)))
         except HttpParserError as e:
             self._fail(UpstreamProtocolError(f"invalid HTTP response from upstream: {e}"))
+        finally:
+            if batch is not None:
+                batch.uncork()
 
     def eof_received(self) -> bool | None:
         return False

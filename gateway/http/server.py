@@ -13,7 +13,7 @@ import socket
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 from httptools import (
     HttpParserCallbackError,
@@ -90,7 +90,7 @@ class HttpResponder:
     """Writes the response of one request. Exactly one of ``send()`` or ``start_stream()`` …
     ``end()`` (or ``abort()``)."""
 
-    __slots__ = ("_chunked", "_conn", "_finished", "_head_only", "_http10", "_keep_alive", "started")
+    __slots__ = ("_chunked", "_conn", "_cork", "_finished", "_head_only", "_http10", "_keep_alive", "started")
 
     def __init__(self, conn: _HttpConnection, request: HttpRequest) -> None:
         self._conn = conn
@@ -100,6 +100,7 @@ class HttpResponder:
         self._head_only = request.method == "HEAD"
         self._http10 = request.http_version == "1.0"
         self._chunked = False
+        self._cork: list[bytes] | None = None
 
     @property
     def closed(self) -> bool:
@@ -113,7 +114,7 @@ class HttpResponder:
 
     def _head(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bytearray:
         conn = self._conn
-        if conn._server._draining or conn._eof:
+        if conn._server._draining:
             self._keep_alive = False
         buf = bytearray(_status_line(status))
         for n, v in headers:
@@ -173,6 +174,13 @@ class HttpResponder:
         data after the client is gone or the response is finished is dropped."""
         if not data or self._finished or self._conn._closed or self._head_only:
             return
+        cork = self._cork
+        if cork is not None:
+            if self._chunked:
+                cork += (b"%x\r\n" % len(data), data, b"\r\n")
+            else:
+                cork.append(data)
+            return
         transport = self._conn._transport
         if self._chunked:
             n = len(data)
@@ -182,6 +190,20 @@ class HttpResponder:
                 transport.writelines((b"%x\r\n" % n, data, b"\r\n"))
         else:
             transport.write(data)
+
+    def cork(self) -> None:
+        """Collect write()s until uncork(), which sends them in one transport write (a pipe()
+        corks around each upstream read, so a burst of events costs one send)."""
+        if self._cork is None:
+            self._cork = []
+
+    def uncork(self) -> None:
+        cork = self._cork
+        if cork is None:
+            return
+        self._cork = None
+        if cork and not self._finished and not self._conn._closed:
+            self._conn._transport.write(b"".join(cork))
 
     async def drain(self) -> None:
         """Wait while the client transport is paused (its write buffer is above high water)."""
@@ -197,6 +219,8 @@ class HttpResponder:
             return
         if not self.started:
             raise RuntimeError("end() before start_stream()")
+        if self._cork is not None:
+            self.uncork()
         if self._chunked and not self._conn._closed:
             self._conn._transport.write(_LAST_CHUNK)
         self._finish()
@@ -262,7 +286,6 @@ class _HttpConnection(asyncio.Protocol):
         "_content_length",
         "_cur",
         "_drain_waiters",
-        "_eof",
         "_expect",
         "_handler",
         "_hdr_bytes",
@@ -310,7 +333,6 @@ class _HttpConnection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._responder: HttpResponder | None = None
         self._stop_parsing = False
-        self._eof = False
         self._closed = False
         self._write_paused = False
         self._reading_paused = False
@@ -319,8 +341,8 @@ class _HttpConnection(asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self._transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -350,13 +372,10 @@ class _HttpConnection(asyncio.Protocol):
                     w.set_result(None)
 
     def eof_received(self) -> bool | None:
-        # The client half-closed: answer what is complete, then close.
-        self._eof = True
-        self._stop_parsing = True
-        self._req_t0 = 0.0
-        if self._task is None and not self._queue:
-            return False
-        return True
+        # A FIN from the client: a half-close looks the same as a disconnect, and for an LLM
+        # gateway noticing a disconnect (to cancel generation) matters more. Close; the
+        # handler in flight, if any, is cancelled by connection_lost.
+        return False
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -566,8 +585,6 @@ class _HttpConnection(asyncio.Protocol):
                 self._write_error(item)
             else:
                 self._dispatch(item)
-        elif self._eof:
-            self._transport.close()
         elif self._cur is None and not self._in_headers:
             if self._server._draining:
                 self._transport.close()
