@@ -1,0 +1,124 @@
+"""``pd-gateway emulate``: run one emulated SGLang or vLLM server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from emulator.api import EmulatorSpec
+from emulator.faults import FaultSpecError, parse_fault
+from emulator.profiles import DEFAULT_PROFILE, PROFILES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pd-gateway emulate", description="Run an emulated SGLang or vLLM server."
+    )
+    p.add_argument("--engine", choices=["sglang", "vllm"], required=True)
+    p.add_argument("--role", choices=["prefill", "decode", "both"], required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument(
+        "--bootstrap-port", type=int, default=None, help="SGLang prefill bootstrap port (default 8998)"
+    )
+    p.add_argument(
+        "--kv-port", type=int, default=None, help="KV transfer port of a prefill (vLLM remote_port)"
+    )
+    p.add_argument("--model", default="meta-llama/Meta-Llama-3-8B-Instruct")
+    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="multiplies every modelled delay; 0 = zero-delay"
+    )
+    p.add_argument(
+        "--fault", action="append", default=[], metavar="SPEC", help="KIND[:FRACTION][,key=value...]"
+    )
+    p.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="tcp://127.0.0.1:PORT",
+        help="ZMQ PUB endpoint (replay on PORT+1)",
+    )
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default: from profile)"
+    )
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--kv-scale", type=int, default=1024, help="KV payload on the wire = real size / this")
+    p.add_argument(
+        "--waiting-timeout", type=float, default=None, help="SGLang decode KV wait (default 300 s)"
+    )
+    p.add_argument("--handshake-timeout", type=float, default=5.0)
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
+    return EmulatorSpec(
+        engine=args.engine,
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        bootstrap_port=args.bootstrap_port,
+        kv_port=args.kv_port,
+        model=args.model,
+        profile=args.profile,
+        time_scale=args.time_scale,
+        faults=list(args.fault),
+        kv_events=args.kv_events,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        max_total_tokens=args.max_total_tokens,
+        block_size=args.block_size,
+        kv_scale=args.kv_scale,
+        waiting_timeout_s=args.waiting_timeout,
+        handshake_timeout_s=args.handshake_timeout,
+    )
+
+
+async def serve(spec: EmulatorSpec) -> int:
+    from emulator.api import start_emulator
+
+    handle = await start_emulator(spec)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    extra = f" bootstrap={handle.bootstrap_port}" if handle.bootstrap_port else ""
+    extra += f" kv={handle.kv_port}" if handle.kv_port else ""
+    print(f"emulated {spec.engine} {spec.role} listening on {handle.url}{extra}", flush=True)
+    dead_poll = 0.2
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), dead_poll)
+        if handle.dead:
+            print("emulated engine core died; exiting", file=sys.stderr, flush=True)
+            await handle.stop()
+            return 1
+    await handle.stop()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        for f in args.fault:
+            parse_fault(f)
+    except FaultSpecError as e:
+        print(f"pd-gateway emulate: {e}", file=sys.stderr)
+        return 2
+    spec = spec_from_args(args)
+    try:
+        import uvloop
+
+        return int(uvloop.run(serve(spec)))
+    except ImportError:
+        return asyncio.run(serve(spec))

@@ -1,0 +1,330 @@
+"""The KV transfer between emulated prefill and decode, over real TCP.
+
+Framing: each message is ``4-byte big-endian header length, msgpack header, 8-byte big-endian
+payload length, payload``. The payload carries the block contents (32 bytes each) followed by
+filler bytes, so that its size is the profile's KV size for those tokens divided by
+``kv_scale`` (a slow or cut link is therefore real). A prefill runs one :class:`KvServer` on its
+KV port (SGLang: the ``rank_port`` it registers with its bootstrap server; vLLM: the NIXL side
+channel ``remote_port``).
+
+* vLLM (pull): the decode sends ``{"op": "read", engine_id, request_id, block_ids}``; the server
+  answers with the content of those block ids *as they are now* (stale ids give other content),
+  then treats the read as the completion notification and frees the request's held blocks.
+* SGLang (rendezvous on the room): the decode sends ``{"op": "wait_room", room}``; the server
+  answers when the prefill of that room has produced its KV (``offer``). A room whose prefill was
+  rejected is never offered: the decode waits for its own timeout, as on SGLang 0.5.23.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("emulator.kvtransfer")
+
+HASH_BYTES = 32
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder()
+
+
+class TransferError(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # "connect", "handshake", "range", "failed", "lost", "timeout", "aborted"
+
+
+async def send_msg(writer: asyncio.StreamWriter, header: dict[str, Any], payload: bytes = b"") -> None:
+    h = _enc.encode(header)
+    writer.write(len(h).to_bytes(4, "big") + h + len(payload).to_bytes(8, "big"))
+    if payload:
+        writer.write(payload)
+    await writer.drain()
+
+
+async def recv_msg(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
+    n = int.from_bytes(await reader.readexactly(4), "big")
+    header: dict[str, Any] = _dec.decode(await reader.readexactly(n))
+    m = int.from_bytes(await reader.readexactly(8), "big")
+    payload = await reader.readexactly(m) if m else b""
+    return header, payload
+
+
+def pack_blocks(contents: list[bytes], pad: int) -> bytes:
+    return b"".join(contents) + bytes(max(0, pad))
+
+
+def unpack_blocks(payload: bytes, count: int) -> list[bytes]:
+    return [payload[i * HASH_BYTES : (i + 1) * HASH_BYTES] for i in range(count)]
+
+
+class Held(msgspec.Struct):
+    """vLLM: blocks a finished prefill keeps for the decode to pull (until read or lease end)."""
+
+    blocks: list[int]
+    num_tokens: int
+    fault: str | None
+    expiry: asyncio.TimerHandle | None = None
+
+
+class Room(msgspec.Struct):
+    """SGLang: the rendezvous of one bootstrap room."""
+
+    ready: asyncio.Future[tuple[list[bytes], int, str | None]]
+    taken: asyncio.Future[bool]
+    created: float
+
+
+class KvServer:
+    """The prefill side. ``read_blocks`` returns block contents; ``pad_for`` the filler size."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        read_blocks: Callable[[list[int]], list[bytes] | None],
+        pad_for: Callable[[int], int],
+        link_delay: Callable[[int], float],
+        release: Callable[[list[int]], None],
+        on_transfer: Callable[[bool, int, float], None],
+        concurrency_fault: Callable[[int], bool],
+    ) -> None:
+        self.engine_id = engine_id
+        self._read_blocks = read_blocks
+        self._pad_for = pad_for
+        self._link_delay = link_delay
+        self._release = release
+        self._on_transfer = on_transfer
+        self._concurrency_fault = concurrency_fault
+        self.held: dict[str, Held] = {}
+        self.rooms: dict[int, Room] = {}
+        self.active = 0
+        self.last_contents: list[bytes] = []
+        self.unrecognized_reads = 0
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self._server = await asyncio.start_server(self._handle, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        for held in self.held.values():
+            if held.expiry is not None:
+                held.expiry.cancel()
+        for room in self.rooms.values():
+            if not room.taken.done():
+                room.taken.cancel()
+
+    # -- vLLM --------------------------------------------------------------------------
+    def hold(self, request_id: str, held: Held, lease_s: float, on_expire: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
+
+        def expire() -> None:
+            h = self.held.pop(request_id, None)
+            if h is not None:
+                self._release(h.blocks)
+                on_expire()
+
+        held.expiry = loop.call_later(lease_s, expire)
+        self.held[request_id] = held
+
+    # -- SGLang ------------------------------------------------------------------------
+    def room(self, room: int) -> Room:
+        r = self.rooms.get(room)
+        if r is None:
+            loop = asyncio.get_running_loop()
+            r = Room(loop.create_future(), loop.create_future(), time.monotonic())
+            self.rooms[room] = r
+        return r
+
+    def offer(self, room: int, contents: list[bytes], num_tokens: int, fault: str | None) -> Room:
+        r = self.room(room)
+        if not r.ready.done():
+            r.ready.set_result((contents, num_tokens, fault))
+        return r
+
+    def drop_room(self, room: int) -> None:
+        r = self.rooms.pop(room, None)
+        if r is not None:
+            if not r.ready.done():
+                r.ready.cancel()
+            if not r.taken.done():
+                r.taken.cancel()
+
+    # -- connection handler --------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header, _ = await recv_msg(reader)
+            op = header.get("op")
+            if op == "read":
+                await self._serve_read(header, writer)
+            elif op == "wait_room":
+                await self._serve_room(header, writer)
+            else:
+                await send_msg(writer, {"ok": False, "kind": "failed", "error": f"bad op {op!r}"})
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except Exception:
+            log.exception("kv server connection failed")
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _send_blocks(
+        self, writer: asyncio.StreamWriter, contents: list[bytes], num_tokens: int, fault: str | None
+    ) -> bool:
+        self.active += 1
+        t0 = time.monotonic()
+        try:
+            if fault is None and self._concurrency_fault(self.active):
+                fault = "transfer_fail"
+            if fault == "transfer_stall":
+                await asyncio.Event().wait()
+            if fault == "transfer_fail":
+                await send_msg(
+                    writer, {"ok": False, "kind": "failed", "error": "KV transfer failed (injected)"}
+                )
+                self._on_transfer(False, 0, 0.0)
+                return False
+            if fault == "abort_during_transfer":
+                await send_msg(
+                    writer, {"ok": False, "kind": "aborted", "error": "prefill aborted during transfer"}
+                )
+                self._on_transfer(False, 0, 0.0)
+                return False
+            if fault == "wrong_request_kv" and self.last_contents:
+                other = self.last_contents
+                contents = [other[i] if i < len(other) else other[-1] for i in range(len(contents))]
+            elif fault == "bogus_kv_params":
+                contents = [bytes(HASH_BYTES) for _ in contents]
+            delay = self._link_delay(num_tokens)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            payload = pack_blocks(contents, self._pad_for(num_tokens))
+            await send_msg(writer, {"ok": True, "count": len(contents)}, payload)
+            self._on_transfer(True, len(payload), time.monotonic() - t0)
+            return True
+        finally:
+            self.active -= 1
+
+    async def _serve_read(self, header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        if header.get("engine_id") != self.engine_id:
+            await send_msg(
+                writer, {"ok": False, "kind": "handshake", "error": "handshake_failed: unknown engine id"}
+            )
+            self._on_transfer(False, 0, 0.0)
+            return
+        block_ids = [int(b) for b in header.get("block_ids", [])]
+        contents = self._read_blocks(block_ids)
+        if contents is None:
+            await send_msg(writer, {"ok": False, "kind": "range", "error": "remote index out of range"})
+            self._on_transfer(False, 0, 0.0)
+            return
+        request_id = str(header.get("request_id"))
+        held = self.held.get(request_id)
+        if held is None:
+            self.unrecognized_reads += 1
+            log.warning(
+                "Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. "
+                "They may have expired.",
+                request_id,
+            )
+        fault = held.fault if held is not None else None
+        num_tokens = int(header.get("num_tokens", len(block_ids) * 16))
+        ok = await self._send_blocks(writer, contents, num_tokens, fault)
+        if ok:
+            self.last_contents = contents
+        if held is not None and self.held.get(request_id) is held:
+            del self.held[request_id]
+            if held.expiry is not None:
+                held.expiry.cancel()
+            self._release(held.blocks)
+
+    async def _serve_room(self, header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        room_id = int(header["room"])
+        r = self.room(room_id)
+        try:
+            contents, num_tokens, fault = await asyncio.shield(r.ready)
+        except asyncio.CancelledError:
+            await send_msg(writer, {"ok": False, "kind": "aborted", "error": "Aborted by AbortReq."})
+            return
+        ok = await self._send_blocks(writer, contents, num_tokens, fault)
+        if ok:
+            self.last_contents = contents
+        if not r.taken.done():
+            r.taken.set_result(ok)
+        self.rooms.pop(room_id, None)
+
+
+async def _request(
+    host: str, port: int, header: dict[str, Any], wait_s: float | None
+) -> tuple[dict[str, Any], bytes]:
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5.0)
+    except (OSError, TimeoutError) as e:
+        raise TransferError("connect", f"cannot connect to {host}:{port}: {e}") from e
+    try:
+        await send_msg(writer, header)
+        try:
+            return await asyncio.wait_for(recv_msg(reader), wait_s)
+        except TimeoutError as e:
+            raise TransferError("timeout", "timed out") from e
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise TransferError("lost", "Lost connection with prefill instance") from e
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+async def pull_blocks(
+    host: str,
+    port: int,
+    *,
+    engine_id: str,
+    request_id: str,
+    block_ids: list[int],
+    num_tokens: int,
+    connect_retry_s: float,
+    wait_s: float | None = None,
+) -> list[bytes]:
+    """vLLM decode: read ``block_ids`` from the prefill's side channel."""
+    deadline = time.monotonic() + connect_retry_s
+    header = {
+        "op": "read",
+        "engine_id": engine_id,
+        "request_id": request_id,
+        "block_ids": block_ids,
+        "num_tokens": num_tokens,
+    }
+    while True:
+        try:
+            reply, payload = await _request(host, port, header, wait_s)
+            break
+        except TransferError as e:
+            if e.kind != "connect" or time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.05)
+    if not reply.get("ok"):
+        raise TransferError(str(reply.get("kind", "failed")), str(reply.get("error", "transfer failed")))
+    return unpack_blocks(payload, int(reply["count"]))
+
+
+async def wait_room(host: str, port: int, room: int, wait_s: float | None) -> list[bytes]:
+    """SGLang decode: wait for the KV of ``room`` from the prefill rank at ``host:port``."""
+    reply, payload = await _request(host, port, {"op": "wait_room", "room": room}, wait_s)
+    if not reply.get("ok"):
+        raise TransferError(str(reply.get("kind", "failed")), str(reply.get("error", "transfer failed")))
+    return unpack_blocks(payload, int(reply["count"]))

@@ -1,0 +1,392 @@
+"""The engine: admission against KV capacity, prefix cache, prefill, continuous-batching decode.
+
+Two execution modes share the same state (block pool, prefix cache, counters):
+
+* timed (``time_scale > 0``): one engine loop runs steps. Each step takes prefill work
+  (chunked with a token budget on colocated workers, whole prompts up to ``max_prefill_tokens``
+  on prefill workers) and one token for every decoding sequence, sleeps
+  ``timing.mixed_step_time(...) x time_scale``, then hands out the results;
+* zero-delay (``time_scale == 0``): prefill completes at once and tokens are produced directly by
+  the consumer, with no sleeps and no per-token task switches - the mode for overhead benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from emulator import model, timing
+from emulator.kvcache import BlockPool
+from emulator.profiles import Profile
+
+
+class EngineDead(Exception):
+    """The emulated engine core died (vLLM's fatal path); every request fails from now on."""
+
+
+class Aborted(Exception):
+    pass
+
+
+class TooLarge(Exception):
+    """The request can never fit in the KV pool."""
+
+
+class Counters:
+    def __init__(self) -> None:
+        self.received = 0
+        self.completed = 0
+        self.aborted = 0
+        self.errors = 0
+        self.kv_transfers_ok = 0
+        self.kv_transfers_failed = 0
+        self.kv_bytes_transferred = 0
+        self.kv_transfer_seconds = 0.0
+        self.cached_tokens_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.external_kv_tokens = 0
+        self.local_compute_tokens = 0
+        self.bootstrap_failed = 0
+        self.kv_expired = 0
+        self.in_flight = 0
+        self.in_transfer = 0
+
+
+class Seq:
+    __slots__ = (
+        "aborted",
+        "blocks",
+        "cached_tokens",
+        "credits",
+        "event",
+        "finished",
+        "hashes",
+        "kv_valid",
+        "max_new",
+        "n_prompt_blocks",
+        "prefill_future",
+        "prefill_left",
+        "prompt",
+        "rid",
+        "sample_seed",
+        "state",
+        "t_first",
+        "t_received",
+        "t_started",
+    )
+
+    def __init__(self, rid: str, prompt: list[int], max_new: int, sample_seed: int | None) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.max_new = max_new
+        self.sample_seed = sample_seed
+        self.hashes: list[bytes] = []
+        self.blocks: list[int] = []
+        self.n_prompt_blocks = 0
+        self.cached_tokens = 0
+        self.kv_valid = True
+        self.state = 0
+        self.aborted = False
+        self.finished = False
+        self.credits = 0
+        self.event: asyncio.Event | None = None
+        self.prefill_future: asyncio.Future[None] | None = None
+        self.prefill_left = 0
+        self.t_received = time.time()
+        self.t_started = 0.0
+        self.t_first = 0.0
+
+    @property
+    def prompt_blocks(self) -> list[int]:
+        return self.blocks[: self.n_prompt_blocks]
+
+    @property
+    def last_block(self) -> int:
+        return self.blocks[self.n_prompt_blocks - 1]
+
+
+class Engine:
+    def __init__(
+        self,
+        profile: Profile,
+        *,
+        role: str,
+        time_scale: float,
+        seed: int,
+        num_blocks: int,
+        block_size: int,
+        max_running: int | None = None,
+    ) -> None:
+        self.profile = profile
+        self.role = role
+        self.time_scale = time_scale
+        self.seed = seed
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, block_size)
+        self.max_running = max_running or profile.max_running
+        self.counters = Counters()
+        self.seqs: dict[str, Seq] = {}
+        self.waiting = 0
+        self.decoding: list[Seq] = []
+        self.prefill_queue: list[Seq] = []
+        self.dead = False
+        self._freed = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self.last_step_s = 0.0
+
+    @property
+    def zero_delay(self) -> bool:
+        return self.time_scale <= 0.0
+
+    def start(self) -> None:
+        if not self.zero_delay and self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+
+    # ------------------------------------------------------------------ admission
+    @property
+    def num_running(self) -> int:
+        return len(self.seqs)
+
+    async def admit(self, seq: Seq) -> None:
+        """Reserve KV blocks for prompt + max_new, reusing the cached prefix. Waits when full."""
+        if self.dead:
+            raise EngineDead()
+        bs = self.block_size
+        seq.hashes = model.chain_hashes(seq.prompt, bs)
+        n_prompt = len(seq.hashes)
+        total = model.num_blocks(len(seq.prompt) + seq.max_new, bs)
+        max_cached = (len(seq.prompt) - 1) // bs
+        if total > self.pool.num_blocks:
+            raise TooLarge(
+                f"Request requires too many KV tokens: {len(seq.prompt) + seq.max_new} > "
+                f"{self.pool.num_blocks * bs} (max_total_num_tokens)"
+            )
+        self.waiting += 1
+        try:
+            while True:
+                if self.dead:
+                    raise EngineDead()
+                if seq.aborted:
+                    raise Aborted()
+                if len(self.seqs) < self.max_running:
+                    cached = self.pool.match_prefix(seq.hashes, max_cached)
+                    rest = self.pool.allocate(total - len(cached))
+                    if rest is not None:
+                        break
+                    self.pool.free(cached)
+                self._freed.clear()
+                await self._freed.wait()
+        finally:
+            self.waiting -= 1
+        self.pool.queries += len(seq.prompt)
+        self.pool.hits += len(cached) * bs
+        seq.blocks = cached + rest
+        seq.n_prompt_blocks = n_prompt
+        seq.cached_tokens = len(cached) * bs
+        seq.t_started = time.time()
+        self.seqs[seq.rid] = seq
+        self.counters.cached_tokens_total += seq.cached_tokens
+        self.counters.prompt_tokens_total += len(seq.prompt)
+
+    def release(self, seq: Seq, *, keep_prompt: bool = False) -> list[int]:
+        """Free the sequence's blocks (or all but the prompt blocks, returned to the caller)."""
+        if self.seqs.pop(seq.rid, None) is None and not seq.blocks:
+            return []
+        kept: list[int] = []
+        if keep_prompt:
+            kept = seq.prompt_blocks
+            self.pool.free(seq.blocks[seq.n_prompt_blocks :])
+        else:
+            self.pool.free(seq.blocks)
+        seq.blocks = []
+        self._freed.set()
+        return kept
+
+    def free_blocks(self, blocks: list[int]) -> None:
+        self.pool.free(blocks)
+        self._freed.set()
+
+    # ------------------------------------------------------------------ prefill
+    async def prefill(self, seq: Seq, *, truncate_to: int | None = None) -> None:
+        """Compute the prompt's KV locally (only the uncached part costs time)."""
+        new_tokens = len(seq.prompt) - seq.cached_tokens
+        self.counters.local_compute_tokens += new_tokens
+        if not self.zero_delay and new_tokens > 0:
+            seq.prefill_left = new_tokens
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            seq.prefill_future = fut
+            self.prefill_queue.append(seq)
+            self._wake.set()
+            try:
+                await fut
+            finally:
+                seq.prefill_future = None
+                if seq in self.prefill_queue:
+                    self.prefill_queue.remove(seq)
+        if self.dead:
+            raise EngineDead()
+        self.write_prompt_kv(seq, truncate_to=truncate_to)
+
+    def write_prompt_kv(self, seq: Seq, *, truncate_to: int | None = None) -> None:
+        bs = self.block_size
+        first = seq.cached_tokens // bs
+        if truncate_to is not None:
+            # only the first ``truncate_to`` tokens' KV is computed (SGLang #30233 shape)
+            partial = model.chain_hashes(seq.prompt[:truncate_to], bs)
+            for i, h in enumerate(partial):
+                if i >= first:
+                    self.pool.write(seq.blocks[i], h)
+            seq.kv_valid = False
+        else:
+            for i in range(first, seq.n_prompt_blocks):
+                self.pool.write(seq.blocks[i], seq.hashes[i])
+            self.register_full_blocks(seq, first)
+        self.set_state(seq)
+
+    def register_full_blocks(self, seq: Seq, first: int) -> None:
+        full = len(seq.prompt) // self.block_size
+        if full > first and seq.kv_valid:
+            parent = seq.hashes[first - 1] if first > 0 else None
+            tokens = seq.prompt[first * self.block_size : full * self.block_size]
+            self.pool.register(seq.blocks[first:full], seq.hashes[first:full], parent, tokens)
+
+    def load_remote_kv(self, seq: Seq, contents: list[bytes]) -> None:
+        """Write KV received from a prefill into this sequence's (uncached) prompt blocks."""
+        first = seq.cached_tokens // self.block_size
+        for i in range(first, min(seq.n_prompt_blocks, len(contents))):
+            self.pool.write(seq.blocks[i], contents[i])
+        ok = len(contents) >= seq.n_prompt_blocks and all(
+            contents[i] == seq.hashes[i] for i in range(first, seq.n_prompt_blocks)
+        )
+        seq.kv_valid = ok
+        if ok:
+            self.register_full_blocks(seq, first)
+        self.counters.external_kv_tokens += len(seq.prompt) - seq.cached_tokens
+        self.set_state(seq)
+
+    def set_state(self, seq: Seq) -> None:
+        kv = self.pool.content(seq.last_block)
+        seq.state = model.stream_state(kv, len(seq.prompt), self.seed, seq.sample_seed)
+
+    # ------------------------------------------------------------------ decode
+    async def decode(self, seq: Seq, n: int) -> AsyncIterator[int]:
+        """Yield ``n`` output tokens; one per engine step in timed mode."""
+        state = seq.state
+        if self.zero_delay:
+            for _ in range(n):
+                if seq.aborted:
+                    raise Aborted()
+                if self.dead:
+                    raise EngineDead()
+                state = model.next_state(state)
+                seq.state = state
+                yield model.token_from_state(state)
+            return
+        seq.event = asyncio.Event()
+        seq.credits = 0
+        self.decoding.append(seq)
+        self._wake.set()
+        try:
+            produced = 0
+            while produced < n:
+                while seq.credits == 0:
+                    if seq.aborted:
+                        raise Aborted()
+                    if self.dead:
+                        raise EngineDead()
+                    seq.event.clear()
+                    await seq.event.wait()
+                if seq.aborted:
+                    raise Aborted()
+                seq.credits -= 1
+                produced += 1
+                state = model.next_state(state)
+                seq.state = state
+                yield model.token_from_state(state)
+        finally:
+            if seq in self.decoding:
+                self.decoding.remove(seq)
+
+    def abort(self, rid: str) -> bool:
+        seq = self.seqs.get(rid)
+        if seq is None:
+            return False
+        self.abort_seq(seq)
+        return True
+
+    def abort_seq(self, seq: Seq) -> None:
+        seq.aborted = True
+        if seq.event is not None:
+            seq.event.set()
+        if seq.prefill_future is not None and not seq.prefill_future.done():
+            seq.prefill_future.set_exception(Aborted())
+        self._freed.set()
+
+    def die(self) -> None:
+        """vLLM's EngineCore fatal error: fail everything in flight and refuse new work."""
+        self.dead = True
+        for seq in list(self.seqs.values()):
+            if seq.prefill_future is not None and not seq.prefill_future.done():
+                seq.prefill_future.set_exception(EngineDead())
+            if seq.event is not None:
+                seq.event.set()
+        self._freed.set()
+
+    def token_interval(self) -> float:
+        """Nominal seconds per output token now (for the ``slow`` fault)."""
+        if self.zero_delay:
+            return 0.001
+        return max(self.last_step_s, 0.0005)
+
+    # ------------------------------------------------------------------ timed loop
+    async def _run(self) -> None:
+        p = self.profile
+        chunked = self.role != "prefill"
+        while True:
+            if not self.prefill_queue and not self.decoding:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = [s for s in self.decoding if not s.aborted]
+            budget = (p.chunk_tokens - len(batch)) if chunked else p.max_prefill_tokens
+            budget = max(budget, self.block_size)
+            work: list[tuple[Seq, int]] = []
+            chunks: list[tuple[int, int]] = []
+            for seq in self.prefill_queue:
+                if budget <= 0:
+                    break
+                if seq.aborted:
+                    continue
+                n = min(seq.prefill_left, budget)
+                done_before = len(seq.prompt) - seq.prefill_left
+                work.append((seq, n))
+                chunks.append((n, done_before))
+                budget -= n
+            kv_tokens = sum(len(s.prompt) + s.credits for s in batch)
+            dt = timing.mixed_step_time(p, chunks, len(batch), kv_tokens)
+            self.last_step_s = dt * self.time_scale
+            await asyncio.sleep(self.last_step_s)
+            for seq, n in work:
+                seq.prefill_left -= n
+                if seq.prefill_left <= 0:
+                    if seq in self.prefill_queue:
+                        self.prefill_queue.remove(seq)
+                    fut = seq.prefill_future
+                    if fut is not None and not fut.done():
+                        fut.set_result(None)
+            for seq in batch:
+                seq.credits += 1
+                if seq.event is not None:
+                    seq.event.set()

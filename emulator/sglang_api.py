@@ -1,0 +1,895 @@
+"""SGLang 0.5.23's HTTP surface (shapes from the captures in ``shared/captures``)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from emulator import model, tokenizer
+from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_response, sse, start_sse, track
+from emulator.faults import Fault
+from emulator.flows import MidStreamFault, admit_and_compute, env_float, sglang_fetch_kv, tokens
+from emulator.kvtransfer import TransferError
+from emulator.metrics import render_sglang
+from emulator.scheduler import Aborted, EngineDead, Seq, TooLarge
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+class Item(msgspec.Struct):
+    rid: str
+    prompt: list[int]
+    max_new: int
+    sample_seed: int | None
+    room: int | None
+    bhost: str | None
+    bport: int | None
+    logprob: bool = False
+    top_n: int = 0
+
+
+class Result(msgspec.Struct):
+    output_ids: list[int]
+    finish: dict[str, Any] | None
+    cached_tokens: int
+    prompt_tokens: int
+    t_received: float
+    t_first: float
+    error_status: int = 0
+    error_message: str = ""
+
+
+def _error_generate(status: int, message: str) -> web.Response:
+    return json_response({"error": {"message": message}}, status=status)
+
+
+def _error_openai(status: int, message: str, typ: str | None = None) -> web.Response:
+    typ = typ or ("BadRequestError" if status == 400 else str(status))
+    return json_response(
+        {"object": "error", "message": message, "type": typ, "param": None, "code": status}, status
+    )
+
+
+def _listify(v: Any, n: int) -> list[Any]:
+    if isinstance(v, list):
+        return v
+    return [v] * n
+
+
+def _rooms(v: Any, n: int) -> list[int | None]:
+    if v is None:
+        return [None] * n
+    if isinstance(v, list):
+        return [None if x is None else int(x) for x in v]
+    return [int(v) + i for i in range(n)]
+
+
+class SglangApi:
+    def __init__(self, server: EmulatorServer) -> None:
+        self.s = server
+        self.engine = server.engine
+        self.context_length = server.max_model_len
+        self.max_req_input_len = min(self.context_length - 1, server.max_total_tokens - 1) - 5
+        self.pending: dict[str, asyncio.Task[Any]] = {}
+        self.seqs: dict[str, Seq] = {}
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, n_input: int, max_new: int) -> str | None:
+        ctx = self.context_length
+        if n_input >= ctx:
+            return f"The input ({n_input} tokens) is longer than the model's context length ({ctx} tokens)."
+        if n_input + max_new > ctx:
+            return (
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                f"You requested a total of {n_input + max_new} tokens: {n_input} tokens from the input messages "
+                f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit."
+            )
+        return None
+
+    def scheduler_reject(self, n_input: int) -> str | None:
+        if n_input >= self.max_req_input_len:
+            return (
+                f"Input length ({n_input} tokens) exceeds the maximum allowed length ({self.max_req_input_len} tokens). "
+                "Use a shorter input or enable --allow-auto-truncate."
+            )
+        return None
+
+    # ------------------------------------------------------------------ core
+    async def execute(
+        self, item: Item, hit: dict[str, Fault], on_token: Callable[[list[int]], Awaitable[None]] | None
+    ) -> Result:
+        s, engine = self.s, self.engine
+        seq = Seq(item.rid, item.prompt, item.max_new, item.sample_seed)
+        out: list[int] = []
+        res = Result(out, None, 0, len(item.prompt), seq.t_received, 0.0)
+        pd = item.room is not None and item.bhost != FAKE_BOOTSTRAP_HOST and s.role != "both"
+        mode = s.role if pd else "both"
+        self.seqs[item.rid] = seq
+        keep_blocks = False
+        try:
+            if mode == "prefill":
+                truncated = "silent_truncation" in hit
+                await admit_and_compute(s, seq, truncate_to=1 if truncated else None)
+                res.cached_tokens = seq.cached_tokens
+                fault = next(
+                    (
+                        k
+                        for k in (
+                            "transfer_fail",
+                            "transfer_stall",
+                            "abort_during_transfer",
+                            "wrong_request_kv",
+                            "bogus_kv_params",
+                        )
+                        if k in hit
+                    ),
+                    None,
+                )
+                if "stale_kv_params" in hit:
+                    fault = "wrong_request_kv"
+                assert s.kv_server is not None and item.room is not None
+                contents = [engine.pool.content(b) for b in seq.prompt_blocks]
+                room = s.kv_server.offer(item.room, contents, len(item.prompt), fault)
+                if truncated:
+                    # SGLang #30233: the prompt is aborted, yet a 1-token KV is shipped
+                    keep = engine.release(seq, keep_prompt=True)
+                    keep_blocks = True
+                    self._release_after(room.taken, keep)
+                    res.prompt_tokens = 1
+                    msg = (
+                        f"Input length ({len(item.prompt)} tokens) exceeds the maximum allowed length "
+                        f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate."
+                    )
+                    res.finish = {
+                        "type": "abort",
+                        "message": msg,
+                        "status_code": 400,
+                        "err_type": "BadRequestError",
+                    }
+                    res.error_status, res.error_message = 400, msg
+                    return res
+                async for tok in tokens(s, seq, 1, hit):
+                    out.append(tok)
+                timeout = s.spec.waiting_timeout_s or env_float(
+                    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0
+                )
+                try:
+                    await asyncio.wait_for(asyncio.shield(room.taken), timeout)
+                except TimeoutError:
+                    s.kv_server.drop_room(item.room)
+                    raise TransferError(
+                        "timeout", f"Request {item.room} timed out after {timeout}s in KVPoll.Bootstrapping"
+                    ) from None
+                res.finish = {"type": "length", "length": 0}
+                return res
+            await engine.admit(seq)
+            res.cached_tokens = seq.cached_tokens
+            if mode == "decode":
+                assert item.bhost is not None and item.bport is not None and item.room is not None
+                try:
+                    contents = await sglang_fetch_kv(s, seq, item.bhost, item.bport, item.room, hit)
+                    engine.counters.kv_transfers_ok += 1
+                except TransferError as e:
+                    engine.counters.kv_transfers_failed += 1
+                    if e.kind != "aborted":
+                        raise
+                    # sglang #33507: the client sees a normal "length" finish after one token
+                    engine.set_state(seq)
+                    async for tok in tokens(s, seq, 1, hit):
+                        out.append(tok)
+                    if on_token is not None:
+                        await on_token(out)
+                    res.finish = {"type": "length", "length": len(out)}
+                    return res
+                engine.load_remote_kv(seq, contents)
+            else:
+                await engine.prefill(seq)
+            async for tok in tokens(s, seq, item.max_new, hit):
+                out.append(tok)
+                if on_token is not None:
+                    await on_token(out)
+            res.finish = {"type": "length", "length": len(out)}
+            return res
+        except TransferError as e:
+            engine.counters.bootstrap_failed += e.kind == "handshake"
+            what = "handshake" if e.kind == "handshake" else "transfer"
+            msg = (
+                f"Decode {what} failed for request rank=0 decode_req.req.rid='{item.rid}' "
+                f"decode_req.req.bootstrap_room={item.room} with exception "
+                f"KVTransferError(bootstrap_room={item.room}): {e}"
+            )
+            if mode == "prefill":
+                msg = f"Prefill transfer failed for request rank=0 req.rid='{item.rid}' with exception KVTransferError(bootstrap_room={item.room}): {e}"
+            res.finish = {"type": "abort", "message": msg, "status_code": 500, "err_type": None}
+            res.error_status, res.error_message = 500, msg
+            return res
+        except Aborted:
+            res.finish = {
+                "type": "abort",
+                "message": "Abort before prefill" if not out else "Abort request",
+                "status_code": 200,
+                "err_type": None,
+            }
+            self.s.engine.counters.aborted += 1
+            return res
+        except TooLarge as e:
+            res.error_status, res.error_message = 400, str(e)
+            res.finish = {
+                "type": "abort",
+                "message": str(e),
+                "status_code": 400,
+                "err_type": "BadRequestError",
+            }
+            return res
+        except EngineDead:
+            res.error_status, res.error_message = 500, "Engine is dead"
+            res.finish = {"type": "abort", "message": "Engine is dead", "status_code": 500, "err_type": None}
+            return res
+        finally:
+            res.t_first = seq.t_first
+            self.seqs.pop(item.rid, None)
+            if not keep_blocks:
+                engine.release(seq)
+
+    def _release_after(self, fut: asyncio.Future[bool], blocks: list[int]) -> None:
+        def done(_: object) -> None:
+            self.engine.free_blocks(blocks)
+
+        fut.add_done_callback(done)
+
+    def abort(self, rid: str) -> bool:
+        seq = self.seqs.get(rid)
+        if seq is None:
+            return False
+        self.engine.abort_seq(seq)
+        return True
+
+    # ------------------------------------------------------------------ formatting
+    def meta(self, item: Item, res: Result, final: bool, n_out: int) -> dict[str, Any]:
+        now = time.time()
+        cached = res.cached_tokens
+        m: dict[str, Any] = {
+            "id": item.rid,
+            "finish_reason": res.finish if final else None,
+            "prompt_tokens": res.prompt_tokens,
+            "weight_version": "default",
+            "num_retractions": 0,
+        }
+        if self.s.role != "decode":
+            m["storage_prefetch_wait"] = 0.0
+            m["storage_staging_wait"] = 0.0
+        m["forward_entry_time"] = res.t_received
+        if self.s.role != "decode":
+            m["prefill_finished_time"] = res.t_first or now
+        m["queue_time"] = 0.0
+        if item.logprob:
+            lp = self._logprobs(item, res, n_out)
+            m.update(lp)
+        m["reasoning_tokens"] = 0
+        m["completion_tokens"] = n_out
+        m["cached_tokens"] = cached
+        if final:
+            m["weight_versions"] = [{"version": "default", "start": 0, "end": n_out}]
+        m["cached_tokens_details"] = {"device": cached, "host": 0} if cached else None
+        m["dp_rank"] = None
+        if final:
+            e2e = now - res.t_received
+            m["e2e_latency"] = e2e
+            m["request_received_ts"] = res.t_received
+            m["first_token_latency"] = (res.t_first or now) - res.t_received
+            m["api_server_dispatch_finish_ts"] = res.t_received
+            m["request_finished_ts"] = now
+            if n_out > 1:
+                m["decode_throughput"] = n_out / max(e2e, 1e-9)
+        m["response_sent_to_client_ts"] = now
+        return m
+
+    def _logprobs(self, item: Item, res: Result, n_out: int) -> dict[str, Any]:
+        prompt = item.prompt
+        if self.s.role == "decode":
+            inp: list[list[Any]] = []
+        else:
+            inp = [[None, prompt[0], None]] + [
+                [model.prompt_logprob(prompt[i - 1], prompt[i]), prompt[i], None]
+                for i in range(1, len(prompt))
+            ]
+        outs = res.output_ids[:n_out]
+        out_lp: list[list[Any]] = [[model.prompt_logprob(i, t), t, None] for i, t in enumerate(outs)]
+        d: dict[str, Any] = {
+            "input_token_logprobs": inp,
+            "output_token_logprobs": out_lp,
+            "output_token_logprobs_length": len(out_lp),
+        }
+        if item.top_n > 0:
+            d["input_top_logprobs"] = [] if not inp else [[e] for e in inp]
+            d["output_top_logprobs"] = [
+                [e]
+                + [
+                    [float(e[0]) - 0.05 * (k + 1), (int(e[1]) + k + 1) % tokenizer.VOCAB_SIZE, None]
+                    for k in range(item.top_n - 1)
+                ]
+                for e in out_lp
+            ]
+        return d
+
+    def generate_obj(self, item: Item, res: Result, final: bool) -> dict[str, Any]:
+        n = len(res.output_ids)
+        return {
+            "text": tokenizer.decode(res.output_ids),
+            "output_ids": list(res.output_ids),
+            "meta_info": self.meta(item, res, final, n),
+        }
+
+
+def _sampling(sp: dict[str, Any]) -> int | None:
+    t = sp.get("temperature")
+    if t is None or float(t) <= 0.0:
+        return None
+    seed = sp.get("seed", sp.get("sampling_seed"))
+    return int(seed) if seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "big")
+
+
+def setup(s: EmulatorServer) -> None:
+    api = SglangApi(s)
+    r = s.app.router
+    engine = s.engine
+    model_path = s.model_name
+
+    async def read_json(request: web.Request) -> dict[str, Any]:
+        body = await request.read()
+        obj = msgspec.json.decode(body) if body else {}
+        if not isinstance(obj, dict):
+            raise ValueError("body must be a JSON object")
+        return obj
+
+    def make_items(
+        body: dict[str, Any], prompts: list[list[int]], max_new: int, sample_seed: int | None
+    ) -> list[Item]:
+        n = len(prompts)
+        rid = body.get("rid")
+        rids = _listify(rid, n) if rid is not None else [None] * n
+        hosts = _listify(body.get("bootstrap_host"), n)
+        ports = _listify(body.get("bootstrap_port"), n)
+        rooms = _rooms(body.get("bootstrap_room"), n)
+        items = []
+        for i, p in enumerate(prompts):
+            items.append(
+                Item(
+                    str(rids[i]) if rids[i] is not None else uuid.uuid4().hex,
+                    p,
+                    max_new,
+                    sample_seed,
+                    rooms[i] if i < len(rooms) else None,
+                    hosts[i] if i < len(hosts) else None,
+                    int(ports[i]) if i < len(ports) and ports[i] is not None else None,
+                    bool(body.get("return_logprob", False)),
+                    int(body.get("top_logprobs_num") or 0),
+                )
+            )
+        return items
+
+    def check(items: list[Item], error: Callable[[int, str], web.Response]) -> web.Response | None:
+        for it in items:
+            msg = api.validate(len(it.prompt), it.max_new)
+            if msg is not None:
+                return error(400, msg)
+        return None
+
+    async def run_nonstream(request: web.Request, items: list[Item], hit: dict[str, Fault]) -> list[Result]:
+        tasks = [asyncio.ensure_future(api.execute(it, hit, None)) for it in items]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    async def guarded(
+        request: web.Request,
+        error: Callable[[int, str], web.Response],
+        body_fn: Callable[[dict[str, Any], dict[str, Fault]], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        with track(s):
+            if s.dead:
+                return error(500, "Engine is dead")
+            try:
+                body = await read_json(request)
+            except (msgspec.DecodeError, ValueError) as e:
+                return error(400, f"Invalid request body: {e}")
+            hit = s.faults.draw()
+            early = await s.apply_entry_faults(hit, error)
+            if early is not None:
+                engine.counters.errors += 1
+                return early
+            try:
+                resp = await body_fn(body, hit)
+            except MidStreamFault as e:
+                if e.kind == "crash_mid_stream":
+                    crash(request)
+                await hang_forever()
+                raise
+            except asyncio.CancelledError:
+                engine.counters.aborted += 1
+                raise
+            if resp.status >= 400:
+                engine.counters.errors += 1
+            else:
+                engine.counters.completed += 1
+            return resp
+
+    # ------------------------------------------------------------------ /generate
+    async def generate(request: web.Request) -> web.StreamResponse:
+        async def body_fn(body: dict[str, Any], hit: dict[str, Fault]) -> web.StreamResponse:
+            sp = body.get("sampling_params") or {}
+            max_new = int(sp.get("max_new_tokens", 128) if sp.get("max_new_tokens") is not None else 128)
+            batch = False
+            if body.get("input_ids") is not None:
+                ids = body["input_ids"]
+                batch = bool(ids) and isinstance(ids[0], list)
+                prompts = ids if batch else [ids]
+            else:
+                text = body.get("text", "")
+                batch = isinstance(text, list)
+                prompts = [tokenizer.encode(t) for t in (text if batch else [text])]
+            items = make_items(body, prompts, max_new, _sampling(sp))
+            bad = check(items, _error_generate)
+            if bad is not None:
+                return bad
+            if s.role == "prefill":
+                for it in items:
+                    msg = api.scheduler_reject(len(it.prompt))
+                    if msg is not None and "silent_truncation" not in hit:
+                        if body.get("stream"):
+                            resp = await start_sse(request)
+                            res = Result(
+                                [],
+                                {
+                                    "type": "abort",
+                                    "message": msg,
+                                    "status_code": 400,
+                                    "err_type": "BadRequestError",
+                                },
+                                0,
+                                1,
+                                time.time(),
+                                0.0,
+                            )
+                            await resp.write(sse(api.generate_obj(it, res, True)))
+                            await resp.write(DONE)
+                            await resp.write_eof()
+                            return resp
+                        return _error_generate(400, msg)
+            if not body.get("stream"):
+                results = await run_nonstream(request, items, hit)
+                for res in results:
+                    if res.error_status:
+                        return (
+                            _error_generate(res.error_status, res.error_message)
+                            if res.error_status == 400
+                            else _error_openai(res.error_status, res.error_message)
+                        )
+                objs = [api.generate_obj(it, res, True) for it, res in zip(items, results, strict=True)]
+                return json_response(objs if batch else objs[0])
+            resp = await start_sse(request)
+
+            async def run(idx: int, it: Item) -> None:
+                res_holder: list[Result] = []
+
+                async def on_token(out: list[int]) -> None:
+                    r0 = Result(out, None, seq_cached(it), len(it.prompt), t0, time.time())
+                    obj = api.generate_obj(it, r0, False)
+                    if batch:
+                        obj["index"] = idx
+                    await resp.write(sse(obj))
+
+                t0 = time.time()
+                res = await api.execute(it, hit, on_token)
+                res_holder.append(res)
+                obj = api.generate_obj(it, res, True)
+                if batch:
+                    obj["index"] = idx
+                await resp.write(sse(obj))
+
+            await asyncio.gather(*(run(i, it) for i, it in enumerate(items)))
+            await resp.write(DONE)
+            await resp.write_eof()
+            return resp
+
+        return await guarded(request, _error_generate, body_fn)
+
+    def seq_cached(it: Item) -> int:
+        seq = api.seqs.get(it.rid)
+        return seq.cached_tokens if seq is not None else 0
+
+    # ------------------------------------------------------------------ OpenAI routes
+    def openai_usage(prompt_tokens: int, completion: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": None,
+            "reasoning_tokens": 0,
+            "completion_tokens_details": None,
+        }
+
+    def finish_str(res: Result) -> str | None:
+        if res.finish is None:
+            return None
+        return str(res.finish.get("type"))
+
+    async def openai(request: web.Request, chat: bool) -> web.StreamResponse:
+        async def body_fn(body: dict[str, Any], hit: dict[str, Fault]) -> web.StreamResponse:
+            req_model = body.get("model") or model_path
+            if chat:
+                prompts = [tokenizer.encode_chat(body.get("messages") or [])]
+                mt = body.get("max_completion_tokens", body.get("max_tokens"))
+            else:
+                p = body.get("prompt", "")
+                if isinstance(p, str):
+                    prompts = [tokenizer.encode(p)]
+                elif p and isinstance(p[0], int):
+                    prompts = [list(p)]
+                elif p and isinstance(p[0], list):
+                    prompts = [list(x) for x in p]
+                else:
+                    prompts = [tokenizer.encode(str(x)) for x in p]
+                mt = body.get("max_tokens", 16)
+            max_new = int(mt) if mt is not None else max(1, s.max_model_len - len(prompts[0]))
+            items = make_items(body, prompts, max_new, _sampling(body))
+            bad = check(items, _error_openai)
+            if bad is not None:
+                return bad
+            if s.role == "prefill" and "silent_truncation" not in hit:
+                for it in items:
+                    msg = api.scheduler_reject(len(it.prompt))
+                    if msg is not None:
+                        return _error_openai(400, msg)
+            created = int(time.time())
+            oid = uuid.uuid4().hex
+            obj_name = "chat.completion" if chat else "text_completion"
+            if not body.get("stream"):
+                results = await run_nonstream(request, items, hit)
+                for res in results:
+                    if res.error_status:
+                        return _error_openai(res.error_status, res.error_message)
+                choices = []
+                for i, res in enumerate(results):
+                    text = tokenizer.decode(res.output_ids)
+                    if chat:
+                        choices.append(
+                            {
+                                "index": i,
+                                "message": {"role": "assistant", "content": text, "reasoning_content": None},
+                                "logprobs": None,
+                                "finish_reason": finish_str(res),
+                                "matched_stop": None,
+                            }
+                        )
+                    else:
+                        choices.append(
+                            {
+                                "index": i,
+                                "text": text,
+                                "logprobs": None,
+                                "finish_reason": finish_str(res),
+                                "matched_stop": None,
+                            }
+                        )
+                pt = sum(r.prompt_tokens for r in results)
+                ct = sum(len(r.output_ids) for r in results)
+                return json_response(
+                    {
+                        "id": oid,
+                        "object": obj_name,
+                        "created": created,
+                        "model": req_model,
+                        "choices": choices,
+                        "usage": openai_usage(pt, ct),
+                        "metadata": {
+                            "weight_version": "default",
+                            "weight_versions": [{"version": "default", "start": 0, "end": ct}],
+                        },
+                    }
+                )
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            chunk_name = "chat.completion.chunk" if chat else "text_completion"
+            resp = await start_sse(request)
+
+            def chunk(choice: dict[str, Any]) -> bytes:
+                c: dict[str, Any] = {
+                    "id": oid,
+                    "object": chunk_name,
+                    "created": created,
+                    "model": req_model,
+                    "choices": [choice],
+                }
+                if not chat:
+                    c["usage"] = None
+                return sse(c)
+
+            async def run(idx: int, it: Item) -> Result:
+                sent = [0]
+                if chat:
+                    await resp.write(
+                        chunk(
+                            {
+                                "index": idx,
+                                "delta": {"reasoning_content": None, "role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                                "matched_stop": None,
+                            }
+                        )
+                    )
+
+                async def on_token(out: list[int]) -> None:
+                    new = out[sent[0] :]
+                    sent[0] = len(out)
+                    text = "".join(tokenizer.token_text(t) for t in new)
+                    if chat:
+                        await resp.write(
+                            chunk(
+                                {
+                                    "index": idx,
+                                    "delta": {"reasoning_content": None, "content": text},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                    "matched_stop": None,
+                                }
+                            )
+                        )
+                    else:
+                        await resp.write(
+                            chunk(
+                                {
+                                    "index": idx,
+                                    "text": text,
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                    "matched_stop": None,
+                                }
+                            )
+                        )
+
+                res = await api.execute(it, hit, on_token)
+                if res.error_status:
+                    err = {
+                        "error": {
+                            "message": res.error_message,
+                            "type": "BadRequestError" if res.error_status == 400 else "InternalServerError",
+                            "param": None,
+                            "code": res.error_status,
+                        }
+                    }
+                    await resp.write(sse(err))
+                    return res
+                if chat:
+                    await resp.write(
+                        chunk(
+                            {
+                                "index": idx,
+                                "delta": {"reasoning_content": None},
+                                "logprobs": None,
+                                "finish_reason": finish_str(res),
+                                "matched_stop": None,
+                            }
+                        )
+                    )
+                else:
+                    await resp.write(
+                        chunk(
+                            {
+                                "index": idx,
+                                "text": "",
+                                "logprobs": None,
+                                "finish_reason": finish_str(res),
+                                "matched_stop": None,
+                            }
+                        )
+                    )
+                return res
+
+            results = await asyncio.gather(*(run(i, it) for i, it in enumerate(items)))
+            if include_usage:
+                pt = sum(r.prompt_tokens for r in results)
+                ct = sum(len(r.output_ids) for r in results)
+                usage = (
+                    openai_usage(pt, ct)
+                    if chat
+                    else {
+                        "prompt_tokens": pt,
+                        "total_tokens": pt + ct,
+                        "completion_tokens": ct,
+                        "reasoning_tokens": 0,
+                    }
+                )
+                last: dict[str, Any] = {
+                    "id": oid,
+                    "object": chunk_name,
+                    "created": created,
+                    "model": req_model,
+                    "choices": [],
+                    "usage": usage,
+                }
+                await resp.write(sse(last))
+            await resp.write(DONE)
+            await resp.write_eof()
+            return resp
+
+        return await guarded(request, _error_openai, body_fn)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await openai(request, chat=False)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await openai(request, chat=True)
+
+    # ------------------------------------------------------------------ info / control
+    def model_info() -> dict[str, Any]:
+        return {
+            "model_path": model_path,
+            "served_model_name": model_path,
+            "tokenizer_path": model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null" if s.role == "both" else s.role,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+        }
+
+    def server_info() -> dict[str, Any]:
+        spec = s.spec
+        info: dict[str, Any] = {
+            "model_path": model_path,
+            "tokenizer_path": model_path,
+            "served_model_name": model_path,
+            "context_length": api.context_length,
+            "max_total_tokens": s.max_total_tokens,
+            "chunked_prefill_size": s.profile.chunk_tokens
+            if s.role != "prefill"
+            else s.profile.max_prefill_tokens,
+            "max_prefill_tokens": s.profile.max_prefill_tokens,
+            "max_running_requests": s.profile.max_running,
+            "schedule_policy": "fcfs",
+            "page_size": s.block_size,
+            "disable_radix_cache": False,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "host": spec.host,
+            "port": s.port,
+            "random_seed": spec.seed,
+            "enable_metrics": True,
+            "disaggregation_mode": "null" if s.role == "both" else s.role,
+            "disaggregation_transfer_backend": "mooncake",
+            "disaggregation_bootstrap_port": s.bootstrap_port if s.bootstrap_port is not None else 8998,
+            "disaggregation_decode_allocation_policy": "early",
+            "kv_events_config": None
+            if not spec.kv_events
+            else msgspec.json.encode({"publisher": "zmq", "endpoint": spec.kv_events, "topic": ""}).decode(),
+            "max_req_input_len": api.max_req_input_len,
+            "max_total_num_tokens": s.max_total_tokens,
+            "version": "0.5.23",
+            "emulator": {"profile": s.profile.name, "time_scale": spec.time_scale, "kv_port": s.kv_port},
+            "internal_states": [
+                {
+                    "context_length": api.context_length,
+                    "max_req_input_len": api.max_req_input_len,
+                    "max_total_num_tokens": s.max_total_tokens,
+                    "page_size": s.block_size,
+                    "disaggregation_mode": "null" if s.role == "both" else s.role,
+                    "effective_max_running_requests_per_dp": s.profile.max_running,
+                    "last_gen_throughput": 0.0,
+                    "memory_usage": {"token_capacity": s.max_total_tokens},
+                }
+            ],
+        }
+        return info
+
+    async def h_model_info(request: web.Request) -> web.Response:
+        return json_response(model_info())
+
+    async def h_server_info(request: web.Request) -> web.Response:
+        return json_response(server_info())
+
+    async def h_models(request: web.Request) -> web.Response:
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_path,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "sglang",
+                        "root": model_path,
+                        "parent": None,
+                        "max_model_len": api.context_length,
+                    }
+                ],
+            }
+        )
+
+    async def h_health(request: web.Request) -> web.Response:
+        if s.dead:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def h_health_generate(request: web.Request) -> web.Response:
+        if s.dead:
+            return web.Response(status=503)
+        if s.faults.has("health_ok_but_hung") or s.faults.has("hang_before_first_byte"):
+            if "health_ok_but_hung" in s.faults.draw():
+                await hang_forever()
+        it = Item(
+            f"HEALTH_CHECK_{uuid.uuid4().hex}", tokenizer.encode("h"), 1, None, 0, FAKE_BOOTSTRAP_HOST, None
+        )
+        res = await api.execute(it, {}, None)
+        return web.Response(status=200 if not res.error_status else 503)
+
+    async def h_metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            text=render_sglang(s, api.max_req_input_len), content_type="text/plain", charset="utf-8"
+        )
+
+    async def h_abort(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        if body.get("abort_all"):
+            for rid in list(api.seqs):
+                api.abort(rid)
+        else:
+            api.abort(str(body.get("rid", "")))
+        return web.Response(status=200)
+
+    async def h_flush(request: web.Request) -> web.Response:
+        if engine.seqs:
+            return web.Response(
+                status=400, text="Cache not flushed. Please check if there are running requests."
+            )
+        engine.pool.flush()
+        return web.Response(
+            status=200,
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
+        )
+
+    async def h_load(request: web.Request) -> web.Response:
+        return json_response(
+            [
+                {
+                    "rid": None,
+                    "dp_rank": 0,
+                    "num_reqs": len(engine.seqs) + engine.waiting,
+                    "num_waiting_reqs": engine.waiting,
+                    "num_tokens": engine.pool.used_blocks * s.block_size,
+                    "load": len(engine.seqs) + engine.waiting,
+                }
+            ]
+        )
+
+    r.add_post("/generate", generate)
+    r.add_post("/v1/completions", completions)
+    r.add_post("/v1/chat/completions", chat_completions)
+    r.add_get("/v1/models", h_models)
+    r.add_get("/health", h_health)
+    r.add_get("/health_generate", h_health_generate)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, h_model_info)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, h_server_info)
+    r.add_get("/metrics", h_metrics)
+    r.add_post("/abort_request", h_abort)
+    r.add_route("*", "/flush_cache", h_flush)
+    r.add_get("/get_load", h_load)

@@ -1,0 +1,512 @@
+"""vLLM 0.32/0.33's OpenAI-compatible surface with the NixlConnector P/D handoff."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from emulator import tokenizer
+from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_response, sse, start_sse, track
+from emulator.faults import Fault
+from emulator.flows import MidStreamFault, tokens, vllm_pull_kv
+from emulator.kvtransfer import Held, TransferError
+from emulator.metrics import render_vllm
+from emulator.scheduler import Aborted, EngineDead, Seq, TooLarge
+
+ENGINE_DEAD_MSG = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+LEASE_S = 30.0
+
+
+class HandoffError(Exception):
+    def __init__(self, message: str, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.fatal = fatal
+
+
+def _error(status: int, message: str, typ: str | None = None, param: str | None = None) -> web.Response:
+    typ = typ or (
+        "BadRequestError" if status == 400 else "InternalServerError" if status >= 500 else "NotFoundError"
+    )
+    return json_response({"error": {"message": message, "type": typ, "param": param, "code": status}}, status)
+
+
+def _error_dict(status: int, message: str) -> dict[str, Any]:
+    typ = "BadRequestError" if status == 400 else "InternalServerError"
+    return {"error": {"message": message, "type": typ, "param": None, "code": status}}
+
+
+def setup(s: EmulatorServer) -> None:
+    engine = s.engine
+    r = s.app.router
+    served = s.model_name
+    max_len = s.max_model_len
+    seqs: dict[str, Seq] = {}
+    last_params: list[dict[str, Any]] = []
+
+    def usage(pt: int, ct: int, cached: int, stream: bool) -> dict[str, Any]:
+        u: dict[str, Any] = {"prompt_tokens": pt, "total_tokens": pt + ct, "completion_tokens": ct}
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+        if not stream:
+            u["completion_tokens_details"] = None
+        return u
+
+    def sample_seed(body: dict[str, Any]) -> int | None:
+        t = body.get("temperature")
+        if t is None or float(t) <= 0.0:
+            return None
+        seed = body.get("seed")
+        return int(seed) if seed is not None else secrets.randbits(31)
+
+    def make_params(seq: Seq, request_id: str, blocks: list[int]) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": s.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": s.spec.host,
+            "remote_port": s.kv_port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": len(seq.prompt),
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": seq.cached_tokens,
+        }
+
+    async def handle(request: web.Request, chat: bool) -> web.StreamResponse:
+        with track(s):
+            if s.dead:
+                return _error(500, ENGINE_DEAD_MSG)
+            try:
+                raw = await request.read()
+                body = msgspec.json.decode(raw) if raw else {}
+                if not isinstance(body, dict):
+                    raise ValueError("body must be a JSON object")
+            except (msgspec.DecodeError, ValueError) as e:
+                return _error(400, f"Invalid request: {e}")
+            hit = s.faults.draw()
+            early = await s.apply_entry_faults(hit, lambda st, msg: _error(st, msg))
+            if early is not None:
+                engine.counters.errors += 1
+                return early
+            try:
+                resp = await run(request, body, chat, hit)
+            except MidStreamFault as e:
+                if e.kind == "crash_mid_stream":
+                    crash(request)
+                await hang_forever()
+                raise
+            except asyncio.CancelledError:
+                engine.counters.aborted += 1
+                raise
+            if resp.status >= 400:
+                engine.counters.errors += 1
+            else:
+                engine.counters.completed += 1
+            return resp
+
+    async def run(
+        request: web.Request, body: dict[str, Any], chat: bool, hit: dict[str, Fault]
+    ) -> web.StreamResponse:
+        if chat:
+            prompt = tokenizer.encode_chat(body.get("messages") or [])
+        else:
+            p = body.get("prompt", "")
+            if isinstance(p, list) and p and isinstance(p[0], int):
+                prompt = [int(x) for x in p]
+            elif isinstance(p, list):
+                prompt = tokenizer.encode(str(p[0]) if p else "")
+            else:
+                prompt = tokenizer.encode(str(p))
+        n_prompt = len(prompt)
+        if n_prompt > max_len:
+            return _error(
+                400,
+                f"This model's maximum context length is {max_len} tokens. However, your prompt contains {n_prompt} "
+                "input tokens, which exceeds this limit even without any output tokens. Please reduce the length of "
+                f"the input prompt. (parameter=input_tokens, value={n_prompt})",
+                param="input_tokens",
+            )
+        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+        room = max_len - n_prompt
+        max_new = min(int(mt), room) if mt is not None else room
+        if max_new <= 0:
+            return _error(
+                400,
+                f"This model's maximum context length is {max_len} tokens. However, you requested {n_prompt + (int(mt) if mt else 0)} tokens.",
+            )
+        xrid = request.headers.get("X-Request-Id")
+        base = xrid if xrid else secrets.token_hex(8)
+        oid = ("chatcmpl-" if chat else "cmpl-") + base
+        engine_rid = f"{oid}-{secrets.token_hex(4)}" if chat else f"{oid}-0-{secrets.token_hex(4)}"
+        ktp = body.get("kv_transfer_params") or {}
+        remote_decode = bool(ktp.get("do_remote_decode")) and s.role in ("prefill", "both")
+        remote_prefill = bool(ktp.get("do_remote_prefill")) and s.role in ("decode", "both")
+        stream = bool(body.get("stream")) and not remote_decode
+        seq = Seq(engine_rid, prompt, 1 if remote_decode else max_new, sample_seed(body))
+        seqs[engine_rid] = seq
+        created = int(time.time())
+        return_ids = bool(body.get("return_token_ids"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        out: list[int] = []
+        params_out: dict[str, Any] | None = None
+        held = False
+        resp: web.StreamResponse | None = None
+        try:
+            await engine.admit(seq)
+            if remote_prefill:
+                groups = ktp.get("remote_block_ids")
+                ids = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], list) else []
+                if len(ids) < seq.n_prompt_blocks:
+                    # vLLM: assert num_decode_blocks <= len(prefill_group) kills the EngineCore
+                    raise HandoffError(ENGINE_DEAD_MSG, fatal=True)
+                if stream:
+                    resp = await start_sse(request)
+                try:
+                    contents = await vllm_pull_kv(s, seq, ktp, hit)
+                    engine.counters.kv_transfers_ok += 1
+                except TransferError as e:
+                    engine.counters.kv_transfers_failed += 1
+                    if e.kind == "aborted":
+                        contents = []
+                    else:
+                        raise HandoffError("Internal server error") from e
+                engine.load_remote_kv(seq, contents)
+                if "abort_during_transfer" in hit or (not contents):
+                    seq.max_new = 1
+                    max_new = 1
+            else:
+                await engine.prefill(
+                    seq, truncate_to=1 if (remote_decode and "silent_truncation" in hit) else None
+                )
+            n = 1 if remote_decode else max_new
+            if stream and resp is None:
+                resp = await start_sse(request)
+            first = True
+            async for tok in tokens(s, seq, n, hit):
+                out.append(tok)
+                if resp is not None:
+                    last = len(out) == n
+                    text = tokenizer.token_text(tok)
+                    if chat:
+                        if first:
+                            await resp.write(
+                                sse(
+                                    {
+                                        "id": oid,
+                                        "object": "chat.completion.chunk",
+                                        "created": created,
+                                        "model": body.get("model") or served,
+                                        "choices": [
+                                            {
+                                                "index": 0,
+                                                "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None,
+                                                "finish_reason": None,
+                                            }
+                                        ],
+                                        "prompt_token_ids": prompt if return_ids else None,
+                                        "prompt_text": None,
+                                    }
+                                )
+                            )
+                        await resp.write(
+                            sse(
+                                {
+                                    "id": oid,
+                                    "object": "chat.completion.chunk",
+                                    "created": created,
+                                    "model": body.get("model") or served,
+                                    "choices": [
+                                        {
+                                            "index": 0,
+                                            "delta": {"content": text},
+                                            "logprobs": None,
+                                            "finish_reason": None,
+                                            "token_ids": [tok] if return_ids else None,
+                                        }
+                                    ],
+                                }
+                            )
+                        )
+                    else:
+                        choice: dict[str, Any] = {
+                            "index": 0,
+                            "text": text,
+                            "logprobs": None,
+                            "finish_reason": "length" if last else None,
+                            "stop_reason": None,
+                        }
+                        if return_ids:
+                            choice["prompt_token_ids"] = prompt if first else None
+                            choice["token_ids"] = [tok]
+                        await resp.write(
+                            sse(
+                                {
+                                    "id": oid,
+                                    "object": "text_completion",
+                                    "created": created,
+                                    "model": body.get("model") or served,
+                                    "choices": [choice],
+                                }
+                            )
+                        )
+                first = False
+            if remote_decode:
+                truncated = "silent_truncation" in hit
+                seq.kv_valid = seq.kv_valid and not truncated
+                blocks = engine.release(seq, keep_prompt=True)
+                held = True
+                assert s.kv_server is not None
+                fault = next(
+                    (
+                        k
+                        for k in (
+                            "transfer_fail",
+                            "transfer_stall",
+                            "abort_during_transfer",
+                            "wrong_request_kv",
+                        )
+                        if k in hit
+                    ),
+                    None,
+                )
+
+                def expired() -> None:
+                    engine.counters.kv_expired += 1
+
+                s.kv_server.hold(engine_rid, Held(blocks, n_prompt, fault), LEASE_S, expired)
+                params_out = make_params(seq, engine_rid, blocks)
+                if "stale_kv_params" in hit and last_params:
+                    params_out = dict(last_params[-1])
+                bogus = hit.get("bogus_kv_params")
+                if bogus is not None:
+                    mode = bogus.get_str("mode", "range")
+                    params_out = dict(params_out)
+                    if mode == "empty":
+                        params_out["remote_block_ids"] = [[]]
+                    elif mode == "short":
+                        params_out["remote_block_ids"] = [blocks[:1]]
+                    elif mode == "engine":
+                        params_out["remote_engine_id"] = "00000000-0000-0000-0000-000000000000"
+                    else:
+                        params_out["remote_block_ids"] = [
+                            [engine.pool.num_blocks + 9999 + i for i in range(len(blocks))]
+                        ]
+                last_params.append(make_params(seq, engine_rid, blocks))
+                del last_params[:-4]
+        except HandoffError as e:
+            if e.fatal:
+                s.fatal()
+            if resp is not None:
+                await resp.write(sse(_error_dict(500, str(e))))
+                await resp.write(DONE)
+                await resp.write_eof()
+                return resp
+            return _error(500, str(e))
+        except TooLarge as e:
+            return _error(400, str(e))
+        except EngineDead:
+            if resp is not None:
+                await resp.write(sse(_error_dict(500, ENGINE_DEAD_MSG)))
+                await resp.write(DONE)
+                await resp.write_eof()
+                return resp
+            return _error(500, ENGINE_DEAD_MSG)
+        except Aborted:
+            engine.counters.aborted += 1
+        finally:
+            seqs.pop(engine_rid, None)
+            if not held:
+                engine.release(seq)
+        ct = len(out)
+        cached = seq.cached_tokens
+        model_name = body.get("model") or served
+        if resp is not None:
+            if chat:
+                await resp.write(
+                    sse(
+                        {
+                            "id": oid,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": model_name,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": {"content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": "length",
+                                    "stop_reason": None,
+                                    "token_ids": None,
+                                }
+                            ],
+                        }
+                    )
+                )
+            if include_usage:
+                await resp.write(
+                    sse(
+                        {
+                            "id": oid,
+                            "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created,
+                            "model": model_name,
+                            "choices": [],
+                            "usage": usage(n_prompt, ct, cached, True),
+                            "system_fingerprint": s.fingerprint,
+                        }
+                    )
+                )
+            await resp.write(DONE)
+            await resp.write_eof()
+            return resp
+        text = tokenizer.decode(out)
+        if chat:
+            obj: dict[str, Any] = {
+                "id": oid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "tool_calls": [],
+                            "reasoning": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                        "token_ids": out if return_ids else None,
+                        "routed_experts": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": s.fingerprint,
+                "usage": usage(n_prompt, ct, cached, False),
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt if return_ids else None,
+                "prompt_text": None,
+                "kv_transfer_params": params_out,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
+        else:
+            obj = {
+                "id": oid,
+                "object": "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                        "token_ids": out if return_ids else None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": prompt if return_ids else None,
+                        "routed_experts": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": s.fingerprint,
+                "usage": usage(n_prompt, ct, cached, False),
+                "kv_transfer_params": params_out,
+                "ec_transfer_params": None,
+                "metrics": None,
+            }
+        return json_response(obj)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await handle(request, chat=False)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await handle(request, chat=True)
+
+    async def models(request: web.Request) -> web.Response:
+        now = int(time.time())
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": served,
+                        "object": "model",
+                        "created": now,
+                        "owned_by": "vllm",
+                        "root": served,
+                        "parent": None,
+                        "max_model_len": max_len,
+                        "permission": [
+                            {
+                                "id": f"modelperm-{secrets.token_hex(8)}",
+                                "object": "model_permission",
+                                "created": now,
+                                "allow_create_engine": False,
+                                "allow_sampling": True,
+                                "allow_logprobs": True,
+                                "allow_search_indices": False,
+                                "allow_view": True,
+                                "allow_fine_tuning": False,
+                                "organization": "*",
+                                "group": None,
+                                "is_blocking": False,
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=503 if s.dead else 200)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=render_vllm(s), content_type="text/plain", charset="utf-8")
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        if "messages" in body:
+            ids = tokenizer.encode_chat(body["messages"])
+        else:
+            ids = tokenizer.encode(
+                str(body.get("prompt", "")), add_bos=bool(body.get("add_special_tokens", True))
+            )
+        return json_response({"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": None})
+
+    async def detokenize(request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read())
+        return json_response({"prompt": tokenizer.decode(body.get("tokens", []))})
+
+    async def abort(request: web.Request) -> web.Response:
+        body = msgspec.json.decode(await request.read() or b"{}")
+        rid = str(body.get("request_id", body.get("rid", "")))
+        for key, seq in list(seqs.items()):
+            if key == rid or key.startswith(rid + "-"):
+                engine.abort_seq(seq)
+        return web.Response(status=200)
+
+    r.add_post("/v1/completions", completions)
+    r.add_post("/v1/chat/completions", chat_completions)
+    r.add_get("/v1/models", models)
+    r.add_get("/health", health)
+    r.add_get("/metrics", metrics)
+    r.add_post("/tokenize", tokenize)
+    r.add_post("/detokenize", detokenize)
+    r.add_post("/emulator/abort", abort)

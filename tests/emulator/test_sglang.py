@@ -1,0 +1,273 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import aiohttp
+
+from tests.emulator.conftest import Factory, sse_events
+
+PROMPT = "Hello world, the quick brown fox"
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> tuple[int, str, dict[str, str]]:
+    async with http.post(url, json=body) as r:
+        return r.status, await r.text(), dict(r.headers)
+
+
+async def pd_pair(emu: Factory, **kw: Any) -> tuple[Any, Any]:
+    pkw, dkw = kw.pop("pkw", {}), kw.pop("dkw", {})
+    p = await emu("sglang", "prefill", **pkw, **kw)
+    d = await emu("sglang", "decode", **dkw, **kw)
+    return p, d
+
+
+def boot(p: Any, room: int | None = None) -> dict[str, Any]:
+    return {
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": p.bootstrap_port,
+        "bootstrap_room": room if room is not None else random.getrandbits(63),
+    }
+
+
+async def pd(http: aiohttp.ClientSession, p: Any, d: Any, path: str, body: dict[str, Any]) -> tuple[Any, Any]:
+    b = {**body, **boot(p)}
+    return await asyncio.gather(post(http, p.url + path, b), post(http, d.url + path, b))
+
+
+async def test_generate_single_shape(emu: Factory, http: aiohttp.ClientSession) -> None:
+    s = await emu("sglang", "both")
+    st, text, headers = await post(
+        http,
+        s.url + "/generate",
+        {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 12}},
+    )
+    assert st == 200 and headers["Content-Type"] == "application/json"
+    obj = json.loads(text)
+    assert len(obj["output_ids"]) == 12 and obj["text"].isprintable() and len(obj["text"]) == 12
+    m = obj["meta_info"]
+    assert m["finish_reason"] == {"type": "length", "length": 12}
+    assert m["prompt_tokens"] == len(PROMPT) + 1 and m["completion_tokens"] == 12 and m["cached_tokens"] == 0
+    # second time: prefix cache hit
+    _, text2, _ = await post(
+        http,
+        s.url + "/generate",
+        {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 12}},
+    )
+    obj2 = json.loads(text2)
+    assert obj2["output_ids"] == obj["output_ids"]
+    assert obj2["meta_info"]["cached_tokens"] == 32
+    assert obj2["meta_info"]["cached_tokens_details"] == {"device": 32, "host": 0}
+
+
+async def test_pd_generate_equals_colocated(emu: Factory, http: aiohttp.ClientSession) -> None:
+    single = await emu("sglang", "both")
+    p, d = await pd_pair(emu)
+    body = {"text": PROMPT * 3, "sampling_params": {"temperature": 0, "max_new_tokens": 20}}
+    _, ref, _ = await post(http, single.url + "/generate", body)
+    (ps, ptext, _), (ds, dtext, _) = await pd(http, p, d, "/generate", body)
+    assert ps == 200 and ds == 200
+    pobj, dobj = json.loads(ptext), json.loads(dtext)
+    assert pobj["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert pobj["meta_info"]["completion_tokens"] == 1
+    assert dobj["output_ids"] == json.loads(ref)["output_ids"]
+    assert pobj["output_ids"] == dobj["output_ids"][:1]
+    assert (await d.stats())["kv_transfers_ok"] == 1
+    assert (await p.stats())["kv_transfers_ok"] == 1
+
+
+async def test_pd_stream_generate_and_openai(emu: Factory, http: aiohttp.ClientSession) -> None:
+    single = await emu("sglang", "both")
+    p, d = await pd_pair(emu)
+    body = {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 6}, "stream": True}
+    _, ref, h = await post(http, single.url + "/generate", body)
+    assert h["Content-Type"] == "text/event-stream; charset=utf-8"
+    ev = sse_events(ref)
+    assert ev[-1] == "[DONE]"
+    last = json.loads(ev[-2])
+    assert len(last["output_ids"]) == 6 and json.loads(ev[0])["output_ids"] == last["output_ids"][:1]
+    (_, ptext, _), (_, dtext, _) = await pd(http, p, d, "/generate", body)
+    pev, dev = sse_events(ptext), sse_events(dtext)
+    assert len(pev) == 2 and pev[-1] == "[DONE]"
+    assert json.loads(dev[-2])["output_ids"] == last["output_ids"]
+    # chat stream with usage
+    cbody = {
+        "model": "x",
+        "messages": [{"role": "user", "content": "hello gateway"}],
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    _, cref, _ = await post(http, single.url + "/v1/chat/completions", cbody)
+    (_, _cp, _), (_, cd, _) = await pd(http, p, d, "/v1/chat/completions", cbody)
+
+    def content(raw: str) -> str:
+        out = ""
+        for e in sse_events(raw)[:-1]:
+            o = json.loads(e)
+            for c in o["choices"]:
+                out += c["delta"].get("content") or ""
+        return out
+
+    assert content(cd) == content(cref) and len(content(cref)) == 5
+    evs = sse_events(cd)
+    usage = json.loads(evs[-2])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+    assert json.loads(evs[0])["choices"][0]["delta"]["role"] == "assistant"
+    # completions non-stream
+    kbody = {"model": "x", "prompt": PROMPT, "max_tokens": 7, "temperature": 0}
+    _, kref, _ = await post(http, single.url + "/v1/completions", kbody)
+    (_, kp, _), (_, kd, _) = await pd(http, p, d, "/v1/completions", kbody)
+    assert json.loads(kd)["choices"][0]["text"] == json.loads(kref)["choices"][0]["text"]
+    assert json.loads(kp)["usage"]["completion_tokens"] == 1
+    assert json.loads(kd)["usage"]["prompt_tokens"] == len(PROMPT) + 1
+
+
+async def test_batch_rooms(emu: Factory, http: aiohttp.ClientSession) -> None:
+    single = await emu("sglang", "both")
+    p, d = await pd_pair(emu)
+    prompts = [[1, 50, 60, 70, 80], [1, 90, 91, 92]]
+    body = {"input_ids": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+    _, ref, _ = await post(http, single.url + "/generate", body)
+    b = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port, "bootstrap_room": 1000}
+    (ps, _, _), (ds, dtext, _) = await asyncio.gather(
+        post(http, p.url + "/generate", b), post(http, d.url + "/generate", b)
+    )
+    assert ps == ds == 200
+    assert [o["output_ids"] for o in json.loads(dtext)] == [o["output_ids"] for o in json.loads(ref)]
+    # list form of the bootstrap fields
+    b2 = {
+        **body,
+        "bootstrap_host": ["127.0.0.1"] * 2,
+        "bootstrap_port": [p.bootstrap_port] * 2,
+        "bootstrap_room": [7, 99],
+    }
+    (_, _, _), (_, dtext2, _) = await asyncio.gather(
+        post(http, p.url + "/generate", b2), post(http, d.url + "/generate", b2)
+    )
+    assert [o["output_ids"] for o in json.loads(dtext2)] == [o["output_ids"] for o in json.loads(ref)]
+
+
+async def test_logprobs(emu: Factory, http: aiohttp.ClientSession) -> None:
+    s = await emu("sglang", "both")
+    _, text, _ = await post(
+        http,
+        s.url + "/generate",
+        {
+            "input_ids": [1, 5, 6],
+            "sampling_params": {"max_new_tokens": 3},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        },
+    )
+    m = json.loads(text)["meta_info"]
+    assert m["input_token_logprobs"][0] == [None, 1, None] and len(m["input_token_logprobs"]) == 3
+    assert len(m["output_token_logprobs"]) == 3 and len(m["output_top_logprobs"][0]) == 2
+
+
+async def test_get_endpoints(emu: Factory, http: aiohttp.ClientSession) -> None:
+    p, d = await pd_pair(emu, max_model_len=1536, max_total_tokens=1024)
+    for srv, mode in ((p, "prefill"), (d, "decode")):
+        for path in ("/model_info", "/get_model_info"):
+            async with http.get(srv.url + path) as r:
+                assert (await r.json())["disaggregation_mode"] == mode
+        for path in ("/server_info", "/get_server_info"):
+            async with http.get(srv.url + path) as r:
+                info = await r.json()
+                assert info["context_length"] == 1536 and info["max_req_input_len"] == 1018
+                assert info["max_total_num_tokens"] == 1024
+        async with http.get(srv.url + "/v1/models") as r:
+            data = (await r.json())["data"][0]
+            assert data["owned_by"] == "sglang" and data["max_model_len"] == 1536
+        for path in ("/health", "/health_generate"):
+            async with http.get(srv.url + path) as r:
+                assert r.status == 200 and await r.read() == b""
+        async with http.get(srv.url + "/metrics") as r:
+            text = await r.text()
+            for name in (
+                "sglang:num_running_reqs",
+                "sglang:num_queue_reqs",
+                "sglang:token_usage",
+                "sglang:cache_hit_rate",
+                "sglang:num_transfer_failed_reqs_total",
+                "sglang:kv_transfer_latency_ms_count",
+            ):
+                assert name in text
+        async with http.get(srv.url + "/get_load") as r:
+            assert (await r.json())[0]["num_reqs"] == 0
+        async with http.post(srv.url + "/flush_cache") as r:
+            assert r.status == 200
+    async with http.get(f"http://127.0.0.1:{p.bootstrap_port}/health") as r:
+        assert await r.text() == "OK"
+    q = "prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+    async with http.get(f"http://127.0.0.1:{p.bootstrap_port}/route?{q}") as r:
+        assert (await r.json())["page_size"] == 16
+    async with http.get(f"http://127.0.0.1:{p.bootstrap_port}/route?{q.replace('-1', '0')}") as r:
+        assert (await r.json())["rank_port"] == p.kv_port
+    async with http.get(f"http://127.0.0.1:{p.bootstrap_port}/route") as r:
+        assert r.status == 400
+
+
+async def test_prefill_rejects_and_decode_times_out(emu: Factory, http: aiohttp.ClientSession) -> None:
+    p, d = await pd_pair(
+        emu,
+        max_model_len=1536,
+        pkw={"max_total_tokens": 1024},
+        dkw={"waiting_timeout_s": 0.5, "max_total_tokens": 4096},
+    )
+    body = {"input_ids": [1] + [10] * 1099, "sampling_params": {"max_new_tokens": 4}}
+    (ps, ptext, _), (ds, dtext, _) = await pd(http, p, d, "/generate", body)
+    assert (
+        ps == 400 and "Input length (1100 tokens) exceeds the maximum allowed length (1018 tokens)" in ptext
+    )
+    assert ds == 500 and "timed out after 0.5s in KVPoll.WaitingForInput" in dtext
+    assert json.loads(dtext)["object"] == "error"
+    # stream: 200 + abort event with prompt_tokens 1
+    st, raw, _ = await post(http, p.url + "/generate", {**body, "stream": True, **boot(p)})
+    ev = json.loads(sse_events(raw)[0])
+    assert (
+        st == 200
+        and ev["meta_info"]["finish_reason"]["type"] == "abort"
+        and ev["meta_info"]["prompt_tokens"] == 1
+    )
+    st, raw, _ = await post(
+        http, p.url + "/generate", {"input_ids": [1] * 1600, "sampling_params": {"max_new_tokens": 4}}
+    )
+    assert st == 400 and "longer than the model's context length (1536 tokens)" in raw
+
+
+async def test_abort_request_and_disconnect(emu: Factory, http: aiohttp.ClientSession) -> None:
+    s = await emu("sglang", "both", time_scale=1.0)
+    task = asyncio.ensure_future(
+        post(
+            http, s.url + "/generate", {"text": "x", "rid": "r1", "sampling_params": {"max_new_tokens": 5000}}
+        )
+    )
+    await asyncio.sleep(0.3)
+    assert (await s.stats())["running"] == 1
+    async with http.post(s.url + "/abort_request", json={"rid": "r1"}) as r:
+        assert r.status == 200
+    _st, text, _ = await asyncio.wait_for(task, 5)
+    assert json.loads(text)["meta_info"]["finish_reason"]["type"] == "abort"
+    # disconnect
+    task = asyncio.ensure_future(
+        post(
+            http,
+            s.url + "/generate",
+            {"text": "y", "sampling_params": {"max_new_tokens": 5000}, "stream": True},
+        )
+    )
+    await asyncio.sleep(0.3)
+    assert (await s.stats())["running"] == 1
+    task.cancel()
+    for _ in range(50):
+        await asyncio.sleep(0.05)
+        st2 = await s.stats()
+        if st2["running"] == 0 and st2["in_flight"] == 0:
+            break
+    assert st2["running"] == 0 and st2["aborted"] >= 2

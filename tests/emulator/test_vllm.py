@@ -1,0 +1,280 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from typing import Any
+
+import aiohttp
+
+from tests.emulator.conftest import Factory, sse_events
+
+PREFILL_KTP = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], rid: str | None = None
+) -> tuple[int, str]:
+    headers = {"X-Request-Id": rid} if rid else {}
+    async with http.post(url, json=body, headers=headers) as r:
+        return r.status, await r.text()
+
+
+async def handoff(
+    http: aiohttp.ClientSession, p: Any, d: Any, path: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], int, str]:
+    rid = str(uuid.uuid4())
+    pbody = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KTP}
+    pbody.pop("stream_options", None)
+    st, ptext = await post(http, p.url + path, pbody, rid)
+    assert st == 200, ptext
+    pobj = json.loads(ptext)
+    ds, dtext = await post(
+        http, d.url + path, {**body, "kv_transfer_params": pobj["kv_transfer_params"]}, rid
+    )
+    return pobj, ds, dtext
+
+
+def text_of(obj: dict[str, Any]) -> str:
+    c = obj["choices"][0]
+    return c["message"]["content"] if "message" in c else c["text"]
+
+
+async def test_completions_handoff_equals_colocated(emu: Factory, http: aiohttp.ClientSession) -> None:
+    single = await emu("vllm", "both")
+    p = await emu("vllm", "prefill")
+    d = await emu("vllm", "decode")
+    body = {
+        "model": "tiny",
+        "prompt": "The capital of France is",
+        "max_tokens": 12,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    _, ref = await post(http, single.url + "/v1/completions", body)
+    pobj, ds, dtext = await handoff(http, p, d, "/v1/completions", body)
+    ktp = pobj["kv_transfer_params"]
+    assert list(ktp) == [
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_block_ids",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+        "tp_size",
+        "dcp_size",
+        "pp_size",
+        "remote_num_tokens",
+        "remote_blocks_expiry_time",
+        "transfer_mode",
+        "remote_prefill_cached_tokens",
+    ]
+    assert (
+        ktp["remote_port"] == p.kv_port and ktp["transfer_mode"] == "pull" and ktp["remote_num_tokens"] == 25
+    )
+    assert re.fullmatch(r"cmpl-[0-9a-f-]{36}-0-[0-9a-f]{8}", ktp["remote_request_id"])
+    assert ktp["remote_block_ids"] == [[ktp["remote_block_ids"][0][0], ktp["remote_block_ids"][0][1]]]
+    dobj = json.loads(dtext)
+    assert ds == 200 and dobj["kv_transfer_params"] is None
+    assert dobj["choices"][0]["token_ids"] == json.loads(ref)["choices"][0]["token_ids"]
+    assert dobj["id"] == pobj["id"] and dobj["id"].startswith("cmpl-")
+    assert dobj["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    async with http.get(d.url + "/metrics") as r:
+        m = await r.text()
+    assert (
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="meta-llama/Meta-Llama-3-8B-Instruct",source="external_kv_transfer"} 25.0'
+        in m
+    )
+    assert "vllm:nixl_xfer_time_seconds_count" in m and "vllm:nixl_num_failed_transfers_total" in m
+
+
+async def test_chat_stream_handoff(emu: Factory, http: aiohttp.ClientSession) -> None:
+    single = await emu("vllm", "both")
+    p = await emu("vllm", "prefill")
+    d = await emu("vllm", "decode")
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello gateway"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    _, ref = await post(http, single.url + "/v1/chat/completions", body)
+    pobj, ds, dtext = await handoff(http, p, d, "/v1/chat/completions", body)
+    assert re.fullmatch(
+        r"chatcmpl-[0-9a-f-]{36}-[0-9a-f]{8}", pobj["kv_transfer_params"]["remote_request_id"]
+    )
+
+    def content(raw: str) -> str:
+        ev = sse_events(raw)
+        assert ev[-1] == "[DONE]"
+        return "".join((c["delta"].get("content") or "") for e in ev[:-1] for c in json.loads(e)["choices"])
+
+    assert ds == 200 and content(dtext) == content(ref) and len(content(ref)) == 12
+    ev = sse_events(dtext)
+    usage = json.loads(ev[-2])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    assert json.loads(ev[-3])["choices"][0]["finish_reason"] == "length"
+    # completions stream
+    cbody = {
+        "model": "tiny",
+        "prompt": "abc",
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    _, raw = await post(http, single.url + "/v1/completions", cbody)
+    ev = sse_events(raw)
+    assert json.loads(ev[0])["choices"][0]["prompt_token_ids"] == [1, 100, 101, 102]
+    assert json.loads(ev[-2])["choices"][0]["finish_reason"] == "length"
+
+
+async def test_get_endpoints(emu: Factory, http: aiohttp.ClientSession) -> None:
+    s = await emu("vllm", "both", max_model_len=512, model="tiny")
+    async with http.get(s.url + "/v1/models") as r:
+        assert (await r.json())["data"][0]["max_model_len"] == 512
+    async with http.get(s.url + "/health") as r:
+        assert r.status == 200
+    async with http.post(s.url + "/tokenize", json={"model": "tiny", "prompt": "The capital"}) as r:
+        assert await r.json() == {
+            "count": 12,
+            "max_model_len": 512,
+            "tokens": [1, *[b + 3 for b in b"The capital"]],
+            "token_strs": None,
+        }
+    async with http.post(s.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}) as r:
+        assert (await r.json())["count"] > 3
+    async with http.get(s.url + "/metrics") as r:
+        m = await r.text()
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    ):
+        assert name in m
+    st, text = await post(http, s.url + "/v1/completions", {"prompt": "x" * 600, "max_tokens": 4})
+    assert st == 400
+    assert json.loads(text) == {
+        "error": {
+            "message": "This model's maximum context length is 512 tokens. However, your prompt contains 601 input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value=601)",
+            "type": "BadRequestError",
+            "param": "input_tokens",
+            "code": 400,
+        }
+    }
+    # clamp like vLLM
+    st, text = await post(http, s.url + "/v1/completions", {"prompt": "x" * 499, "max_tokens": 24})
+    assert st == 200 and json.loads(text)["usage"]["completion_tokens"] == 12
+
+
+async def test_x_request_id_and_cached_tokens(emu: Factory, http: aiohttp.ClientSession) -> None:
+    s = await emu("vllm", "both")
+    body = {"prompt": "a" * 40, "max_tokens": 2}
+    _, t1 = await post(http, s.url + "/v1/completions", body, "abc")
+    _, t2 = await post(
+        http,
+        s.url + "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "q"}], "max_tokens": 2},
+        "abc",
+    )
+    _, t3 = await post(http, s.url + "/v1/completions", body)
+    assert json.loads(t1)["id"] == "cmpl-abc" and json.loads(t2)["id"] == "chatcmpl-abc"
+    assert json.loads(t3)["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+async def test_stale_params_give_wrong_tokens(emu: Factory, http: aiohttp.ClientSession) -> None:
+    single = await emu("vllm", "both")
+    p = await emu("vllm", "prefill")
+    d = await emu("vllm", "decode")
+    a = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    b = {"prompt": "My favourite colour was!", "max_tokens": 8, "temperature": 0}
+    pa, _, _ = await handoff(http, p, d, "/v1/completions", a)  # consumes A's params
+    _, ref_b = await post(http, single.url + "/v1/completions", b)
+    ds, dtext = await post(
+        http, d.url + "/v1/completions", {**b, "kv_transfer_params": pa["kv_transfer_params"]}
+    )
+    assert ds == 200 and text_of(json.loads(dtext)) != text_of(json.loads(ref_b))
+    # same prompt, stale params: the blocks still hold A's KV -> still right
+    _, ref_a = await post(http, single.url + "/v1/completions", a)
+    ds, dtext = await post(
+        http, d.url + "/v1/completions", {**a, "kv_transfer_params": pa["kv_transfer_params"]}
+    )
+    assert text_of(json.loads(dtext)) == text_of(json.loads(ref_a))
+
+
+async def test_short_block_list_kills_decode(emu: Factory, http: aiohttp.ClientSession) -> None:
+    p = await emu("vllm", "prefill")
+    d = await emu("vllm", "decode")
+    pa, _, _ = await handoff(http, p, d, "/v1/completions", {"prompt": "short", "max_tokens": 2})
+    ds, dtext = await post(
+        http,
+        d.url + "/v1/completions",
+        {"prompt": "x" * 300, "max_tokens": 2, "kv_transfer_params": pa["kv_transfer_params"]},
+    )
+    assert ds == 500 and "EngineCore encountered an issue" in dtext
+    await asyncio.sleep(0.3)
+    assert d.dead
+    try:
+        async with http.get(d.url + "/health") as r:
+            raise AssertionError(f"decode still answers {r.status}")
+    except aiohttp.ClientConnectionError:
+        pass
+
+
+async def test_prefill_dead_before_pull(emu: Factory, http: aiohttp.ClientSession) -> None:
+    p = await emu("vllm", "prefill")
+    d = await emu("vllm", "decode", handshake_timeout_s=0.3)
+    rid = "r-dead"
+    _st, ptext = await post(
+        http,
+        p.url + "/v1/completions",
+        {"prompt": "abc", "max_tokens": 1, "kv_transfer_params": PREFILL_KTP},
+        rid,
+    )
+    ktp = json.loads(ptext)["kv_transfer_params"]
+    await p.stop()
+    ds, dtext = await post(
+        http, d.url + "/v1/completions", {"prompt": "abc", "max_tokens": 4, "kv_transfer_params": ktp}, rid
+    )
+    assert ds == 500 and json.loads(dtext)["error"]["message"] == "Internal server error"
+    ds, raw = await post(
+        http,
+        d.url + "/v1/completions",
+        {"prompt": "abc", "max_tokens": 4, "stream": True, "kv_transfer_params": ktp},
+        rid,
+    )
+    ev = sse_events(raw)
+    assert ds == 200 and json.loads(ev[0])["error"]["code"] == 500 and ev[-1] == "[DONE]"
+    assert (await d.stats())["kv_transfers_failed"] == 2
+
+
+async def test_disconnect_aborts(emu: Factory, http: aiohttp.ClientSession) -> None:
+    s = await emu("vllm", "both", time_scale=1.0)
+    task = asyncio.ensure_future(post(http, s.url + "/v1/completions", {"prompt": "x", "max_tokens": 5000}))
+    await asyncio.sleep(0.3)
+    assert (await s.stats())["running"] == 1
+    task.cancel()
+    for _ in range(50):
+        await asyncio.sleep(0.05)
+        st = await s.stats()
+        if st["running"] == 0 and st["in_flight"] == 0:
+            break
+    assert st["running"] == 0 and st["aborted"] == 1
+    async with http.get(s.url + "/metrics") as r:
+        assert (
+            'vllm:num_requests_running{engine="0",model_name="meta-llama/Meta-Llama-3-8B-Instruct"} 0.0'
+            in await r.text()
+        )
