@@ -14,6 +14,7 @@ I/O and picks the handoff shape from `handoff`:
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import ClassVar, Protocol
 
 import msgspec
@@ -82,8 +83,10 @@ class EngineAdapter(Protocol):
         """Is this prefill answer a sound basis for the decode? Pure; never raises."""
         ...
 
-    def merge_decode_body(self, req: ParsedRequest, prefill_body: bytes, decode_body: bytes) -> bytes:
-        """The client's non-streamed body from both legs (SGLang logprob merge); usually `decode_body`."""
+    def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
+        """A rewrite of the decode's body for the client (SGLang's logprob merge), or None (bytes
+        pass through untouched). For streams it is called per received piece, keeps its own
+        buffer and returns whole rewritten events; otherwise it is called once with the body."""
         ...
 
     def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import msgspec
@@ -43,8 +44,8 @@ class OpenAIAdapter:
     def judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
         return PrefillVerdict(ok=False, reason="no P/D protocol", retryable=False)
 
-    def merge_decode_body(self, req: ParsedRequest, prefill_body: bytes, decode_body: bytes) -> bytes:
-        return decode_body
+    def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
+        return None
 
     def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
         return None

@@ -11,6 +11,7 @@ never comes (300 s by default), so the orchestrator aborts it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 from urllib.parse import urlsplit
 
@@ -182,19 +183,21 @@ class SGLangAdapter:
                 return PrefillVerdict(ok=False, reason="prefill answered a body that is not JSON", status=502)
         return PrefillVerdict(ok=True, prompt_tokens=prompt_tokens, first_token=first_token)
 
-    def merge_decode_body(self, req: ParsedRequest, prefill_body: bytes, decode_body: bytes) -> bytes:
-        if not (req.return_logprob and req.route is RouteKind.GENERATE and not req.stream):
-            return decode_body
-        try:
-            p = msgspec.json.decode(prefill_body)
-            d = msgspec.json.decode(decode_body)
-        except msgspec.DecodeError:
-            return decode_body
-        pairs = zip(p, d, strict=False) if isinstance(p, list) and isinstance(d, list) else [(p, d)]
-        for pi, di in pairs:
-            if isinstance(pi, dict) and isinstance(di, dict):
-                merge_input_logprobs(pi.get("meta_info") or {}, di.get("meta_info") or {})
-        return _body.encoder.encode(d)
+    def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
+        # Only the prefill scored the prompt: with return_logprob its input logprobs are merged in.
+        if not (req.return_logprob and req.route is RouteKind.GENERATE):
+            return None
+        if not req.stream:
+            return lambda body: _merge_bodies(prefill_body, body)
+        metas: dict[int, dict[str, object]] = {}
+        for payload in _body.iter_sse_data(prefill_body):
+            try:
+                ev = msgspec.json.decode(payload)
+            except msgspec.DecodeError:
+                continue
+            if isinstance(ev, dict) and isinstance(ev.get("meta_info"), dict):
+                metas[int(ev.get("index", 0))] = ev["meta_info"]
+        return _SSELogprobMerge(metas)
 
     def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
         rid: str | None = request_id
@@ -256,6 +259,49 @@ class SGLangAdapter:
                 bootstrap_port=info.disaggregation_bootstrap_port,
             )
         return into
+
+
+def _merge_bodies(prefill_body: bytes, decode_body: bytes) -> bytes:
+    try:
+        p = msgspec.json.decode(prefill_body)
+        d = msgspec.json.decode(decode_body)
+    except msgspec.DecodeError:
+        return decode_body
+    pairs = zip(p, d, strict=False) if isinstance(p, list) and isinstance(d, list) else [(p, d)]
+    for pi, di in pairs:
+        if isinstance(pi, dict) and isinstance(di, dict):
+            merge_input_logprobs(pi.get("meta_info") or {}, di.get("meta_info") or {})
+    return _body.encoder.encode(d)
+
+
+class _SSELogprobMerge:
+    """Rewrites each `data:` event of a decode stream with the prefill's prompt logprobs."""
+
+    def __init__(self, prefill_metas: dict[int, dict[str, object]]) -> None:
+        self._metas = prefill_metas
+        self._buf = b""
+
+    def __call__(self, data: bytes) -> bytes:
+        self._buf += data
+        out = []
+        while (end := self._buf.find(b"\n\n")) >= 0:
+            event, self._buf = self._buf[: end + 2], self._buf[end + 2 :]
+            out.append(self._rewrite(event))
+        return b"".join(out)
+
+    def _rewrite(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: {"):
+            return event
+        try:
+            ev = msgspec.json.decode(event[6:])
+        except msgspec.DecodeError:
+            return event
+        meta = ev.get("meta_info") if isinstance(ev, dict) else None
+        pmeta = self._metas.get(int(ev.get("index", 0))) if isinstance(ev, dict) else None
+        if not isinstance(meta, dict) or pmeta is None:
+            return event
+        merge_input_logprobs(pmeta, meta)
+        return b"data: " + _body.encoder.encode(ev) + b"\n\n"
 
 
 def merge_input_logprobs(prefill_meta: dict[str, object], decode_meta: dict[str, object]) -> None:

@@ -13,6 +13,7 @@ tokens when handed foreign params (../shared/captures/FINDINGS.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import msgspec
@@ -142,8 +143,8 @@ class VLLMAdapter:
         prompt_tokens = out.usage.prompt_tokens if out.usage else None
         return PrefillVerdict(ok=True, kv_params=raw, prompt_tokens=prompt_tokens)
 
-    def merge_decode_body(self, req: ParsedRequest, prefill_body: bytes, decode_body: bytes) -> bytes:
-        return decode_body
+    def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
+        return None
 
     def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
         return None  # vLLM aborts a request when its connection closes

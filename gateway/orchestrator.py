@@ -346,13 +346,9 @@ class Orchestrator:
             except (UpstreamConnectError, UpstreamProtocolError) as e:
                 raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
             self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
-            merge = None
-            if req.return_logprob:
-
-                def merge(body: bytes) -> bytes:
-                    return d.adapter.merge_decode_body(req, prefill_out, body)
-
-            await self._relay(resp, d, req, res, a, phase="decode", transform=merge)
+            await self._relay(
+                resp, d, req, res, a, phase="decode", transform=d.adapter.decode_transformer(req, prefill_out)
+            )
             ok_d = True
         finally:
             if not ok_d:
@@ -517,10 +513,10 @@ class Orchestrator:
                 def sink(data: bytes) -> None:
                     nonlocal chunks
                     chunks += 1
-                    write(data)
+                    write(data if transform is None else transform(data))
                     cm.reschedule(loop.time() + idle)
 
-                await resp.pipe(sink, flow=res)
+                await resp.pipe(sink, flow=res, batch=res)
         except TimeoutError:
             resp.abort()
             raise UpstreamTimeout(

@@ -318,3 +318,23 @@ async def test_client_disconnect_mid_stream_stops_the_engines() -> None:
             assert all(st["in_flight"] == 0 for st in stats), stats
     finally:
         await stop_cluster(c)
+
+
+async def test_sglang_streamed_logprobs_are_merged_like_colocated(cluster: Cluster) -> None:
+    body = {
+        "model": "m-sglang",
+        "text": "The quick brown fox",
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 3},
+    }
+    s, _, raw = await post(cluster.url + "/generate", body)
+    assert s == 200
+    _, _, want = await post(cluster.reference["m-sglang"].url + "/generate", body)
+    got_ev = [e for e in sse_events(raw) if e != "[DONE]"]
+    want_ev = [e for e in sse_events(want) if e != "[DONE]"]
+    assert len(got_ev) == len(want_ev) == 3
+    for g, w in zip(got_ev, want_ev, strict=True):
+        assert g["meta_info"]["input_token_logprobs"] == w["meta_info"]["input_token_logprobs"]
+        assert g["output_ids"] == w["output_ids"]

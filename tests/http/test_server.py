@@ -1,0 +1,430 @@
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gateway.http import HttpRequest, HttpResponder, HttpServer, ServerLimits, start_server
+from tests.http._util import is_closed, read_response, request
+
+JSON = ((b"content-type", b"application/json"),)
+
+
+async def echo(req: HttpRequest, resp: HttpResponder) -> None:
+    """Echoes method/path/query/body; special paths for the tests."""
+    if req.path == "/sleep":
+        await asyncio.sleep(float(req.query.split("=")[1]))
+    if req.path == "/stream":
+        resp.start_stream(200, ((b"content-type", b"text/event-stream"),))
+        for i in range(int(req.query or "3")):
+            resp.write(b"data: %d\n\n" % i)
+            await resp.drain()
+        resp.end()
+        return
+    if req.path == "/boom":
+        raise RuntimeError("boom")
+    if req.path == "/boom-late":
+        resp.start_stream(200, ())
+        resp.write(b"partial")
+        raise RuntimeError("late boom")
+    body = json.dumps(
+        {
+            "method": req.method,
+            "path": req.path,
+            "query": req.query,
+            "len": len(req.body),
+            "client": req.client,
+        }
+    ).encode()
+    if req.path == "/raw":
+        body = req.body
+    resp.send(200, JSON, body)
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[HttpServer]:
+    srv = await start_server(echo, "127.0.0.1", 0)
+    yield srv
+    await srv.close()
+
+
+async def test_get_and_keepalive_reuse(server: HttpServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    for i in range(3):
+        writer.write(b"GET /x?a=%d HTTP/1.1\r\nHost: t\r\n\r\n" % i)
+        r = await read_response(reader)
+        assert r.status == 200
+        d = json.loads(r.body)
+        assert d["method"] == "GET" and d["path"] == "/x" and d["query"] == f"a={i}"
+        assert r.header(b"connection") is None
+    assert server.connections == 1
+    writer.close()
+
+
+async def test_post_body_and_headers(server: HttpServer) -> None:
+    seen: list[HttpRequest] = []
+
+    async def h(req: HttpRequest, resp: HttpResponder) -> None:
+        seen.append(req)
+        resp.send(201, ((b"x-a", b"1"),), req.body)
+
+    srv = await start_server(h, "127.0.0.1", 0)
+    try:
+        r, _, w = await request(
+            srv.port, b"POST /v1/chat HTTP/1.1\r\nHost: t\r\nX-Foo: Bar\r\nContent-Length: 5\r\n\r\nhello"
+        )
+        assert r.status == 201 and r.body == b"hello" and r.header(b"x-a") == b"1"
+        assert seen[0].header(b"x-foo") == b"Bar" and seen[0].header(b"host") == b"t"
+        assert seen[0].client is not None and seen[0].client[0] == "127.0.0.1"
+        w.close()
+    finally:
+        await srv.close()
+
+
+async def test_pipelined_in_order(server: HttpServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(
+        b"GET /sleep?t=0.1 HTTP/1.1\r\n\r\n"
+        b"POST /raw HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"
+        b"GET /stream?2 HTTP/1.1\r\n\r\n"
+        b"GET /last HTTP/1.1\r\n\r\n"
+    )
+    r1 = await read_response(reader)
+    r2 = await read_response(reader)
+    r3 = await read_response(reader)
+    r4 = await read_response(reader)
+    assert json.loads(r1.body)["path"] == "/sleep"
+    assert r2.body == b"abc"
+    assert r3.chunks == [b"data: 0\n\n", b"data: 1\n\n"]
+    assert json.loads(r4.body)["path"] == "/last"
+    writer.close()
+
+
+async def test_chunked_request_body(server: HttpServer) -> None:
+    raw = b"POST /raw HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    r, _, w = await request(server.port, raw)
+    assert r.status == 200 and r.body == b"hello world"
+    w.close()
+
+
+async def test_stream_response_chunked(server: HttpServer) -> None:
+    r, _, w = await request(server.port, b"GET /stream?64 HTTP/1.1\r\n\r\n")
+    assert r.header(b"transfer-encoding") == b"chunked"
+    assert len(r.chunks) == 64 and r.chunks[63] == b"data: 63\n\n"
+    w.close()
+
+
+async def test_big_bodies(server: HttpServer) -> None:
+    body = bytes(range(256)) * (5 * 4096)  # 5 MiB
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"POST /raw HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body))
+    writer.write(body)
+    r = await read_response(reader)
+    assert r.body == body
+    # chunked, big
+    writer.write(b"POST /raw HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for i in range(0, len(body), 100_000):
+        part = body[i : i + 100_000]
+        writer.write(b"%x\r\n%b\r\n" % (len(part), part))
+    writer.write(b"0\r\n\r\n")
+    r = await read_response(reader)
+    assert r.body == body
+    writer.close()
+
+
+async def test_head_request(server: HttpServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"HEAD /raw HTTP/1.1\r\n\r\nGET /after HTTP/1.1\r\n\r\n")
+    r = await read_response(reader, head=True)
+    assert r.status == 200 and r.header(b"content-length") == b"0"
+    r = await read_response(reader)
+    assert json.loads(r.body)["path"] == "/after"
+    writer.close()
+
+
+def _error(r: object) -> dict:
+    body = r.body  # type: ignore[attr-defined]
+    d = json.loads(body)
+    assert set(d["error"]) == {"message", "type", "param", "code"}
+    assert d["error"]["type"] == "invalid_request_error" and d["error"]["param"] is None
+    return d["error"]
+
+
+async def test_limits_413_431() -> None:
+    srv = await start_server(
+        echo, "127.0.0.1", 0, limits=ServerLimits(max_body_bytes=1000, max_header_bytes=2000)
+    )
+    try:
+        r, reader, w = await request(srv.port, b"POST /raw HTTP/1.1\r\nContent-Length: 1001\r\n\r\n")
+        assert r.status == 413 and r.header(b"connection") == b"close"
+        assert _error(r)["code"] == "request_too_large"
+        assert await is_closed(reader)
+        # chunked body growing past the limit
+        raw = b"POST /raw HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + b"200\r\n" + b"x" * 512 + b"\r\n"
+        r, reader, w = await request(srv.port, raw * 1 + (b"200\r\n" + b"x" * 512 + b"\r\n") * 2)
+        assert r.status == 413
+        # many headers
+        raw = b"GET / HTTP/1.1\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 50) for i in range(60)) + b"\r\n"
+        r, reader, w = await request(srv.port, raw)
+        assert r.status == 431 and _error(r)["code"] == "request_header_fields_too_large"
+        assert await is_closed(reader)
+        # one huge header, sent in pieces (never completes)
+        reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(b"GET / HTTP/1.1\r\nX-Big: ")
+        await asyncio.sleep(0.02)
+        for _ in range(5):  # 2500 bytes of one unfinished header
+            w.write(b"v" * 500)
+            await asyncio.sleep(0.01)
+        r = await read_response(reader)
+        assert r.status == 431
+        # fine at the limit
+        r, reader, w = await request(
+            srv.port, b"POST /raw HTTP/1.1\r\nContent-Length: 1000\r\n\r\n" + b"y" * 1000
+        )
+        assert r.status == 200 and len(r.body) == 1000
+        w.close()
+    finally:
+        await srv.close()
+
+
+async def test_read_timeout_408_and_keepalive_timeout() -> None:
+    srv = await start_server(
+        echo, "127.0.0.1", 0, limits=ServerLimits(read_timeout_s=0.2, keepalive_timeout_s=0.3)
+    )
+    try:
+        reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(b"POST /raw HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+        t0 = asyncio.get_running_loop().time()
+        r = await asyncio.wait_for(read_response(reader), 3)
+        assert r.status == 408 and _error(r)["code"] == "request_timeout"
+        assert asyncio.get_running_loop().time() - t0 < 1.5
+        assert await is_closed(reader)
+        # idle keep-alive connection is closed
+        r, reader, w = await request(srv.port, b"GET / HTTP/1.1\r\n\r\n")
+        assert r.status == 200
+        assert await is_closed(reader, 3)
+    finally:
+        await srv.close()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET / HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+        b"GET / HTTP/9.9\r\n\r\n",
+        b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+    ],
+)
+async def test_malformed_400_and_close(server: HttpServer, raw: bytes) -> None:
+    r, reader, _w = await request(server.port, raw)
+    assert r.status == 400 and r.header(b"connection") == b"close"
+    assert _error(r)["code"] == "bad_request"
+    assert await is_closed(reader)
+
+
+async def test_malformed_after_pipelined_request(server: HttpServer) -> None:
+    reader, w = await asyncio.open_connection("127.0.0.1", server.port)
+    w.write(b"GET /sleep?t=0.05 HTTP/1.1\r\n\r\nNOT HTTP\r\n\r\n")
+    r1 = await read_response(reader)
+    r2 = await read_response(reader)
+    assert r1.status == 200 and r2.status == 400
+    assert await is_closed(reader)
+
+
+async def test_expect_100_continue(server: HttpServer) -> None:
+    reader, w = await asyncio.open_connection("127.0.0.1", server.port)
+    w.write(b"POST /raw HTTP/1.1\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
+    line = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+    assert line.startswith(b"HTTP/1.1 100 Continue")
+    w.write(b"data")
+    r = await read_response(reader)
+    assert r.body == b"data"
+    # too large: 413 instead of 100
+    srv = await start_server(echo, "127.0.0.1", 0, limits=ServerLimits(max_body_bytes=10))
+    try:
+        r, _, _ = await request(
+            srv.port, b"POST /raw HTTP/1.1\r\nContent-Length: 11\r\nExpect: 100-continue\r\n\r\n"
+        )
+        assert r.status == 413
+    finally:
+        await srv.close()
+
+
+async def test_http10_close_and_keepalive(server: HttpServer) -> None:
+    r, reader, w = await request(server.port, b"GET /a HTTP/1.0\r\n\r\n")
+    assert r.status == 200 and r.header(b"connection") == b"close"
+    assert await is_closed(reader)
+    reader, w = await asyncio.open_connection("127.0.0.1", server.port)
+    for _ in range(2):
+        w.write(b"GET /a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        r = await read_response(reader)
+        assert r.status == 200 and r.header(b"connection") == b"keep-alive"
+    # a stream to an HTTP/1.0 client is delimited by close
+    w.write(b"GET /stream?3 HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    r = await read_response(reader)
+    assert r.body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    # Connection: close on 1.1
+    r, reader, w = await request(server.port, b"GET /a HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert r.header(b"connection") == b"close" and await is_closed(reader)
+
+
+async def test_client_disconnect_cancels_handler() -> None:
+    started = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def h(req: HttpRequest, resp: HttpResponder) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    srv = await start_server(h, "127.0.0.1", 0)
+    try:
+        _reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(b"GET / HTTP/1.1\r\n\r\n")
+        await asyncio.wait_for(started.wait(), 2)
+        assert srv.active_requests == 1
+        w.close()
+        await asyncio.wait_for(cancelled.wait(), 2)
+        await asyncio.sleep(0)
+        assert srv.active_requests == 0
+    finally:
+        await srv.close()
+
+
+async def test_handler_errors(server: HttpServer) -> None:
+    r, reader, w = await request(server.port, b"GET /boom HTTP/1.1\r\n\r\n")
+    assert r.status == 500
+    assert json.loads(r.body)["error"]["type"] == "server_error"
+    reader, w = await asyncio.open_connection("127.0.0.1", server.port)
+    w.write(b"GET /boom-late HTTP/1.1\r\n\r\n")
+    raw = b""
+    with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
+        raw = await reader.readuntil(b"0\r\n\r\n")
+    assert b"partial" not in raw or not raw.endswith(b"0\r\n\r\n")
+    # the server still works
+    r, _, w = await request(server.port, b"GET /ok HTTP/1.1\r\n\r\n")
+    assert r.status == 200
+
+
+async def test_no_response_is_500() -> None:
+    async def h(req: HttpRequest, resp: HttpResponder) -> None:
+        return None
+
+    srv = await start_server(h, "127.0.0.1", 0)
+    try:
+        r, _, _ = await request(srv.port, b"GET / HTTP/1.1\r\n\r\n")
+        assert r.status == 500
+    finally:
+        await srv.close()
+
+
+async def test_backpressure_drain_and_flow_listeners() -> None:
+    events: list[str] = []
+    done = asyncio.Event()
+
+    async def h(req: HttpRequest, resp: HttpResponder) -> None:
+        resp.add_flow_listener(lambda: events.append("pause"), lambda: events.append("resume"))
+        resp.start_stream(200, ())
+        chunk = b"x" * 65536
+        for _ in range(200):  # 12.5 MiB
+            resp.write(chunk)
+            await resp.drain()
+        resp.end()
+        done.set()
+
+    srv = await start_server(h, "127.0.0.1", 0)
+    try:
+        reader, w = await asyncio.open_connection("127.0.0.1", srv.port, limit=2**16)
+        w.write(b"GET / HTTP/1.1\r\n\r\n")
+        await asyncio.sleep(0.3)  # the client does not read: the server must pause
+        assert events and events[0] == "pause"
+        assert not done.is_set()
+        r = await read_response(reader)
+        assert len(r.body) == 200 * 65536
+        assert "resume" in events
+        await asyncio.wait_for(done.wait(), 2)
+    finally:
+        await srv.close()
+
+
+async def test_graceful_shutdown() -> None:
+    release = asyncio.Event()
+
+    async def h(req: HttpRequest, resp: HttpResponder) -> None:
+        if req.path == "/slow":
+            await release.wait()
+        resp.send(200, (), b"ok")
+
+    srv = await start_server(h, "127.0.0.1", 0)
+    # one idle keep-alive connection and one in flight
+    r, idle_reader, _ = await request(srv.port, b"GET /fast HTTP/1.1\r\n\r\n")
+    reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
+    w.write(b"GET /slow HTTP/1.1\r\n\r\n")
+    await asyncio.sleep(0.05)
+    srv.stop_accepting()
+    assert await is_closed(idle_reader)
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", srv.port)
+    assert not await srv.wait_idle(0.05)
+    release.set()
+    assert await srv.wait_idle(2)
+    r = await read_response(reader)
+    assert r.body == b"ok" and r.header(b"connection") == b"close"
+    await srv.close()
+
+
+async def test_close_cancels_handlers() -> None:
+    cancelled = asyncio.Event()
+
+    async def h(req: HttpRequest, resp: HttpResponder) -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    srv = await start_server(h, "127.0.0.1", 0)
+    reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
+    w.write(b"GET / HTTP/1.1\r\n\r\n")
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(srv.close(), 3)
+    assert cancelled.is_set()
+    assert await is_closed(reader)
+
+
+async def test_reuse_port() -> None:
+    a = await start_server(echo, "127.0.0.1", 0, reuse_port=True)
+    b = await start_server(echo, "127.0.0.1", a.port, reuse_port=True)
+    try:
+        assert a.port == b.port
+        r, _, _ = await request(a.port, b"GET / HTTP/1.1\r\n\r\n")
+        assert r.status == 200
+    finally:
+        await a.close()
+        await b.close()
+
+
+def test_stdlib_asyncio_loop() -> None:
+    """The suite runs on uvloop (tests/conftest.py); the data plane also works on asyncio's loop."""
+
+    async def main() -> None:
+        srv = await start_server(echo, "127.0.0.1", 0)
+        try:
+            r, reader, w = await request(srv.port, b"GET /stream?5 HTTP/1.1\r\n\r\n")
+            assert len(r.chunks) == 5
+            w.write(b"POST /raw HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc")
+            r = await read_response(reader)
+            assert r.body == b"abc"
+            w.close()
+        finally:
+            await srv.close()
+
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        runner.run(main())
