@@ -334,7 +334,7 @@ async def test_sglang_streamed_logprobs_are_merged_like_colocated(cluster: Clust
     _, _, want = await post(cluster.reference["m-sglang"].url + "/generate", body)
     got_ev = [e for e in sse_events(raw) if e != "[DONE]"]
     want_ev = [e for e in sse_events(want) if e != "[DONE]"]
-    assert len(got_ev) == len(want_ev) == 3
+    assert len(got_ev) == len(want_ev) >= 3
     for g, w in zip(got_ev, want_ev, strict=True):
         assert g["meta_info"]["input_token_logprobs"] == w["meta_info"]["input_token_logprobs"]
         assert g["output_ids"] == w["output_ids"]
