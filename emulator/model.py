@@ -100,3 +100,9 @@ def states(state: int, n: int) -> list[int]:
 def prompt_logprob(prev_id: int, token_id: int) -> float:
     x = ((prev_id * 1000003) ^ (token_id * 7919)) & 0xFFFF
     return -0.5 - x / 8192.0
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample ``index`` of an ``n > 1`` request (vLLM's child requests use
+    ``seed + index``): greedy stays greedy, sampled children differ yet are reproducible."""
+    return None if seed is None else seed + index

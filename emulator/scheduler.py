@@ -159,20 +159,24 @@ class Engine:
     def num_running(self) -> int:
         return len(self.seqs)
 
+    def check_fits(self, prompt_len: int, max_new: int) -> None:
+        """Raise :class:`TooLarge` when a sequence could never fit in the KV pool."""
+        if model.num_blocks(prompt_len + max_new, self.block_size) > self.pool.num_blocks:
+            raise TooLarge(
+                f"Request requires too many KV tokens: {prompt_len + max_new} > "
+                f"{self.pool.num_blocks * self.block_size} (max_total_num_tokens)"
+            )
+
     async def admit(self, seq: Seq) -> None:
         """Reserve KV blocks for prompt + max_new, reusing the cached prefix. Waits when full."""
         if self.dead:
             raise EngineDead()
         bs = self.block_size
+        self.check_fits(len(seq.prompt), seq.max_new)
         seq.hashes = model.chain_hashes(seq.prompt, bs)
         n_prompt = len(seq.hashes)
         total = model.num_blocks(len(seq.prompt) + seq.max_new, bs)
         max_cached = (len(seq.prompt) - 1) // bs
-        if total > self.pool.num_blocks:
-            raise TooLarge(
-                f"Request requires too many KV tokens: {len(seq.prompt) + seq.max_new} > "
-                f"{self.pool.num_blocks * bs} (max_total_num_tokens)"
-            )
         self.waiting += 1
         try:
             while True:

@@ -62,12 +62,32 @@ def _listify(v: Any, n: int) -> list[Any]:
     return [v] * n
 
 
-def _rooms(v: Any, n: int) -> list[int | None]:
+def _rooms(v: Any, num: int, n: int) -> list[int | None]:
+    """SGLang's ``_normalize_bootstrap_params`` for ``num`` = batch x ``n`` requests: a scalar room
+    becomes ``room + k`` for the ``k``-th expanded request, a list is repeated ``n`` times."""
     if v is None:
-        return [None] * n
+        return [None] * num
     if isinstance(v, list):
-        return [None if x is None else int(x) for x in v]
-    return [int(v) + i for i in range(n)]
+        return [None if x is None else int(x) for x in v] * n
+    return [int(v) + k for k in range(num)]
+
+
+def _per_sample(v: Any, n: int) -> list[Any]:
+    """A per-request field (host, port) after expansion: scalars repeat, lists repeat ``n`` times."""
+    return list(v) * n if isinstance(v, list) else [v]
+
+
+def _pick(values: list[Any], k: int) -> Any:
+    if len(values) == 1:
+        return values[0]
+    return values[k] if k < len(values) else None
+
+
+def _num_samples(v: Any) -> int:
+    n = 1 if v is None else int(v)
+    if n < 1:
+        raise ValueError("n must be at least 1")
+    return n
 
 
 class SglangApi:
@@ -350,29 +370,35 @@ def setup(s: EmulatorServer) -> None:
         return obj
 
     def make_items(
-        body: dict[str, Any], prompts: list[list[int]], max_new: int, sample_seed: int | None
+        body: dict[str, Any], prompts: list[list[int]], max_new: int, sample_seed: int | None, n: int = 1
     ) -> list[Item]:
-        n = len(prompts)
+        """One item per (prompt, sample), prompt-major: item ``k = prompt_index * n + sample_index``
+        (SGLang's parallel-sampling expansion). Prefill and decode get the same body, so they derive
+        the same rooms (``room + k`` for a scalar room) and the same per-sample seeds."""
+        num = len(prompts) * n
         rid = body.get("rid")
-        rids = _listify(rid, n) if rid is not None else [None] * n
-        hosts = _listify(body.get("bootstrap_host"), n)
-        ports = _listify(body.get("bootstrap_port"), n)
-        rooms = _rooms(body.get("bootstrap_room"), n)
+        rids = _listify(rid, len(prompts)) if rid is not None and n == 1 else [None] * num
+        hosts = _per_sample(body.get("bootstrap_host"), n)
+        ports = _per_sample(body.get("bootstrap_port"), n)
+        rooms = _rooms(body.get("bootstrap_room"), num, n)
         items = []
         for i, p in enumerate(prompts):
-            items.append(
-                Item(
-                    str(rids[i]) if rids[i] is not None else uuid.uuid4().hex,
-                    p,
-                    max_new,
-                    sample_seed,
-                    rooms[i] if i < len(rooms) else None,
-                    hosts[i] if i < len(hosts) else None,
-                    int(ports[i]) if i < len(ports) and ports[i] is not None else None,
-                    bool(body.get("return_logprob", False)),
-                    int(body.get("top_logprobs_num") or 0),
+            for j in range(n):
+                k = i * n + j
+                host, port = _pick(hosts, k), _pick(ports, k)
+                items.append(
+                    Item(
+                        str(rids[k]) if k < len(rids) and rids[k] is not None else uuid.uuid4().hex,
+                        p,
+                        max_new,
+                        model.sample_seed(sample_seed, j),
+                        rooms[k] if k < len(rooms) else None,
+                        host,
+                        int(port) if port is not None else None,
+                        bool(body.get("return_logprob", False)),
+                        int(body.get("top_logprobs_num") or 0),
+                    )
                 )
-            )
         return items
 
     def check(items: list[Item], error: Callable[[int, str], web.Response]) -> web.Response | None:
@@ -438,7 +464,12 @@ def setup(s: EmulatorServer) -> None:
                 text = body.get("text", "")
                 batch = isinstance(text, list)
                 prompts = [tokenizer.encode(t) for t in (text if batch else [text])]
-            items = make_items(body, prompts, max_new, _sampling(sp))
+            try:
+                n = _num_samples(sp.get("n"))
+            except (TypeError, ValueError) as e:
+                return _error_generate(400, str(e))
+            batch = batch or n > 1  # SGLang turns a single prompt with n > 1 into a batch
+            items = make_items(body, prompts, max_new, _sampling(sp), n)
             bad = check(items, _error_generate)
             if bad is not None:
                 return bad
@@ -542,7 +573,11 @@ def setup(s: EmulatorServer) -> None:
                     prompts = [tokenizer.encode(str(x)) for x in p]
                 mt = body.get("max_tokens", 16)
             max_new = int(mt) if mt is not None else max(1, s.max_model_len - len(prompts[0]))
-            items = make_items(body, prompts, max_new, _sampling(body))
+            try:
+                n = _num_samples(body.get("n"))
+            except (TypeError, ValueError) as e:
+                return _error_openai(400, str(e))
+            items = make_items(body, prompts, max_new, _sampling(body), n)
             bad = check(items, _error_openai)
             if bad is not None:
                 return bad
@@ -582,7 +617,7 @@ def setup(s: EmulatorServer) -> None:
                                 "matched_stop": None,
                             }
                         )
-                pt = sum(r.prompt_tokens for r in results)
+                pt = sum(r.prompt_tokens for r in results[::n])
                 ct = sum(len(r.output_ids) for r in results)
                 return json_response(
                     {
@@ -698,7 +733,7 @@ def setup(s: EmulatorServer) -> None:
 
             results = await asyncio.gather(*(run(i, it) for i, it in enumerate(items)))
             if include_usage:
-                pt = sum(r.prompt_tokens for r in results)
+                pt = sum(r.prompt_tokens for r in results[::n])
                 ct = sum(len(r.output_ids) for r in results)
                 usage = (
                     openai_usage(pt, ct)

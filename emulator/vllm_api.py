@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from emulator import tokenizer
+from emulator import model, tokenizer
 from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_response, sse, start_sse, track
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, tokens, vllm_pull_kv
@@ -112,19 +113,12 @@ def setup(s: EmulatorServer) -> None:
                 engine.counters.completed += 1
             return resp
 
-    async def run(
-        request: web.Request, body: dict[str, Any], chat: bool, hit: dict[str, Fault]
-    ) -> web.StreamResponse:
-        if chat:
-            prompt = tokenizer.encode_chat(body.get("messages") or [])
-        else:
-            p = body.get("prompt", "")
-            if isinstance(p, list) and p and isinstance(p[0], int):
-                prompt = [int(x) for x in p]
-            elif isinstance(p, list):
-                prompt = tokenizer.encode(str(p[0]) if p else "")
-            else:
-                prompt = tokenizer.encode(str(p))
+    def max_new_for(prompt: list[int], body: dict[str, Any]) -> int:
+        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+        room = max_len - len(prompt)
+        return min(int(mt), room) if mt is not None else room
+
+    def check_length(prompt: list[int], body: dict[str, Any]) -> web.Response | None:
         n_prompt = len(prompt)
         if n_prompt > max_len:
             return _error(
@@ -134,14 +128,49 @@ def setup(s: EmulatorServer) -> None:
                 f"the input prompt. (parameter=input_tokens, value={n_prompt})",
                 param="input_tokens",
             )
-        mt = body.get("max_completion_tokens", body.get("max_tokens"))
-        room = max_len - n_prompt
-        max_new = min(int(mt), room) if mt is not None else room
-        if max_new <= 0:
+        if max_new_for(prompt, body) <= 0:
+            mt = body.get("max_completion_tokens", body.get("max_tokens"))
             return _error(
                 400,
                 f"This model's maximum context length is {max_len} tokens. However, you requested {n_prompt + (int(mt) if mt else 0)} tokens.",
             )
+        return None
+
+    async def run(
+        request: web.Request, body: dict[str, Any], chat: bool, hit: dict[str, Fault]
+    ) -> web.StreamResponse:
+        if chat:
+            prompts = [tokenizer.encode_chat(body.get("messages") or [])]
+        else:
+            p = body.get("prompt", "")
+            if isinstance(p, list) and p and isinstance(p[0], int):
+                prompts = [[int(x) for x in p]]
+            elif isinstance(p, list) and p:
+                prompts = [
+                    [int(t) for t in x] if isinstance(x, list) else tokenizer.encode(str(x)) for x in p
+                ]
+            elif isinstance(p, list):
+                prompts = [tokenizer.encode("")]
+            else:
+                prompts = [tokenizer.encode(str(p))]
+        try:
+            n_samples = 1 if body.get("n") is None else int(body["n"])
+        except (TypeError, ValueError):
+            return _error(400, "n must be an integer", param="n")
+        if n_samples < 1:
+            return _error(400, f"n must be at least 1, got {n_samples}.", param="n")
+        if len(prompts) > 1 or n_samples > 1:
+            for pr in prompts:
+                bad = check_length(pr, body)
+                if bad is not None:
+                    return bad
+            return await run_multi(request, body, chat, hit, prompts, n_samples)
+        prompt = prompts[0]
+        n_prompt = len(prompt)
+        bad = check_length(prompt, body)
+        if bad is not None:
+            return bad
+        max_new = max_new_for(prompt, body)
         xrid = request.headers.get("X-Request-Id")
         base = xrid if xrid else secrets.token_hex(8)
         oid = ("chatcmpl-" if chat else "cmpl-") + base
@@ -433,6 +462,206 @@ def setup(s: EmulatorServer) -> None:
             }
         return json_response(obj)
 
+    async def run_multi(
+        request: web.Request,
+        body: dict[str, Any],
+        chat: bool,
+        hit: dict[str, Fault],
+        prompts: list[list[int]],
+        n: int,
+    ) -> web.StreamResponse:
+        """A batch of prompts and/or ``n > 1`` samples, served locally (the gateway sends these to
+        one worker without ``kv_transfer_params``). Choice ``k = prompt_index * n + sample_index``;
+        sample ``j`` is a child request seeded ``seed + j`` (vLLM's ``ParentRequest``)."""
+        xrid = request.headers.get("X-Request-Id")
+        oid = ("chatcmpl-" if chat else "cmpl-") + (xrid if xrid else secrets.token_hex(8))
+        model_name = body.get("model") or served
+        created = int(time.time())
+        obj_name = "chat.completion.chunk" if chat else "text_completion"
+        return_ids = bool(body.get("return_token_ids"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        stream = bool(body.get("stream"))
+        base_seed = sample_seed(body)
+        children: list[tuple[int, Seq]] = []
+        for i, prompt in enumerate(prompts):
+            max_new = max_new_for(prompt, body)
+            try:
+                engine.check_fits(len(prompt), max_new)
+            except TooLarge as e:
+                return _error(400, str(e))
+            parent = f"{oid}-{secrets.token_hex(4)}" if chat else f"{oid}-{i}-{secrets.token_hex(4)}"
+            for j in range(n):
+                rid = parent if n == 1 else f"{j}_{parent}"
+                children.append((max_new, Seq(rid, prompt, max_new, model.sample_seed(base_seed, j))))
+        outs: list[list[int]] = [[] for _ in children]
+        finish: list[str] = ["length"] * len(children)
+        resp: web.StreamResponse | None = None
+
+        def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
+            c = {"id": oid, "object": obj_name, "created": created, "model": model_name, "choices": [choice]}
+            return sse(c | extra)
+
+        if stream:
+            resp = await start_sse(request)
+            if chat:
+                for k in range(len(children)):
+                    await resp.write(
+                        chunk(
+                            {
+                                "index": k,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            },
+                            prompt_token_ids=prompts[0] if return_ids else None,
+                            prompt_text=None,
+                        )
+                    )
+
+        async def child(k: int, max_new: int, seq: Seq) -> None:
+            seqs[seq.rid] = seq
+            out = outs[k]
+            try:
+                await engine.admit(seq)
+                await engine.prefill(seq)
+                async for tok in tokens(s, seq, max_new, hit):
+                    out.append(tok)
+                    if resp is None:
+                        continue
+                    text = tokenizer.token_text(tok)
+                    if chat:
+                        await resp.write(
+                            chunk(
+                                {
+                                    "index": k,
+                                    "delta": {"content": text},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                    "token_ids": [tok] if return_ids else None,
+                                }
+                            )
+                        )
+                    else:
+                        choice: dict[str, Any] = {
+                            "index": k,
+                            "text": text,
+                            "logprobs": None,
+                            "finish_reason": "length" if len(out) == max_new else None,
+                            "stop_reason": None,
+                        }
+                        if return_ids:
+                            choice["prompt_token_ids"] = seq.prompt if len(out) == 1 else None
+                            choice["token_ids"] = [tok]
+                        await resp.write(chunk(choice))
+            except Aborted:
+                engine.counters.aborted += 1
+                finish[k] = "abort"
+            finally:
+                seqs.pop(seq.rid, None)
+                engine.release(seq)
+            if resp is not None and chat:
+                await resp.write(
+                    chunk(
+                        {
+                            "index": k,
+                            "delta": {"content": ""},
+                            "logprobs": None,
+                            "finish_reason": finish[k],
+                            "stop_reason": None,
+                            "token_ids": None,
+                        }
+                    )
+                )
+
+        tasks = [asyncio.ensure_future(child(k, mn, seq)) for k, (mn, seq) in enumerate(children)]
+        try:
+            await asyncio.gather(*tasks)
+        except EngineDead:
+            if resp is not None:
+                await resp.write(sse(_error_dict(500, ENGINE_DEAD_MSG)))
+                await resp.write(DONE)
+                await resp.write_eof()
+                return resp
+            return _error(500, ENGINE_DEAD_MSG)
+        finally:
+            for t in tasks:
+                t.cancel()
+        pt = sum(len(p) for p in prompts)
+        ct = sum(len(o) for o in outs)
+        cached = sum(seq.cached_tokens for _, seq in children[::n])
+        if resp is not None:
+            if include_usage:
+                await resp.write(
+                    sse(
+                        {
+                            "id": oid,
+                            "object": obj_name,
+                            "created": created,
+                            "model": model_name,
+                            "choices": [],
+                            "usage": usage(pt, ct, cached, True),
+                            "system_fingerprint": s.fingerprint,
+                        }
+                    )
+                )
+            await resp.write(DONE)
+            await resp.write_eof()
+            return resp
+        choices: list[dict[str, Any]] = []
+        for k, (_, seq) in enumerate(children):
+            out = outs[k]
+            if chat:
+                choices.append(
+                    {
+                        "index": k,
+                        "message": {
+                            "role": "assistant",
+                            "content": tokenizer.decode(out),
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "tool_calls": [],
+                            "reasoning": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": finish[k],
+                        "stop_reason": None,
+                        "token_ids": out if return_ids else None,
+                        "routed_experts": None,
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": k,
+                        "text": tokenizer.decode(out),
+                        "logprobs": None,
+                        "finish_reason": finish[k],
+                        "stop_reason": None,
+                        "token_ids": out if return_ids else None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": seq.prompt if return_ids else None,
+                        "routed_experts": None,
+                    }
+                )
+        obj: dict[str, Any] = {
+            "id": oid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": model_name,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": s.fingerprint,
+            "usage": usage(pt, ct, cached, False),
+        }
+        if chat:
+            obj["prompt_logprobs"] = None
+            obj["prompt_token_ids"] = prompts[0] if return_ids else None
+            obj["prompt_text"] = None
+        obj |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        return json_response(obj)
+
     async def completions(request: web.Request) -> web.StreamResponse:
         return await handle(request, chat=False)
 
@@ -498,6 +727,7 @@ def setup(s: EmulatorServer) -> None:
         body = msgspec.json.decode(await request.read() or b"{}")
         rid = str(body.get("request_id", body.get("rid", "")))
         for key, seq in list(seqs.items()):
+            key = re.sub(r"^\d+_", "", key)  # a child of an n > 1 request: "{index}_{parent}"
             if key == rid or key.startswith(rid + "-"):
                 engine.abort_seq(seq)
         return web.Response(status=200)
