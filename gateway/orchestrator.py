@@ -80,13 +80,14 @@ class OrchestratorSettings(msgspec.Struct, frozen=True):
 class _Attempt:
     """What one attempt learned, for logging and metrics."""
 
-    __slots__ = ("decode", "echo", "first_byte_at", "plan_kind", "prefill", "prefill_done_at")
+    __slots__ = ("decode", "echo", "first_byte_at", "plan_kind", "prefill", "prefill_done_at", "started")
 
     def __init__(self, echo: tuple[bytes, bytes]) -> None:
         self.echo = echo  # the x-request-id header echoed to the client
         self.plan_kind = "none"
         self.prefill: str | None = None
         self.decode: str | None = None
+        self.started = time.monotonic()
         self.prefill_done_at = 0.0
         self.first_byte_at = 0.0
 
@@ -207,6 +208,7 @@ class Orchestrator:
                 outcome=outcome,
                 duration_ms=round((end - started) * 1000, 3),
                 ttft_ms=round((a.first_byte_at - started) * 1000, 3) if a.first_byte_at else None,
+                prefill_ms=round((a.prefill_done_at - a.started) * 1000, 3) if a.prefill_done_at else None,
             )
 
     def _fail(self, res: HttpResponder, e: GatewayError) -> None:
@@ -526,6 +528,7 @@ class Orchestrator:
             raise UpstreamFailure(f"worker {w.id} broke the stream: {e}", phase=phase, worker=w.id) from None
         resp.release()
         end = time.monotonic()
+        self.metrics.child(self.metrics.phase, "decode").observe(end - a.first_byte_at)
         if chunks > 1:
             self.metrics.child(self.metrics.itl, req.route.value, a.plan_kind).observe(
                 (end - a.first_byte_at) / (chunks - 1)
