@@ -1,0 +1,483 @@
+"""`pd-gateway bench overhead`: the gateway's cost side by side with sglang-router and vllm-router.
+
+One run, the same upstreams for every target:
+  * per engine, three emulated servers in zero-delay mode (`--time-scale 0`): a P/D pair
+    (prefill + decode) and a colocated (`--role both`) server for the direct baseline;
+  * the target under test (sglang-router, vllm-router, `pd-gateway serve`) pinned alone to
+    one core (`taskset -c 0`), started fresh for each target and stopped after it;
+  * the upstreams and this process (the load generator) on the other core.
+
+Per target, mode (non-stream, 64-token stream) and connection count it reports req/s,
+p50/p90/p99 latency, the p50 added over a direct connection to an emulated server, and the
+target's CPU per request = (utime+stime of its process tree over the window) / completed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import procs
+from bench.loadgen import (
+    LoadResult,
+    Session,
+    SglangPDSession,
+    SimpleSession,
+    VllmPDSession,
+    build_request,
+    new_event_loop,
+    run_load,
+)
+
+ENGINES = ("sglang", "vllm")
+TARGET_KINDS = ("direct", "direct-pd", "gateway", "sglang-router", "vllm-router")
+MODES = ("nonstream", "stream64")
+MODEL = "bench-model"
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+NONSTREAM_MAX_TOKENS = 8
+STREAM_TOKENS = 64
+RESULTS_DIR = procs.REPO_ROOT / "bench" / "results"
+DOC_BEGIN = "<!-- bench:overhead:begin -->"
+DOC_END = "<!-- bench:overhead:end -->"
+
+
+@dataclass
+class Row:
+    target: str  # e.g. "sglang-router", "gateway", "direct"
+    engine: str
+    mode: str
+    conns: int
+    rps: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    completed: int
+    errors: int
+    cpu_us_per_req: float | None  # the target's process tree; None for direct
+    upstream_cpu_us_per_req: float | None
+    added_p50_ms: float | None = None
+    cpu_vs_router: float | None = None  # gateway only: / the same engine's router
+    error_samples: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Target:
+    kind: str
+    engine: str
+    proc: procs.ManagedProcess | None
+    port: int
+
+
+def request_body(mode: str, engine: str) -> bytes:
+    return json.dumps(request_dict(mode), separators=(",", ":")).encode()
+
+
+def request_dict(mode: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    if mode == "nonstream":
+        body["max_tokens"] = NONSTREAM_MAX_TOKENS
+    elif mode == "stream64":
+        body["max_tokens"] = STREAM_TOKENS
+        body["stream"] = True
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    return body
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+@dataclass
+class Cluster:
+    engine: str
+    prefill: procs.Upstream
+    decode: procs.Upstream
+    both: procs.Upstream
+
+    def cpu_probe(self) -> float:
+        return sum(procs.tree_cpu_seconds(u.proc.pid) for u in (self.prefill, self.decode))
+
+
+def start_cluster(
+    group: procs.ProcessGroup, engine: str, cpus: str | None, log_dir: Path, seed: int
+) -> Cluster:
+    kw: dict[str, Any] = {"model": MODEL, "time_scale": 0.0, "seed": seed, "cpus": cpus, "log_dir": log_dir}
+    ups = [
+        procs.start_emulator(group, engine, role, wait=False, **kw) for role in ("prefill", "decode", "both")
+    ]
+    for u in ups:
+        procs.wait_upstream(u, timeout=90.0)
+    return Cluster(engine, *ups)
+
+
+def start_target(
+    group: procs.ProcessGroup, kind: str, cluster: Cluster, cpus: str | None, log_dir: Path
+) -> Target:
+    if kind == "direct":
+        return Target(kind, cluster.engine, None, cluster.both.port)
+    if kind == "direct-pd":
+        return Target(kind, cluster.engine, None, cluster.decode.port)
+    port, prom_port = procs.free_ports(2)
+    pre, dec = cluster.prefill, cluster.decode
+    if kind == "sglang-router":
+        argv = procs.sglang_router_argv(
+            port, [(pre.url, pre.bootstrap_port)], [dec.url], prometheus_port=prom_port, log_level="warn"
+        )
+    elif kind == "vllm-router":
+        argv = procs.vllm_router_argv(
+            port, [pre.url], [dec.url], prometheus_port=prom_port, log_level="warning"
+        )
+    elif kind == "gateway":
+        argv = procs.gateway_argv(cluster.engine, port, [(pre.url, pre.bootstrap_port)], [dec.url])
+    else:
+        raise ValueError(kind)
+    proc = group.add(procs.start_process(f"{kind}-{cluster.engine}", argv, cpus=cpus, log_dir=log_dir))
+    proc.wait_http(f"http://{procs.HOST}:{port}/readiness", timeout=90.0)
+    return Target(kind, cluster.engine, proc, port)
+
+
+def smoke(target: Target, mode: str) -> None:
+    """One request before measuring, so that a broken target fails loudly, not as a 0 req/s row."""
+    import http.client
+
+    if target.kind == "direct-pd":
+        return  # its session checks every answer
+
+    conn = http.client.HTTPConnection(procs.HOST, target.port, timeout=30)
+    try:
+        body = request_body(mode, target.engine)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+    finally:
+        conn.close()
+    ok = resp.status == 200 and (mode != "stream64" or b"[DONE]" in data)
+    if not ok:
+        log = target.proc.log_tail() if target.proc is not None else ""
+        raise RuntimeError(
+            f"{target.kind} ({target.engine}) {mode}: HTTP {resp.status}: {data[:500]!r}\n{log}"
+        )
+
+
+def measure(
+    target: Target,
+    cluster: Cluster,
+    mode: str,
+    conns: int,
+    duration: float,
+    warmup: float,
+    target_cpus: str | None = None,
+) -> Row:
+    path = "/v1/completions"
+    tail = b"[DONE]" if mode == "stream64" else None
+    probes = {"upstream": cluster.cpu_probe}
+    make_session: Callable[[], Session]
+    if target.kind == "direct-pd" and cluster.engine == "sglang":
+        pre, dec = cluster.prefill, cluster.decode
+        assert pre.bootstrap_port is not None
+        body = request_body(mode, target.engine)
+        make_session = lambda: SglangPDSession(  # noqa: E731
+            (procs.HOST, pre.port), (procs.HOST, dec.port), pre.bootstrap_port or 0, path, body, tail
+        )
+    elif target.kind == "direct-pd":
+        pre, dec = cluster.prefill, cluster.decode
+        bdict = request_dict(mode)
+        make_session = lambda: VllmPDSession(  # noqa: E731
+            (procs.HOST, pre.port), (procs.HOST, dec.port), path, bdict, tail
+        )
+    else:
+        req = build_request(procs.HOST, target.port, path, request_body(mode, target.engine))
+        make_session = lambda: SimpleSession(procs.HOST, target.port, req, tail)  # noqa: E731
+    if target.proc is not None:
+        pid = target.proc.pid
+        probes["target"] = lambda: procs.tree_cpu_seconds(pid)
+    elif target.kind == "direct":
+        both_pid = cluster.both.proc.pid
+        probes["upstream"] = lambda: procs.tree_cpu_seconds(both_pid)
+    # direct-pd: the load generator *is* the router, so it gets the target's core for the row.
+    saved = os.sched_getaffinity(0) if target.kind == "direct-pd" and target_cpus else None
+    if saved is not None and target_cpus:
+        os.sched_setaffinity(0, _cpu_set(target_cpus))
+    loop = new_event_loop()
+    try:
+        res: LoadResult = loop.run_until_complete(
+            run_load(make_session, conns=conns, duration_s=duration, warmup_s=warmup, cpu_probes=probes)
+        )
+    finally:
+        loop.close()
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
+    n = max(res.completed, 1)
+    tcpu = res.cpu_s.get("target")
+    return Row(
+        target=target.kind,
+        engine=target.engine,
+        mode=mode,
+        conns=conns,
+        rps=res.rps,
+        p50_ms=res.percentile_ms(50),
+        p90_ms=res.percentile_ms(90),
+        p99_ms=res.percentile_ms(99),
+        completed=res.completed,
+        errors=res.errors,
+        cpu_us_per_req=(tcpu / n * 1e6) if tcpu is not None and res.completed else None,
+        upstream_cpu_us_per_req=res.cpu_s["upstream"] / n * 1e6 if res.completed else None,
+        error_samples=res.error_samples,
+    )
+
+
+def fill_derived(rows: list[Row]) -> None:
+    """added p50: vs the client-side handoff (direct-pd) when measured, else vs colocated direct."""
+    direct = {(r.engine, r.mode, r.conns): r for r in rows if r.target == "direct"}
+    direct.update({(r.engine, r.mode, r.conns): r for r in rows if r.target == "direct-pd"})
+    routers = {(r.engine, r.mode, r.conns): r for r in rows if r.target in ("sglang-router", "vllm-router")}
+    for r in rows:
+        d = direct.get((r.engine, r.mode, r.conns))
+        if d is not None and not r.target.startswith("direct") and r.completed and d.completed:
+            r.added_p50_ms = r.p50_ms - d.p50_ms
+        rt = routers.get((r.engine, r.mode, r.conns))
+        if r.target == "gateway" and rt is not None and rt.cpu_us_per_req and r.cpu_us_per_req is not None:
+            r.cpu_vs_router = r.cpu_us_per_req / rt.cpu_us_per_req
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "—" if v is None or v != v else format(v, fmt)
+
+
+def _ratio(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}x"
+
+
+def markdown_table(rows: list[Row]) -> str:
+    head = (
+        "| engine | target | mode | conns | req/s | p50 ms | p90 ms | p99 ms | added p50 ms "
+        "| target CPU/req µs | vs router | upstream CPU/req µs | errors |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        lines.append(
+            f"| {r.engine} | {r.target} | {r.mode} | {r.conns} | {r.rps:.0f} | {_f(r.p50_ms, '.3f')} "
+            f"| {_f(r.p90_ms, '.3f')} | {_f(r.p99_ms, '.3f')} | {_f(r.added_p50_ms, '+.3f')} "
+            f"| {_f(r.cpu_us_per_req, '.0f')} | {_ratio(r.cpu_vs_router)} "
+            f"| {_f(r.upstream_cpu_us_per_req, '.0f')} | {r.errors} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def doc_section(rows: list[Row], meta: dict[str, Any]) -> str:
+    return (
+        f"{DOC_BEGIN}\n"
+        f"Measured {meta['time']} on {meta['machine']} ({meta['cpus']} CPUs), "
+        f"{meta['duration_s']:g} s per row after {meta['warmup_s']:g} s warm-up; pinning: {meta['pinning']}.\n\n"
+        f"```\n{meta['command']}\n```\n\n"
+        f"{markdown_table(rows)}"
+        f"{DOC_END}\n"
+    )
+
+
+DOC_HEADER = """# Benchmarks
+
+## Overhead: pd-gateway vs sglang-router and vllm-router
+
+What it measures: the cost a router adds in front of an SGLang or vLLM P/D pair, on emulated
+engines in zero-delay mode (`pd-gateway emulate --time-scale 0`), so that the router is the
+only thing that costs anything on its core.
+
+* Each target (sglang-router, vllm-router, `pd-gateway serve`) runs alone, pinned with
+  `taskset -c 0`; the emulated prefill, decode and colocated servers and the load generator
+  (closed loop, raw asyncio + httptools, `bench/loadgen.py`) share core 1.
+* `direct` sends the same request straight to a colocated emulated server (`--role both`):
+  the floor without any P/D work. `direct-pd` is the load generator doing the P/D handoff
+  itself against the same prefill+decode pair as the routers (SGLang: the body with a fresh
+  `bootstrap_room` to both at once; vLLM: prefill with `max_tokens: 1` and
+  `do_remote_decode`, then the decode with the returned `kv_transfer_params`): the floor for
+  any P/D router on these upstreams (it runs on the target core, as a router would). `added p50` is a target's p50 minus `direct-pd`'s p50
+  (minus `direct`'s when `direct-pd` was not run) at the same mode and connection count.
+* `target CPU/req` = (utime+stime of the target's process tree over the window) / completed
+  requests; `vs router` is the gateway's figure over the same engine's Rust router in the same
+  run. `upstream CPU/req` is the emulated prefill+decode (direct: the colocated server).
+* Requests: `POST /v1/completions`, greedy; `nonstream` asks for 8 tokens, `stream64` for a
+  64-token SSE stream (`ignore_eos`).
+* sglang-router 0.3.2, `stream64` at 1 connection: on a reused keep-alive connection the
+  first body byte comes ~40 ms after the headers (the first request on a connection is
+  fast), which is the signature of Nagle's algorithm on the router's client socket meeting
+  the client's delayed ACK. Any keep-alive client (the `openai` client included) sees it.
+* The machine may be shared with other work: rerun, and compare figures only within one run: CPU per request depends on load (events batched per
+  wake-up), and latencies on the contended upstream core (see ../../shared/PERF_NOTES.md).
+
+"""
+
+
+def write_doc(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else DOC_HEADER
+    if DOC_BEGIN in text and DOC_END in text:
+        before, _, rest = text.partition(DOC_BEGIN)
+        _, _, after = rest.partition(DOC_END)
+        text = before + section.rstrip("\n") + after
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pd-gateway bench overhead", description=__doc__.split("\n")[0])
+    p.add_argument("--duration", type=float, default=5.0, help="measured seconds per row (default 5)")
+    p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds before each row (default 1)")
+    p.add_argument("--conns", default="1,64", help="comma-separated connection counts (default 1,64)")
+    p.add_argument("--modes", default="nonstream,stream64", help="nonstream,stream64")
+    p.add_argument(
+        "--targets",
+        default="direct,direct-pd,gateway,sglang-router,vllm-router",
+        help="any of direct,direct-pd,gateway,sglang-router,vllm-router",
+    )
+    p.add_argument("--engines", default="sglang,vllm", help="which P/D pools: sglang,vllm")
+    p.add_argument(
+        "--out",
+        nargs="?",
+        const=str(procs.REPO_ROOT / "docs" / "benchmarks.md"),
+        default=None,
+        help="write the table into this markdown file (default with no value: docs/benchmarks.md)",
+    )
+    p.add_argument("--json", default=None, help="results JSON (default bench/results/overhead-<time>.json)")
+    p.add_argument("--target-cpus", default="0", help="CPU list for the target under test (default 0)")
+    p.add_argument("--upstream-cpus", default="1", help="CPU list for emulators + load generator (default 1)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin anything")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-going", action="store_true", help="a target that fails to start is skipped")
+    return p.parse_args(argv)
+
+
+def _split(s: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in out if x not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)})")
+    return out
+
+
+def plan(targets: list[str], engines: list[str]) -> list[tuple[str, list[str]]]:
+    """[(engine, [target kinds in run order])]: direct, the Rust router, then the gateway."""
+    out = []
+    for engine in engines:
+        kinds = [k for k in ("direct", "direct-pd", f"{engine}-router", "gateway") if k in targets]
+        if kinds:
+            out.append((engine, kinds))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    targets = _split(args.targets, TARGET_KINDS, "target")
+    modes = _split(args.modes, MODES, "mode")
+    engines = _split(args.engines, ENGINES, "engine")
+    conns = [int(c) for c in args.conns.split(",") if c.strip()]
+    pin = not args.no_pin and procs.can_pin(args.target_cpus) and procs.can_pin(args.upstream_cpus)
+    target_cpus = args.target_cpus if pin else None
+    up_cpus = args.upstream_cpus if pin else None
+    if pin:
+        os.sched_setaffinity(0, _cpu_set(args.upstream_cpus))
+    for kind in ("sglang-router", "vllm-router"):
+        if kind in targets and not procs.router_available(kind):
+            print(f"note: {kind} is not installed; skipping it", file=sys.stderr)
+            targets.remove(kind)
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    log_dir = RESULTS_DIR / f"logs-{stamp}"
+    command = "pd-gateway bench overhead " + shlex.join(argv)
+    meta: dict[str, Any] = {
+        "time": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command.strip(),
+        "machine": f"{platform.machine()} {platform.processor() or platform.node()}".strip(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "pinning": f"targets on CPU {target_cpus}, upstreams + load generator on CPU {up_cpus}"
+        if pin
+        else "none",
+        "versions": _versions(),
+    }
+    rows: list[Row] = []
+    failures: list[str] = []
+    t0 = time.monotonic()
+    for engine, kinds in plan(targets, engines):
+        with procs.process_group() as upstreams:
+            print(f"[{engine}] starting emulated prefill, decode and colocated servers", file=sys.stderr)
+            cluster = start_cluster(upstreams, engine, up_cpus, log_dir, args.seed)
+            for kind in kinds:
+                with procs.process_group() as tgroup:
+                    try:
+                        target = start_target(tgroup, kind, cluster, target_cpus, log_dir)
+                        for mode in modes:
+                            smoke(target, mode)
+                    except Exception as exc:
+                        msg = f"{kind} ({engine}) failed to start: {exc}"
+                        if not args.keep_going:
+                            raise
+                        print(msg, file=sys.stderr)
+                        failures.append(msg.splitlines()[0])
+                        continue
+                    for mode in modes:
+                        for c in conns:
+                            row = measure(target, cluster, mode, c, args.duration, args.warmup, target_cpus)
+                            rows.append(row)
+                            print(
+                                f"[{engine}] {kind:<13} {mode:<9} c={c:<3} {row.rps:8.0f} req/s "
+                                f"p50 {row.p50_ms:7.3f} ms  cpu/req "
+                                f"{_f(row.cpu_us_per_req, '.0f')} µs  errors {row.errors}",
+                                file=sys.stderr,
+                            )
+    fill_derived(rows)
+    meta["wall_s"] = round(time.monotonic() - t0, 1)
+    meta["failures"] = failures
+
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    json_path = Path(args.json) if args.json else RESULTS_DIR / f"overhead-{stamp}.json"
+    json_path.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    print(markdown_table(rows))
+    print(f"results: {json_path}", file=sys.stderr)
+    if args.out:
+        write_doc(Path(args.out), doc_section(rows, meta))
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 1 if failures or any(r.errors for r in rows) else 0
+
+
+def _cpu_set(cpus: str) -> set[int]:
+    out: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("sglang-router", "vllm-router", "pd-gateway"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[dist] = metadata.version(dist)
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,514 @@
+"""Starting, watching and stopping the processes a peer test or a benchmark needs.
+
+Shared by `tests/peer/` and the benchmark harness: free ports, subprocesses in their own
+process group with a log file, readiness waits that fail fast when the process dies, the
+command lines of the emulator, the gateway and the two Rust routers (sglang-router,
+vllm-router), and the CPU time of a process tree.
+
+Everything here is synchronous (subprocess + urllib) so that pytest fixtures and the
+benchmark driver can use it without an event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------- ports
+
+
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """`n` distinct ports that were free a moment ago (all held open while picking)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port(host: str = HOST) -> int:
+    return free_ports(1, host)[0]
+
+
+def port_open(port: int, host: str = HOST, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- HTTP probes
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    """GET `url` (http://host:port/path); returns (status, body). Raises OSError on failure."""
+    host, port, path = split_url(url)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"Connection": "close"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    except http.client.HTTPException as exc:  # garbage or a closed connection: not ready
+        raise OSError(str(exc)) from exc
+    finally:
+        conn.close()
+
+
+def split_url(url: str) -> tuple[str, int, str]:
+    rest = url.split("://", 1)[-1]
+    hostport, _, path = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    return host.strip("[]"), int(port), "/" + path
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class ProcessDied(RuntimeError):
+    pass
+
+
+@dataclass
+class ManagedProcess:
+    """A subprocess in its own session/process group with stdout+stderr in a log file."""
+
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    _log_file: object = field(repr=False, default=None)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n_bytes: int = 4000) -> str:
+        try:
+            data = self.log_path.read_bytes()
+        except OSError:
+            return ""
+        return data[-n_bytes:].decode("utf-8", "replace")
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise ProcessDied(
+                f"{self.name} exited with code {self.popen.returncode}\n"
+                f"command: {' '.join(self.argv)}\n--- log tail ---\n{self.log_tail()}"
+            )
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """SIGTERM the whole process group, SIGKILL it after `timeout`. Idempotent."""
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # Kill whatever is left in the group (the leader may be gone but children not).
+        _signal_group(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(5.0)
+        f = self._log_file
+        if f is not None:
+            with contextlib.suppress(Exception):
+                f.close()  # type: ignore[attr-defined]
+            self._log_file = None
+        return self.popen.returncode
+
+    def wait_http(self, url: str, timeout: float = 60.0, *, expect: int = 200) -> None:
+        wait_http(url, timeout, expect=expect, proc=self)
+
+    def wait_port(self, port: int, timeout: float = 60.0, host: str = HOST) -> None:
+        deadline = time.monotonic() + timeout
+        while not port_open(port, host):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.name}: port {port} not open after {timeout:.0f}s\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def start_process(
+    name: str,
+    argv: Sequence[str],
+    *,
+    cpus: str | None = None,
+    env: Mapping[str, str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> ManagedProcess:
+    """Start `argv` in a new process group; `cpus` (e.g. "0") pins it with `taskset -c`."""
+    argv = list(argv)
+    if cpus is not None:
+        argv = pin_argv(argv, cpus)
+    log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.gettempdir()) / "pd-gateway-procs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fd, log_name = tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=log_dir)
+    log_file = os.fdopen(fd, "wb")
+    full_env = dict(os.environ)
+    full_env.update(QUIET_ENV)
+    if env:
+        full_env.update(env)
+    popen = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env=full_env,
+        cwd=str(cwd) if cwd is not None else None,
+        start_new_session=True,
+    )
+    return ManagedProcess(name=name, argv=argv, popen=popen, log_path=Path(log_name), _log_file=log_file)
+
+
+def pin_argv(argv: list[str], cpus: str) -> list[str]:
+    taskset = _which("taskset")
+    if taskset is None or not can_pin(cpus):
+        return argv
+    return [taskset, "-c", cpus, *argv]
+
+
+def can_pin(cpus: str) -> bool:
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return False
+    wanted = {int(c) for c in cpus.replace("-", ",").split(",") if c.strip()}
+    return len(allowed) >= 2 and wanted <= allowed
+
+
+def _which(prog: str) -> str | None:
+    for d in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep):
+        p = Path(d) / prog
+        if p.is_file() and os.access(p, os.X_OK):
+            return str(p)
+    return None
+
+
+def wait_http(
+    url: str, timeout: float = 60.0, *, expect: int = 200, proc: ManagedProcess | None = None
+) -> bytes:
+    """Poll GET `url` until it answers `expect`; fail fast (with its log) if `proc` dies."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    delay = 0.02
+    while True:
+        if proc is not None:
+            proc.check_alive()
+        try:
+            status, body = http_get(url, timeout=2.0)
+            if status == expect:
+                return body
+            last = f"HTTP {status}: {body[:200]!r}"
+        except OSError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() > deadline:
+            tail = f"\n--- log tail of {proc.name} ---\n{proc.log_tail()}" if proc is not None else ""
+            raise TimeoutError(f"{url} not ready after {timeout:.0f}s (last: {last}){tail}")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.25)
+
+
+class ProcessGroup:
+    """Processes started together and stopped together (in reverse order)."""
+
+    def __init__(self) -> None:
+        self.procs: list[ManagedProcess] = []
+
+    def add(self, proc: ManagedProcess) -> ManagedProcess:
+        self.procs.append(proc)
+        return proc
+
+    def stop_all(self, timeout: float = 5.0) -> None:
+        for p in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                p.stop(timeout)
+        self.procs.clear()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+# --------------------------------------------------------------------------- CPU accounting
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """utime+stime (all threads) of `pid` and its live descendants, in seconds."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+# --------------------------------------------------------------------------- commands
+
+# Keep the routers from reaching for the network (HuggingFace tokenizer download) and
+# from writing caches into $HOME.
+QUIET_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "NO_COLOR": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def pd_gateway_argv() -> list[str]:
+    """How to run the `pd-gateway` console script with this interpreter."""
+    script = Path(sys.executable).parent / "pd-gateway"
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-m", "gateway.cli"]
+
+
+def emulator_argv(
+    engine: str,
+    role: str,
+    port: int,
+    *,
+    bootstrap_port: int | None = None,
+    kv_port: int | None = None,
+    model: str | None = None,
+    time_scale: float | None = None,
+    seed: int | None = None,
+    host: str = HOST,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    argv = [*pd_gateway_argv(), "emulate", "--engine", engine, "--role", role]
+    argv += ["--host", host, "--port", str(port)]
+    if bootstrap_port is not None:
+        argv += ["--bootstrap-port", str(bootstrap_port)]
+    if kv_port is not None:
+        argv += ["--kv-port", str(kv_port)]
+    if model is not None:
+        argv += ["--model", model]
+    if time_scale is not None:
+        argv += ["--time-scale", repr(time_scale)]
+    if seed is not None:
+        argv += ["--seed", str(seed)]
+    return [*argv, *extra]
+
+
+def router_available(kind: str) -> bool:
+    """Whether the Rust router's Python package (with its compiled extension) is installed."""
+    mod = {"sglang-router": "sglang_router", "vllm-router": "vllm_router"}[kind]
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def sglang_router_argv(
+    port: int,
+    prefill: Sequence[tuple[str, int | None]],
+    decode: Sequence[str],
+    *,
+    prometheus_port: int,
+    host: str = HOST,
+    policy: str = "round_robin",
+    log_level: str = "warn",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """sglang-router 0.3.x in P/D mode. `prefill` is [(url, bootstrap_port or None)]."""
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for url, bport in prefill:
+        argv += ["--prefill", url, str(bport) if bport is not None else "none"]
+    for url in decode:
+        argv += ["--decode", url]
+    argv += [
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--log-level",
+        log_level,
+        # Workers are already up when the router starts; keep its own probes quiet.
+        "--health-check-interval-secs",
+        "300",
+        "--worker-startup-check-interval",
+        "1",
+        "--worker-startup-timeout-secs",
+        "120",
+        "--shutdown-grace-period-secs",
+        "1",
+    ]
+    return [*argv, *extra]
+
+
+def vllm_router_argv(
+    port: int,
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *,
+    prometheus_port: int,
+    host: str = HOST,
+    policy: str = "round_robin",
+    log_level: str = "warning",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """vllm-router 0.1.x in vLLM P/D (NIXL) mode."""
+    argv = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation"]
+    for url in prefill:
+        argv += ["--prefill", url]
+    for url in decode:
+        argv += ["--decode", url]
+    argv += [
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(prometheus_port),
+        "--log-level",
+        log_level,
+        "--health-check-interval-secs",
+        "300",
+        "--worker-startup-check-interval",
+        "1",
+        "--worker-startup-timeout-secs",
+        "120",
+    ]
+    return [*argv, *extra]
+
+
+def gateway_argv(
+    engine: str,
+    port: int,
+    prefill: Sequence[tuple[str, int | None]],
+    decode: Sequence[str],
+    *,
+    host: str = HOST,
+    log_level: str = "warning",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """`pd-gateway serve` in front of one engine's P/D pool."""
+    argv = [*pd_gateway_argv(), "serve", "--engine", engine]
+    for url, bport in prefill:
+        argv += ["--prefill", url]
+        if bport is not None:
+            argv.append(str(bport))
+    for url in decode:
+        argv += ["--decode", url]
+    argv += ["--host", host, "--port", str(port), "--log-level", log_level]
+    return [*argv, *extra]
+
+
+# --------------------------------------------------------------------------- emulated clusters
+
+
+@dataclass
+class Upstream:
+    """One started emulated server."""
+
+    proc: ManagedProcess
+    engine: str
+    role: str
+    port: int
+    bootstrap_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+def start_emulator(
+    group: ProcessGroup,
+    engine: str,
+    role: str,
+    *,
+    model: str | None = None,
+    time_scale: float | None = None,
+    seed: int | None = None,
+    cpus: str | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    extra: Sequence[str] = (),
+    wait: bool = True,
+    timeout: float = 60.0,
+) -> Upstream:
+    """Start one emulated server (the `pd-gateway emulate` CLI) and wait for its /health."""
+    port, bport, kv_port = free_ports(3)
+    with_bootstrap = engine == "sglang" and role == "prefill"
+    argv = emulator_argv(
+        engine,
+        role,
+        port,
+        bootstrap_port=bport if with_bootstrap else None,
+        kv_port=kv_port if role == "prefill" else None,
+        model=model,
+        time_scale=time_scale,
+        seed=seed,
+        extra=extra,
+    )
+    proc = group.add(start_process(f"emu-{engine}-{role}", argv, cpus=cpus, log_dir=log_dir, cwd=REPO_ROOT))
+    up = Upstream(proc, engine, role, port, bport if with_bootstrap else None)
+    if wait:
+        wait_upstream(up, timeout)
+    return up
+
+
+def wait_upstream(up: Upstream, timeout: float = 60.0) -> None:
+    up.proc.wait_http(f"{up.url}/health", timeout)
+    if up.bootstrap_port is not None:
+        up.proc.wait_http(f"http://{HOST}:{up.bootstrap_port}/health", timeout)
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[ProcessGroup]:
+    g = ProcessGroup()
+    try:
+        yield g
+    finally:
+        g.stop_all()
