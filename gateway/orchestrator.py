@@ -16,6 +16,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -147,9 +148,7 @@ class Orchestrator:
                 while True:
                     attempt_no += 1
                     a = _Attempt(echo)
-                    plan = self.policy.plan(
-                        view, self.registry.snapshot(), frozenset(exclude) | self.registry.open_pairs()
-                    )
+                    plan = self.policy.plan(view, self.registry.snapshot(), self._exclude(exclude))
                     if not isinstance(plan, Reject):
                         self.policy.observe(routed_event(view, plan))
                     try:
@@ -210,6 +209,11 @@ class Orchestrator:
                 ttft_ms=round((a.first_byte_at - started) * 1000, 3) if a.first_byte_at else None,
                 prefill_ms=round((a.prefill_done_at - a.started) * 1000, 3) if a.prefill_done_at else None,
             )
+
+    def _exclude(self, failed: set[str]) -> frozenset[str]:
+        """What the policy must avoid: ids that failed for this request, and open pairs."""
+        open_pairs = self.registry.open_pairs()
+        return open_pairs if not failed else frozenset(failed) | open_pairs
 
     def _fail(self, res: HttpResponder, e: GatewayError) -> None:
         if res.closed:
@@ -321,32 +325,37 @@ class Orchestrator:
         resp: UpstreamResponse | None = None
         ok_p = ok_d = False
         t0 = time.monotonic()
+        in_handoff = False
         try:
             try:
-                async with asyncio.timeout(t.prefill_s):
+                # One timer for both phases (rescheduled at the verdict) instead of one each.
+                async with asyncio.timeout(t.prefill_s) as deadline:
                     status, prefill_out = await self._await_prefill(prefill_task, decode_task, d, req, res)
+                    a.prefill_done_at = time.monotonic()
+                    self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
+                    verdict = p.adapter.judge_prefill(req, status, prefill_out)
+                    if not verdict.ok:
+                        raise _prefill_error(p, verdict)
+                    ok_p = in_handoff = True
+                    if not decode_task.done():
+                        deadline.reschedule(asyncio.get_running_loop().time() + t.handoff_s)
+                    try:
+                        resp = await decode_task
+                    except (UpstreamConnectError, UpstreamProtocolError) as e:
+                        raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
             except TimeoutError:
-                raise UpstreamTimeout(
-                    f"prefill {p.id} gave no verdict within {t.prefill_s:g}s", phase="prefill", worker=p.id
-                ) from None
-            a.prefill_done_at = time.monotonic()
-            self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
-            verdict = p.adapter.judge_prefill(req, status, prefill_out)
-            if not verdict.ok:
-                raise _prefill_error(p, verdict)
-            ok_p = True
-            try:
-                async with asyncio.timeout(t.handoff_s):
-                    resp = await decode_task
-            except TimeoutError:
+                if not in_handoff:
+                    raise UpstreamTimeout(
+                        f"prefill {p.id} gave no verdict within {t.prefill_s:g}s",
+                        phase="prefill",
+                        worker=p.id,
+                    ) from None
                 raise UpstreamTimeout(
                     f"decode {d.id} sent no response headers within {t.handoff_s:g}s of the "
                     "prefill's verdict",
                     phase="handoff",
                     worker=d.id,
                 ) from None
-            except (UpstreamConnectError, UpstreamProtocolError) as e:
-                raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
             self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
             await self._relay(
                 resp, d, req, res, a, phase="decode", transform=d.adapter.decode_transformer(req, prefill_out)
@@ -380,7 +389,7 @@ class Orchestrator:
     ) -> tuple[int, bytes]:
         """The prefill's (status, body); fails early if the decode fails before it."""
         while not prefill_task.done():
-            await asyncio.wait((prefill_task, decode_task), return_when=asyncio.FIRST_COMPLETED)
+            await _first_done(prefill_task, decode_task)
             if prefill_task.done():
                 break
             exc = decode_task.exception()
@@ -508,24 +517,45 @@ class Orchestrator:
         idle = self.settings.timeouts.idle_s
         loop = asyncio.get_running_loop()
         chunks = 0
+        last = loop.time()  # when the upstream last sent something
+        write = res.write
+
+        def sink(data: bytes) -> None:
+            nonlocal chunks, last
+            chunks += 1
+            write(data if transform is None else transform(data))
+            last = loop.time()
+
+        piped = resp.pipe(sink, flow=res, batch=res)
+        # The idle deadline is checked lazily: one timer that re-arms itself at `last + idle`
+        # when it finds the stream has moved, instead of a new timer per chunk.
+        timed_out = False
+        timer: asyncio.TimerHandle
+
+        def watchdog() -> None:
+            nonlocal timer, timed_out
+            due = last + idle
+            if loop.time() < due:
+                timer = loop.call_at(due, watchdog)
+            else:
+                timed_out = True
+                piped.cancel()  # aborts the upstream connection
+
+        timer = loop.call_at(last + idle, watchdog)
         try:
-            async with asyncio.timeout(idle) as cm:
-                write = res.write
-
-                def sink(data: bytes) -> None:
-                    nonlocal chunks
-                    chunks += 1
-                    write(data if transform is None else transform(data))
-                    cm.reschedule(loop.time() + idle)
-
-                await resp.pipe(sink, flow=res, batch=res)
-        except TimeoutError:
+            await piped
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not timed_out or (task is not None and task.cancelling()):
+                raise  # the client went away or an outer deadline expired: not ours
             resp.abort()
             raise UpstreamTimeout(
                 f"worker {w.id} sent nothing for {idle:g}s mid-stream", phase="idle", worker=w.id
             ) from None
         except UpstreamProtocolError as e:
             raise UpstreamFailure(f"worker {w.id} broke the stream: {e}", phase=phase, worker=w.id) from None
+        finally:
+            timer.cancel()
         resp.release()
         end = time.monotonic()
         self.metrics.child(self.metrics.phase, "decode").observe(end - a.first_byte_at)
@@ -562,6 +592,26 @@ class Orchestrator:
     async def drain_background(self, within_s: float = 5.0) -> None:
         if self._background:
             await asyncio.wait(list(self._background), timeout=within_s)
+
+
+async def _first_done(a: asyncio.Future[Any], b: asyncio.Future[Any]) -> None:
+    """Wait until `a` or `b` is done, cancelling neither: `asyncio.wait(FIRST_COMPLETED)` for two
+    futures without its sets, generator and per-call validation (one future, two callbacks)."""
+    if a.done() or b.done():
+        return
+    waiter = a.get_loop().create_future()
+
+    def wake(_: object) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    a.add_done_callback(wake)
+    b.add_done_callback(wake)
+    try:
+        await waiter
+    finally:
+        a.remove_done_callback(wake)
+        b.remove_done_callback(wake)
 
 
 def _for(w: Worker, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

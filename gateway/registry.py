@@ -17,6 +17,9 @@ from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.http.client import UpstreamPool
 from policies.snapshot import ClusterSnapshot, Engine, Role, WorkerLoad, WorkerState
 
+_CLOSED = BreakerState.CLOSED
+_NO_PAIRS: frozenset[str] = frozenset()
+
 
 class BreakerSettings(msgspec.Struct, frozen=True):
     failure_threshold: int = 5
@@ -180,8 +183,12 @@ class Registry:
         return b
 
     def open_pairs(self) -> frozenset[str]:
-        """Pair ids ("prefill|decode") whose breaker refuses traffic now."""
-        return frozenset(k for k, b in self._pair_breakers.items() if not b.allows())
+        """Pair ids ("prefill|decode") whose breaker refuses traffic now.
+
+        Runs once per request: closed breakers (the usual case) always allow and are skipped
+        without a call, and no open pair returns a shared empty set."""
+        out = [k for k, b in self._pair_breakers.items() if b.state is not _CLOSED and not b.allows()]
+        return frozenset(out) if out else _NO_PAIRS
 
     def acquire(self, w: Worker, tokens: int) -> None:
         w.inflight += 1

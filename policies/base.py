@@ -13,8 +13,8 @@ chooses. `Profile` bundles them and `run_profile()` runs them; the P/D policy in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -190,6 +190,16 @@ class Profile:
     picker: Picker
     filters: tuple[Filter, ...] = ()
     scorers: tuple[tuple[Scorer, float], ...] = ()  # (scorer, weight)
+    # The bound `observe` of every stateful part, found once here: `observe()` runs twice per
+    # request, and a runtime-checkable Protocol `isinstance` per part costs microseconds.
+    _observers: tuple[Callable[[PolicyEvent], None], ...] = field(
+        init=False, repr=False, compare=False, default=()
+    )
+
+    def __post_init__(self) -> None:
+        parts = (*self.filters, *(s for s, _ in self.scorers), self.picker)
+        observers = tuple(part.observe for part in parts if isinstance(part, Observer))
+        object.__setattr__(self, "_observers", observers)
 
     def select(self, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState:
         """`run_profile(self, ...).worker`; raises `NoCandidates`."""
@@ -197,9 +207,8 @@ class Profile:
 
     def observe(self, event: PolicyEvent) -> None:
         """Forward an event to every part that keeps state."""
-        for part in (*self.filters, *(s for s, _ in self.scorers), self.picker):
-            if isinstance(part, Observer):
-                part.observe(event)
+        for observe in self._observers:
+            observe(event)
 
 
 def run_profile(p: Profile, req: RequestView, cands: Sequence[WorkerState]) -> Decision:

@@ -102,11 +102,14 @@ class PDPolicy:
         return Reject(f"no usable worker for model {model!r}", 503)
 
     def observe(self, event: PolicyEvent) -> None:
-        seen: set[int] = set()
-        for selector in (self.decode, self.prefill, self.colocated):
-            if id(selector) not in seen:
-                seen.add(id(selector))
-                selector.observe(event)
+        """Forward to each distinct selector once (roles may share one); no allocation, as this
+        runs twice per request."""
+        decode, prefill, colocated = self.decode, self.prefill, self.colocated
+        decode.observe(event)
+        if prefill is not decode:
+            prefill.observe(event)
+        if colocated is not decode and colocated is not prefill:
+            colocated.observe(event)
 
 
 def _pair_prefills(
