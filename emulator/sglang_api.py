@@ -1,4 +1,10 @@
-"""SGLang 0.5.23's HTTP surface (shapes from the captures in ``shared/captures``)."""
+"""SGLang 0.5.23's HTTP surface (shapes from the captures in ``shared/captures``).
+
+``n > 1`` (``sampling_params.n`` on ``/generate``) expands a batch of B prompts into B x n requests,
+prompt-major (request ``k = prompt_index * n + sample_index``, also the choice index); a scalar
+``bootstrap_room`` becomes ``room + k`` on both prefill and decode, so every sample's KV pairs up.
+Sample ``j`` is seeded ``seed + j``: greedy samples are equal, seeded ones differ reproducibly.
+"""
 
 from __future__ import annotations
 

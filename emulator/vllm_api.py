@@ -1,4 +1,8 @@
-"""vLLM 0.32/0.33's OpenAI-compatible surface with the NixlConnector P/D handoff."""
+"""vLLM 0.32/0.33's OpenAI-compatible surface with the NixlConnector P/D handoff.
+
+Batches of prompts and ``n > 1`` are served locally (:func:`run_multi` inside :func:`setup`), never
+handed off: choice ``k = prompt_index * n + sample_index``, sample ``j`` seeded ``seed + j``.
+"""
 
 from __future__ import annotations
 
