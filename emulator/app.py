@@ -156,7 +156,8 @@ class EmulatorServer:
         self.port = int(sockets[0].getsockname()[1]) if sockets else spec.port
         if spec.engine == "sglang" and spec.role == "prefill":
             self.bootstrap = BootstrapServer()
-            self.bootstrap_port = await self.bootstrap.start(spec.host, spec.bootstrap_port or 8998)
+            port = spec.bootstrap_port if spec.bootstrap_port is not None else 8998  # 0: pick a free one
+            self.bootstrap_port = await self.bootstrap.start(spec.host, port)
             await register_rank(
                 self.session,
                 f"{spec.host}:{self.bootstrap_port}",
