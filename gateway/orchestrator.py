@@ -16,7 +16,6 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
@@ -318,10 +317,10 @@ class Orchestrator:
         self.registry.acquire(p, view.prompt_tokens)
         self.registry.acquire(d, tokens)
         pair = self.registry.pair_breaker(p.id, d.id)
-        prefill_task = asyncio.ensure_future(
-            self._call_whole(p, req.path, _for(p, headers), pbody, "prefill")
-        )
-        decode_task = asyncio.ensure_future(d.pool.request("POST", req.path, _for(d, headers), dbody))
+        # Futures, not Tasks: on pooled connections both requests are written right here and
+        # resolved from the connections' callbacks.
+        prefill_task = p.pool.fetch("POST", req.path, _for(p, headers), pbody)
+        decode_task = d.pool.start("POST", req.path, _for(d, headers), dbody)
         resp: UpstreamResponse | None = None
         ok_p = ok_d = False
         t0 = time.monotonic()
@@ -330,7 +329,7 @@ class Orchestrator:
             try:
                 # One timer for both phases (rescheduled at the verdict) instead of one each.
                 async with asyncio.timeout(t.prefill_s) as deadline:
-                    status, prefill_out = await self._await_prefill(prefill_task, decode_task, d, req, res)
+                    status, prefill_out = await self._await_prefill(prefill_task, decode_task, p, d)
                     a.prefill_done_at = time.monotonic()
                     self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
                     verdict = p.adapter.judge_prefill(req, status, prefill_out)
@@ -363,7 +362,8 @@ class Orchestrator:
             ok_d = True
         finally:
             if not ok_d:
-                prefill_task.cancel()
+                if not prefill_task.cancel() and not prefill_task.cancelled():
+                    prefill_task.exception()  # retrieved: no "never retrieved" log
                 if not decode_task.done():
                     decode_task.cancel()
                 elif resp is None and not decode_task.cancelled() and decode_task.exception() is None:
@@ -383,28 +383,43 @@ class Orchestrator:
         self,
         prefill_task: asyncio.Future[tuple[int, bytes]],
         decode_task: asyncio.Future[UpstreamResponse],
+        p: Worker,
         d: Worker,
-        req: ParsedRequest,
-        res: HttpResponder,
     ) -> tuple[int, bytes]:
-        """The prefill's (status, body); fails early if the decode fails before it."""
-        while not prefill_task.done():
-            await _first_done(prefill_task, decode_task)
-            if prefill_task.done():
-                break
+        """The prefill's (status, body); fails early if the decode fails before it.
+
+        Awaits the prefill directly (one wake-up); a decode that fails or refuses first cancels
+        the prefill (which aborts its leg, as the failure would anyway) to wake this up early."""
+
+        def on_decode(f: asyncio.Future[UpstreamResponse]) -> None:
+            if not prefill_task.done() and (
+                f.cancelled() or f.exception() is not None or f.result().status != 200
+            ):
+                prefill_task.cancel()
+
+        decode_task.add_done_callback(on_decode)
+        try:
+            return await prefill_task
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not decode_task.done() or decode_task.cancelled() or (task is not None and task.cancelling()):
+                raise  # the client went away or a deadline expired
             exc = decode_task.exception()
             if exc is not None:
                 if isinstance(exc, UpstreamConnectError | UpstreamProtocolError):
-                    raise UpstreamFailure(f"decode {d.id}: {exc}", phase="decode", worker=d.id)
-                raise exc
+                    raise UpstreamFailure(f"decode {d.id}: {exc}", phase="decode", worker=d.id) from None
+                raise exc from None
             resp = decode_task.result()
-            if resp.status != 200:
-                # The decode refused before the prefill finished: its answer is final.
-                body = await resp.read()
-                resp.release()
-                raise _upstream_status_error(resp.status, body, d, "decode")
-            await prefill_task  # decode headers are in (a stream); only the prefill's verdict is missing
-        return prefill_task.result()
+            if resp.status == 200:
+                raise
+            # The decode refused before the prefill finished: its answer is final.
+            body = await resp.read()
+            resp.release()
+            raise _upstream_status_error(resp.status, body, d, "decode") from None
+        except (UpstreamConnectError, UpstreamProtocolError) as e:
+            raise UpstreamFailure(f"prefill {p.id}: {e}", phase="prefill", worker=p.id) from None
+        finally:
+            decode_task.remove_done_callback(on_decode)
 
     async def _sequential(
         self,
@@ -475,14 +490,7 @@ class Orchestrator:
     ) -> tuple[int, bytes]:
         """One engine call read to the end: (status, body)."""
         try:
-            resp = await w.pool.request("POST", path, headers, body)
-            try:
-                out = await resp.read()
-            except BaseException:
-                resp.abort()
-                raise
-            resp.release()
-            return resp.status, out
+            return await w.pool.fetch("POST", path, headers, body)
         except (UpstreamConnectError, UpstreamProtocolError) as e:
             raise UpstreamFailure(f"{phase} {w.id}: {e}", phase=phase, worker=w.id) from None
 
@@ -592,26 +600,6 @@ class Orchestrator:
     async def drain_background(self, within_s: float = 5.0) -> None:
         if self._background:
             await asyncio.wait(list(self._background), timeout=within_s)
-
-
-async def _first_done(a: asyncio.Future[Any], b: asyncio.Future[Any]) -> None:
-    """Wait until `a` or `b` is done, cancelling neither: `asyncio.wait(FIRST_COMPLETED)` for two
-    futures without its sets, generator and per-call validation (one future, two callbacks)."""
-    if a.done() or b.done():
-        return
-    waiter = a.get_loop().create_future()
-
-    def wake(_: object) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    a.add_done_callback(wake)
-    b.add_done_callback(wake)
-    try:
-        await waiter
-    finally:
-        a.remove_done_callback(wake)
-        b.remove_done_callback(wake)
 
 
 def _for(w: Worker, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -11,7 +11,7 @@ import asyncio
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from httptools import HttpParserCallbackError, HttpParserError, HttpResponseParser
 
@@ -44,8 +44,38 @@ class Batching(Protocol):
     def uncork(self) -> None: ...
 
 
-class _Stale(Exception):
-    """The connection closed before any byte of the response."""
+class _Call(asyncio.Future[Any]):
+    """One request in flight on a pool: the future of its response head (``start()``) or of its
+    whole body (``fetch()``), resolved from the connection's callbacks, with no Task unless a new
+    connection must be made. Cancelling it before it is done aborts the connection."""
+
+    __slots__ = ("_conn", "_data", "_extra", "_fresh", "_head_req", "_pool", "_resp", "_task", "_whole")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        pool: UpstreamPool,
+        data: bytes,
+        extra: bytes | None,
+        head_req: bool,
+        whole: bool,
+    ) -> None:
+        super().__init__(loop=loop)
+        self._pool = pool
+        self._data = data
+        self._extra = extra
+        self._head_req = head_req
+        self._whole = whole
+        self._fresh = False  # sent on a connection made for it (no retry when it dies)
+        self._conn: _UpstreamConnection | None = None
+        self._resp: UpstreamResponse | None = None  # fetch(): the response whose body is read
+        self._task: asyncio.Task[None] | None = None  # connecting
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        self._pool._cancelled(self)
+        return True
 
 
 class UpstreamResponse:
@@ -57,6 +87,7 @@ class UpstreamResponse:
         "_buffered",
         "_conn",
         "_error",
+        "_fetch",
         "_flow",
         "_pipe_fut",
         "_released",
@@ -83,6 +114,7 @@ class UpstreamResponse:
         self._error: BaseException | None = None
         self._released = False
         self._whole = False
+        self._fetch: _Call | None = None  # fetch(): resolved with (status, body) at the end
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lowercase), or None."""
@@ -112,6 +144,17 @@ class UpstreamResponse:
 
     def _on_complete(self) -> None:
         self.complete = True
+        call = self._fetch
+        if call is not None:
+            self._fetch = None
+            buf = self._buf
+            data = buf.popleft() if len(buf) == 1 else b"".join(buf)
+            buf.clear()
+            self._buffered = 0
+            self.release()
+            if not call.done():
+                call.set_result((self.status, data))
+            return
         fut = self._pipe_fut
         if fut is not None:
             self._pipe_fut = None
@@ -128,6 +171,13 @@ class UpstreamResponse:
         if self.complete or self._error is not None:
             return
         self._error = exc
+        call = self._fetch
+        if call is not None:
+            self._fetch = None
+            self.abort()
+            if not call.done():
+                call.set_exception(exc)
+            return
         fut = self._pipe_fut
         if fut is not None:
             self._pipe_fut = None
@@ -279,12 +329,12 @@ class UpstreamResponse:
 
 class _UpstreamConnection(asyncio.Protocol):
     __slots__ = (
+        "_call",
         "_closed",
         "_has_cl",
         "_has_te",
         "_head_req",
         "_headers",
-        "_hfut",
         "_idle_since",
         "_informational",
         "_keep_alive",
@@ -305,7 +355,7 @@ class _UpstreamConnection(asyncio.Protocol):
         self._transport: asyncio.Transport = None  # type: ignore[assignment]
         self._closed = False
         self._resp: UpstreamResponse | None = None
-        self._hfut: asyncio.Future[UpstreamResponse] | None = None
+        self._call: _Call | None = None  # the request whose response head is awaited
         self._headers: list[tuple[bytes, bytes]] = []
         self._seen = False
         self._keep_alive = False
@@ -330,14 +380,13 @@ class _UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
-        hfut = self._hfut
-        if hfut is not None:
-            self._hfut = None
-            if not hfut.done():
-                if not self._seen:
-                    hfut.set_exception(_Stale(str(exc) if exc else "EOF"))
-                else:
-                    hfut.set_exception(UpstreamProtocolError("upstream closed the connection mid-headers"))
+        call = self._call
+        if call is not None:
+            self._call = None
+            if not self._seen:
+                self._pool._stale(call, str(exc) if exc else "EOF")
+            else:
+                self._pool._failed(call, UpstreamProtocolError("upstream closed the connection mid-headers"))
         resp = self._resp
         if resp is not None and not resp.complete:
             if self._read_to_close:
@@ -373,7 +422,7 @@ class _UpstreamConnection(asyncio.Protocol):
 
     # -- parser callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
-        if self._hfut is None and not self._informational:
+        if self._call is None and not self._informational:
             raise UpstreamProtocolError("unexpected data from upstream")
         self._headers = []
         self._has_cl = False
@@ -401,12 +450,22 @@ class _UpstreamConnection(asyncio.Protocol):
             keep_alive = False
         self._keep_alive = keep_alive
         self._resp = resp
-        hfut = self._hfut
-        self._hfut = None
+        call = self._call
+        self._call = None
+        if call is None or call.done():
+            return
+        call._data = b""
+        call._extra = None
+        if call._whole:
+            call._resp = resp
+            resp._whole = True
+            resp._fetch = call
+            if self._head_req:
+                resp._on_complete()
+            return
         if self._head_req:
             resp.complete = True
-        if hfut is not None and not hfut.done():
-            hfut.set_result(resp)
+        call.set_result(resp)
 
     def on_body(self, body: bytes) -> None:
         resp = self._resp
@@ -424,11 +483,10 @@ class _UpstreamConnection(asyncio.Protocol):
 
     # -- internals ----------------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
-        hfut = self._hfut
-        if hfut is not None:
-            self._hfut = None
-            if not hfut.done():
-                hfut.set_exception(exc)
+        call = self._call
+        if call is not None:
+            self._call = None
+            self._pool._failed(call, exc)
         resp = self._resp
         if resp is not None:
             resp._on_error(exc)
@@ -450,24 +508,18 @@ class _UpstreamConnection(asyncio.Protocol):
             if not self._closed:
                 self._transport.resume_reading()
 
-    async def _send(self, data: bytes, body: bytes | None, head_req: bool) -> UpstreamResponse:
+    def _send(self, call: _Call) -> None:
         self._idle_since = 0.0
         self._seen = False
         self._resp = None
-        self._head_req = head_req
-        hfut: asyncio.Future[UpstreamResponse] = self._loop.create_future()
-        self._hfut = hfut
-        transport = self._transport
-        if body is None:
-            transport.write(data)
+        self._head_req = call._head_req
+        self._call = call
+        call._conn = self
+        extra = call._extra
+        if extra is None:
+            self._transport.write(call._data)
         else:
-            transport.writelines((data, body))
-        try:
-            return await hfut
-        except asyncio.CancelledError:
-            self._hfut = None
-            self.abort()
-            raise
+            self._transport.writelines((call._data, extra))
 
 
 class UpstreamPool:
@@ -595,32 +647,120 @@ class UpstreamPool:
         Keep-Alive in ``headers`` are dropped. Raises UpstreamConnectError (nothing was sent, or a
         reused idle connection was found dead before any response byte and a fresh one could not
         be made; that case is retried once internally) or UpstreamProtocolError."""
-        if self._closed:
-            raise UpstreamConnectError(f"pool for {self.host}:{self.port} is closed")
+        call = self.start(method, path, headers, body)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            # cancelled after the head was in, before this coroutine resumed: nobody owns it
+            if call.done() and not call.cancelled() and call.exception() is None:
+                call.result().abort()
+            raise
+
+    def start(
+        self,
+        method: str,
+        path: str | bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes | None = None,
+    ) -> asyncio.Future[UpstreamResponse]:
+        """``request()`` without a coroutine: the request is written now when an idle pooled
+        connection is at hand (a Task connects otherwise); the future resolves when the status
+        line and headers are in, with the same errors as ``request()``. Cancelling it before then
+        aborts the connection; once it holds a response, the caller owns it (release/abort)."""
+        return self._start(method, path, headers, body, False)
+
+    def fetch(
+        self,
+        method: str,
+        path: str | bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes | None = None,
+    ) -> asyncio.Future[tuple[int, bytes]]:
+        """Like ``start()``, but the future resolves with ``(status, whole body)`` once the body
+        is in (the connection is then back in the pool); UpstreamProtocolError if the connection
+        drops mid-body. Cancelling it before then aborts the connection."""
+        return self._start(method, path, headers, body, True)
+
+    def _start(
+        self,
+        method: str,
+        path: str | bytes,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes | None,
+        whole: bool,
+    ) -> _Call:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         data = self._head(method, path, headers, body)
         extra = body if body is not None and len(body) > _JOIN_BODY_MAX else None
-        head_req = method == "HEAD"
+        call = _Call(loop, self, data, extra, method == "HEAD", whole)
+        if self._closed:
+            call.set_exception(UpstreamConnectError(f"pool for {self.host}:{self.port} is closed"))
+            return call
         self.in_use += 1
+        conn = self._take(loop.time()) if self._idle else None
+        if conn is not None:
+            conn._send(call)
+        else:
+            call._fresh = True
+            call._task = loop.create_task(self._connect_send(call))
+        return call
+
+    async def _connect_send(self, call: _Call) -> None:
         try:
-            conn = self._take(loop.time()) if self._idle else None
-            if conn is not None:
-                try:
-                    return await conn._send(data, extra, head_req)
-                except _Stale:
-                    pass  # the idle connection was dead: no response byte seen, retry once
             conn = await self._connect()
-            try:
-                return await conn._send(data, extra, head_req)
-            except _Stale as e:
-                raise UpstreamProtocolError(
-                    f"upstream {self.host}:{self.port} closed a fresh connection before responding ({e})"
-                ) from None
-        except BaseException:
+        except Exception as e:
+            call._task = None
+            self._failed(call, e)
+            return
+        call._task = None
+        if call.done():  # cancelled while connecting
+            conn.abort()
+            return
+        conn._send(call)
+
+    def _failed(self, call: _Call, exc: BaseException) -> None:
+        """``call`` failed before its response head: it never owned a response."""
+        if not call.done():
             self.in_use -= 1
-            raise
+            call.set_exception(exc)
+
+    def _stale(self, call: _Call, why: str) -> None:
+        """``call``'s connection closed before any byte of the response."""
+        if call.done():
+            return
+        if call._fresh:
+            self._failed(
+                call,
+                UpstreamProtocolError(
+                    f"upstream {self.host}:{self.port} closed a fresh connection before responding ({why})"
+                ),
+            )
+            return
+        # a pooled idle connection was dead: retry once on a fresh one
+        call._fresh = True
+        call._conn = None
+        assert self._loop is not None
+        call._task = self._loop.create_task(self._connect_send(call))
+
+    def _cancelled(self, call: _Call) -> None:
+        resp = call._resp
+        if resp is not None:  # fetch(): mid-body
+            resp._fetch = None
+            resp.abort()
+            return
+        self.in_use -= 1
+        task = call._task
+        if task is not None:
+            call._task = None
+            task.cancel()
+        conn = call._conn
+        if conn is not None:
+            call._conn = None
+            if conn._call is call:
+                conn._call = None
+            conn.abort()
 
     async def close(self) -> None:
         """Close idle connections; connections in use are closed when released."""
