@@ -14,11 +14,12 @@ I/O and picks the handoff shape from `handoff`:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import ClassVar, Protocol
 
 import msgspec
 
+from gateway.guards import Summary
 from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, WorkerLoad, WorkerState
 
@@ -71,6 +72,10 @@ class EngineAdapter(Protocol):
         """The body for a single worker doing both phases (usually the client's bytes)."""
         ...
 
+    def summarize(self, req: ParsedRequest, payloads: Iterable[bytes]) -> Summary:
+        """What an answer (a whole body, or a stream's `data:` payloads) says about itself."""
+        ...
+
     def supports_pd(self, req: ParsedRequest) -> bool:
         """Can this request be disaggregated? If not, the decode worker serves it alone."""
         ...
@@ -79,7 +84,7 @@ class EngineAdapter(Protocol):
 
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes: ...
 
-    def judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
+    def judge_prefill(self, req: ParsedRequest, request_id: str, status: int, body: bytes) -> PrefillVerdict:
         """Is this prefill answer a sound basis for the decode? Pure; never raises."""
         ...
 

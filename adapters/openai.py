@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import msgspec
 
+from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo
 from adapters.prom import sum_metrics
+from gateway.guards import Summary
 from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, WorkerLoad
 
@@ -32,6 +34,9 @@ class OpenAIAdapter:
     def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
         return req.body
 
+    def summarize(self, req: ParsedRequest, payloads: Iterable[bytes]) -> Summary:
+        return summarize_openai(payloads)
+
     def supports_pd(self, req: ParsedRequest) -> bool:
         return False
 
@@ -41,7 +46,7 @@ class OpenAIAdapter:
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
         raise NotImplementedError("plain OpenAI-compatible servers have no P/D protocol")
 
-    def judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
+    def judge_prefill(self, req: ParsedRequest, request_id: str, status: int, body: bytes) -> PrefillVerdict:
         return PrefillVerdict(ok=False, reason="no P/D protocol", retryable=False)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:

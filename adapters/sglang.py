@@ -11,15 +11,17 @@ never comes (300 s by default), so the orchestrator aborts it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 from urllib.parse import urlsplit
 
 import msgspec
 
 from adapters import _body
+from adapters._summary import summarize_generate, summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo
 from adapters.prom import sum_metrics
+from gateway.guards import Summary
 from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, RouteKind, WorkerLoad
 
@@ -105,7 +107,7 @@ class SGLangAdapter:
             return _body.splice(_body.rewrite(fields, drop=_OWNED), self._rid_pair(req, request_id))
         return _body.splice(req.body, self._rid_pair(req, request_id))
 
-    def _pd_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
+    def _pd_body(self, req: ParsedRequest, ctx: HandoffCtx, *, prefill: bool = False) -> bytes:
         port = ctx.prefill.bootstrap_port
         extra = _body.pairs(
             bootstrap_host=_body.encoder.encode(_host_of(ctx.prefill.url)),
@@ -115,22 +117,35 @@ class SGLangAdapter:
         rid = self._rid_pair(req, ctx.request_id)
         if rid:
             extra += b"," + rid
+        if prefill and req.stream:
+            # The prefill's answer is read whole and judged, never relayed: asking for it whole
+            # gives one JSON document with the sampled token instead of SSE, and an over-long
+            # prompt comes back as a 400 rather than a 200 with an abort event.
+            fields = req.decode_dict()
+            return _body.splice(
+                _body.rewrite(fields, drop=(*_OWNED, "stream_options"), set_={"stream": b"false"}), extra
+            )
         if req.has_owned_fields:
             return _body.splice(_body.rewrite(req.decode_dict(), drop=_OWNED), extra)
         return _body.splice(req.body, extra)
+
+    def summarize(self, req: ParsedRequest, payloads: Iterable[bytes]) -> Summary:
+        if req.route is RouteKind.GENERATE:
+            return summarize_generate(payloads)
+        return summarize_openai(payloads)
 
     def supports_pd(self, req: ParsedRequest) -> bool:
         return True
 
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
-        return self._pd_body(req, ctx)
+        return self._pd_body(req, ctx, prefill=True)
 
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
         return self._pd_body(req, ctx)
 
     # -- judging the prefill --------------------------------------------------------------
 
-    def judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
+    def judge_prefill(self, req: ParsedRequest, request_id: str, status: int, body: bytes) -> PrefillVerdict:
         if status != 200:
             retryable = status >= 500 or status in (408, 429)
             return PrefillVerdict(
@@ -140,7 +155,7 @@ class SGLangAdapter:
                 status=status,
                 body=body,
             )
-        payloads = list(_body.iter_sse_data(body)) if req.stream else [body]
+        payloads = list(_body.iter_sse_data(body)) if body.lstrip().startswith(b"data:") else [body]
         if not payloads:
             return PrefillVerdict(ok=False, reason="prefill answered an empty body", status=502)
         prompt_tokens: int | None = None
@@ -190,13 +205,13 @@ class SGLangAdapter:
         if not req.stream:
             return lambda body: _merge_bodies(prefill_body, body)
         metas: dict[int, dict[str, object]] = {}
-        for payload in _body.iter_sse_data(prefill_body):
-            try:
-                ev = msgspec.json.decode(payload)
-            except msgspec.DecodeError:
-                continue
+        try:  # the prefill was asked for a whole answer: one object, or a list for batches
+            out = msgspec.json.decode(prefill_body)
+        except msgspec.DecodeError:
+            out = None
+        for i, ev in enumerate(out if isinstance(out, list) else [out]):
             if isinstance(ev, dict) and isinstance(ev.get("meta_info"), dict):
-                metas[int(ev.get("index", 0))] = ev["meta_info"]
+                metas[i] = ev["meta_info"]
         return _SSELogprobMerge(metas)
 
     def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:

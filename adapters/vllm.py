@@ -13,14 +13,16 @@ tokens when handed foreign params (../shared/captures/FINDINGS.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import msgspec
 
 from adapters import _body
+from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo
 from adapters.prom import sum_metrics
+from gateway.guards import Summary
 from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, WorkerLoad
 
@@ -80,6 +82,9 @@ class VLLMAdapter:
             return _body.rewrite(req.decode_dict(), drop=("kv_transfer_params",))
         return req.body
 
+    def summarize(self, req: ParsedRequest, payloads: Iterable[bytes]) -> Summary:
+        return summarize_openai(payloads)
+
     def supports_pd(self, req: ParsedRequest) -> bool:
         # One prefill answer carries one kv_transfer_params object: batches and n > 1 would hand the
         # decode a single prompt's KV for several sequences.
@@ -109,7 +114,7 @@ class VLLMAdapter:
             return base
         return _body.splice(base, b'"kv_transfer_params":' + bytes(params))
 
-    def judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
+    def judge_prefill(self, req: ParsedRequest, request_id: str, status: int, body: bytes) -> PrefillVerdict:
         if status != 200:
             retryable = status >= 500 or status in (408, 429)
             return PrefillVerdict(
@@ -141,6 +146,22 @@ class VLLMAdapter:
         if finish not in ("length", "stop"):
             return PrefillVerdict(ok=False, reason=f"prefill finished with {finish!r}", status=502)
         prompt_tokens = out.usage.prompt_tokens if out.usage else None
+        # The params must be this request's: the engine names them after X-Request-Id
+        # ("cmpl-<id>-0-<hex>"); params of another request make the decode answer 200 with that
+        # request's tokens (seen on real vLLM).
+        if params.remote_request_id is not None and request_id not in params.remote_request_id:
+            return PrefillVerdict(
+                ok=False,
+                reason=f"kv_transfer_params belong to another request ({params.remote_request_id})",
+                status=502,
+            )
+        if params.remote_num_tokens is not None and prompt_tokens is not None:
+            if params.remote_num_tokens != prompt_tokens:
+                return PrefillVerdict(
+                    ok=False,
+                    reason=f"kv_transfer_params cover {params.remote_num_tokens} tokens, the prompt has {prompt_tokens}",
+                    status=502,
+                )
         return PrefillVerdict(ok=True, kv_params=raw, prompt_tokens=prompt_tokens)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:

@@ -19,10 +19,13 @@ from collections.abc import Callable
 
 import msgspec
 
-from adapters import HandoffCtx, HandoffMode, PrefillVerdict
+from adapters import EngineAdapter, HandoffCtx, HandoffMode, PrefillVerdict
+from adapters._body import iter_sse_data
 from gateway.errors import (
     BadRequest,
+    ContextLengthExceeded,
     GatewayError,
+    KVIntegrityError,
     ModelNotFound,
     NoWorker,
     PrefillFailed,
@@ -31,6 +34,7 @@ from gateway.errors import (
     UpstreamTimeout,
     sse_error_event,
 )
+from gateway.guards import Guard, GuardSettings, Summary, check_decode, preflight
 from gateway.http.client import UpstreamResponse
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.http.server import HttpResponder
@@ -39,6 +43,7 @@ from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.parse import ParsedRequest
 from gateway.registry import Registry, Worker
+from gateway.streamwatch import StreamWatch
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
 from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
 
@@ -75,6 +80,7 @@ class OrchestratorSettings(msgspec.Struct, frozen=True):
     retries: RetrySettings = RetrySettings()
     chars_per_token: float = 4.0  # estimate for text prompts when no tokenizer is configured
     forward_authorization: bool = False
+    guards: GuardSettings = GuardSettings()
 
 
 class _Attempt:
@@ -138,6 +144,7 @@ class Orchestrator:
             headers.append((b"authorization", auth))
         view = self.view(req, request_id)
         exclude: set[str] = set()
+        last_error: UpstreamFailure | None = None
         attempt_no = 0
         outcome = "ok"
         echo = (b"x-request-id", request_id.encode())
@@ -148,6 +155,8 @@ class Orchestrator:
                     attempt_no += 1
                     a = _Attempt(echo)
                     plan = self.policy.plan(view, self.registry.snapshot(), self._exclude(exclude))
+                    if isinstance(plan, Reject) and last_error is not None:
+                        raise last_error  # nothing left to fall back to: the real cause, not "no worker"
                     if not isinstance(plan, Reject):
                         self.policy.observe(routed_event(view, plan))
                     try:
@@ -167,6 +176,7 @@ class Orchestrator:
                         ).inc()
                         if res.started or attempt_no >= self.settings.retries.max_attempts:
                             raise
+                        last_error = e
                         exclude.update(_blame(plan, e))
                         self.metrics.child(self.metrics.retries, e.phase).inc()
                         log.info(
@@ -241,6 +251,12 @@ class Orchestrator:
             if plan.status == 404:
                 raise ModelNotFound(plan.reason, param="model")
             raise NoWorker(plan.reason, retry_after_s=1.0)
+        if self.settings.guards.length_preflight:
+            chosen = (plan.worker,) if isinstance(plan, Colocated) else (plan.prefill, plan.decode)
+            why = preflight(req.prompt_units, req.prompt_is_ids, req.max_tokens, chosen, self.settings.guards)
+            if why is not None:
+                self._guard_failed(Guard.LENGTH_PREFLIGHT, "preflight", request_id, why)
+                raise ContextLengthExceeded(why, param="messages" if req.route.value == "chat" else "prompt")
         if isinstance(plan, Colocated):
             w = self.registry.get(plan.worker.id)
             a.plan_kind, a.decode = "colocated", w.id
@@ -332,7 +348,7 @@ class Orchestrator:
                     status, prefill_out = await self._await_prefill(prefill_task, decode_task, p, d)
                     a.prefill_done_at = time.monotonic()
                     self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
-                    verdict = p.adapter.judge_prefill(req, status, prefill_out)
+                    verdict = p.adapter.judge_prefill(req, ctx.request_id, status, prefill_out)
                     if not verdict.ok:
                         raise _prefill_error(p, verdict)
                     ok_p = in_handoff = True
@@ -357,7 +373,14 @@ class Orchestrator:
                 ) from None
             self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
             await self._relay(
-                resp, d, req, res, a, phase="decode", transform=d.adapter.decode_transformer(req, prefill_out)
+                resp,
+                d,
+                req,
+                res,
+                a,
+                phase="decode",
+                transform=d.adapter.decode_transformer(req, prefill_out),
+                guard=self._decode_guard(req, ctx, p.adapter, prefill_out),
             )
             ok_d = True
         finally:
@@ -447,7 +470,7 @@ class Orchestrator:
                 raise UpstreamTimeout(
                     f"prefill {p.id} did not answer within {t.prefill_s:g}s", phase="prefill", worker=p.id
                 ) from None
-            verdict = p.adapter.judge_prefill(req, status, out)
+            verdict = p.adapter.judge_prefill(req, ctx.request_id, status, out)
             if not verdict.ok:
                 raise _prefill_error(p, verdict)
             ok_p = True
@@ -473,7 +496,9 @@ class Orchestrator:
             except (UpstreamConnectError, UpstreamProtocolError) as e:
                 raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
             self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
-            await self._relay(resp, d, req, res, a, phase="decode")
+            await self._relay(
+                resp, d, req, res, a, phase="decode", guard=self._decode_guard(req, ctx, p.adapter, out)
+            )
             ok_d = True
         finally:
             if not ok_d:
@@ -504,8 +529,12 @@ class Orchestrator:
         *,
         phase: str,
         transform: Callable[[bytes], bytes] | None = None,
+        guard: _DecodeGuard | None = None,
     ) -> None:
-        """Pass an engine's answer to the client: errors mapped, bodies and streams as bytes."""
+        """Pass an engine's answer to the client: errors mapped, bodies and streams as bytes.
+
+        With a `guard` (a disaggregated decode), nothing reaches the client before the answer's
+        first token agrees with the prefill, and a stream's end is checked before it is sent."""
         status = resp.status
         ctype = resp.header(b"content-type") or b"application/json"
         if status != 200:
@@ -515,24 +544,45 @@ class Orchestrator:
         if not ctype.startswith(_EVENT_STREAM):
             body = await resp.read()
             resp.release()
+            if guard is not None:
+                why = guard.check_end(guard.summarize([body]))
+                if why is not None:
+                    raise self._integrity(guard, why, w, "before_first_byte")
             if transform is not None:
                 body = transform(body)
             a.first_byte_at = time.monotonic()
             res.send(200, [(b"content-type", ctype), a.echo], body)
             return
-        res.start_stream(200, [(b"content-type", ctype), (b"cache-control", b"no-cache"), a.echo])
-        a.first_byte_at = time.monotonic()
+        head = [(b"content-type", ctype), (b"cache-control", b"no-cache"), a.echo]
+        watch: StreamWatch | None = None
+        if guard is None:
+            res.start_stream(200, head)
+            a.first_byte_at = time.monotonic()
+            write = res.write
+        else:
+
+            def started_write(data: bytes) -> None:
+                if not res.started:  # the first token passed its check: the stream starts now
+                    res.start_stream(200, head)
+                    a.first_byte_at = time.monotonic()
+                res.write(data)
+
+            watch = StreamWatch(started_write, guard.summarize, guard.check_first, guard.check_end)
+            write = watch.feed
         idle = self.settings.timeouts.idle_s
         loop = asyncio.get_running_loop()
         chunks = 0
         last = loop.time()  # when the upstream last sent something
-        write = res.write
+        stopped = False  # the guard stopped the stream
 
         def sink(data: bytes) -> None:
-            nonlocal chunks, last
+            nonlocal chunks, last, stopped
             chunks += 1
             write(data if transform is None else transform(data))
             last = loop.time()
+            if watch is not None and watch.violation is not None and not stopped:
+                stopped = True
+                piped.cancel()
 
         piped = resp.pipe(sink, flow=res, batch=res)
         # The idle deadline is checked lazily: one timer that re-arms itself at `last + idle`
@@ -554,9 +604,11 @@ class Orchestrator:
             await piped
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if not timed_out or (task is not None and task.cancelling()):
+            if (not timed_out and not stopped) or (task is not None and task.cancelling()):
                 raise  # the client went away or an outer deadline expired: not ours
             resp.abort()
+            if stopped and guard is not None and watch is not None and watch.violation is not None:
+                raise self._integrity(guard, watch.violation, w, "before_first_byte") from None
             raise UpstreamTimeout(
                 f"worker {w.id} sent nothing for {idle:g}s mid-stream", phase="idle", worker=w.id
             ) from None
@@ -564,6 +616,11 @@ class Orchestrator:
             raise UpstreamFailure(f"worker {w.id} broke the stream: {e}", phase=phase, worker=w.id) from None
         finally:
             timer.cancel()
+        if watch is not None and guard is not None:
+            why = watch.finish()
+            if why is not None:
+                resp.release()
+                raise self._integrity(guard, why, w, "mid_stream" if res.started else "before_first_byte")
         resp.release()
         end = time.monotonic()
         self.metrics.child(self.metrics.phase, "decode").observe(end - a.first_byte_at)
@@ -572,6 +629,33 @@ class Orchestrator:
                 (end - a.first_byte_at) / (chunks - 1)
             )
         res.end()
+
+    def _decode_guard(
+        self, req: ParsedRequest, ctx: HandoffCtx, prefill_adapter: EngineAdapter, prefill_body: bytes
+    ) -> _DecodeGuard | None:
+        """The decode-consistency guard for one handoff, or None where it does not apply."""
+        if not self.settings.guards.decode_consistency or req.n != 1 or req.is_batch:
+            return None
+        if prefill_body.lstrip().startswith(b"data:"):
+            payloads = list(iter_sse_data(prefill_body))
+        else:
+            payloads = [prefill_body]
+        return _DecodeGuard(ctx, prefill_adapter, req, prefill_adapter.summarize(req, payloads))
+
+    def _integrity(self, g: _DecodeGuard, why: str, w: Worker, stage: str) -> KVIntegrityError:
+        self._guard_failed(
+            Guard.DECODE_CONSISTENCY,
+            stage,
+            g.ctx.request_id,
+            why,
+            prefill=g.ctx.prefill.id,
+            decode=g.ctx.decode.id,
+        )
+        return KVIntegrityError(f"KV integrity check failed: {why}", phase="decode", worker=w.id)
+
+    def _guard_failed(self, guard: Guard, stage: str, request_id: str, why: str, **kw: object) -> None:
+        self.metrics.child(self.metrics.guard_failures, guard.value, stage).inc()
+        log.warning("guard.failed", guard=guard.value, stage=stage, request_id=request_id, reason=why, **kw)
 
     def _abort_leg(
         self, w: Worker, resp: UpstreamResponse | None, req: ParsedRequest, request_id: str
@@ -635,3 +719,37 @@ def _prefill_error(p: Worker, v: PrefillVerdict) -> GatewayError:
     if v.body and v.status < 500 and v.body.lstrip().startswith(b"{") and b'"error"' in v.body:
         return UpstreamRejected(v.status, v.body)
     return BadRequest(v.reason, status=v.status if 400 <= v.status < 500 else 400)
+
+
+class _DecodeGuard:
+    """Decode-consistency checks of one handoff, against what its prefill said."""
+
+    __slots__ = ("adapter", "context_length", "ctx", "prefill", "req")
+
+    def __init__(self, ctx: HandoffCtx, adapter: EngineAdapter, req: ParsedRequest, prefill: Summary) -> None:
+        self.ctx = ctx
+        self.adapter = adapter
+        self.req = req
+        self.prefill = prefill
+        self.context_length = ctx.decode.context_length
+
+    def summarize(self, payloads: list[bytes]) -> Summary:
+        return self.adapter.summarize(self.req, payloads)
+
+    def check_first(self, first: Summary) -> str | None:
+        """On the first token: its identity (greedy) and the prompt size, when the event says it."""
+        early = Summary(
+            prompt_tokens=first.prompt_tokens,
+            first_token_id=first.first_token_id,
+            first_text=first.first_text,
+        )
+        return check_decode(self.prefill, early, max_tokens=None, context_length=None, greedy=self.req.greedy)
+
+    def check_end(self, whole: Summary) -> str | None:
+        return check_decode(
+            self.prefill,
+            whole,
+            max_tokens=self.req.max_tokens,
+            context_length=self.context_length,
+            greedy=self.req.greedy,
+        )

@@ -64,6 +64,7 @@ def make_worker(
     weight: float = 1.0,
     bootstrap_port: int | None = None,
     context_length: int | None = None,
+    max_input_len: int | None = None,
     labels: Iterable[tuple[str, str]] = (),
 ) -> WorkerState:
     """A worker with sensible defaults; the URL is derived from the id."""
@@ -76,6 +77,7 @@ def make_worker(
         healthy=healthy,
         draining=draining,
         context_length=context_length,
+        max_input_len=max_input_len,
         bootstrap_port=bootstrap_port,
         weight=weight,
         labels=tuple(labels),

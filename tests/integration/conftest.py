@@ -31,7 +31,10 @@ class Cluster:
 
 
 async def build_cluster(
-    time_scale: float = 0.0, faults: dict[str, list[str]] | None = None, **gw: object
+    time_scale: float = 0.0,
+    faults: dict[str, list[str]] | None = None,
+    prefill_max_model_len: int = 8192,
+    **gw: object,
 ) -> Cluster:
     faults = faults or {}
     specs = {
@@ -42,6 +45,7 @@ async def build_cluster(
             bootstrap_port=0,
             time_scale=time_scale,
             faults=faults.get("sgl-p", []),
+            max_model_len=prefill_max_model_len,
         ),
         "sgl-d": EmulatorSpec(
             engine="sglang",
@@ -57,6 +61,7 @@ async def build_cluster(
             kv_port=0,
             time_scale=time_scale,
             faults=faults.get("vllm-p", []),
+            max_model_len=prefill_max_model_len,
         ),
         "vllm-d": EmulatorSpec(
             engine="vllm",

@@ -17,6 +17,7 @@ from gateway.parse import parse_request
 from policies.snapshot import Engine, Role, RouteKind, WorkerState
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures"
+RID = "req-1"
 SGL = ADAPTERS[Engine.SGLANG]
 VLLM = ADAPTERS[Engine.VLLM]
 
@@ -60,10 +61,13 @@ def test_sglang_bodies_match_what_the_real_pd_pair_was_sent(name: str) -> None:
     client = {k: v for k, v in sent.items() if not k.startswith("bootstrap_")}
     req = parsed(RouteKind.GENERATE, client)
     c = ctx(Engine.SGLANG, room=sent["bootstrap_room"], bootstrap_port=sent["bootstrap_port"])
-    for body in (SGL.prefill_body(req, c), SGL.decode_body(req, c, None)):
+    for leg, body in (("prefill", SGL.prefill_body(req, c)), ("decode", SGL.decode_body(req, c, None))):
         got = json.loads(body)
         assert got.pop("rid") == "req-1"  # ours, so that /abort_request can name the request
-        assert got == sent
+        want = dict(sent)
+        if leg == "prefill" and want.get("stream"):
+            want["stream"] = False  # the prefill's answer is judged whole, never relayed
+        assert got == want
 
 
 def test_sglang_client_bootstrap_fields_are_replaced_not_duplicated() -> None:
@@ -99,7 +103,7 @@ def test_sglang_real_prefill_answers_are_judged_sound(name: str) -> None:
         else (RouteKind.CHAT if "chat" in name else RouteKind.COMPLETIONS)
     )
     req = parsed(route, body)
-    v = SGL.judge_prefill(req, cap["prefill"]["status"], cap["prefill"]["raw_body"].encode())
+    v = SGL.judge_prefill(req, RID, cap["prefill"]["status"], cap["prefill"]["raw_body"].encode())
     assert v.ok, v.reason
     if route is RouteKind.GENERATE:
         assert v.prompt_tokens == 8
@@ -125,14 +129,14 @@ def test_sglang_prefill_abort_event_on_a_200_stream_is_a_failure() -> None:
     }
     raw = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
     req = parsed(RouteKind.GENERATE, {"text": "x", "stream": True})
-    v = SGL.judge_prefill(req, 200, raw)
+    v = SGL.judge_prefill(req, RID, 200, raw)
     assert not v.ok and not v.retryable and v.status == 400 and "exceeds" in v.reason
 
 
 def test_sglang_prefill_http_errors() -> None:
     req = parsed(RouteKind.GENERATE, {"text": "x"})
-    assert not SGL.judge_prefill(req, 400, b'{"error":{"message":"too long"}}').retryable
-    assert SGL.judge_prefill(req, 503, b"").retryable
+    assert not SGL.judge_prefill(req, RID, 400, b'{"error":{"message":"too long"}}').retryable
+    assert SGL.judge_prefill(req, RID, 503, b"").retryable
 
 
 def test_sglang_logprob_merge_counts_each_prompt_position_once() -> None:
@@ -172,7 +176,8 @@ def test_vllm_handoff_bodies_match_the_real_exchange(name: str) -> None:
         want.pop(k, None)
         prefill.pop(k, None)
     assert prefill == want
-    v = VLLM.judge_prefill(req, 200, cap["prefill"]["raw_body"].encode())
+    rid = cap["prefill"]["request"]["headers"]["X-Request-Id"]
+    v = VLLM.judge_prefill(req, rid, 200, cap["prefill"]["raw_body"].encode())
     assert v.ok, v.reason
     assert v.prompt_tokens == cap["prefill"]["json"]["usage"]["prompt_tokens"]
     decode = json.loads(VLLM.decode_body(req, c, v))
@@ -183,7 +188,7 @@ def test_vllm_params_are_forwarded_byte_for_byte() -> None:
     cap = capture("vllm_completions_nonstream.json")
     req = parsed(RouteKind.COMPLETIONS, dict(cap["single"]["request"]["body"]))
     raw = cap["prefill"]["raw_body"].encode()
-    v = VLLM.judge_prefill(req, 200, raw)
+    v = VLLM.judge_prefill(req, cap["prefill"]["request"]["headers"]["X-Request-Id"], 200, raw)
     assert v.kv_params is not None and bytes(v.kv_params) in raw
     assert bytes(v.kv_params) in VLLM.decode_body(req, ctx(Engine.VLLM), v)
 
@@ -207,7 +212,7 @@ def test_vllm_params_are_forwarded_byte_for_byte() -> None:
 )
 def test_vllm_unsound_prefill_answers_are_refused(body: dict[str, Any], why: str) -> None:
     req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "x"})
-    v = VLLM.judge_prefill(req, 200, json.dumps(body).encode())
+    v = VLLM.judge_prefill(req, RID, 200, json.dumps(body).encode())
     assert not v.ok and why in v.reason
 
 
@@ -259,3 +264,15 @@ def test_parse_errors_name_the_field() -> None:
             max_tokens_cap=None,
         )
     assert msgspec.json.decode(e.value.body())["error"]["type"] == "invalid_request_error"
+
+
+def test_vllm_params_of_another_request_are_refused() -> None:
+    cap = capture("vllm_completions_nonstream.json")
+    req = parsed(RouteKind.COMPLETIONS, dict(cap["single"]["request"]["body"]))
+    v = VLLM.judge_prefill(req, "some-other-request", 200, cap["prefill"]["raw_body"].encode())
+    assert not v.ok and "another request" in v.reason
+    body = cap["prefill"]["json"]
+    body["kv_transfer_params"]["remote_num_tokens"] = 3
+    rid = cap["prefill"]["request"]["headers"]["X-Request-Id"]
+    v = VLLM.judge_prefill(req, rid, 200, json.dumps(body).encode())
+    assert not v.ok and "cover 3 tokens" in v.reason

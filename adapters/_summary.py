@@ -1,0 +1,103 @@
+"""Read what an engine's answer says about itself (tokens, finish reason, first token), from the
+OpenAI-style shapes both engines use and SGLang's native `/generate` shape."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+
+from gateway.guards import Summary
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _Message(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    text: str | None = None
+    message: _Message | None = None
+    delta: _Message | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class _OpenAI(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+
+
+class _Finish(msgspec.Struct):
+    type: str | None = None
+
+
+class _Meta(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: _Finish | None = None
+
+
+class _Generate(msgspec.Struct):
+    text: str | None = None
+    output_ids: list[int] | None = None
+    meta_info: _Meta | None = None
+    index: int = 0
+
+
+_openai = msgspec.json.Decoder(_OpenAI)
+_generate = msgspec.json.Decoder(_Generate)
+
+
+def summarize_openai(payloads: Iterable[bytes]) -> Summary:
+    """Choice 0 of a completions / chat answer, whole or as stream events."""
+    s = Summary()
+    text: list[str] = []
+    for p in payloads:
+        try:
+            o = _openai.decode(p)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if o.usage is not None:
+            s.prompt_tokens = o.usage.prompt_tokens
+            s.completion_tokens = o.usage.completion_tokens
+        for c in o.choices:
+            if c.index != 0:
+                continue
+            piece = c.text if c.text is not None else (c.message or c.delta or _Message()).content
+            if piece:
+                text.append(piece)
+            if c.token_ids and s.first_token_id is None:
+                s.first_token_id = c.token_ids[0]
+            if c.finish_reason is not None:
+                s.finish_reason = c.finish_reason
+    if text:
+        s.first_text = text[0]
+    return s
+
+
+def summarize_generate(payloads: Iterable[bytes]) -> Summary:
+    """SGLang `/generate`: a whole answer, or stream events (cumulative `output_ids`)."""
+    s = Summary()
+    for p in payloads:
+        try:
+            g = _generate.decode(p)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if g.index != 0:
+            continue
+        if g.output_ids and s.first_token_id is None:
+            s.first_token_id = g.output_ids[0]
+        if g.text and s.first_text is None:
+            s.first_text = g.text
+        if g.meta_info is not None:
+            s.prompt_tokens = g.meta_info.prompt_tokens
+            s.completion_tokens = g.meta_info.completion_tokens
+            if g.meta_info.finish_reason is not None:
+                s.finish_reason = g.meta_info.finish_reason.type
+    return s

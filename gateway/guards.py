@@ -1,0 +1,147 @@
+"""KV-integrity guards: a P/D handoff that went wrong must never reach a client as a clean 200.
+
+Four checks, each on by default except shadow verification, each with its own metric
+(`pdgw_guard_failures_total{guard,stage}`) and log event (`guard.failed`):
+
+1. `length_preflight` — before dispatch: prompt + max_tokens against the context limit (and
+   SGLang's input limit) of **each** chosen worker. Without a tokenizer the prompt size is an
+   upper bound (UTF-8 bytes of a text prompt: a byte-level BPE token covers ≥ 1 byte), so a
+   request is refused only when even a lower bound (`bytes / max_bytes_per_token`) cannot fit;
+   between the two bounds it is let through and the engines' own checks (judged by guard 2)
+   decide. Token-id prompts are counted exactly.
+2. `prefill_verdict` — the adapters' `judge_prefill` (status, abort markers, vLLM's
+   `kv_transfer_params` present and naming this request); here: the prefill's prompt-token
+   count against the request and against `remote_num_tokens`.
+3. `decode_consistency` — the decode's reported prompt tokens equal the prefill's; a
+   `finish_reason` of "length" only when the token budget (or the context) was really used up
+   (sglang #33507: an aborted transfer ends with "length" after one token); for greedy
+   requests the decode's first token agrees with the token the prefill sampled.
+4. `shadow` — a sampled share of greedy requests is re-run colocated for a few tokens and
+   compared (see `Orchestrator._shadow`).
+
+Everything here is pure: summaries in, a verdict (None = fine, else the reason) out.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from policies.snapshot import WorkerState
+
+
+class Guard(enum.StrEnum):
+    LENGTH_PREFLIGHT = "length_preflight"
+    PREFILL_VERDICT = "prefill_verdict"
+    DECODE_CONSISTENCY = "decode_consistency"
+    SHADOW = "shadow"
+
+
+class GuardSettings(msgspec.Struct, frozen=True):
+    length_preflight: bool = True
+    prefill_verdict: bool = True
+    decode_consistency: bool = True
+    shadow_fraction: float = 0.0
+    shadow_tokens: int = 8
+    max_bytes_per_token: float = 16.0  # lower-bound divisor for text prompts without a tokenizer
+    template_tokens: int = 64  # allowance for chat-template and special tokens
+
+
+class Summary(msgspec.Struct):
+    """What a response (or a stream, once read) says about itself, engine-neutral."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    first_token_id: int | None = None
+    first_text: str | None = None
+
+
+def preflight(
+    prompt_units: int,
+    prompt_is_ids: bool,
+    max_tokens: int | None,
+    workers: tuple[WorkerState, ...],
+    s: GuardSettings,
+    *,
+    chat: bool = False,
+) -> str | None:
+    """Why the request cannot fit a chosen worker, or None. Refuses only what surely cannot fit."""
+    if prompt_is_ids:
+        low = prompt_units
+    else:
+        low = int(prompt_units / s.max_bytes_per_token)
+    out = max_tokens or 0
+    for w in workers:
+        if w.max_input_len is not None and low >= w.max_input_len:
+            return (
+                f"the prompt has at least {low} tokens, but worker {w.id} accepts prompts of fewer than "
+                f"{w.max_input_len} tokens"
+            )
+        if w.context_length is not None and low + out > w.context_length:
+            what = "the prompt" if out == 0 else f"the prompt (at least {low} tokens) plus max_tokens ({out})"
+            return f"{what} exceeds the context length of {w.context_length} tokens of worker {w.id}"
+    return None
+
+
+def check_prefill(prefill: Summary, expected_prompt_tokens: int | None) -> str | None:
+    """The prefill's own account of the prompt must match what was sent."""
+    if expected_prompt_tokens is not None and prefill.prompt_tokens is not None:
+        if prefill.prompt_tokens != expected_prompt_tokens:
+            return (
+                f"prefill processed {prefill.prompt_tokens} prompt tokens, "
+                f"the request has {expected_prompt_tokens}"
+            )
+    return None
+
+
+def check_decode(
+    prefill: Summary,
+    decode: Summary,
+    *,
+    max_tokens: int | None,
+    context_length: int | None,
+    greedy: bool,
+    first_token_check: bool = True,
+) -> str | None:
+    """Does the decode's answer agree with the prefill's? None when it does."""
+    if prefill.prompt_tokens is not None and decode.prompt_tokens is not None:
+        if prefill.prompt_tokens != decode.prompt_tokens:
+            return (
+                f"decode reports {decode.prompt_tokens} prompt tokens, prefill {prefill.prompt_tokens}: "
+                "the KV it used is not this prompt's"
+            )
+    if decode.finish_reason == "length" and max_tokens is not None and decode.completion_tokens is not None:
+        used = decode.completion_tokens
+        at_context = (
+            context_length is not None
+            and decode.prompt_tokens is not None
+            and decode.prompt_tokens + used >= context_length
+        )
+        if used < max_tokens and not at_context:
+            return (
+                f"decode finished with 'length' after {used} of {max_tokens} tokens "
+                "(an aborted KV transfer looks like this)"
+            )
+    if greedy and first_token_check:
+        if prefill.first_token_id is not None and decode.first_token_id is not None:
+            if prefill.first_token_id != decode.first_token_id:
+                return (
+                    f"decode's first token {decode.first_token_id} differs from the prefill's "
+                    f"{prefill.first_token_id} on a greedy request"
+                )
+        elif prefill.first_text and decode.first_text is not None and _comparable(prefill.first_text):
+            if not decode.first_text.startswith(prefill.first_text) and not prefill.first_text.startswith(
+                decode.first_text
+            ):
+                return (
+                    f"decode's output starts {decode.first_text[:16]!r}, the prefill sampled "
+                    f"{prefill.first_text!r} on a greedy request"
+                )
+    return None
+
+
+def _comparable(text: str) -> bool:
+    # a partial UTF-8 sequence detokenizes differently depending on what follows
+    return "\ufffd" not in text

@@ -1,0 +1,127 @@
+"""Watch a decode stream on its way to the client without slowing it down.
+
+Only two places of a stream are held back:
+
+- the bytes before the first event that carries a token, until that token has been checked
+  against the prefill's (a greedy request whose decode starts on another token used a KV that
+  is not this prompt's: nothing of it may reach the client);
+- the bytes from the event that carries a `finish_reason` to the end (the usage event and
+  `[DONE]` follow at once), until the whole answer has been checked; a bad answer ends with an
+  error event instead of a clean `[DONE]`.
+
+Everything in between is passed on as it arrives; per chunk the cost is two `bytes.find`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gateway.guards import Summary
+
+_SEP = b"\n\n"
+_FINISH = (b'"finish_reason":"', b'"finish_reason":{', b'"finish_reason": "', b'"finish_reason": {')
+
+Summarize = Callable[[list[bytes]], Summary]
+Check = Callable[[Summary], str | None]
+
+
+def _payloads(events: bytes) -> list[bytes]:
+    out = []
+    for line in events.split(b"\n"):
+        if line.startswith(b"data:"):
+            p = line[5:].strip()
+            if p and p != b"[DONE]":
+                out.append(p)
+    return out
+
+
+class StreamWatch:
+    __slots__ = (
+        "_buf",
+        "_check_end",
+        "_check_first",
+        "_first",
+        "_head",
+        "_held",
+        "_passed_events",
+        "_state",
+        "_summarize",
+        "_write",
+        "violation",
+    )
+
+    def __init__(
+        self, write: Callable[[bytes], None], summarize: Summarize, check_first: Check, check_end: Check
+    ) -> None:
+        self._write = write
+        self._summarize = summarize
+        self._check_first = check_first
+        self._check_end = check_end
+        self._state = 0  # 0: before the first token, 1: passing, 2: holding the end
+        self._buf = b""  # incomplete tail (all states) / everything held (states 0 and 2)
+        self._head: list[bytes] = []  # payloads seen before passing
+        self._held = b""
+        self._passed_events = 0
+        self._first: Summary | None = None
+        self.violation: str | None = None
+
+    def feed(self, data: bytes) -> None:
+        if self.violation is not None:
+            return
+        buf = self._buf + data if self._buf else data
+        cut = buf.rfind(_SEP)
+        if cut < 0:
+            self._buf = buf
+            return
+        complete, self._buf = buf[: cut + 2], buf[cut + 2 :]
+        if self._state == 0:
+            self._held += complete
+            self._head.extend(_payloads(complete))
+            first = self._summarize(self._head)
+            if first.first_text is None and first.first_token_id is None:
+                return  # no token yet (a role-only chat event, say)
+            self._first = first
+            self.violation = self._check_first(first)
+            if self.violation is not None:
+                return
+            complete, self._held = self._held, b""
+            self._state = 1
+            # fall through: the held head may already contain the finish event
+        if self._state == 1:
+            at = -1
+            for marker in _FINISH:
+                i = complete.find(marker)
+                if i >= 0 and (at < 0 or i < at):
+                    at = i
+            if at < 0:
+                self._passed_events += complete.count(b"data:")
+                self._write(complete)
+                return
+            start = complete.rfind(b"data:", 0, at)
+            start = max(start, 0)
+            self._passed_events += complete.count(b"data:", 0, start)
+            if start:
+                self._write(complete[:start])
+            self._held = complete[start:]
+            self._state = 2
+            return
+        self._held += complete
+
+    def finish(self) -> str | None:
+        """At the end of the upstream stream: check the answer, then release what was held."""
+        if self.violation is not None:
+            return self.violation
+        held = self._held + self._buf
+        end = self._summarize(self._head + _payloads(held))
+        if end.completion_tokens is None:
+            # no usage in the stream: count its events (role-only events too: an upper bound,
+            # so the "finished early" check can only err towards letting an answer through)
+            end.completion_tokens = self._passed_events + len(_payloads(held))
+        if self._first is not None:
+            end.first_text = self._first.first_text
+            end.first_token_id = self._first.first_token_id
+        self.violation = self._check_end(end) if self._state == 2 else None
+        if self.violation is None and held:
+            self._write(held)
+        self._held = self._buf = b""
+        return self.violation

@@ -1,0 +1,131 @@
+"""The gateway under engine faults (injected by the emulator): nothing hangs, every client gets a
+complete answer or a clear error within its deadline, and no engine request is left running."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from gateway.config import RetriesConfig, TimeoutsConfig
+from tests.integration.conftest import Cluster, build_cluster, stop_cluster
+
+FAST = TimeoutsConfig(connect_s=0.5, prefill_s=1.0, handoff_s=1.0, idle_s=0.5, total_s=5.0)
+
+
+async def post(url: str, body: dict[str, object]) -> tuple[int, bytes, float]:
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        raw = await r.read()
+        return r.status, raw, time.monotonic() - t0
+
+
+def body(model: str, stream: bool = False, max_tokens: int = 8) -> dict[str, object]:
+    return {
+        "model": model,
+        "prompt": "fault test prompt",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+async def settled(c: Cluster, names: tuple[str, ...], within_s: float = 3.0) -> dict[str, int]:
+    """Wait until the named emulators have nothing in flight; return their in_flight counts."""
+    deadline = time.monotonic() + within_s
+    while True:
+        counts = {n: (await c.emulators[n].stats())["in_flight"] for n in names if not c.emulators[n].dead}
+        if not any(counts.values()) or time.monotonic() > deadline:
+            return counts
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def fast_cluster() -> Cluster:
+    c = await build_cluster(timeouts=FAST, retries=RetriesConfig(max_attempts=2, backoff_initial_s=0.01))
+    yield c  # type: ignore[misc]
+    await stop_cluster(c)
+
+
+@pytest.mark.parametrize(
+    ("model", "prefill", "decode"), [("m-sglang", "sgl-p", "sgl-d"), ("m-vllm", "vllm-p", "vllm-d")]
+)
+async def test_hung_prefill_is_a_prefill_timeout_and_leaves_nothing_running(
+    fast_cluster: Cluster, model: str, prefill: str, decode: str
+) -> None:
+    c = fast_cluster
+    await c.emulators[prefill].set_faults(["hang_before_first_byte"])
+    results = await asyncio.gather(*(post(c.url + "/v1/completions", body(model)) for _ in range(8)))
+    for status, raw, took in results:
+        assert took < FAST.total_s
+        if model == "m-vllm":
+            # the ladder's last rung for vLLM: the decode worker prefills itself (no kv_transfer_params)
+            assert status == 200, raw
+            continue
+        assert status == 504, raw
+        err = json.loads(raw)["error"]
+        assert "prefill" in err["message"] and err["code"] == "upstream_timeout"
+    assert await settled(c, (prefill, decode)) == {prefill: 0, decode: 0}
+
+
+@pytest.mark.parametrize(("model", "decode"), [("m-sglang", "sgl-d"), ("m-vllm", "vllm-d")])
+async def test_decode_crash_mid_stream_ends_with_an_error_event_not_done(
+    fast_cluster: Cluster, model: str, decode: str
+) -> None:
+    c = fast_cluster
+    await c.emulators[decode].set_faults(["crash_mid_stream"])
+    status, raw, _ = await post(c.url + "/v1/completions", body(model, stream=True, max_tokens=32))
+    assert status == 200
+    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert events and events[-1] != "[DONE]"
+    assert "error" in json.loads(events[-1])
+
+
+@pytest.mark.parametrize(("model", "decode"), [("m-sglang", "sgl-d"), ("m-vllm", "vllm-d")])
+async def test_stalled_stream_hits_the_idle_deadline(fast_cluster: Cluster, model: str, decode: str) -> None:
+    c = fast_cluster
+    await c.emulators[decode].set_faults(["hang_mid_stream"])
+    status, raw, took = await post(c.url + "/v1/completions", body(model, stream=True, max_tokens=32))
+    assert status == 200 and took < 3.0
+    last = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")][-1]
+    assert "sent nothing" in json.loads(last)["error"]["message"]
+    assert (await settled(c, (decode,)))[decode] == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "prefill", "decode"), [("m-sglang", "sgl-p", "sgl-d"), ("m-vllm", "vllm-p", "vllm-d")]
+)
+async def test_dead_prefill_gives_a_clear_5xx_fast(
+    fast_cluster: Cluster, model: str, prefill: str, decode: str
+) -> None:
+    c = fast_cluster
+    await c.emulators[prefill].stop()
+    for _ in range(4):
+        status, raw, took = await post(c.url + "/v1/completions", body(model))
+        assert took < FAST.total_s
+        if model == "m-vllm":
+            assert status == 200, raw  # served by the decode worker alone
+            continue
+        assert status in (502, 503), raw
+        assert json.loads(raw)["error"]["message"]
+    assert (await settled(c, (decode,)))[decode] == 0
+
+
+@pytest.mark.parametrize(("model", "prefill"), [("m-sglang", "sgl-p"), ("m-vllm", "vllm-p")])
+async def test_prefill_5xx_is_a_clear_error_not_a_hang(
+    fast_cluster: Cluster, model: str, prefill: str
+) -> None:
+    c = fast_cluster
+    await c.emulators[prefill].set_faults(["http_error:1,status=503"])
+    status, raw, took = await post(c.url + "/v1/completions", body(model))
+    assert took < FAST.total_s
+    if model == "m-vllm":
+        assert status == 200, raw  # served by the decode worker alone
+    else:
+        assert status == 502 and "prefill" in json.loads(raw)["error"]["message"], raw
+    await c.emulators[prefill].set_faults([])
+    status, raw, _ = await post(c.url + "/v1/completions", body(model))
+    assert status == 200, raw

@@ -1,0 +1,134 @@
+"""The KV-integrity guards and the stream watch, on real engine shapes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from adapters._summary import summarize_generate, summarize_openai
+from gateway.guards import GuardSettings, Summary, check_decode, check_prefill, preflight
+from gateway.streamwatch import StreamWatch
+from policies.snapshot import Role
+from policies.testing import make_worker
+
+CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures"
+
+
+def ev(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def chunk(i: int, text: str, finish: str | None = None) -> bytes:
+    return ev({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+
+
+def test_preflight_refuses_only_what_surely_cannot_fit() -> None:
+    s = GuardSettings()
+    w = make_worker("d", Role.DECODE, context_length=100)
+    p = make_worker("p", Role.PREFILL, context_length=100, max_input_len=50)
+    assert preflight(40, True, 50, (w,), s) is None
+    assert "context length" in (preflight(60, True, 50, (w,), s) or "")
+    assert "fewer than 50" in (preflight(60, True, 1, (p, w), s) or "")
+    # text: 1,000 bytes is at most 1,000 tokens but at least 1000/16 = 62: not surely too long
+    assert preflight(1000, False, 10, (w,), s) is None
+    assert preflight(2000, False, 10, (w,), s) is not None
+
+
+def test_decode_checks() -> None:
+    p = Summary(prompt_tokens=27, first_token_id=5, first_text=",")
+    ok = Summary(
+        prompt_tokens=27, completion_tokens=6, finish_reason="length", first_token_id=5, first_text=",ab"
+    )
+    assert check_decode(p, ok, max_tokens=6, context_length=100, greedy=True) is None
+    assert "prompt tokens" in (
+        check_decode(p, Summary(prompt_tokens=1), max_tokens=6, context_length=100, greedy=True) or ""
+    )
+    early = Summary(prompt_tokens=27, completion_tokens=1, finish_reason="length")
+    assert "after 1 of 6" in (check_decode(p, early, max_tokens=6, context_length=100, greedy=False) or "")
+    at_ctx = Summary(prompt_tokens=95, completion_tokens=5, finish_reason="length")
+    assert check_decode(Summary(), at_ctx, max_tokens=20, context_length=100, greedy=False) is None
+    other = Summary(prompt_tokens=27, first_token_id=9)
+    assert "first token" in (check_decode(p, other, max_tokens=6, context_length=None, greedy=True) or "")
+    assert check_decode(p, other, max_tokens=6, context_length=None, greedy=False) is None
+    text_only = Summary(first_text=",")
+    assert check_decode(text_only, Summary(first_text="x"), max_tokens=None, context_length=None, greedy=True)
+    assert check_prefill(Summary(prompt_tokens=1), 27) is not None
+
+
+def test_summaries_of_real_captures() -> None:
+    cap = json.loads((CAPTURES / "sglang_generate_stream.json").read_text())
+    payloads = [ln[6:].encode() for ln in cap["decode"]["raw_body"].splitlines() if ln.startswith("data: {")]
+    s = summarize_generate(payloads)
+    assert s.prompt_tokens == 8 and s.completion_tokens == 12 and s.finish_reason == "length"
+    assert s.first_token_id == 289
+    cap = json.loads((CAPTURES / "vllm_chat_stream_usage.json").read_text())
+    payloads = [ln[6:].encode() for ln in cap["decode"]["raw_body"].splitlines() if ln.startswith("data: {")]
+    s = summarize_openai(payloads)
+    assert s.prompt_tokens and s.completion_tokens and s.finish_reason in ("length", "stop") and s.first_text
+
+
+def watch(check_first: object = None, check_end: object = None) -> tuple[StreamWatch, list[bytes]]:
+    out: list[bytes] = []
+    w = StreamWatch(
+        out.append,
+        summarize_openai,
+        check_first or (lambda s: None),  # type: ignore[arg-type]
+        check_end or (lambda s: None),
+    )  # type: ignore[arg-type]
+    return w, out
+
+
+def test_stream_watch_passes_a_good_stream_byte_for_byte_in_odd_pieces() -> None:
+    stream = b"".join([chunk(0, "a"), chunk(1, "b"), chunk(2, "c", "length"), b"data: [DONE]\n\n"])
+    for size in (1, 7, 64, len(stream)):
+        w, out = watch()
+        for i in range(0, len(stream), size):
+            w.feed(stream[i : i + size])
+        assert w.finish() is None
+        assert b"".join(out) == stream
+
+
+def test_stream_watch_releases_tokens_as_they_come() -> None:
+    w, out = watch()
+    w.feed(chunk(0, "a"))
+    assert b"".join(out) == chunk(0, "a")  # the first token was checked and passed at once
+    w.feed(chunk(1, "b"))
+    assert b"".join(out).endswith(chunk(1, "b"))
+    w.feed(chunk(2, "c", "length"))
+    assert not b"".join(out).endswith(chunk(2, "c", "length"))  # the end is held until checked
+    w.feed(b"data: [DONE]\n\n")
+    assert w.finish() is None and b"".join(out).endswith(b"[DONE]\n\n")
+
+
+def test_stream_watch_stops_a_bad_first_token_before_any_byte() -> None:
+    w, out = watch(check_first=lambda s: "bad" if s.first_text == "x" else None)
+    w.feed(chunk(0, "x") + chunk(1, "y"))
+    assert out == [] and w.finish() == "bad"
+
+
+def test_stream_watch_holds_back_a_bad_ending() -> None:
+    seen: list[Summary] = []
+
+    def end(s: Summary) -> str | None:
+        seen.append(s)
+        return "early" if (s.completion_tokens or 0) < 5 else None
+
+    w, out = watch(check_end=end)
+    w.feed(chunk(0, "a") + chunk(1, "b", "length") + b"data: [DONE]\n\n")
+    assert w.finish() == "early"
+    assert b"".join(out) == chunk(0, "a") and b"[DONE]" not in b"".join(out)
+    assert seen[0].completion_tokens == 2
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_stream_watch_counts_from_usage_when_present(usage: bool) -> None:
+    seen: list[Summary] = []
+    w, _ = watch(check_end=lambda s: seen.append(s) or None)  # type: ignore[func-returns-value]
+    body = chunk(0, "a") + chunk(1, "b") + chunk(2, "c", "length")
+    if usage:
+        body += ev({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}})
+    w.feed(body + b"data: [DONE]\n\n")
+    assert w.finish() is None
+    assert seen[0].completion_tokens == 3 and seen[0].prompt_tokens == (4 if usage else None)
