@@ -59,6 +59,7 @@ class ProbeInfo(msgspec.Struct, frozen=True):
     max_input_len: int | None = None
     disaggregation_mode: str | None = None
     bootstrap_port: int | None = None
+    block_size: int | None = None  # KV block (page) size, where the engine reports it
 
 
 class EngineAdapter(Protocol):
@@ -84,7 +85,7 @@ class EngineAdapter(Protocol):
 
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes: ...
 
-    def judge_prefill(self, req: ParsedRequest, request_id: str, status: int, body: bytes) -> PrefillVerdict:
+    def judge_prefill(self, req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:
         """Is this prefill answer a sound basis for the decode? Pure; never raises."""
         ...
 

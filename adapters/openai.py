@@ -46,7 +46,7 @@ class OpenAIAdapter:
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
         raise NotImplementedError("plain OpenAI-compatible servers have no P/D protocol")
 
-    def judge_prefill(self, req: ParsedRequest, request_id: str, status: int, body: bytes) -> PrefillVerdict:
+    def judge_prefill(self, req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:
         return PrefillVerdict(ok=False, reason="no P/D protocol", retryable=False)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:

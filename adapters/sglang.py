@@ -145,7 +145,7 @@ class SGLangAdapter:
 
     # -- judging the prefill --------------------------------------------------------------
 
-    def judge_prefill(self, req: ParsedRequest, request_id: str, status: int, body: bytes) -> PrefillVerdict:
+    def judge_prefill(self, req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:
         if status != 200:
             retryable = status >= 500 or status in (408, 429)
             return PrefillVerdict(

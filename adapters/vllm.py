@@ -13,6 +13,7 @@ tokens when handed foreign params (../shared/captures/FINDINGS.md).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 
@@ -25,6 +26,8 @@ from adapters.prom import sum_metrics
 from gateway.guards import Summary
 from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, WorkerLoad
+
+_BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 
 PREFILL_KV_REQUEST = (
     b'{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,'
@@ -75,7 +78,7 @@ class VLLMAdapter:
     handoff: ClassVar[HandoffMode] = HandoffMode.SEQUENTIAL
     health_path: ClassVar[str] = "/health"
     metrics_path: ClassVar[str] = "/metrics"
-    info_paths: ClassVar[tuple[str, ...]] = ("/v1/models",)
+    info_paths: ClassVar[tuple[str, ...]] = ("/v1/models", "/metrics")
 
     def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
         if req.fields.kv_transfer_params:
@@ -114,7 +117,7 @@ class VLLMAdapter:
             return base
         return _body.splice(base, b'"kv_transfer_params":' + bytes(params))
 
-    def judge_prefill(self, req: ParsedRequest, request_id: str, status: int, body: bytes) -> PrefillVerdict:
+    def judge_prefill(self, req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:
         if status != 200:
             retryable = status >= 500 or status in (408, 429)
             return PrefillVerdict(
@@ -149,7 +152,7 @@ class VLLMAdapter:
         # The params must be this request's: the engine names them after X-Request-Id
         # ("cmpl-<id>-0-<hex>"); params of another request make the decode answer 200 with that
         # request's tokens (seen on real vLLM).
-        if params.remote_request_id is not None and request_id not in params.remote_request_id:
+        if params.remote_request_id is not None and ctx.request_id not in params.remote_request_id:
             return PrefillVerdict(
                 ok=False,
                 reason=f"kv_transfer_params belong to another request ({params.remote_request_id})",
@@ -162,6 +165,10 @@ class VLLMAdapter:
                     reason=f"kv_transfer_params cover {params.remote_num_tokens} tokens, the prompt has {prompt_tokens}",
                     status=502,
                 )
+        why = _blocks_problem(params, ctx.prefill.block_size)
+        if why is not None:
+            # too few blocks kill a real vLLM decode (assert in nixl _apply_prefix_caching)
+            return PrefillVerdict(ok=False, reason=why, status=502)
         return PrefillVerdict(ok=True, kv_params=raw, prompt_tokens=prompt_tokens)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
@@ -191,6 +198,9 @@ class VLLMAdapter:
         )
 
     def parse_info(self, path: str, body: bytes, into: ProbeInfo) -> ProbeInfo:
+        if path == "/metrics":
+            m = _BLOCK_SIZE.search(body)
+            return msgspec.structs.replace(into, block_size=int(m.group(1))) if m else into
         if path == "/v1/models":
             cards = msgspec.json.decode(body, type=_ModelList).data
             if cards:
@@ -198,3 +208,29 @@ class VLLMAdapter:
                     into, model=cards[0].id, context_length=cards[0].max_model_len or into.context_length
                 )
         return into
+
+
+def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | None:
+    """Do the block ids cover the prompt? Per KV group: ceil(n / block_size) blocks (the decode
+    recomputes the last token, so ceil((n - 1) / block_size) is accepted too)."""
+    n = params.remote_num_tokens
+    groups = params.remote_block_ids or []
+    if n is None or n <= 0:
+        return None
+    counts = []
+    for g in groups:
+        try:
+            ids = msgspec.json.decode(bytes(g))
+        except msgspec.DecodeError:
+            return "kv_transfer_params carry malformed block ids"
+        counts.append(len(ids) if isinstance(ids, list) else 1)
+    if not counts or min(counts) == 0:
+        return f"kv_transfer_params carry no block ids for {n} prompt tokens"
+    if block_size:
+        need = {-(-n // block_size), -(-(n - 1) // block_size)}
+        if min(counts) not in need:
+            return (
+                f"kv_transfer_params carry {min(counts)} blocks for {n} tokens "
+                f"(block size {block_size}: {max(need)} expected)"
+            )
+    return None

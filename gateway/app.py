@@ -8,8 +8,12 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Mapping
 
-from gateway.config import GatewayConfig
+from gateway.admin import Admin
+from gateway.admission import Admission
+from gateway.config import GatewayConfig, WorkerConfig
+from gateway.guards import GuardSettings
 from gateway.handlers import Handlers
 from gateway.health import HealthChecker, HealthSettings
 from gateway.http.limits import ServerLimits
@@ -24,26 +28,20 @@ log = get_logger("pd_gateway")
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        metrics: GatewayMetrics | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        """`environ` (default `os.environ`) is where `api_key_env` / `admin.token_env` are read.
+        Raises ConfigError when a named variable is unset."""
         self.cfg = cfg
+        self.environ = os.environ if environ is None else environ
         b = cfg.breaker
         self.registry = Registry(BreakerSettings(b.failure_threshold, b.success_threshold, b.open_s))
         for wc in cfg.workers:
-            key = wc.api_key(os.environ)
-            self.registry.add(
-                Worker(
-                    wc.worker_id,
-                    wc.url,
-                    wc.role,
-                    wc.engine,
-                    model=wc.model,
-                    bootstrap_port=wc.bootstrap_port,
-                    weight=wc.weight,
-                    labels=tuple(sorted(wc.labels.items())),
-                    connect_timeout_s=cfg.timeouts.connect_s,
-                    authorization=f"Bearer {key}".encode() if key else None,
-                )
-            )
+            self.registry.add(self.make_worker(wc))
         self.policy = build_policy(
             cfg.policy, prefill=cfg.prefill_policy, decode=cfg.decode_policy, decider=cfg.decider
         )
@@ -67,15 +65,12 @@ class Gateway:
                 ),
                 chars_per_token=cfg.guards.chars_per_token_estimate,
                 forward_authorization=cfg.forward_authorization,
+                guards=GuardSettings(
+                    length_preflight=cfg.guards.length_preflight,
+                    decode_consistency=cfg.guards.decode_consistency,
+                    shadow_fraction=cfg.guards.shadow_fraction,
+                ),
             ),
-        )
-        self.handlers = Handlers(
-            self.registry,
-            self.orchestrator,
-            self.metrics,
-            request_id_headers=cfg.request_id_headers,
-            max_n=cfg.limits.max_n,
-            max_tokens_cap=cfg.limits.max_tokens_cap,
         )
         h = cfg.health
         self.health = HealthChecker(
@@ -88,8 +83,59 @@ class Gateway:
                 scrape_interval_s=h.scrape_interval_s,
             ),
         )
+        lim = cfg.limits
+        self.admission = Admission(
+            lim.max_concurrent,
+            lim.max_queue,
+            lim.queue_timeout_s,
+            per_client_max_concurrent=lim.per_client_max_concurrent,
+            max_inflight_tokens=lim.max_inflight_tokens,
+            retry_after_s=lim.retry_after_s,
+        )
+        self.metrics.watch_admission(self.admission.stats)
+        token = cfg.admin.resolve_token(self.environ)
+        self.admin: Admin | None = None
+        if token is not None:
+            self.admin = Admin(
+                token,
+                self.registry,
+                self.health,
+                self.make_worker,
+                drain_timeout_s=cfg.admin.drain_timeout_s,
+                allowed_key_envs=frozenset(w.api_key_env for w in cfg.workers if w.api_key_env),
+                admission=self.admission,
+            )
+        self.handlers = Handlers(
+            self.registry,
+            self.orchestrator,
+            self.metrics,
+            request_id_headers=cfg.request_id_headers,
+            max_n=lim.max_n,
+            max_tokens_cap=lim.max_tokens_cap,
+            admission=self.admission,
+            admin=self.admin,
+        )
+        if self.admin is not None:
+            self.admin.unstarted = self.handlers.unstarted
         self.server: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopped = False
+
+    def make_worker(self, wc: WorkerConfig) -> Worker:
+        """A `Worker` for one [[workers]] entry (from the file or the admin API)."""
+        key = wc.api_key(self.environ)
+        return Worker(
+            wc.worker_id,
+            wc.url,
+            wc.role,
+            wc.engine,
+            model=wc.model,
+            bootstrap_port=wc.bootstrap_port,
+            weight=wc.weight,
+            labels=tuple(sorted(wc.labels.items())),
+            connect_timeout_s=self.cfg.timeouts.connect_s,
+            authorization=f"Bearer {key}".encode() if key else None,
+        )
 
     @property
     def port(self) -> int:
@@ -136,12 +182,24 @@ class Gateway:
         )
 
     async def stop(self, grace_s: float = 10.0) -> None:
-        """Stop accepting, let in-flight requests finish for `grace_s`, then cancel the rest
-        (their engine legs are aborted by the orchestrator as they unwind)."""
+        """Stop accepting (queued requests get a 503), let in-flight requests finish for
+        `grace_s`, then end the rest with a clear error (an SSE error event mid-stream) and
+        cancel them: the orchestrator aborts their engine legs as they unwind. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.admission.close()
         if self.server is not None:
             self.server.stop_accepting()
-            await self.server.wait_idle(grace_s)
+            idle = await self.server.wait_idle(grace_s)
+            if not idle:
+                n = self.handlers.cut()
+                log.warning("gateway.grace_expired", grace_s=grace_s, cut=n)
+                # let the cancelled handlers unwind (abort calls are queued as they do)
+                await self.server.wait_idle(min(5.0, max(1.0, grace_s)))
             await self.server.close()
+        if self.admin is not None:
+            await self.admin.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

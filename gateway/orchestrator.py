@@ -13,6 +13,7 @@ abort), and SGLang's `/abort_request` is sent, so no engine keeps working for no
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import msgspec
 
 from adapters import EngineAdapter, HandoffCtx, HandoffMode, PrefillVerdict
 from adapters._body import iter_sse_data
+from adapters._body import rewrite as _body_rewrite
 from gateway.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -45,7 +47,7 @@ from gateway.parse import ParsedRequest
 from gateway.registry import Registry, Worker
 from gateway.streamwatch import StreamWatch
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
-from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
+from policies.snapshot import Colocated, Disaggregated, Engine, Reject, RequestView, Role, RouteKind
 
 log = get_logger("pd_gateway.request")
 
@@ -338,7 +340,7 @@ class Orchestrator:
         prefill_task = p.pool.fetch("POST", req.path, _for(p, headers), pbody)
         decode_task = d.pool.start("POST", req.path, _for(d, headers), dbody)
         resp: UpstreamResponse | None = None
-        ok_p = ok_d = False
+        ok_p = ok_d = suspect_pair = False
         t0 = time.monotonic()
         in_handoff = False
         try:
@@ -348,9 +350,10 @@ class Orchestrator:
                     status, prefill_out = await self._await_prefill(prefill_task, decode_task, p, d)
                     a.prefill_done_at = time.monotonic()
                     self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
-                    verdict = p.adapter.judge_prefill(req, ctx.request_id, status, prefill_out)
+                    verdict = p.adapter.judge_prefill(req, ctx, status, prefill_out)
                     if not verdict.ok:
-                        raise _prefill_error(p, verdict)
+                        # the decode was already waiting for this KV: refusing it is the guard's catch
+                        raise self._prefill_refused(p, d, verdict, ctx.request_id, 200)
                     ok_p = in_handoff = True
                     if not decode_task.done():
                         deadline.reschedule(asyncio.get_running_loop().time() + t.handoff_s)
@@ -383,6 +386,9 @@ class Orchestrator:
                 guard=self._decode_guard(req, ctx, p.adapter, prefill_out),
             )
             ok_d = True
+        except KVIntegrityError:
+            suspect_pair = True  # the handoff, not the decode worker, is suspect
+            raise
         finally:
             if not ok_d:
                 if not prefill_task.cancel() and not prefill_task.cancelled():
@@ -398,7 +404,7 @@ class Orchestrator:
             self.registry.release(d, tokens)
             gone = res.closed
             self.registry.record(p, ok_p or gone)
-            self.registry.record(d, ok_d or gone or not ok_p)
+            self.registry.record(d, ok_d or gone or not ok_p or suspect_pair)
             if pair.record(ok_d or gone):
                 self.registry.changed()
 
@@ -470,9 +476,9 @@ class Orchestrator:
                 raise UpstreamTimeout(
                     f"prefill {p.id} did not answer within {t.prefill_s:g}s", phase="prefill", worker=p.id
                 ) from None
-            verdict = p.adapter.judge_prefill(req, ctx.request_id, status, out)
+            verdict = p.adapter.judge_prefill(req, ctx, status, out)
             if not verdict.ok:
-                raise _prefill_error(p, verdict)
+                raise self._prefill_refused(p, d, verdict, ctx.request_id, status)
             ok_p = True
         finally:
             self.registry.release(p, tokens)
@@ -481,7 +487,7 @@ class Orchestrator:
         self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
         dbody = d.adapter.decode_body(req, ctx, verdict)
         resp: UpstreamResponse | None = None
-        ok_d = False
+        ok_d = suspect_pair = False
         self.registry.acquire(d, tokens)
         try:
             try:
@@ -500,11 +506,14 @@ class Orchestrator:
                 resp, d, req, res, a, phase="decode", guard=self._decode_guard(req, ctx, p.adapter, out)
             )
             ok_d = True
+        except KVIntegrityError:
+            suspect_pair = True  # the handoff, not the decode worker, is suspect
+            raise
         finally:
             if not ok_d:
                 self._abort_leg(d, resp, req, ctx.request_id)
             self.registry.release(d, tokens)
-            self.registry.record(d, ok_d or res.closed)
+            self.registry.record(d, ok_d or res.closed or suspect_pair)
             if pair.record(ok_d or res.closed):
                 self.registry.changed()
 
@@ -548,6 +557,7 @@ class Orchestrator:
                 why = guard.check_end(guard.summarize([body]))
                 if why is not None:
                     raise self._integrity(guard, why, w, "before_first_byte")
+                self._maybe_shadow(guard, body)
             if transform is not None:
                 body = transform(body)
             a.first_byte_at = time.monotonic()
@@ -642,6 +652,76 @@ class Orchestrator:
             payloads = [prefill_body]
         return _DecodeGuard(ctx, prefill_adapter, req, prefill_adapter.summarize(req, payloads))
 
+    def _maybe_shadow(self, g: _DecodeGuard, delivered: bytes) -> None:
+        """Shadow verification: re-run a sampled share of greedy answers on a colocated worker
+        (for vLLM, the decode worker without KV params) and compare their first tokens."""
+        s = self.settings.guards
+        req = g.req
+        if s.shadow_fraction <= 0 or not req.greedy or req.route is RouteKind.GENERATE:
+            return
+        if self.rng.random() >= s.shadow_fraction:
+            return
+        snap = self.registry.snapshot()
+        targets = snap.pool(Role.COLOCATED, req.model)
+        if not targets and g.ctx.decode.engine is Engine.VLLM:
+            targets = (g.ctx.decode,)
+        if not targets:
+            return
+        worker = self.registry.find(self.rng.choice(targets).id)
+        if worker is None:
+            return
+        task = asyncio.ensure_future(self._shadow(g, worker, delivered))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _shadow(self, g: _DecodeGuard, w: Worker, delivered: bytes) -> None:
+        s = self.settings.guards
+        fields = g.req.decode_dict()
+        body = _body_rewrite(
+            fields,
+            drop=(
+                "max_completion_tokens",
+                "stream_options",
+                "kv_transfer_params",
+                "bootstrap_host",
+                "bootstrap_port",
+                "bootstrap_room",
+                "rid",
+            ),
+            set_={"max_tokens": str(s.shadow_tokens).encode(), "stream": b"false"},
+        )
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-request-id", f"{g.ctx.request_id}-shadow".encode()),
+        ]
+        try:
+            async with asyncio.timeout(self.settings.timeouts.prefill_s):
+                status, out = await w.pool.fetch("POST", g.req.path, _for(w, headers), body)
+        except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
+            log.info("shadow.skipped", request_id=g.ctx.request_id, worker=w.id, error=str(e))
+            return
+        if status != 200:
+            return
+        got, want = _answer_text(delivered), _answer_text(out)
+        if got is None or want is None or got.startswith(want) or want.startswith(got):
+            return
+        self.metrics.child(self.metrics.guard_failures, Guard.SHADOW.value, "after_delivery").inc()
+        log.warning(
+            "guard.failed",
+            guard=Guard.SHADOW.value,
+            stage="after_delivery",
+            request_id=g.ctx.request_id,
+            prefill=g.ctx.prefill.id,
+            decode=g.ctx.decode.id,
+            shadow_worker=w.id,
+            delivered_sha1=hashlib.sha1(got.encode()).hexdigest()[:12],
+            shadow_sha1=hashlib.sha1(want.encode()).hexdigest()[:12],
+            delivered_chars=len(got),
+            shadow_chars=len(want),
+        )
+        self.registry.pair_breaker(g.ctx.prefill.id, g.ctx.decode.id).force_open()
+        self.registry.changed()
+
     def _integrity(self, g: _DecodeGuard, why: str, w: Worker, stage: str) -> KVIntegrityError:
         self._guard_failed(
             Guard.DECODE_CONSISTENCY,
@@ -652,6 +732,17 @@ class Orchestrator:
             decode=g.ctx.decode.id,
         )
         return KVIntegrityError(f"KV integrity check failed: {why}", phase="decode", worker=w.id)
+
+    def _prefill_refused(
+        self, p: Worker, d: Worker, v: PrefillVerdict, request_id: str, status: int
+    ) -> GatewayError:
+        """The error for a prefill answer that is no basis for a decode (counted as a guard hit
+        when the engine said 200 but its answer was unsound)."""
+        if status == 200:
+            self._guard_failed(
+                Guard.PREFILL_VERDICT, "before_first_byte", request_id, v.reason, prefill=p.id, decode=d.id
+            )
+        return _prefill_error(p, v)
 
     def _guard_failed(self, guard: Guard, stage: str, request_id: str, why: str, **kw: object) -> None:
         self.metrics.child(self.metrics.guard_failures, guard.value, stage).inc()
@@ -697,7 +788,9 @@ def _blame(plan: Colocated | Disaggregated | Reject, e: UpstreamFailure) -> set[
     """Ids to exclude from the next attempt: the failed worker, or the pair when the link failed."""
     if isinstance(plan, Disaggregated):
         pair = f"{plan.prefill.id}|{plan.decode.id}"
-        return {pair, e.worker} if e.worker else {pair}
+        if isinstance(e, KVIntegrityError) or not e.worker:
+            return {pair}  # a bad handoff: both workers may still serve (colocated, or another pair)
+        return {pair, e.worker}
     if isinstance(plan, Colocated):
         return {plan.worker.id}
     return set()
@@ -753,3 +846,30 @@ class _DecodeGuard:
             context_length=self.context_length,
             greedy=self.req.greedy,
         )
+
+
+class _Choice0(msgspec.Struct):
+    text: str | None = None
+    message: dict[str, object] | None = None
+
+
+class _Answer(msgspec.Struct):
+    choices: list[_Choice0] = []
+
+
+_answer = msgspec.json.Decoder(_Answer)
+
+
+def _answer_text(body: bytes) -> str | None:
+    """Choice 0's text of a completions or chat answer."""
+    try:
+        a = _answer.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if not a.choices:
+        return None
+    c = a.choices[0]
+    if c.text is not None:
+        return c.text
+    content = (c.message or {}).get("content")
+    return content if isinstance(content, str) else None

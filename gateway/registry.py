@@ -118,6 +118,7 @@ class Worker:
             if self.bootstrap_port is not None
             else self.info.bootstrap_port,
             weight=self.weight,
+            block_size=self.info.block_size,
             labels=self.labels,
             inflight=self.inflight,
             inflight_tokens=self.inflight_tokens,

@@ -34,8 +34,11 @@ async def build_cluster(
     time_scale: float = 0.0,
     faults: dict[str, list[str]] | None = None,
     prefill_max_model_len: int = 8192,
+    colocated_fallback: bool = False,
     **gw: object,
 ) -> Cluster:
+    """`colocated_fallback` adds a colocated worker for each P/D model to the gateway (the
+    fallback ladder's second rung)."""
     faults = faults or {}
     specs = {
         "sgl-p": EmulatorSpec(
@@ -72,6 +75,9 @@ async def build_cluster(
         ),
         "col": EmulatorSpec(engine="vllm", role="both", model="m-colocated", time_scale=time_scale),
     }
+    if colocated_fallback:
+        specs["sgl-c"] = EmulatorSpec(engine="sglang", role="both", model="m-sglang", time_scale=time_scale)
+        specs["vllm-c"] = EmulatorSpec(engine="vllm", role="both", model="m-vllm", time_scale=time_scale)
     refs = {
         "m-sglang": EmulatorSpec(engine="sglang", role="both", model="m-sglang", time_scale=time_scale),
         "m-vllm": EmulatorSpec(engine="vllm", role="both", model="m-vllm", time_scale=time_scale),

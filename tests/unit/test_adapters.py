@@ -43,12 +43,23 @@ def parsed(route: RouteKind, body: dict[str, Any]) -> Any:
     )
 
 
-def ctx(engine: Engine, room: int = 42, bootstrap_port: int | None = 31590) -> HandoffCtx:
+def ctx(
+    engine: Engine,
+    room: int = 42,
+    bootstrap_port: int | None = 31590,
+    rid: str = "req-1",
+    block_size: int | None = None,
+) -> HandoffCtx:
     p = WorkerState(
-        id="p", url="http://127.0.0.1:31580", role=Role.PREFILL, engine=engine, bootstrap_port=bootstrap_port
+        id="p",
+        url="http://127.0.0.1:31580",
+        role=Role.PREFILL,
+        engine=engine,
+        bootstrap_port=bootstrap_port,
+        block_size=block_size,
     )
     d = WorkerState(id="d", url="http://127.0.0.1:31581", role=Role.DECODE, engine=engine)
-    return HandoffCtx(request_id="req-1", prefill=p, decode=d, room=room)
+    return HandoffCtx(request_id=rid, prefill=p, decode=d, room=room)
 
 
 # ---- SGLang -----------------------------------------------------------------------------------
@@ -103,7 +114,9 @@ def test_sglang_real_prefill_answers_are_judged_sound(name: str) -> None:
         else (RouteKind.CHAT if "chat" in name else RouteKind.COMPLETIONS)
     )
     req = parsed(route, body)
-    v = SGL.judge_prefill(req, RID, cap["prefill"]["status"], cap["prefill"]["raw_body"].encode())
+    v = SGL.judge_prefill(
+        req, ctx(Engine.SGLANG), cap["prefill"]["status"], cap["prefill"]["raw_body"].encode()
+    )
     assert v.ok, v.reason
     if route is RouteKind.GENERATE:
         assert v.prompt_tokens == 8
@@ -129,14 +142,14 @@ def test_sglang_prefill_abort_event_on_a_200_stream_is_a_failure() -> None:
     }
     raw = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
     req = parsed(RouteKind.GENERATE, {"text": "x", "stream": True})
-    v = SGL.judge_prefill(req, RID, 200, raw)
+    v = SGL.judge_prefill(req, ctx(Engine.SGLANG), 200, raw)
     assert not v.ok and not v.retryable and v.status == 400 and "exceeds" in v.reason
 
 
 def test_sglang_prefill_http_errors() -> None:
     req = parsed(RouteKind.GENERATE, {"text": "x"})
-    assert not SGL.judge_prefill(req, RID, 400, b'{"error":{"message":"too long"}}').retryable
-    assert SGL.judge_prefill(req, RID, 503, b"").retryable
+    assert not SGL.judge_prefill(req, ctx(Engine.SGLANG), 400, b'{"error":{"message":"too long"}}').retryable
+    assert SGL.judge_prefill(req, ctx(Engine.SGLANG), 503, b"").retryable
 
 
 def test_sglang_logprob_merge_counts_each_prompt_position_once() -> None:
@@ -177,7 +190,9 @@ def test_vllm_handoff_bodies_match_the_real_exchange(name: str) -> None:
         prefill.pop(k, None)
     assert prefill == want
     rid = cap["prefill"]["request"]["headers"]["X-Request-Id"]
-    v = VLLM.judge_prefill(req, rid, 200, cap["prefill"]["raw_body"].encode())
+    v = VLLM.judge_prefill(
+        req, ctx(Engine.VLLM, rid=rid, block_size=16), 200, cap["prefill"]["raw_body"].encode()
+    )
     assert v.ok, v.reason
     assert v.prompt_tokens == cap["prefill"]["json"]["usage"]["prompt_tokens"]
     decode = json.loads(VLLM.decode_body(req, c, v))
@@ -188,7 +203,9 @@ def test_vllm_params_are_forwarded_byte_for_byte() -> None:
     cap = capture("vllm_completions_nonstream.json")
     req = parsed(RouteKind.COMPLETIONS, dict(cap["single"]["request"]["body"]))
     raw = cap["prefill"]["raw_body"].encode()
-    v = VLLM.judge_prefill(req, cap["prefill"]["request"]["headers"]["X-Request-Id"], 200, raw)
+    v = VLLM.judge_prefill(
+        req, ctx(Engine.VLLM, rid=cap["prefill"]["request"]["headers"]["X-Request-Id"]), 200, raw
+    )
     assert v.kv_params is not None and bytes(v.kv_params) in raw
     assert bytes(v.kv_params) in VLLM.decode_body(req, ctx(Engine.VLLM), v)
 
@@ -212,7 +229,7 @@ def test_vllm_params_are_forwarded_byte_for_byte() -> None:
 )
 def test_vllm_unsound_prefill_answers_are_refused(body: dict[str, Any], why: str) -> None:
     req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "x"})
-    v = VLLM.judge_prefill(req, RID, 200, json.dumps(body).encode())
+    v = VLLM.judge_prefill(req, ctx(Engine.VLLM), 200, json.dumps(body).encode())
     assert not v.ok and why in v.reason
 
 
@@ -231,6 +248,8 @@ def test_vllm_load_and_info_from_real_endpoints() -> None:
     assert load.running == 0 and load.waiting == 0 and 0.0 <= load.cache_hit_rate <= 1.0
     info = VLLM.parse_info("/v1/models", ep["vllm prefill /v1/models"].encode(), ProbeInfo())
     assert info.model == "tiny" and info.context_length == 512
+    info = VLLM.parse_info("/metrics", ep["vllm prefill /metrics"].encode(), info)
+    assert info.block_size == 128  # vLLM's CPU backend (500 tokens came with 4 blocks in the captures)
 
 
 # ---- shared helpers -------------------------------------------------------------------------
@@ -269,10 +288,18 @@ def test_parse_errors_name_the_field() -> None:
 def test_vllm_params_of_another_request_are_refused() -> None:
     cap = capture("vllm_completions_nonstream.json")
     req = parsed(RouteKind.COMPLETIONS, dict(cap["single"]["request"]["body"]))
-    v = VLLM.judge_prefill(req, "some-other-request", 200, cap["prefill"]["raw_body"].encode())
+    v = VLLM.judge_prefill(
+        req, ctx(Engine.VLLM, rid="some-other-request"), 200, cap["prefill"]["raw_body"].encode()
+    )
     assert not v.ok and "another request" in v.reason
     body = cap["prefill"]["json"]
     body["kv_transfer_params"]["remote_num_tokens"] = 3
     rid = cap["prefill"]["request"]["headers"]["X-Request-Id"]
-    v = VLLM.judge_prefill(req, rid, 200, json.dumps(body).encode())
+    v = VLLM.judge_prefill(req, ctx(Engine.VLLM, rid=rid), 200, json.dumps(body).encode())
     assert not v.ok and "cover 3 tokens" in v.reason
+    body = cap["prefill"]["json"]
+    body["kv_transfer_params"]["remote_num_tokens"] = 6
+    for blocks, bs, ok in (([[]], None, False), ([[1]], 16, True), ([[1]], 4, False), ([[1, 2]], 4, True)):
+        body["kv_transfer_params"]["remote_block_ids"] = blocks
+        v = VLLM.judge_prefill(req, ctx(Engine.VLLM, rid=rid, block_size=bs), 200, json.dumps(body).encode())
+        assert v.ok is ok, (blocks, bs, v.reason)

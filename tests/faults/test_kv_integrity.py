@@ -1,0 +1,203 @@
+"""KV-integrity guards against every corruption mode the emulator injects.
+
+For each mode, ≥ 2,000 greedy requests (64 in flight at a time) go through the gateway while the
+emulator corrupts ≥ 10 % of the handoffs. Every delivered answer is compared with a colocated
+emulator's answer to the same prompt: a corrupted answer may come back as a clear error, or as a
+correct answer after a fallback, but never as a clean 200 (or a clean `[DONE]`) with wrong tokens.
+A clean run of 10,000 requests must see no guard fire at all (no false positives).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import Counter
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.config import GuardsConfig
+from tests.integration.conftest import Cluster, build_cluster, stop_cluster
+
+PROMPTS = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(3 + (i * 13) % 120)) for i in range(40)]
+MAX_TOKENS = 8
+
+
+def body(model: str, prompt: str, stream: bool) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+        "ignore_eos": True,
+    }
+
+
+def answer_text(raw: bytes, stream: bool) -> tuple[str, bool]:
+    """(text, ended cleanly)."""
+    if not stream:
+        return json.loads(raw)["choices"][0]["text"], True
+    text, clean = "", False
+    for line in raw.split(b"\n"):
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:]
+        if payload == b"[DONE]":
+            clean = True
+            continue
+        ev = json.loads(payload)
+        if "error" in ev:
+            return text, False
+        for c in ev.get("choices", []):
+            text += c.get("text") or ""
+    return text, clean
+
+
+async def references(c: Cluster, model: str) -> dict[str, str]:
+    out = {}
+    async with aiohttp.ClientSession() as s:
+        for p in PROMPTS:
+            async with s.post(c.reference[model].url + "/v1/completions", json=body(model, p, False)) as r:
+                out[p] = (await r.json())["choices"][0]["text"]
+    return out
+
+
+async def hammer(
+    c: Cluster, model: str, n: int, refs: dict[str, str], seed: int = 0, stream_share: int = 2
+) -> Counter[str]:
+    rng = random.Random(seed)
+    outcomes: Counter[str] = Counter()
+    sem = asyncio.Semaphore(64)
+    conn = aiohttp.TCPConnector(limit=64)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as s:
+
+        async def one(i: int) -> None:
+            prompt = rng.choice(PROMPTS)
+            stream = stream_share > 0 and i % stream_share == 1
+            async with sem, s.post(c.url + "/v1/completions", json=body(model, prompt, stream)) as r:
+                raw = await r.read()
+                if r.status != 200:
+                    assert json.loads(raw)["error"]["message"]
+                    outcomes["clear_error"] += 1
+                    return
+                text, clean = answer_text(raw, stream)
+                if not clean:
+                    outcomes["stream_error_event"] += 1
+                elif text == refs[prompt]:
+                    outcomes["correct"] += 1
+                else:
+                    outcomes["CORRUPTED"] += 1
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return outcomes
+
+
+MODES = [
+    # (model, emulator, fault): sglang #30233, #33507 shapes; vLLM stale/foreign params (#52234 shapes)
+    ("m-sglang", "sgl-p", "silent_truncation:0.15"),
+    ("m-sglang", "sgl-p", "abort_during_transfer:0.15"),
+    ("m-vllm", "vllm-p", "stale_kv_params:0.15"),
+    ("m-vllm", "vllm-p", "bogus_kv_params:0.15,mode=short"),  # kills a real vLLM decode
+    ("m-vllm", "vllm-p", "bogus_kv_params:0.15,mode=empty"),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("model", "emulator", "fault"), MODES)
+async def test_no_corrupted_answer_is_delivered(model: str, emulator: str, fault: str) -> None:
+    c = await build_cluster(colocated_fallback=True)
+    try:
+        refs = await references(c, model)
+        await c.emulators[emulator].set_faults([fault])
+        outcomes = await hammer(c, model, 2000, refs)
+        assert outcomes["CORRUPTED"] == 0, outcomes
+        assert sum(outcomes.values()) == 2000
+        assert outcomes["correct"] >= 1600, outcomes  # the rest: recovered or a clear error
+        text = c.gateway.metrics.render().decode()
+        assert "pdgw_guard_failures_total{" in text  # the guards, not luck, kept them out
+    finally:
+        await stop_cluster(c)
+
+
+WRONG_KV = [("m-sglang", "sgl-p"), ("m-vllm", "vllm-p")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("model", "emulator"), WRONG_KV)
+async def test_wrong_request_kv_is_caught_before_or_by_shadow_verification(model: str, emulator: str) -> None:
+    """Another request's KV (sglang PR #32564 shape): the first-token check stops most answers
+    before a byte is sent; the rest differ only after the first token, and shadow verification
+    (here on every request) flags each of them after delivery and trips the pair's breaker.
+    (Honest limit: without shadowing, those few are delivered — see docs/guards.md.)"""
+    c = await build_cluster(colocated_fallback=True, guards=GuardsConfig(shadow_fraction=1.0))
+    try:
+        refs = await references(c, model)
+        await c.emulators[emulator].set_faults(["wrong_request_kv:0.15"])
+        outcomes = await hammer(c, model, 2000, refs, stream_share=0)
+        await c.gateway.orchestrator.drain_background(10.0)
+        text = c.gateway.metrics.render().decode()
+        caught_after = _metric(text, 'guard="shadow"')
+        caught_before = _metric(text, 'guard="decode_consistency"')
+        assert caught_before > 0
+        # every corrupted answer that got past the cheap checks was flagged by shadow verification
+        assert outcomes["CORRUPTED"] == caught_after, (outcomes, caught_after)
+        if caught_after:  # ... and the suspect pair was taken out of rotation
+            assert any(
+                p.endswith("|" + emulator.replace("-p", "-d")) for p in c.gateway.registry.open_pairs()
+            )
+    finally:
+        await stop_cluster(c)
+
+
+def _metric(text: str, label: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdgw_guard_failures_total{") and label in line
+    )
+
+
+@pytest.mark.timeout(300)
+async def test_context_limit_mismatch_between_prefill_and_decode() -> None:
+    """The prefill accepts shorter prompts than the decode (InferenceX #2257: the decode waited
+    forever). A prompt surely over the prefill's limit is refused before any engine sees it; one
+    the gateway cannot size exactly is refused by the prefill, and the waiting decode is aborted
+    at once instead of waiting for KV that never comes."""
+    c = await build_cluster(prefill_max_model_len=256)
+    try:
+        refs = await references(c, "m-sglang")
+        async with aiohttp.ClientSession() as s:
+            ids = {
+                "model": "m-sglang",
+                "input_ids": list(range(5, 400)),
+                "sampling_params": {"max_new_tokens": 4},
+            }
+            async with s.post(c.url + "/generate", json=ids) as r:
+                assert r.status == 400 and "sgl-p accepts prompts" in (await r.json())["error"]["message"]
+            assert (await c.emulators["sgl-d"].stats())["received"] == 0
+            async with s.post(c.url + "/v1/completions", json=body("m-sglang", "x " * 400, False)) as r:
+                assert r.status == 400 and (await r.json())["error"]["message"]
+        stats = await c.emulators["sgl-d"].stats()
+        assert stats["in_flight"] == 0 and stats["received"] == 1
+        outcomes = await hammer(c, "m-sglang", 200, refs)
+        assert outcomes["CORRUPTED"] == 0 and outcomes["correct"] + outcomes["clear_error"] == 200
+        assert outcomes["correct"] > 0  # the prompts that fit both are served
+    finally:
+        await stop_cluster(c)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", ["m-sglang", "m-vllm"])
+async def test_clean_run_has_no_false_positives(model: str) -> None:
+    c = await build_cluster()
+    try:
+        refs = await references(c, model)
+        outcomes = await hammer(c, model, 5000, refs, seed=1)
+        assert outcomes == Counter(correct=5000)
+        text = c.gateway.metrics.render().decode()
+        assert "pdgw_guard_failures_total{" not in text
+    finally:
+        await stop_cluster(c)
