@@ -41,7 +41,7 @@ from bench.loadgen import (
 )
 
 ENGINES = ("sglang", "vllm")
-TARGET_KINDS = ("direct", "direct-pd", "gateway", "sglang-router", "vllm-router")
+TARGET_KINDS = ("direct", "direct-pd", "gateway", "gateway-noguards", "sglang-router", "vllm-router")
 MODES = ("nonstream", "stream64")
 MODEL = "bench-model"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
@@ -138,8 +138,14 @@ def start_target(
         argv = procs.vllm_router_argv(
             port, [pre.url], [dec.url], prometheus_port=prom_port, log_level="warning"
         )
-    elif kind == "gateway":
-        argv = procs.gateway_argv(cluster.engine, port, [(pre.url, pre.bootstrap_port)], [dec.url])
+    elif kind in ("gateway", "gateway-noguards"):
+        argv = procs.gateway_argv(
+            cluster.engine,
+            port,
+            [(pre.url, pre.bootstrap_port)],
+            [dec.url],
+            extra=["--no-guards"] if kind == "gateway-noguards" else [],
+        )
     else:
         raise ValueError(kind)
     proc = group.add(procs.start_process(f"{kind}-{cluster.engine}", argv, cpus=cpus, log_dir=log_dir))
@@ -247,7 +253,12 @@ def fill_derived(rows: list[Row]) -> None:
         if d is not None and not r.target.startswith("direct") and r.completed and d.completed:
             r.added_p50_ms = r.p50_ms - d.p50_ms
         rt = routers.get((r.engine, r.mode, r.conns))
-        if r.target == "gateway" and rt is not None and rt.cpu_us_per_req and r.cpu_us_per_req is not None:
+        if (
+            r.target.startswith("gateway")
+            and rt is not None
+            and rt.cpu_us_per_req
+            and r.cpu_us_per_req is not None
+        ):
             r.cpu_vs_router = r.cpu_us_per_req / rt.cpu_us_per_req
 
 
@@ -347,7 +358,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--targets",
         default="direct,direct-pd,gateway,sglang-router,vllm-router",
-        help="any of direct,direct-pd,gateway,sglang-router,vllm-router",
+        help="any of direct,direct-pd,gateway,gateway-noguards,sglang-router,vllm-router",
     )
     p.add_argument("--engines", default="sglang,vllm", help="which P/D pools: sglang,vllm")
     p.add_argument(
@@ -378,7 +389,8 @@ def plan(targets: list[str], engines: list[str]) -> list[tuple[str, list[str]]]:
     """[(engine, [target kinds in run order])]: direct, the Rust router, then the gateway."""
     out = []
     for engine in engines:
-        kinds = [k for k in ("direct", "direct-pd", f"{engine}-router", "gateway") if k in targets]
+        order = ("direct", "direct-pd", f"{engine}-router", "gateway", "gateway-noguards")
+        kinds = [k for k in order if k in targets]
         if kinds:
             out.append((engine, kinds))
     return out

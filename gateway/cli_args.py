@@ -103,6 +103,12 @@ def build_serve_parser() -> argparse.ArgumentParser:
         help="requests in flight (limits.max_concurrent)",
     )
     k.add_argument(
+        "--guards",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="KV-integrity guards (length preflight, decode consistency); --no-guards turns them off",
+    )
+    k.add_argument(
         "--admin-token-env",
         default=None,
         metavar="VAR",
@@ -164,6 +170,10 @@ def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, key)
         if value is not None:
             doc[key] = policy_shorthand(value)
+    if args.guards is not None:
+        guards = section("guards")
+        for key in ("length_preflight", "prefill_verdict", "decode_consistency"):
+            guards[key] = args.guards
     if args.min_prefill_tokens is not None:
         section("decider")["min_prefill_tokens"] = args.min_prefill_tokens
     if args.request_timeout_s is not None:

@@ -19,7 +19,9 @@ from collections.abc import Callable
 from gateway.guards import Summary
 
 _SEP = b"\n\n"
-_FINISH = (b'"finish_reason":"', b'"finish_reason":{', b'"finish_reason": "', b'"finish_reason": {')
+# Both engines write compact JSON (orjson / pydantic): a finish reason that is set starts with a
+# quote (OpenAI shapes) or a brace (SGLang's /generate); an unset one is `null`.
+_FINISH = (b'"finish_reason":"', b'"finish_reason":{')
 
 Summarize = Callable[[list[bytes]], Summary]
 Check = Callable[[Summary], str | None]
@@ -66,6 +68,12 @@ class StreamWatch:
         self.violation: str | None = None
 
     def feed(self, data: bytes) -> None:
+        if self._state == 1 and not self._buf and data.endswith(_SEP):
+            # the hot path: whole events in the middle of a stream
+            if data.find(_FINISH[0]) < 0 and data.find(_FINISH[1]) < 0:
+                self._passed_events += data.count(b"data:")
+                self._write(data)
+                return
         if self.violation is not None:
             return
         buf = self._buf + data if self._buf else data
@@ -73,7 +81,10 @@ class StreamWatch:
         if cut < 0:
             self._buf = buf
             return
-        complete, self._buf = buf[: cut + 2], buf[cut + 2 :]
+        if cut + 2 == len(buf):  # the usual case: whole events, no copy
+            complete, self._buf = buf, b""
+        else:
+            complete, self._buf = buf[: cut + 2], buf[cut + 2 :]
         if self._state == 0:
             self._held += complete
             self._head.extend(_payloads(complete))

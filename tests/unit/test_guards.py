@@ -17,7 +17,7 @@ CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures"
 
 
 def ev(obj: object) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"  # compact, as engines
 
 
 def chunk(i: int, text: str, finish: str | None = None) -> bytes:
