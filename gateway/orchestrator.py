@@ -83,6 +83,9 @@ class OrchestratorSettings(msgspec.Struct, frozen=True):
     chars_per_token: float = 4.0  # estimate for text prompts when no tokenizer is configured
     forward_authorization: bool = False
     guards: GuardSettings = GuardSettings()
+    # rungs tried after a failure before the first byte: "other_pair", "colocated",
+    # "decode_self_prefill", then "shed" (503 + Retry-After naming the failure) when none is left
+    ladder: tuple[str, ...] = ("other_pair", "colocated", "decode_self_prefill", "shed")
 
 
 class _Attempt:
@@ -157,8 +160,11 @@ class Orchestrator:
                     attempt_no += 1
                     a = _Attempt(echo)
                     plan = self.policy.plan(view, self.registry.snapshot(), self._exclude(exclude))
-                    if isinstance(plan, Reject) and last_error is not None:
-                        raise last_error  # nothing left to fall back to: the real cause, not "no worker"
+                    if last_error is not None:
+                        rung = _rung(plan)
+                        if rung is None or rung not in self.settings.ladder:
+                            raise self._out_of_rungs(last_error)
+                        self.metrics.child(self.metrics.fallbacks, rung).inc()
                     if not isinstance(plan, Reject):
                         self.policy.observe(routed_event(view, plan))
                     try:
@@ -220,6 +226,15 @@ class Orchestrator:
                 ttft_ms=round((a.first_byte_at - started) * 1000, 3) if a.first_byte_at else None,
                 prefill_ms=round((a.prefill_done_at - a.started) * 1000, 3) if a.prefill_done_at else None,
             )
+
+    def _out_of_rungs(self, last: UpstreamFailure) -> GatewayError:
+        """No rung left: shed with 503 + Retry-After naming what failed, or the failure itself."""
+        if "shed" not in self.settings.ladder:
+            return last
+        self.metrics.child(self.metrics.fallbacks, "shed").inc()
+        return NoWorker(
+            f"{last.message} (phase {last.phase}); no fallback left", code=last.code, retry_after_s=1.0
+        )
 
     def _exclude(self, failed: set[str]) -> frozenset[str]:
         """What the policy must avoid: ids that failed for this request, and open pairs."""
@@ -775,6 +790,15 @@ class Orchestrator:
     async def drain_background(self, within_s: float = 5.0) -> None:
         if self._background:
             await asyncio.wait(list(self._background), timeout=within_s)
+
+
+def _rung(plan: Colocated | Disaggregated | Reject) -> str | None:
+    """Which fallback rung a plan made after a failure is."""
+    if isinstance(plan, Disaggregated):
+        return "other_pair"
+    if isinstance(plan, Colocated):
+        return "decode_self_prefill" if plan.worker.role is Role.DECODE else "colocated"
+    return None
 
 
 def _for(w: Worker, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
