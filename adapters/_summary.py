@@ -28,13 +28,19 @@ class _Choice(msgspec.Struct):
     token_ids: list[int] | None = None
 
 
+class _Error(msgspec.Struct):
+    message: str | None = None
+
+
 class _OpenAI(msgspec.Struct):
     choices: list[_Choice] = []
     usage: _Usage | None = None
+    error: _Error | str | None = None
 
 
 class _Finish(msgspec.Struct):
     type: str | None = None
+    message: str | None = None
 
 
 class _Meta(msgspec.Struct):
@@ -63,6 +69,8 @@ def summarize_openai(payloads: Iterable[bytes]) -> Summary:
             o = _openai.decode(p)
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
+        if o.error is not None:
+            s.error = o.error if isinstance(o.error, str) else (o.error.message or "error event")
         if o.usage is not None:
             s.prompt_tokens = o.usage.prompt_tokens
             s.completion_tokens = o.usage.completion_tokens
@@ -76,6 +84,8 @@ def summarize_openai(payloads: Iterable[bytes]) -> Summary:
                 s.first_token_id = c.token_ids[0]
             if c.finish_reason is not None:
                 s.finish_reason = c.finish_reason
+                if c.finish_reason == "abort":
+                    s.error = "the engine aborted the request"
     if text:
         s.first_text = text[0]
     return s
@@ -100,4 +110,6 @@ def summarize_generate(payloads: Iterable[bytes]) -> Summary:
             s.completion_tokens = g.meta_info.completion_tokens
             if g.meta_info.finish_reason is not None:
                 s.finish_reason = g.meta_info.finish_reason.type
+                if s.finish_reason == "abort":
+                    s.error = g.meta_info.finish_reason.message or "the engine aborted the request"
     return s

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from emulator import model, timing
 from emulator.kvcache import BlockPool
 from emulator.profiles import Profile
+
+T = TypeVar("T")
 
 
 class EngineDead(Exception):
@@ -329,6 +332,25 @@ class Engine:
             return False
         self.abort_seq(seq)
         return True
+
+    async def abortable(self, seq: Seq, aw: Awaitable[T]) -> T:
+        """Await `aw` (a KV wait, say) unless the request is aborted first (then `Aborted`)."""
+        task = asyncio.ensure_future(aw)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        seq.prefill_future = waiter
+        try:
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if seq.prefill_future is waiter:
+                seq.prefill_future = None
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is not None:
+                raise waiter.exception()  # type: ignore[misc]
+            raise Aborted()
+        waiter.cancel()
+        return task.result()
 
     def abort_seq(self, seq: Seq) -> None:
         seq.aborted = True

@@ -200,7 +200,9 @@ class SglangApi:
             if mode == "decode":
                 assert item.bhost is not None and item.bport is not None and item.room is not None
                 try:
-                    contents = await sglang_fetch_kv(s, seq, item.bhost, item.bport, item.room, hit)
+                    contents = await engine.abortable(
+                        seq, sglang_fetch_kv(s, seq, item.bhost, item.bport, item.room, hit)
+                    )
                     engine.counters.kv_transfers_ok += 1
                 except TransferError as e:
                     engine.counters.kv_transfers_failed += 1

@@ -203,7 +203,7 @@ def setup(s: EmulatorServer) -> None:
                 if stream:
                     resp = await start_sse(request)
                 try:
-                    contents = await vllm_pull_kv(s, seq, ktp, hit)
+                    contents = await engine.abortable(seq, vllm_pull_kv(s, seq, ktp, hit))
                     engine.counters.kv_transfers_ok += 1
                 except TransferError as e:
                     engine.counters.kv_transfers_failed += 1

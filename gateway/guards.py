@@ -56,6 +56,7 @@ class Summary(msgspec.Struct):
     finish_reason: str | None = None
     first_token_id: int | None = None
     first_text: str | None = None
+    error: str | None = None  # an error event, or an abort finish (SGLang), in the answer
 
 
 def preflight(

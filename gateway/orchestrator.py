@@ -61,6 +61,7 @@ class Timeouts(msgspec.Struct, frozen=True):
     idle_s: float = 60.0  # between two body chunks of a stream
     total_s: float = 600.0  # the whole request
     abort_s: float = 2.0  # an abort call to an engine
+    abort_repeat_s: float = 0.5  # the abort call is sent again after this long
 
 
 class RetrySettings(msgspec.Struct, frozen=True):
@@ -599,6 +600,7 @@ class Orchestrator:
         chunks = 0
         last = loop.time()  # when the upstream last sent something
         stopped = False  # the guard stopped the stream
+        piped: asyncio.Future[None] | None = None
 
         def sink(data: bytes) -> None:
             nonlocal chunks, last, stopped
@@ -607,9 +609,12 @@ class Orchestrator:
             last = loop.time()
             if watch is not None and watch.violation is not None and not stopped:
                 stopped = True
-                piped.cancel()
+                if piped is not None:  # else pipe() is still handing over buffered bytes
+                    piped.cancel()
 
         piped = resp.pipe(sink, flow=res, batch=res)
+        if stopped:
+            piped.cancel()
         # The idle deadline is checked lazily: one timer that re-arms itself at `last + idle`
         # when it finds the stream has moved, instead of a new timer per chunk.
         timed_out = False
@@ -643,6 +648,11 @@ class Orchestrator:
             timer.cancel()
         if watch is not None and guard is not None:
             why = watch.finish()
+            if watch.failed is not None:
+                resp.release()
+                raise UpstreamFailure(
+                    f"worker {w.id} failed the request: {watch.failed}", phase=phase, worker=w.id
+                )
             if why is not None:
                 resp.release()
                 raise self._integrity(guard, why, w, "mid_stream" if res.started else "before_first_byte")
@@ -778,14 +788,21 @@ class Orchestrator:
         task.add_done_callback(self._background.discard)
 
     async def _send_abort(self, w: Worker, path: str, body: bytes) -> None:
-        self.metrics.child(self.metrics.aborts_sent, w.engine.value).inc()
-        try:
-            async with asyncio.timeout(self.settings.timeouts.abort_s):
-                resp = await w.pool.request("POST", path, [(b"content-type", b"application/json")], body)
-                await resp.read()
-                resp.release()
-        except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
-            log.warning("abort.failed", worker=w.id, error=str(e))
+        """Send the engine's abort call, and once more a moment later: an abort that overtakes
+        the request it names (still in the engine's socket buffer) finds nothing to abort, and
+        the request would then wait for KV that never comes (300 s on SGLang)."""
+        for delay in (0.0, self.settings.timeouts.abort_repeat_s):
+            if delay:
+                await asyncio.sleep(delay)
+            self.metrics.child(self.metrics.aborts_sent, w.engine.value).inc()
+            try:
+                async with asyncio.timeout(self.settings.timeouts.abort_s):
+                    resp = await w.pool.request("POST", path, [(b"content-type", b"application/json")], body)
+                    await resp.read()
+                    resp.release()
+            except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
+                log.warning("abort.failed", worker=w.id, error=str(e))
+                return
 
     async def drain_background(self, within_s: float = 5.0) -> None:
         if self._background:

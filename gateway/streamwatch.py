@@ -21,7 +21,7 @@ from gateway.guards import Summary
 _SEP = b"\n\n"
 # Both engines write compact JSON (orjson / pydantic): a finish reason that is set starts with a
 # quote (OpenAI shapes) or a brace (SGLang's /generate); an unset one is `null`.
-_FINISH = (b'"finish_reason":"', b'"finish_reason":{')
+_FINISH = (b'"finish_reason":"', b'"finish_reason":{', b'{"error":')
 
 Summarize = Callable[[list[bytes]], Summary]
 Check = Callable[[Summary], str | None]
@@ -49,6 +49,7 @@ class StreamWatch:
         "_state",
         "_summarize",
         "_write",
+        "failed",
         "violation",
     )
 
@@ -65,12 +66,13 @@ class StreamWatch:
         self._held = b""
         self._passed_events = 0
         self._first: Summary | None = None
-        self.violation: str | None = None
+        self.violation: str | None = None  # a guard failed
+        self.failed: str | None = None  # the engine failed before its first token (nothing was sent)
 
     def feed(self, data: bytes) -> None:
         if self._state == 1 and not self._buf and data.endswith(_SEP):
             # the hot path: whole events in the middle of a stream
-            if data.find(_FINISH[0]) < 0 and data.find(_FINISH[1]) < 0:
+            if data.find(_FINISH[0]) < 0 and data.find(_FINISH[1]) < 0 and data.find(_FINISH[2]) < 0:
                 self._passed_events += data.count(b"data:")
                 self._write(data)
                 return
@@ -119,7 +121,8 @@ class StreamWatch:
         self._held += complete
 
     def finish(self) -> str | None:
-        """At the end of the upstream stream: check the answer, then release what was held."""
+        """At the end of the upstream stream: check the answer, then release what was held.
+        Returns the guard violation, if any; `failed` says the engine itself failed."""
         if self.violation is not None:
             return self.violation
         held = self._held + self._buf
@@ -131,6 +134,12 @@ class StreamWatch:
         if self._first is not None:
             end.first_text = self._first.first_text
             end.first_token_id = self._first.first_token_id
+        if end.error is not None and self._state != 1:
+            # the engine's own error event (or abort): not relayed; before the first token the
+            # request can still be retried elsewhere, after it the stream ends with our error
+            self.failed = end.error
+            self._held = self._buf = b""
+            return None
         self.violation = self._check_end(end) if self._state == 2 else None
         if self.violation is None and held:
             self._write(held)
