@@ -209,7 +209,8 @@ class Orchestrator:
         finally:
             end = time.monotonic()
             route = req.route.value
-            self.metrics.child(self.metrics.requests, route, req.model, a.plan_kind, outcome).inc()
+            label = self.registry.model_label(req.model)
+            self.metrics.child(self.metrics.requests, route, label, a.plan_kind, outcome).inc()
             self.metrics.child(self.metrics.e2e, route, a.plan_kind).observe(end - started)
             if a.first_byte_at:
                 self.metrics.child(self.metrics.ttft, route, a.plan_kind).observe(a.first_byte_at - started)

@@ -176,6 +176,14 @@ class Registry:
             self._snap_version = self._version
         return self._snap
 
+    def model_label(self, model: str) -> str:
+        """`model` if some worker serves it, else "unknown": client-chosen names must not grow
+        metric label sets without bound."""
+        for w in self._workers.values():
+            if w.model == model:
+                return model
+        return "unknown"
+
     def pair_breaker(self, prefill_id: str, decode_id: str) -> CircuitBreaker:
         key = f"{prefill_id}|{decode_id}"
         b = self._pair_breakers.get(key)
