@@ -241,7 +241,10 @@ class Orchestrator:
     def _exclude(self, failed: set[str]) -> frozenset[str]:
         """What the policy must avoid: ids that failed for this request, and open pairs."""
         open_pairs = self.registry.open_pairs()
-        return open_pairs if not failed else frozenset(failed) | open_pairs
+        full = self.registry.full()
+        if not failed and not full:
+            return open_pairs
+        return frozenset(failed) | open_pairs | full
 
     def _fail(self, res: HttpResponder, e: GatewayError) -> None:
         if res.closed:

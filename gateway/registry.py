@@ -127,7 +127,9 @@ class Worker:
 
 
 class Registry:
-    def __init__(self, breaker: BreakerSettings | None = None) -> None:
+    def __init__(self, breaker: BreakerSettings | None = None, inflight_cap: int = 0) -> None:
+        self.inflight_cap = inflight_cap  # requests in flight per worker before it is skipped; 0 = no cap
+        self._full: set[str] = set()
         self._workers: dict[str, Worker] = {}
         self._pair_breakers: dict[str, CircuitBreaker] = {}
         self._breaker = breaker or BreakerSettings()
@@ -204,11 +206,19 @@ class Registry:
         w.inflight_tokens += tokens
         w.breaker.on_dispatch()
         self._version += 1
+        if self.inflight_cap and w.inflight >= self.inflight_cap:
+            self._full.add(w.id)
 
     def release(self, w: Worker, tokens: int) -> None:
         w.inflight -= 1
         w.inflight_tokens -= tokens
         self._version += 1
+        if self._full and w.inflight < self.inflight_cap:
+            self._full.discard(w.id)
+
+    def full(self) -> set[str]:
+        """Workers at their in-flight cap (the KV-transfer cliff under concurrency, sglang #9266)."""
+        return self._full
 
     def record(self, w: Worker, ok: bool) -> None:
         if w.breaker.record(ok):

@@ -129,3 +129,25 @@ async def test_prefill_5xx_is_a_clear_error_not_a_hang(
     await c.emulators[prefill].set_faults([])
     status, raw, _ = await post(c.url + "/v1/completions", body(model))
     assert status == 200, raw
+
+
+async def test_per_worker_inflight_cap_sheds_with_retry_after() -> None:
+    """At its cap a worker takes no more (the KV-transfer cliff at high concurrency, sglang #9266):
+    the excess is shed at once with 503 + Retry-After instead of piling onto the engines."""
+    c = await build_cluster(time_scale=0.2, timeouts=FAST)
+    c.gateway.registry.inflight_cap = 2
+    try:
+        async with aiohttp.ClientSession() as s:
+
+            async def one() -> tuple[int, str | None]:
+                async with s.post(c.url + "/v1/completions", json=body("m-vllm", True, 64)) as r:
+                    await r.read()
+                    return r.status, r.headers.get("Retry-After")
+
+            results = await asyncio.gather(*(one() for _ in range(6)))
+        statuses = sorted(st for st, _ in results)
+        assert statuses.count(200) >= 2 and 503 in statuses, statuses
+        assert all(ra for st, ra in results if st == 503)
+        assert (await c.emulators["vllm-d"].stats())["received"] <= 4
+    finally:
+        await stop_cluster(c)
