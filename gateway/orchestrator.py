@@ -13,6 +13,7 @@ abort), and SGLang's `/abort_request` is sent, so no engine keeps working for no
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 import random
 import time
@@ -89,12 +90,33 @@ class OrchestratorSettings(msgspec.Struct, frozen=True):
     ladder: tuple[str, ...] = ("other_pair", "colocated", "decode_self_prefill", "shed")
 
 
-class _Attempt:
-    """What one attempt learned, for logging and metrics."""
+class Phase(enum.StrEnum):
+    """Where an attempt is. planned → prefill (SGLang: prefill ∥ decode) → handoff → streaming
+    → done; a failure is recorded with the phase it happened in."""
 
-    __slots__ = ("decode", "echo", "first_byte_at", "plan_kind", "prefill", "prefill_done_at", "started")
+    PLANNED = "planned"
+    PREFILL = "prefill"
+    HANDOFF = "handoff"
+    STREAMING = "streaming"
+    DONE = "done"
+
+
+class _Attempt:
+    """One attempt's state machine position and what it learned, for logging and metrics."""
+
+    __slots__ = (
+        "decode",
+        "echo",
+        "first_byte_at",
+        "phase",
+        "plan_kind",
+        "prefill",
+        "prefill_done_at",
+        "started",
+    )
 
     def __init__(self, echo: tuple[bytes, bytes]) -> None:
+        self.phase = Phase.PLANNED
         self.echo = echo  # the x-request-id header echoed to the client
         self.plan_kind = "none"
         self.prefill: str | None = None
@@ -152,6 +174,7 @@ class Orchestrator:
         exclude: set[str] = set()
         last_error: UpstreamFailure | None = None
         attempt_no = 0
+        history: list[str] = []  # failed attempts: "plan:phase reached:error code"
         outcome = "ok"
         echo = (b"x-request-id", request_id.encode())
         a = _Attempt(echo)
@@ -170,6 +193,7 @@ class Orchestrator:
                         self.policy.observe(routed_event(view, plan))
                     try:
                         await self._execute(plan, req, request_id, res, headers, view, a)
+                        a.phase = Phase.DONE
                         self.policy.observe(
                             Completed(
                                 request_id,
@@ -179,6 +203,7 @@ class Orchestrator:
                         )
                         return
                     except UpstreamFailure as e:
+                        history.append(f"{a.plan_kind}:{a.phase.value}:{e.code.value}")
                         self.policy.observe(Failed(request_id, plan_worker_ids(plan), e.phase))
                         self.metrics.child(
                             self.metrics.upstream_errors, e.worker or "", e.phase, e.code.value
@@ -223,6 +248,8 @@ class Orchestrator:
                 prefill=a.prefill,
                 decode=a.decode,
                 attempts=attempt_no,
+                failed_attempts=history or None,
+                phase=a.phase.value,
                 outcome=outcome,
                 duration_ms=round((end - started) * 1000, 3),
                 ttft_ms=round((a.first_byte_at - started) * 1000, 3) if a.first_byte_at else None,
@@ -293,6 +320,7 @@ class Orchestrator:
             await self._colocated(d, req, request_id, res, headers, tokens, a)
             return
         a.plan_kind, a.prefill, a.decode = "disaggregated", p.id, d.id
+        a.phase = Phase.PREFILL
         ctx = HandoffCtx(
             request_id=request_id, prefill=plan.prefill, decode=plan.decode, room=new_room(self.rng)
         )
@@ -375,6 +403,7 @@ class Orchestrator:
                         # the decode was already waiting for this KV: refusing it is the guard's catch
                         raise self._prefill_refused(p, d, verdict, ctx.request_id, 200)
                     ok_p = in_handoff = True
+                    a.phase = Phase.HANDOFF
                     if not decode_task.done():
                         deadline.reschedule(asyncio.get_running_loop().time() + t.handoff_s)
                     try:
@@ -504,6 +533,7 @@ class Orchestrator:
             self.registry.release(p, tokens)
             self.registry.record(p, ok_p or res.closed)
         a.prefill_done_at = time.monotonic()
+        a.phase = Phase.HANDOFF
         self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
         dbody = d.adapter.decode_body(req, ctx, verdict)
         resp: UpstreamResponse | None = None
@@ -588,6 +618,7 @@ class Orchestrator:
         if guard is None:
             res.start_stream(200, head)
             a.first_byte_at = time.monotonic()
+            a.phase = Phase.STREAMING
             write = res.write
         else:
 
@@ -595,6 +626,7 @@ class Orchestrator:
                 if not res.started:  # the first token passed its check: the stream starts now
                     res.start_stream(200, head)
                     a.first_byte_at = time.monotonic()
+                    a.phase = Phase.STREAMING
                 res.write(data)
 
             watch = StreamWatch(started_write, guard.summarize, guard.check_first, guard.check_end)
