@@ -344,7 +344,7 @@ class Orchestrator:
         body = w.adapter.colocated_body(req, request_id)
         self.registry.acquire(w, tokens)
         resp: UpstreamResponse | None = None
-        ok = False
+        ok = client_fault = False
         try:
             try:
                 async with asyncio.timeout(self.settings.timeouts.prefill_s):
@@ -357,11 +357,14 @@ class Orchestrator:
             ok = True
         except (UpstreamConnectError, UpstreamProtocolError) as e:
             raise UpstreamFailure(f"worker {w.id}: {e}", phase="colocated", worker=w.id) from None
+        except GatewayError as e:
+            client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the worker's
+            raise
         finally:
             if not ok:
                 self._abort_leg(w, resp, req, request_id)
             self.registry.release(w, tokens)
-            self.registry.record(w, ok or res.closed)
+            self.registry.record(w, ok or res.closed or client_fault)
 
     async def _concurrent(
         self,
@@ -388,7 +391,7 @@ class Orchestrator:
         prefill_task = p.pool.fetch("POST", req.path, _for(p, headers), pbody)
         decode_task = d.pool.start("POST", req.path, _for(d, headers), dbody)
         resp: UpstreamResponse | None = None
-        ok_p = ok_d = suspect_pair = False
+        ok_p = ok_d = suspect_pair = client_fault = False
         t0 = time.monotonic()
         in_handoff = False
         try:
@@ -438,6 +441,9 @@ class Orchestrator:
         except KVIntegrityError:
             suspect_pair = True  # the handoff, not the decode worker, is suspect
             raise
+        except GatewayError as e:
+            client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the workers'
+            raise
         finally:
             if not ok_d:
                 if not prefill_task.cancel() and not prefill_task.cancelled():
@@ -451,7 +457,7 @@ class Orchestrator:
                 self._abort_leg(d, resp, req, ctx.request_id)
             self.registry.release(p, view.prompt_tokens)
             self.registry.release(d, tokens)
-            gone = res.closed
+            gone = res.closed or client_fault
             self.registry.record(p, ok_p or gone)
             self.registry.record(d, ok_d or gone or not ok_p or suspect_pair)
             if pair.record(ok_d or gone):
@@ -527,6 +533,7 @@ class Orchestrator:
                 ) from None
             verdict = p.adapter.judge_prefill(req, ctx, status, out)
             if not verdict.ok:
+                ok_p = not verdict.retryable  # a 4xx verdict is the request's fault
                 raise self._prefill_refused(p, d, verdict, ctx.request_id, status)
             ok_p = True
         finally:
@@ -537,7 +544,7 @@ class Orchestrator:
         self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
         dbody = d.adapter.decode_body(req, ctx, verdict)
         resp: UpstreamResponse | None = None
-        ok_d = suspect_pair = False
+        ok_d = suspect_pair = client_fault = False
         self.registry.acquire(d, tokens)
         try:
             try:
@@ -559,12 +566,15 @@ class Orchestrator:
         except KVIntegrityError:
             suspect_pair = True  # the handoff, not the decode worker, is suspect
             raise
+        except GatewayError as e:
+            client_fault = not e.retryable
+            raise
         finally:
             if not ok_d:
                 self._abort_leg(d, resp, req, ctx.request_id)
             self.registry.release(d, tokens)
-            self.registry.record(d, ok_d or res.closed or suspect_pair)
-            if pair.record(ok_d or res.closed):
+            self.registry.record(d, ok_d or res.closed or suspect_pair or client_fault)
+            if pair.record(ok_d or res.closed or client_fault):
                 self.registry.changed()
 
     # -- I/O helpers -----------------------------------------------------------------------------

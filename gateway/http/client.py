@@ -314,10 +314,12 @@ class UpstreamResponse:
             conn.abort()
 
     def abort(self) -> None:
-        """Close the upstream connection now (how a request is cancelled upstream)."""
-        if not self._released:
-            self._released = True
-            self._conn._pool.in_use -= 1
+        """Close the upstream connection now (how a request is cancelled upstream). After
+        release() it does nothing: the connection is back in the pool, or already closed."""
+        if self._released:
+            return
+        self._released = True
+        self._conn._pool.in_use -= 1
         self._conn.abort()
 
     async def __aenter__(self) -> UpstreamResponse:
