@@ -18,9 +18,24 @@ from emulator.profiles import PROFILES, get_profile
 from tests.emulator.conftest import Factory
 
 
+def free_port_pair() -> int:
+    """A port whose successor is free too (the replay socket binds PORT+1)."""
+    import socket
+
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 async def test_kv_events(emu: Factory, http: aiohttp.ClientSession, engine: str) -> None:
-    port = free_port()
+    port = free_port_pair()
     endpoint = f"tcp://127.0.0.1:{port}"
     s = await emu(engine, "both", kv_events=endpoint, max_total_tokens=64)
     ctx = zmq.asyncio.Context()
