@@ -65,6 +65,7 @@ class Gateway:
                 ),
                 chars_per_token=cfg.guards.chars_per_token_estimate,
                 forward_authorization=cfg.forward_authorization,
+                ladder=tuple(cfg.fallback.ladder),
                 guards=GuardSettings(
                     length_preflight=cfg.guards.length_preflight,
                     decode_consistency=cfg.guards.decode_consistency,
@@ -117,9 +118,11 @@ class Gateway:
         )
         if self.admin is not None:
             self.admin.unstarted = self.handlers.unstarted
+            self.admin.own_address = self._own_address
         self.server: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
+        self._hurry = asyncio.Event()
 
     def make_worker(self, wc: WorkerConfig) -> Worker:
         """A `Worker` for one [[workers]] entry (from the file or the admin API)."""
@@ -136,6 +139,9 @@ class Gateway:
             connect_timeout_s=self.cfg.timeouts.connect_s,
             authorization=f"Bearer {key}".encode() if key else None,
         )
+
+    def _own_address(self) -> tuple[str, int] | None:
+        return None if self.server is None else (self.cfg.listen.host, self.server.port)
 
     @property
     def port(self) -> int:
@@ -191,7 +197,7 @@ class Gateway:
         self.admission.close()
         if self.server is not None:
             self.server.stop_accepting()
-            idle = await self.server.wait_idle(grace_s)
+            idle = await self._wait_idle_or_hurry(grace_s)
             if not idle:
                 n = self.handlers.cut()
                 log.warning("gateway.grace_expired", grace_s=grace_s, cut=n)
@@ -209,15 +215,39 @@ class Gateway:
         await self.orchestrator.drain_background()
         await self.registry.close()
 
+    def hurry(self) -> None:
+        """End the grace period of a `stop()` in progress now (a second SIGTERM/SIGINT)."""
+        self._hurry.set()
+
+    async def _wait_idle_or_hurry(self, grace_s: float) -> bool:
+        assert self.server is not None
+        idle = asyncio.ensure_future(self.server.wait_idle(grace_s))
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        try:
+            await asyncio.wait((idle, hurry), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            hurry.cancel()
+            if not idle.done():
+                idle.cancel()
+        return idle.done() and not idle.cancelled() and idle.result()
+
 
 async def run_forever(gw: Gateway, grace_s: float = 10.0) -> None:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully."""
+    """Serve until SIGINT/SIGTERM, then shut down gracefully; a second signal cuts the grace
+    period short."""
     await gw.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("gateway.hurry", reason="second signal: ending the grace period now")
+            gw.hurry()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
     try:
         await stop.wait()
     finally:

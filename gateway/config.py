@@ -195,6 +195,8 @@ class LimitsConfig(_Section, frozen=True):
     max_tokens_cap: int | None = None  # reject (400) larger max_tokens; None: no cap
     max_n: int = 128  # largest `n`
     per_client_max_concurrent: int = 0  # per client address; 0 = off
+    max_inflight_tokens: int | None = None  # prompt + max_tokens estimate in flight; None: no limit
+    retry_after_s: float = 1.0  # the Retry-After sent with 429/503 from admission control
 
     def __post_init__(self) -> None:
         _positive(
@@ -211,6 +213,9 @@ class LimitsConfig(_Section, frozen=True):
         )
         if self.max_tokens_cap is not None:
             _positive("limits", max_tokens_cap=self.max_tokens_cap)
+        if self.max_inflight_tokens is not None:
+            _positive("limits", max_inflight_tokens=self.max_inflight_tokens)
+        _positive("limits", retry_after_s=self.retry_after_s)
 
 
 class GuardsConfig(_Section, frozen=True):
@@ -243,12 +248,14 @@ class AdminConfig(_Section, frozen=True):
 
     token_env: str | None = None  # env var holding the bearer token (preferred)
     token: str | None = None  # the token itself (avoid in shared files)
+    drain_timeout_s: float = 30.0  # DELETE /admin/workers/{id}: longest wait for its in-flight requests
 
     def __post_init__(self) -> None:
         if self.token_env is not None and self.token is not None:
             raise ValueError("admin: set token_env or token, not both")
         if self.token == "" or self.token_env == "":
             raise ValueError("admin: token / token_env must not be empty")
+        _non_negative("admin", drain_timeout_s=self.drain_timeout_s)
 
     @property
     def enabled(self) -> bool:
@@ -283,10 +290,12 @@ class GatewayConfig(_Section, frozen=True):
     request_id_headers: tuple[str, ...] = ("x-request-id", "x-correlation-id")
     forward_authorization: bool = False  # pass the client's Authorization header to workers
     admin: AdminConfig = AdminConfig()
+    shutdown_grace_s: float = 10.0  # SIGTERM: how long in-flight requests may finish before they are cut
     log_level: LogLevel = "info"
     log_json: bool = True
 
     def __post_init__(self) -> None:
+        _non_negative("gateway", shutdown_grace_s=self.shutdown_grace_s)
         ids: set[str] = set()
         urls: set[str] = set()
         for w in self.workers:

@@ -10,12 +10,16 @@ import msgspec
 class ErrorCode(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"
     INVALID_JSON = "invalid_json"
+    ENGINE_REJECTED = "engine_rejected"
     MODEL_NOT_FOUND = "model_not_found"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     NO_WORKER = "no_worker_available"
     OVERLOADED = "overloaded"
+    QUEUE_TIMEOUT = "queue_timeout"
+    CLIENT_CONCURRENCY = "too_many_concurrent_requests"
+    SHUTTING_DOWN = "shutting_down"
     UPSTREAM_CONNECT = "upstream_connect_error"
     UPSTREAM_ERROR = "upstream_error"
     UPSTREAM_TIMEOUT = "upstream_timeout"
@@ -23,6 +27,8 @@ class ErrorCode(enum.StrEnum):
     PREFILL_FAILED = "prefill_failed"
     KV_INTEGRITY = "kv_integrity_violation"
     UNAUTHORIZED = "unauthorized"
+    CONFLICT = "conflict"
+    PROBE_FAILED = "worker_probe_failed"
     INTERNAL = "internal_error"
 
 
@@ -110,6 +116,29 @@ class Overloaded(GatewayError):
     type = "rate_limit_error"
 
 
+class Unauthorized(GatewayError):
+    status = 401
+    code = ErrorCode.UNAUTHORIZED
+    type = "invalid_request_error"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"www-authenticate", b'Bearer realm="pd-gateway admin"')]
+
+
+class Conflict(GatewayError):
+    status = 409
+    code = ErrorCode.CONFLICT
+    type = "invalid_request_error"
+
+
+class Unavailable(GatewayError):
+    """The gateway sheds the request (queue full, queue timeout, shutting down): try again later."""
+
+    status = 503
+    code = ErrorCode.OVERLOADED
+    type = "server_error"
+
+
 class UpstreamFailure(GatewayError):
     """An engine failed in a way that another worker may not (connect error, 5xx, timeout...)."""
 
@@ -155,6 +184,7 @@ class UpstreamRejected(GatewayError):
 
     retryable = False
     type = "invalid_request_error"
+    code = ErrorCode.ENGINE_REJECTED
 
     def __init__(self, status: int, body: bytes, content_type: bytes = b"application/json") -> None:
         message, param, code = _engine_message(body)

@@ -3,13 +3,24 @@ the orchestrator, wire formats in the adapters."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from gateway.errors import BadRequest, GatewayError, NotFound, error_body
+from gateway.admission import Admission
+from gateway.errors import (
+    BadRequest,
+    ErrorCode,
+    GatewayError,
+    NotFound,
+    Unavailable,
+    error_body,
+    sse_error_event,
+)
 from gateway.http.server import HttpRequest, HttpResponder
 from gateway.ids import IdGenerator
 from gateway.metrics import GatewayMetrics
@@ -17,6 +28,9 @@ from gateway.orchestrator import Orchestrator
 from gateway.parse import parse_request
 from gateway.registry import Registry
 from policies.snapshot import ClusterSnapshot, Role, RouteKind
+
+if TYPE_CHECKING:
+    from gateway.admin import Admin
 
 JSON = (b"content-type", b"application/json")
 _VALID_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
@@ -47,6 +61,8 @@ class Handlers:
         request_id_headers: tuple[str, ...] = ("x-request-id",),
         max_n: int = 128,
         max_tokens_cap: int | None = None,
+        admission: Admission | None = None,
+        admin: Admin | None = None,
     ) -> None:
         self.registry = registry
         self.orchestrator = orchestrator
@@ -55,6 +71,11 @@ class Handlers:
         self.id_headers = tuple(h.lower().encode() for h in request_id_headers)
         self.max_n = max_n
         self.max_tokens_cap = max_tokens_cap
+        self.admission = admission or Admission(1 << 30, 0, 1.0)
+        self._count_tokens = self.admission.max_tokens is not None
+        self.admin = admin  # None: /admin/* is 404
+        # generation requests in flight: their responder and handler task (for shutdown)
+        self._live: dict[HttpResponder, asyncio.Task[None] | None] = {}
         self.started = int(time.time())
         post: dict[str, RouteKind] = {
             "/v1/chat/completions": RouteKind.CHAT,
@@ -80,16 +101,23 @@ class Handlers:
         route = self._post.get(req.path)
         if route is not None:
             if req.method != "POST":
-                return self._error(res, GatewayError("use POST", status=405), None)
+                return self._error(
+                    res, BadRequest("use POST", status=405, code=ErrorCode.METHOD_NOT_ALLOWED), None
+                )
             await self.generate(route, req, res)
             return
         get = self._get.get(req.path)
         if get is not None:
             if req.method not in ("GET", "HEAD"):
-                return self._error(res, GatewayError("use GET", status=405), None)
+                return self._error(
+                    res, BadRequest("use GET", status=405, code=ErrorCode.METHOD_NOT_ALLOWED), None
+                )
             out = get(req, res)
             if out is not None:
                 await out
+            return
+        if self.admin is not None and req.path.startswith("/admin/"):
+            await self.admin(req, res)
             return
         self._error(res, NotFound(f"no route for {req.method} {req.path}"), None)
 
@@ -119,7 +147,51 @@ class Handlers:
         except GatewayError as e:
             self.metrics.child(self.metrics.requests, route.value, "", "none", e.code.value).inc()
             return self._error(res, e, request_id)
-        await self.orchestrator.serve(parsed, request_id, res, req.header(b"authorization"))
+        adm = self.admission
+        client = req.client[0] if req.client is not None else ""
+        tokens = 0
+        if self._count_tokens:
+            v = self.orchestrator.view(parsed, request_id)
+            tokens = v.prompt_tokens + v.max_tokens
+        try:
+            if not adm.admit_now(client, tokens):
+                await adm.wait(client, tokens)
+        except GatewayError as e:
+            # the model label only for a served model: client-chosen names would grow the series
+            model = parsed.model if parsed.model in models else ""
+            self.metrics.child(self.metrics.requests, route.value, model, "none", e.code.value).inc()
+            return self._error(res, e, request_id)
+        live = self._live
+        live[res] = asyncio.current_task()
+        try:
+            await self.orchestrator.serve(parsed, request_id, res, req.header(b"authorization"))
+        finally:
+            del live[res]
+            adm.leave(client, tokens)
+
+    def unstarted(self) -> list[HttpResponder]:
+        """Generation requests running whose response has not started: they may still pick (or
+        retry onto) workers. Once a response has started, its workers are fixed and counted in
+        their `inflight`."""
+        return [res for res in self._live if not res.started]
+
+    def cut(self, message: str = "the gateway is shutting down") -> int:
+        """Shutdown after the grace period: end every generation request still running with a
+        clear error (an SSE error event on a started stream, else a 503 with Retry-After) and
+        cancel its handler, so the orchestrator aborts its engine legs. Returns how many."""
+        err = Unavailable(message, code=ErrorCode.SHUTTING_DOWN, retry_after_s=self.admission.retry_after_s)
+        n = 0
+        for res, task in list(self._live.items()):
+            if not res.finished and not res.closed:
+                if res.started:
+                    res.write(sse_error_event(err.message, err.type, err.code.value))
+                    res.end()
+                else:
+                    res.send(err.status, err.headers(), err.body())
+            if task is not None and not task.done():
+                task.cancel()
+            n += 1
+        return n
 
     def health(self, req: HttpRequest, res: HttpResponder) -> None:
         res.send(200, [JSON], b'{"status":"ok"}')

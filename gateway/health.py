@@ -48,6 +48,10 @@ class HealthChecker:
         self.settings = settings or HealthSettings()
         self._rounds: dict[str, int] = {}
 
+    def forget(self, worker_id: str) -> None:
+        """Drop what is kept about a removed worker."""
+        self._rounds.pop(worker_id, None)
+
     async def probe(self, w: Worker) -> bool:
         s = self.settings
         try:

@@ -8,13 +8,16 @@ collector instead of being updated on the hot path.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from policies.snapshot import ClusterSnapshot
+
+if TYPE_CHECKING:
+    from gateway.admission import AdmissionStats
 
 _LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
@@ -86,6 +89,10 @@ class GatewayMetrics:
     def watch_cluster(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
         self.registry.register(_ClusterCollector(snapshot))
 
+    def watch_admission(self, stats: Callable[[], AdmissionStats]) -> None:
+        """Admission counters and gauges, read from the controller's ints at scrape time."""
+        self.registry.register(_AdmissionCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -110,3 +117,34 @@ class _ClusterCollector(Collector):
             waiting.add_metric(lv, w.load.waiting)
             kv.add_metric(lv, w.load.kv_usage)
         yield from (inflight, healthy, waiting, kv)
+
+
+class _AdmissionCollector(Collector):
+    def __init__(self, stats: Callable[[], AdmissionStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._stats()
+        admitted = CounterMetricFamily(
+            "pdgw_admitted", "Requests admitted, at once or after queueing", labels=["how"]
+        )
+        admitted.add_metric(["immediate"], s.admitted)
+        admitted.add_metric(["queued"], s.admitted_after_queue)
+        shed = CounterMetricFamily("pdgw_shed", "Requests refused by admission control", labels=["reason"])
+        for reason, n in s.shed.items():
+            shed.add_metric([reason], n)
+        wait = CounterMetricFamily(
+            "pdgw_queue_wait_seconds", "Total time admitted requests spent in the admission queue"
+        )
+        wait.add_metric([], s.queue_wait_s)
+        yield admitted
+        yield shed
+        yield wait
+        yield GaugeMetricFamily("pdgw_inflight_requests", "Client requests holding a slot", value=s.active)
+        yield GaugeMetricFamily("pdgw_queued_requests", "Client requests waiting for a slot", value=s.queued)
+        yield GaugeMetricFamily(
+            "pdgw_inflight_tokens",
+            "Token estimate (prompt + max_tokens) of admitted requests",
+            value=s.active_tokens,
+        )
+        yield GaugeMetricFamily("pdgw_max_concurrent", "limits.max_concurrent", value=s.max_concurrent)

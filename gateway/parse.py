@@ -132,6 +132,11 @@ def parse_request(
 ) -> ParsedRequest:
     if not body.strip():
         raise BadRequest("request body is empty; expected a JSON object")
+    if not body.isascii():  # (fast for the usual ASCII body) JSON is UTF-8: check it once here,
+        try:  # so no later decode of a raw field (prompt, rid...) meets invalid bytes
+            body.decode()
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
     try:
         f = _decoder.decode(body)
     except msgspec.ValidationError as e:
@@ -152,7 +157,12 @@ def parse_request(
         raise BadRequest("missing required parameter: 'prompt'", param="prompt")
     if route is RouteKind.GENERATE and not f.text and not f.input_ids:
         raise BadRequest("either 'text' or 'input_ids' is required", param="text")
-    req = ParsedRequest(route, path, body, f, model)
+    try:
+        req = ParsedRequest(route, path, body, f, model)
+    except msgspec.ValidationError as e:  # inside a prompt array (e.g. a number out of range)
+        raise BadRequest(f"invalid prompt: {e}", param=_prompt_param(route)) from None
+    except (msgspec.DecodeError, UnicodeError) as e:  # e.g. invalid UTF-8 or a lone surrogate
+        raise BadRequest(f"invalid prompt: {e}", param=_prompt_param(route)) from None
     if req.max_tokens is not None:
         if req.max_tokens < 1 and route is not RouteKind.GENERATE:
             raise BadRequest("'max_tokens' must be at least 1", param="max_tokens")
@@ -161,6 +171,10 @@ def parse_request(
     if not 1 <= req.n <= max_n:
         raise BadRequest(f"'n' must be between 1 and {max_n}", param="n")
     return req
+
+
+def _prompt_param(route: RouteKind) -> str:
+    return {RouteKind.CHAT: "messages", RouteKind.COMPLETIONS: "prompt"}.get(route, "text")
 
 
 def _param_of(msg: str) -> str | None:

@@ -33,6 +33,11 @@ def main(argv: Sequence[str]) -> int:
         )
         return 2
     configure(cfg.log_level, cfg.log_json)
+    try:
+        gw = Gateway(cfg)  # reads api_key_env / admin.token_env
+    except ConfigError as e:
+        print(f"pd-gateway serve: {e}", file=sys.stderr)
+        return 2
     install_uvloop()
-    asyncio.run(run_forever(Gateway(cfg)))
+    asyncio.run(run_forever(gw, cfg.shutdown_grace_s))
     return 0

@@ -1,0 +1,328 @@
+"""The admin API: list, add, drain and remove workers at runtime. Served by the gateway's own
+server under `/admin/`, and only when a token is configured (`[admin] token` / `token_env`):
+without one every `/admin/...` path is a plain 404, and with one every request must carry
+`Authorization: Bearer <token>` (compared in constant time) or get a 401 — before the path,
+the method or the body is looked at, so an unauthenticated caller can neither add a worker
+(point the gateway at a host) nor learn which routes exist.
+
+    GET    /admin/workers                  every worker: id, url, role, engine, model, healthy,
+                                           draining, inflight, load, breaker state
+    GET    /admin/workers/{id}             one worker
+    POST   /admin/workers                  add one: a JSON object like a [[workers]] TOML entry,
+                                           validated by the same `WorkerConfig` rules; probed
+                                           (health + info) before it is added, 422 if the probe
+                                           fails (`?require_healthy=false`: added unhealthy, the
+                                           health loop brings it in)
+    POST   /admin/workers/{id}/drain       no new requests are routed to it; in-flight continue
+    POST   /admin/workers/{id}/resume      undo a drain
+    DELETE /admin/workers/{id}             drain, wait for its in-flight requests (at most
+                                           `admin.drain_timeout_s`, or `?timeout_s=`), then remove it
+                                           and close its connection pool (connections still in use
+                                           close when their request ends: nothing is cut)
+    GET    /admin/admission                admission control counters
+
+`{id}` is percent-decoded (a worker whose id is its URL is `/admin/workers/http%3A%2F%2Fh%3A1`).
+A worker added here may name `api_key_env` only if a configured worker already names that
+variable: the admin API cannot make the gateway send an arbitrary environment variable to a host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+import msgspec
+
+from gateway.admission import Admission
+from gateway.config import ConfigError, WorkerConfig
+from gateway.errors import (
+    BadRequest,
+    Conflict,
+    ErrorCode,
+    GatewayError,
+    NotFound,
+    Unauthorized,
+)
+from gateway.health import HealthChecker
+from gateway.http.server import HttpRequest, HttpResponder
+from gateway.logging import get_logger
+from gateway.registry import Registry, Worker
+
+log = get_logger("pd_gateway.admin")
+
+PREFIX = "/admin/"
+_JSON = (b"content-type", b"application/json")
+_encoder = msgspec.json.Encoder()
+_POLL_S = 0.02  # how often a removal checks the worker's in-flight count
+_MAX_TIMEOUT_S = 3600.0
+
+
+def worker_json(w: Worker) -> dict[str, Any]:
+    return {
+        "id": w.id,
+        "url": w.url,
+        "role": w.role.value,
+        "engine": w.engine.value,
+        "model": w.model,
+        "healthy": w.healthy,
+        "draining": w.draining,
+        "usable": w.state().usable,
+        "inflight": w.inflight,
+        "inflight_tokens": w.inflight_tokens,
+        "load": msgspec.to_builtins(w.load),
+        "breaker": w.breaker.state.value,
+        "context_length": w.info.context_length,
+        "bootstrap_port": w.bootstrap_port if w.bootstrap_port is not None else w.info.bootstrap_port,
+        "weight": w.weight,
+        "labels": dict(w.labels),
+    }
+
+
+class Admin:
+    def __init__(
+        self,
+        token: str,
+        registry: Registry,
+        health: HealthChecker,
+        make_worker: Callable[[WorkerConfig], Worker],
+        *,
+        drain_timeout_s: float = 30.0,
+        allowed_key_envs: frozenset[str] = frozenset(),
+        admission: Admission | None = None,
+    ) -> None:
+        if not token:
+            raise ValueError("the admin token must not be empty")
+        self._token = token.encode()
+        self.registry = registry
+        self.health = health
+        self.make_worker = make_worker
+        self.drain_timeout_s = drain_timeout_s
+        self.allowed_key_envs = allowed_key_envs
+        self.admission = admission
+        # set by the gateway: generation requests whose response has not started yet
+        self.unstarted: Callable[[], list[HttpResponder]] = list
+        # set by the gateway: the (host, port) it listens on, to refuse a worker that is itself
+        self.own_address: Callable[[], tuple[str, int] | None] = lambda: None
+        self._adding: dict[str, str] = {}  # id -> url of workers being probed
+        self._removing: dict[str, asyncio.Task[dict[str, Any]]] = {}
+
+    # -- entry -------------------------------------------------------------------------------
+
+    def authorized(self, req: HttpRequest) -> bool:
+        value = req.header(b"authorization")
+        if value is None:
+            return False
+        scheme, _, token = value.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return hmac.compare_digest(token.strip(), self._token)
+
+    async def __call__(self, req: HttpRequest, res: HttpResponder) -> None:
+        try:
+            if not self.authorized(req):
+                raise Unauthorized("missing or wrong admin bearer token")
+            status, body = await self._route(req)
+        except GatewayError as e:
+            if not res.closed:
+                res.send(e.status, e.headers(), e.body())
+            return
+        if not res.closed:
+            res.send(status, [_JSON], _encoder.encode(body))
+
+    async def _route(self, req: HttpRequest) -> tuple[int, Any]:
+        parts = req.path[len(PREFIX) :].split("/")
+        m = req.method
+        if parts == ["workers"] or parts == ["workers", ""]:
+            if m in ("GET", "HEAD"):
+                return 200, {"workers": [worker_json(w) for w in self.registry.workers()]}
+            if m == "POST":
+                return await self.add(req)
+            raise _method(m, "GET, POST")
+        if len(parts) >= 2 and parts[0] == "workers":
+            wid = unquote(parts[1])
+            action = parts[2:]
+            if not action:
+                if m in ("GET", "HEAD"):
+                    return 200, worker_json(self._get(wid))
+                if m == "DELETE":
+                    return 200, await self.remove(wid, _timeout(req.query, self.drain_timeout_s))
+                raise _method(m, "GET, DELETE")
+            if action in (["drain"], ["resume"]):
+                if m != "POST":
+                    raise _method(m, "POST")
+                return 200, self.set_draining(wid, action[0] == "drain")
+        if parts == ["admission"] and self.admission is not None:
+            if m not in ("GET", "HEAD"):
+                raise _method(m, "GET")
+            return 200, msgspec.to_builtins(self.admission.stats())
+        raise NotFound(f"no admin route for {m} {req.path}")
+
+    def _get(self, wid: str) -> Worker:
+        w = self.registry.find(wid)
+        if w is None:
+            raise NotFound(f"no worker with id {wid!r}", param="id")
+        return w
+
+    # -- operations --------------------------------------------------------------------------
+
+    async def add(self, req: HttpRequest) -> tuple[int, Any]:
+        try:
+            wc = msgspec.json.decode(req.body, type=WorkerConfig)
+        except msgspec.ValidationError as e:
+            raise BadRequest(f"invalid worker: {e}") from None
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"invalid JSON: {e}", code=ErrorCode.INVALID_JSON) from None
+        if wc.api_key_env is not None and wc.api_key_env not in self.allowed_key_envs:
+            raise BadRequest(
+                "api_key_env may only name a variable that a configured worker already uses",
+                param="api_key_env",
+            )
+        wid = wc.worker_id
+        if wid in self._adding or self.registry.find(wid) is not None:
+            raise Conflict(f"a worker with id {wid!r} already exists", param="id")
+        try:
+            w = self.make_worker(wc)
+        except (ValueError, ConfigError) as e:
+            raise BadRequest(f"invalid worker: {e}") from None
+        if self._is_self(w):
+            await w.pool.close()
+            raise BadRequest(f"{w.url} is this gateway itself (a request loop)", param="url")
+        taken = [o.id for o in self.registry.workers() if o.url == w.url]
+        taken += [i for i, u in self._adding.items() if u == w.url]
+        if taken:
+            await w.pool.close()
+            raise Conflict(f"worker {taken[0]!r} already has url {w.url}", param="url")
+        require = _flag(req.query, "require_healthy", True)
+        self._adding[wid] = w.url  # reserved while it is probed
+        added = False
+        try:
+            healthy = await self.health.probe(w)
+            if not healthy and require:
+                raise BadRequest(
+                    f"worker {wid} at {w.url} did not pass its health/info probe; not added "
+                    "(?require_healthy=false adds it unhealthy)",
+                    status=422,
+                    code=ErrorCode.PROBE_FAILED,
+                )
+            self.registry.add(w)
+            added = True
+        finally:
+            del self._adding[wid]
+            if not added:  # refused, or the admin client went away during the probe
+                self.health.forget(wid)
+                await w.pool.close()
+        log.info(
+            "admin.worker_added",
+            worker=wid,
+            url=w.url,
+            role=w.role.value,
+            engine=w.engine.value,
+            model=w.model,
+            healthy=w.healthy,
+        )
+        return 201, worker_json(w)
+
+    def _is_self(self, w: Worker) -> bool:
+        own = self.own_address()
+        if own is None or w.port != own[1]:
+            return False
+        return w.host in (own[0], "localhost", "127.0.0.1", "::1", "0.0.0.0", "::")
+
+    def set_draining(self, wid: str, draining: bool) -> dict[str, Any]:
+        w = self._get(wid)
+        if wid in self._removing and not draining:
+            raise Conflict(f"worker {wid!r} is being removed", param="id")
+        if w.draining != draining:
+            w.draining = draining
+            self.registry.changed()
+            log.info("admin.worker_drain" if draining else "admin.worker_resume", worker=wid)
+        return worker_json(w)
+
+    async def remove(self, wid: str, timeout_s: float) -> dict[str, Any]:
+        if wid in self._removing:
+            raise Conflict(f"worker {wid!r} is already being removed", param="id")
+        w = self._get(wid)
+        task = asyncio.create_task(self._remove(w, timeout_s), name=f"admin-remove-{wid}")
+        self._removing[wid] = task
+        task.add_done_callback(lambda _: self._removing.pop(wid, None))
+        # the removal completes even if this admin client goes away
+        return await asyncio.shield(task)
+
+    async def _remove(self, w: Worker, timeout_s: float) -> dict[str, Any]:
+        if not w.draining:
+            w.draining = True
+            self.registry.changed()
+        # Requests planned before the drain may hold this worker without counting in its
+        # `inflight` yet (a vLLM decode is acquired only after its prefill): wait until each of
+        # them has started its response (its workers are then fixed and counted) or ended.
+        # Requests planned after the drain never pick it.
+        planned_before = self.unstarted()
+        t0 = time.monotonic()
+        log.info("admin.worker_removing", worker=w.id, inflight=w.inflight, timeout_s=timeout_s)
+        deadline = t0 + timeout_s
+        # polled: the request path's release() stays a bare decrement, no waiter check
+        while time.monotonic() < deadline:
+            if planned_before:
+                planned_before = [r for r in planned_before if not r.started and not r.closed]
+            if w.inflight == 0 and not planned_before:
+                break
+            await asyncio.sleep(_POLL_S)
+        left = w.inflight
+        await self.registry.remove(w.id)
+        self.health.forget(w.id)
+        await w.pool.close()  # idle connections now; those in use when their request ends
+        waited = round(time.monotonic() - t0, 3)
+        log.info("admin.worker_removed", worker=w.id, drained=left == 0, inflight=left, waited_s=waited)
+        return {"id": w.id, "removed": True, "drained": left == 0, "inflight": left, "waited_s": waited}
+
+    async def close(self) -> None:
+        tasks = list(self._removing.values())
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+
+def _method(method: str, allowed: str) -> GatewayError:
+    return BadRequest(
+        f"method {method} not allowed here (use {allowed})", status=405, code=ErrorCode.METHOD_NOT_ALLOWED
+    )
+
+
+def _query(query: str) -> dict[str, list[str]]:
+    try:
+        return parse_qs(query, strict_parsing=False)
+    except ValueError:
+        return {}
+
+
+def _flag(query: str, name: str, default: bool) -> bool:
+    values = _query(query).get(name)
+    if not values:
+        return default
+    v = values[-1].lower()
+    if v in ("1", "true", "yes"):
+        return True
+    if v in ("0", "false", "no"):
+        return False
+    raise BadRequest(f"{name} must be true or false, got {values[-1]!r}", param=name)
+
+
+def _timeout(query: str, default: float) -> float:
+    values = _query(query).get("timeout_s")
+    if not values:
+        return default
+    try:
+        t = float(values[-1])
+    except ValueError:
+        t = math.nan
+    if not (0 <= t <= _MAX_TIMEOUT_S):
+        raise BadRequest(f"timeout_s must be a number in [0, {_MAX_TIMEOUT_S:g}]", param="timeout_s")
+    return t

@@ -1,0 +1,449 @@
+"""The admin API end to end: off without a token, 401 without the right one (and then it never
+contacts the host it was given), list/add/drain/resume/remove workers at runtime, and workers
+drained or removed during streams drop none of their in-flight requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import pytest
+
+from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
+from gateway.config import AdminConfig
+from tests.integration.conftest import Cluster, build_cluster, stop_cluster
+
+TOKEN = "s3cret-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ADMIN = AdminConfig(token=TOKEN)
+
+
+async def req(
+    c: Cluster, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], Any]:
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(method, c.url + path, data=data, headers=AUTH if headers is None else headers) as r,
+    ):
+        raw = await r.read()
+        return r.status, dict(r.headers), json.loads(raw) if raw else None
+
+
+def stream_body(model: str, max_tokens: int = 60, prompt: str = "tell me a story") -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+
+
+async def stream(c: Cluster, body: dict[str, Any]) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as s, s.post(c.url + "/v1/completions", json=body) as r:
+        return r.status, await r.read()
+
+
+def completed(raw: bytes) -> bool:
+    return raw.rstrip().endswith(b"data: [DONE]") and b'"error"' not in raw
+
+
+def is_error(body: Any, code: str | None = None) -> bool:
+    err = body["error"]
+    return set(err) == {"message", "type", "param", "code"} and (code is None or err["code"] == code)
+
+
+class Canary:
+    """A TCP listener that records whether anyone connected to it."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            w.close()
+
+        self.server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+@pytest.fixture
+async def canary() -> AsyncIterator[tuple[Canary, str]]:
+    c = Canary()
+    url = await c.start()
+    yield c, url
+    await c.stop()
+
+
+@pytest.fixture
+async def admin_cluster() -> AsyncIterator[Cluster]:
+    c = await build_cluster(admin=ADMIN)
+    yield c
+    await stop_cluster(c)
+
+
+async def settled(h: EmulatorHandle, within_s: float = 3.0) -> int:
+    n = 0
+    for _ in range(int(within_s / 0.02)):
+        n = (await h.stats())["in_flight"]
+        if n == 0:
+            return 0
+        await asyncio.sleep(0.02)
+    return int(n)
+
+
+# -- off / auth ------------------------------------------------------------------------------
+
+
+async def test_admin_is_404_without_a_configured_token(cluster: Cluster, canary: tuple[Canary, str]) -> None:
+    can, url = canary
+    for method, path, body in [
+        ("GET", "/admin/workers", None),
+        ("POST", "/admin/workers", {"url": url, "role": "colocated", "engine": "vllm"}),
+        ("DELETE", "/admin/workers/col", None),
+    ]:
+        status, _, out = await req(cluster, method, path, body)
+        assert status == 404 and is_error(out, "not_found")
+    assert can.connections == 0 and len(cluster.gateway.registry) == 5
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Bearer {TOKEN}x"},
+        {"Authorization": f"Bearer {TOKEN[:-1]}"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": "Bearer"},
+        {"Authorization": TOKEN},
+        {"X-Admin-Token": TOKEN},
+    ],
+)
+async def test_wrong_or_missing_token_is_401_and_the_host_is_never_contacted(
+    admin_cluster: Cluster, canary: tuple[Canary, str], headers: dict[str, str]
+) -> None:
+    c = admin_cluster
+    can, url = canary
+    for method, path, body in [
+        ("POST", "/admin/workers", {"url": url, "role": "colocated", "engine": "vllm", "id": "evil"}),
+        ("GET", "/admin/workers", None),
+        ("POST", "/admin/workers/col/drain", None),
+        ("DELETE", "/admin/workers/col", None),
+        ("GET", "/admin/no-such-route", None),  # 401 too: unauthenticated callers learn nothing
+    ]:
+        status, h, out = await req(c, method, path, body, headers=headers)
+        assert status == 401 and is_error(out, "unauthorized"), (method, path, status)
+        assert h["WWW-Authenticate"].startswith("Bearer")
+    await asyncio.sleep(0.05)
+    assert can.connections == 0
+    assert c.gateway.registry.find("evil") is None and len(c.gateway.registry) == 5
+    assert not c.gateway.registry.get("col").draining
+
+
+async def test_token_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDGW_TEST_ADMIN_TOKEN", "from-env")
+    c = await build_cluster(admin=AdminConfig(token_env="PDGW_TEST_ADMIN_TOKEN"))
+    try:
+        status, _, out = await req(c, "GET", "/admin/workers", headers={"Authorization": "Bearer from-env"})
+        assert status == 200 and len(out["workers"]) == 5
+        status, _, _ = await req(c, "GET", "/admin/workers")
+        assert status == 401
+    finally:
+        await stop_cluster(c)
+
+
+# -- list / add ------------------------------------------------------------------------------
+
+
+async def test_list_and_get_workers(admin_cluster: Cluster) -> None:
+    status, _, out = await req(admin_cluster, "GET", "/admin/workers")
+    assert status == 200
+    by_id = {w["id"]: w for w in out["workers"]}
+    assert set(by_id) == {"sgl-p", "sgl-d", "vllm-p", "vllm-d", "col"}
+    w = by_id["sgl-p"]
+    assert w["role"] == "prefill" and w["engine"] == "sglang" and w["model"] == "m-sglang"
+    assert w["healthy"] is True and w["draining"] is False and w["inflight"] == 0
+    assert w["breaker"] == "closed" and set(w["load"]) >= {"running", "waiting", "kv_usage"}
+    assert w["url"] == admin_cluster.emulators["sgl-p"].url and w["bootstrap_port"]
+    status, _, one = await req(admin_cluster, "GET", "/admin/workers/vllm-d")
+    assert status == 200 and one["id"] == "vllm-d" and one["role"] == "decode"
+    status, _, out = await req(admin_cluster, "GET", "/admin/workers/nope")
+    assert status == 404 and is_error(out, "not_found")
+    status, _, out = await req(admin_cluster, "GET", "/admin/admission")
+    assert status == 200 and out["active"] == 0 and "queue_full" in out["shed"]
+
+
+async def test_add_a_worker_that_then_serves_traffic(admin_cluster: Cluster) -> None:
+    c = admin_cluster
+    emu = await start_emulator(EmulatorSpec(engine="vllm", role="both", model="m-added"))
+    try:
+        status, _, out = await req(
+            c,
+            "POST",
+            "/admin/workers",
+            {"url": emu.url, "role": "colocated", "engine": "vllm", "id": "added"},
+        )
+        assert status == 201, out
+        assert out["id"] == "added" and out["healthy"] is True and out["model"] == "m-added"
+        status, body = await stream(c, stream_body("m-added", 5))
+        assert status == 200 and completed(body)
+        async with aiohttp.ClientSession() as s, s.get(c.url + "/v1/models") as r:
+            assert "m-added" in {m["id"] for m in (await r.json())["data"]}
+        # same id / same url again: 409
+        status, _, out = await req(
+            c,
+            "POST",
+            "/admin/workers",
+            {"url": emu.url, "role": "colocated", "engine": "vllm", "id": "added"},
+        )
+        assert status == 409 and is_error(out, "conflict")
+        status, _, out = await req(
+            c,
+            "POST",
+            "/admin/workers",
+            {"url": emu.url + "/", "role": "colocated", "engine": "vllm", "id": "x"},
+        )
+        assert status == 409 and out["error"]["param"] == "url"
+        status, _, out = await req(c, "DELETE", "/admin/workers/added")
+        assert status == 200 and out == {"id": "added", "removed": True, "drained": True, "inflight": 0} | {
+            "waited_s": out["waited_s"]
+        }
+        assert c.gateway.registry.find("added") is None
+    finally:
+        await emu.stop()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{nope", 400, "JSON"),
+        ([], 400, "object"),
+        ({"role": "colocated"}, 400, "url"),
+        ({"url": "http://127.0.0.1:1", "role": "colocated", "tiemout": 1}, 400, "tiemout"),
+        ({"url": "ftp://127.0.0.1:1", "role": "colocated"}, 400, "http"),
+        ({"url": "http://127.0.0.1:99999", "role": "colocated"}, 400, "port"),
+        ({"url": "http://127.0.0.1:1", "role": "master"}, 400, "role"),
+        ({"url": "http://127.0.0.1:1", "role": "decode", "engine": "openai"}, 400, "colocated"),
+        ({"url": "http://127.0.0.1:1", "role": "decode", "bootstrap_port": 5}, 400, "bootstrap_port"),
+        ({"url": "http://127.0.0.1:1", "role": "colocated", "weight": -1}, 400, "weight"),
+        ({"url": "https://127.0.0.1:1", "role": "colocated", "engine": "openai"}, 400, "http://"),
+        ({"url": "http://127.0.0.1:1", "role": "colocated", "api_key_env": "HOME"}, 400, "api_key_env"),
+        ({"url": "http://127.0.0.1:1", "role": "colocated", "id": "col"}, 409, "exists"),
+        ({"url": "SELF", "role": "colocated", "id": "loop"}, 400, "gateway itself"),
+        ({"url": "http://127.0.0.1:1", "role": "colocated", "id": "dead"}, 422, "probe"),
+    ],
+)
+async def test_add_is_validated_like_the_config_file(
+    admin_cluster: Cluster, body: Any, status: int, needle: str
+) -> None:
+    c = admin_cluster
+    if isinstance(body, dict) and body.get("url") == "SELF":
+        body = body | {"url": f"http://localhost:{c.gateway.port}"}
+    got, _, out = await req(c, "POST", "/admin/workers", body)
+    assert got == status, out
+    assert is_error(out) and needle.lower() in out["error"]["message"].lower(), out
+    assert len(c.gateway.registry) == 5
+
+
+async def test_add_unhealthy_on_request_then_the_health_loop_brings_it_in(admin_cluster: Cluster) -> None:
+    c = admin_cluster
+    status, _, out = await req(
+        c,
+        "POST",
+        "/admin/workers?require_healthy=false",
+        {"url": "http://127.0.0.1:1", "role": "colocated", "id": "later"},
+    )
+    assert status == 201 and out["healthy"] is False and out["usable"] is False
+    status, _, out = await req(c, "GET", "/admin/workers/later")
+    assert status == 200 and out["healthy"] is False
+    status, _, _ = await req(c, "DELETE", "/admin/workers/later")
+    assert status == 200
+
+
+async def test_ids_are_percent_decoded_and_methods_checked(admin_cluster: Cluster) -> None:
+    c = admin_cluster
+    emu = await start_emulator(EmulatorSpec(engine="vllm", role="both", model="m-url-id"))
+    try:
+        status, _, out = await req(c, "POST", "/admin/workers", {"url": emu.url, "role": "colocated"})
+        assert status == 201 and out["id"] == emu.url
+        status, _, out = await req(c, "GET", "/admin/workers/" + quote(emu.url, safe=""))
+        assert status == 200 and out["id"] == emu.url
+        status, _, out = await req(c, "PUT", "/admin/workers")
+        assert status == 405 and is_error(out, "method_not_allowed")
+        status, _, out = await req(c, "GET", "/admin/workers/col/drain")
+        assert status == 405
+        status, _, out = await req(c, "DELETE", "/admin/workers/col?timeout_s=-1")
+        assert status == 400 and out["error"]["param"] == "timeout_s"
+        status, _, _ = await req(c, "DELETE", "/admin/workers/" + quote(emu.url, safe=""))
+        assert status == 200 and c.gateway.registry.find(emu.url) is None
+    finally:
+        await emu.stop()
+
+
+# -- drain / remove during streams -----------------------------------------------------------
+
+
+async def test_drain_moves_new_traffic_away_and_in_flight_streams_finish() -> None:
+    c = await build_cluster(time_scale=1.0, admin=ADMIN)
+    col2 = await start_emulator(EmulatorSpec(engine="vllm", role="both", model="m-colocated", time_scale=1.0))
+    try:
+        status, _, _ = await req(
+            c,
+            "POST",
+            "/admin/workers",
+            {"url": col2.url, "role": "colocated", "engine": "vllm", "id": "col2"},
+        )
+        assert status == 201
+        streams = [asyncio.create_task(stream(c, stream_body("m-colocated", 60))) for _ in range(16)]
+        await asyncio.sleep(0.2)
+        on_col = c.gateway.registry.get("col").inflight  # the streams routed to it
+        assert 0 < on_col < 16 and (await c.emulators["col"].stats())["completed"] == 0
+        status, _, out = await req(c, "POST", "/admin/workers/col/drain")
+        assert status == 200 and out["draining"] is True and out["usable"] is False
+        quick = await asyncio.gather(*(stream(c, stream_body("m-colocated", 3)) for _ in range(6)))
+        assert all(s == 200 and completed(b) for s, b in quick)
+        results = await asyncio.gather(*streams)
+        assert all(s == 200 and completed(b) for s, b in results)  # nothing dropped
+        after = (await c.emulators["col"].stats())["completed"]
+        assert after == on_col  # its own streams finished there; the new requests went elsewhere
+        assert (await col2.stats())["completed"] == 16 - on_col + 6
+        assert (await c.emulators["col"].stats())["in_flight"] == 0
+        # resume: it takes traffic again
+        status, _, out = await req(c, "POST", "/admin/workers/col/resume")
+        assert status == 200 and out["draining"] is False
+        await asyncio.gather(*(stream(c, stream_body("m-colocated", 3)) for _ in range(4)))
+        assert (await c.emulators["col"].stats())["completed"] > after
+    finally:
+        await stop_cluster(c)
+        await col2.stop()
+
+
+TARGETS = [
+    ("m-sglang", "sgl-d"),
+    ("m-sglang", "sgl-p"),
+    ("m-vllm", "vllm-d"),
+    ("m-vllm", "vllm-p"),
+    ("m-colocated", "col"),
+]
+
+
+@pytest.mark.parametrize(("model", "target"), TARGETS)
+async def test_worker_removed_during_32_streams_drops_none(model: str, target: str) -> None:
+    c = await build_cluster(time_scale=1.0, admin=ADMIN)
+    try:
+        streams = [asyncio.create_task(stream(c, stream_body(model, 60))) for _ in range(32)]
+        w = c.gateway.registry.get(target)
+        for _ in range(300):  # removed while it works for the streams
+            if w.inflight > 0:
+                break
+            await asyncio.sleep(0.005)
+        assert w.inflight > 0
+        status, _, out = await req(c, "DELETE", f"/admin/workers/{target}")
+        assert status == 200, out
+        assert out["removed"] is True and out["drained"] is True and out["inflight"] == 0
+        results = await asyncio.gather(*streams)
+        bad = [(s, b[-200:]) for s, b in results if not (s == 200 and completed(b))]
+        assert not bad, bad
+        assert c.gateway.registry.find(target) is None
+        for h in c.emulators.values():
+            assert await settled(h) == 0
+        # the same worker can come back
+        spec_role = {"sgl-p": "prefill", "sgl-d": "decode", "vllm-p": "prefill", "vllm-d": "decode"}
+        body: dict[str, Any] = {
+            "url": c.emulators[target].url,
+            "role": spec_role.get(target, "colocated"),
+            "engine": "sglang" if target.startswith("sgl") else "vllm",
+            "id": target,
+        }
+        if target == "sgl-p":
+            body["bootstrap_port"] = c.emulators[target].bootstrap_port
+        status, _, out = await req(c, "POST", "/admin/workers", body)
+        assert status == 201, out
+        status, raw = await stream(c, stream_body(model, 5))
+        assert status == 200 and completed(raw)
+    finally:
+        await stop_cluster(c)
+
+
+async def test_remove_timeout_removes_at_once_and_still_cuts_nothing() -> None:
+    c = await build_cluster(time_scale=1.0, admin=ADMIN)
+    try:
+        streams = [asyncio.create_task(stream(c, stream_body("m-vllm", 100))) for _ in range(16)]
+        await asyncio.sleep(0.2)
+        status, _, out = await req(c, "DELETE", "/admin/workers/vllm-d?timeout_s=0.05")
+        assert status == 200 and out["drained"] is False and out["inflight"] > 0
+        assert c.gateway.registry.find("vllm-d") is None
+        results = await asyncio.gather(*streams)
+        assert all(s == 200 and completed(b) for s, b in results)
+        assert await settled(c.emulators["vllm-d"]) == 0
+        assert await settled(c.emulators["vllm-p"]) == 0
+    finally:
+        await stop_cluster(c)
+
+
+async def test_removal_finishes_even_if_the_admin_client_leaves() -> None:
+    c = await build_cluster(time_scale=1.0, admin=ADMIN)
+    try:
+        streams = [asyncio.create_task(stream(c, stream_body("m-colocated", 60))) for _ in range(8)]
+        await asyncio.sleep(0.1)
+        delete = asyncio.create_task(req(c, "DELETE", "/admin/workers/col"))
+        await asyncio.sleep(0.1)
+        delete.cancel()
+        status, _, _ = await req(c, "DELETE", "/admin/workers/col")
+        assert status == 409  # still being removed
+        results = await asyncio.gather(*streams)
+        assert all(s == 200 and completed(b) for s, b in results)
+        for _ in range(100):
+            if c.gateway.registry.find("col") is None:
+                break
+            await asyncio.sleep(0.02)
+        assert c.gateway.registry.find("col") is None
+    finally:
+        await stop_cluster(c)
+
+
+async def test_decode_removed_while_its_requests_are_still_in_prefill() -> None:
+    """vLLM: the decode worker is chosen at plan time but only acquired after the prefill; the
+    removal must wait for those requests too, not close the pool under them."""
+    c = await build_cluster(time_scale=1.0, admin=ADMIN)
+    try:
+        await c.emulators["vllm-p"].set_faults(["slow,factor=100"])  # a long prefill phase
+        streams = [asyncio.create_task(stream(c, stream_body("m-vllm", 20, "x " * 500))) for _ in range(16)]
+        reg = c.gateway.registry
+        for _ in range(200):
+            if reg.get("vllm-p").inflight == 16:
+                break
+            await asyncio.sleep(0.005)
+        assert reg.get("vllm-p").inflight == 16 and reg.get("vllm-d").inflight == 0
+        status, _, out = await req(c, "DELETE", "/admin/workers/vllm-d")
+        assert status == 200 and out["drained"] is True and out["waited_s"] > 0
+        results = await asyncio.gather(*streams)
+        bad = [(s, b[-200:]) for s, b in results if not (s == 200 and completed(b))]
+        assert not bad, bad
+        text = c.gateway.metrics.render().decode()
+        assert (
+            "pdgw_retries_total{" not in text and "pdgw_upstream_errors_total{" not in text
+        )  # no leg failed
+    finally:
+        await stop_cluster(c)
+
+
+async def test_concurrent_adds_of_one_url_add_it_once(admin_cluster: Cluster) -> None:
+    c = admin_cluster
+    emu = await start_emulator(EmulatorSpec(engine="vllm", role="both", model="m-twice"))
+    try:
+        bodies = [
+            {"url": emu.url, "role": "colocated", "engine": "vllm", "id": f"twice-{i}"} for i in range(4)
+        ]
+        results = await asyncio.gather(*(req(c, "POST", "/admin/workers", b) for b in bodies))
+        assert sorted(r[0] for r in results) == [201, 409, 409, 409]
+        assert sum(1 for w in c.gateway.registry.workers() if w.url == emu.url) == 1
+    finally:
+        await emu.stop()
