@@ -39,7 +39,10 @@ class Gateway:
         self.cfg = cfg
         self.environ = os.environ if environ is None else environ
         b = cfg.breaker
-        self.registry = Registry(BreakerSettings(b.failure_threshold, b.success_threshold, b.open_s))
+        self.registry = Registry(
+            BreakerSettings(b.failure_threshold, b.success_threshold, b.open_s),
+            inflight_cap=cfg.limits.max_inflight_per_worker,
+        )
         for wc in cfg.workers:
             self.registry.add(self.make_worker(wc))
         self.policy = build_policy(

@@ -197,6 +197,7 @@ class LimitsConfig(_Section, frozen=True):
     per_client_max_concurrent: int = 0  # per client address; 0 = off
     max_inflight_tokens: int | None = None  # prompt + max_tokens estimate in flight; None: no limit
     retry_after_s: float = 1.0  # the Retry-After sent with 429/503 from admission control
+    max_inflight_per_worker: int = 0  # a worker at this many requests is skipped (0 = no cap)
 
     def __post_init__(self) -> None:
         _positive(

@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from gateway.config import RetriesConfig, TimeoutsConfig
+from gateway.config import LimitsConfig, RetriesConfig, TimeoutsConfig
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
 
 FAST = TimeoutsConfig(connect_s=0.5, prefill_s=1.0, handoff_s=1.0, idle_s=0.5, total_s=5.0)
@@ -134,8 +134,7 @@ async def test_prefill_5xx_is_a_clear_error_not_a_hang(
 async def test_per_worker_inflight_cap_sheds_with_retry_after() -> None:
     """At its cap a worker takes no more (the KV-transfer cliff at high concurrency, sglang #9266):
     the excess is shed at once with 503 + Retry-After instead of piling onto the engines."""
-    c = await build_cluster(time_scale=0.2, timeouts=FAST)
-    c.gateway.registry.inflight_cap = 2
+    c = await build_cluster(time_scale=0.2, timeouts=FAST, limits=LimitsConfig(max_inflight_per_worker=2))
     try:
         async with aiohttp.ClientSession() as s:
 
