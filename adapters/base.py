@@ -62,6 +62,26 @@ class ProbeInfo(msgspec.Struct, frozen=True):
     block_size: int | None = None  # KV block (page) size, where the engine reports it
 
 
+class _ModelCard(msgspec.Struct):
+    id: str
+    max_model_len: int | None = None
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelCard]
+
+
+def apply_models(body: bytes, into: ProbeInfo) -> ProbeInfo:
+    """Fold an OpenAI-style `/v1/models` answer (the first model; vLLM and SGLang add
+    `max_model_len`) into what is known of a worker."""
+    cards = msgspec.json.decode(body, type=_ModelList).data
+    if not cards:
+        return into
+    return msgspec.structs.replace(
+        into, model=cards[0].id, context_length=cards[0].max_model_len or into.context_length
+    )
+
+
 class EngineAdapter(Protocol):
     engine: ClassVar[Engine]
     handoff: ClassVar[HandoffMode]

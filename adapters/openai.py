@@ -5,23 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 
-import msgspec
-
 from adapters._summary import summarize_openai
-from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo
+from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
 from gateway.guards import Summary
 from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, WorkerLoad
-
-
-class _ModelCard(msgspec.Struct):
-    id: str
-    max_model_len: int | None = None
-
-
-class _ModelList(msgspec.Struct):
-    data: list[_ModelCard]
 
 
 class OpenAIAdapter:
@@ -73,9 +62,5 @@ class OpenAIAdapter:
 
     def parse_info(self, path: str, body: bytes, into: ProbeInfo) -> ProbeInfo:
         if path == "/v1/models":
-            cards = msgspec.json.decode(body, type=_ModelList).data
-            if cards:
-                return msgspec.structs.replace(
-                    into, model=cards[0].id, context_length=cards[0].max_model_len or into.context_length
-                )
+            return apply_models(body, into)
         return into

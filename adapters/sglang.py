@@ -19,7 +19,7 @@ import msgspec
 
 from adapters import _body
 from adapters._summary import summarize_generate, summarize_openai
-from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo
+from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
 from gateway.guards import Summary
 from gateway.parse import ParsedRequest
@@ -63,15 +63,6 @@ class _OpenAIOut(msgspec.Struct):
 
 _gen_dec = msgspec.json.Decoder(_GenerateOut | list[_GenerateOut])
 _oai_dec = msgspec.json.Decoder(_OpenAIOut)
-
-
-class _ModelCard(msgspec.Struct):
-    id: str
-    max_model_len: int | None = None
-
-
-class _ModelList(msgspec.Struct):
-    data: list[_ModelCard]
 
 
 class _ServerInfo(msgspec.Struct):
@@ -259,11 +250,7 @@ class SGLangAdapter:
 
     def parse_info(self, path: str, body: bytes, into: ProbeInfo) -> ProbeInfo:
         if path == "/v1/models":
-            cards = msgspec.json.decode(body, type=_ModelList).data
-            if cards:
-                ctx = cards[0].max_model_len or into.context_length
-                return msgspec.structs.replace(into, model=cards[0].id, context_length=ctx)
-            return into
+            return apply_models(body, into)
         if path == "/server_info":
             info = msgspec.json.decode(body, type=_ServerInfo)
             return msgspec.structs.replace(

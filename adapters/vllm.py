@@ -21,7 +21,7 @@ import msgspec
 
 from adapters import _body
 from adapters._summary import summarize_openai
-from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo
+from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
 from gateway.guards import Summary
 from gateway.parse import ParsedRequest
@@ -62,15 +62,6 @@ class _PrefillOut(msgspec.Struct):
 
 _prefill_dec = msgspec.json.Decoder(_PrefillOut)
 _params_dec = msgspec.json.Decoder(KVTransferParams)
-
-
-class _ModelCard(msgspec.Struct):
-    id: str
-    max_model_len: int | None = None
-
-
-class _ModelList(msgspec.Struct):
-    data: list[_ModelCard]
 
 
 class VLLMAdapter:
@@ -202,11 +193,7 @@ class VLLMAdapter:
             m = _BLOCK_SIZE.search(body)
             return msgspec.structs.replace(into, block_size=int(m.group(1))) if m else into
         if path == "/v1/models":
-            cards = msgspec.json.decode(body, type=_ModelList).data
-            if cards:
-                return msgspec.structs.replace(
-                    into, model=cards[0].id, context_length=cards[0].max_model_len or into.context_length
-                )
+            return apply_models(body, into)
         return into
 
 
