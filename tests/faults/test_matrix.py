@@ -1,4 +1,4 @@
-"""The fault matrix: each engine fault under 32 concurrent requests (half of them streams).
+"""The fault matrix: each engine fault under 64 concurrent requests (32 of them streams).
 
 For every case: no request hangs (each ends within its deadline), every answer is either the
 colocated reference's answer or a clear error (never wrong tokens), no engine request is left
@@ -20,7 +20,7 @@ from tests.faults.test_kv_integrity import PROMPTS, answer_text, body, reference
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
 
 TIMEOUTS = TimeoutsConfig(connect_s=0.5, prefill_s=1.5, handoff_s=1.5, idle_s=1.5, total_s=8.0)
-N = 32
+N = 64
 
 
 async def fire(c: Cluster, model: str, refs: dict[str, str], n: int = N) -> tuple[Counter[str], float]:
@@ -121,6 +121,39 @@ async def test_fault(
         if rung is not None:
             assert fallbacks(c).get(rung, 0) > 0, fallbacks(c)
         await c.emulators[emulator].set_faults([]) if fault != "stop" else None
+        assert await settled(c) == {}
+    finally:
+        await stop_cluster(c)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("model", "prefill"), [("m-sglang", "sgl-p"), ("m-vllm", "vllm-p")])
+async def test_prefill_dies_while_transferring(model: str, prefill: str) -> None:
+    """The prefill server goes away with requests in flight (time scale > 0, so they are in the
+    middle of their prefill or handoff): every request still ends, correct or with a clear error,
+    and the retries and fallbacks show in the logs and metrics."""
+    from structlog.testing import capture_logs
+
+    c = await build_cluster(
+        time_scale=1.0,
+        colocated_fallback=True,
+        timeouts=TIMEOUTS,
+        retries=RetriesConfig(max_attempts=3, backoff_initial_s=0.01),
+    )
+    try:
+        refs = await references(c, model)
+        with capture_logs() as logs:
+            load = asyncio.ensure_future(fire(c, model, refs))
+            await asyncio.sleep(0.02)
+            await c.emulators[prefill].stop()
+            outcomes, took = await load
+        assert outcomes["HUNG"] == 0 and outcomes["CORRUPTED"] == 0 and outcomes["error_500"] == 0, outcomes
+        assert outcomes["correct"] + outcomes["stream_error_event"] == N, outcomes
+        assert took < TIMEOUTS.total_s + 2
+        assert fallbacks(c).get("colocated", 0) > 0, fallbacks(c)
+        events = [e["event"] for e in logs]
+        assert "request.retry" in events
+        assert any(e["event"] == "request.done" and e.get("failed_attempts") for e in logs)
         assert await settled(c) == {}
     finally:
         await stop_cluster(c)
