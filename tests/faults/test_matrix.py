@@ -120,6 +120,13 @@ async def test_fault(
             assert outcomes["correct"] + outcomes["stream_error_event"] == N, outcomes
         if rung is not None:
             assert fallbacks(c).get(rung, 0) > 0, fallbacks(c)
+        if case == "decode_hung_health_ok":
+            # passive detection: /health stays green, the requests time out, and the decode (vLLM)
+            # or its pair (SGLang: the prefill waits for the decode, so a timeout cannot tell
+            # which of the two hung) is taken out by its breaker
+            decode = c.gateway.registry.get(emulator)
+            pair_open = any(p.endswith("|" + emulator) for p in c.gateway.registry.open_pairs())
+            assert decode.healthy and (decode.breaker.state.value == "open" or pair_open)
         await c.emulators[emulator].set_faults([]) if fault != "stop" else None
         assert await settled(c) == {}
     finally:
