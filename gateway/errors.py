@@ -147,10 +147,13 @@ class UpstreamFailure(GatewayError):
     type = "server_error"
     retryable = True
 
-    def __init__(self, message: str, *, phase: str, worker: str | None = None, **kw: object) -> None:
+    def __init__(
+        self, message: str, *, phase: str, worker: str | None = None, answered: bool = False, **kw: object
+    ) -> None:
         super().__init__(message, **kw)  # type: ignore[arg-type]
         self.phase = phase
         self.worker = worker
+        self.answered = answered  # the engine itself answered with the failure: it is up
 
 
 class UpstreamTimeout(UpstreamFailure):

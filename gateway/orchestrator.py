@@ -438,8 +438,10 @@ class Orchestrator:
                 guard=self._decode_guard(req, ctx, p.adapter, prefill_out),
             )
             ok_d = True
-        except KVIntegrityError:
-            suspect_pair = True  # the handoff, not the decode worker, is suspect
+        except UpstreamFailure as e:
+            # a failed integrity check, or a decode that answered with a transfer failure: the
+            # handoff, not the decode worker, is suspect
+            suspect_pair = isinstance(e, KVIntegrityError) or (e.answered and e.phase == "decode")
             raise
         except GatewayError as e:
             client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the workers'
@@ -563,8 +565,10 @@ class Orchestrator:
                 resp, d, req, res, a, phase="decode", guard=self._decode_guard(req, ctx, p.adapter, out)
             )
             ok_d = True
-        except KVIntegrityError:
-            suspect_pair = True  # the handoff, not the decode worker, is suspect
+        except UpstreamFailure as e:
+            # a failed integrity check, or a decode that answered with a transfer failure: the
+            # handoff, not the decode worker, is suspect
+            suspect_pair = isinstance(e, KVIntegrityError) or (e.answered and e.phase == "decode")
             raise
         except GatewayError as e:
             client_fault = not e.retryable
@@ -697,7 +701,10 @@ class Orchestrator:
             if watch.failed is not None:
                 resp.release()
                 raise UpstreamFailure(
-                    f"worker {w.id} failed the request: {watch.failed}", phase=phase, worker=w.id
+                    f"worker {w.id} failed the request: {watch.failed}",
+                    phase=phase,
+                    worker=w.id,
+                    answered=True,
                 )
             if why is not None:
                 resp.release()
@@ -875,8 +882,10 @@ def _blame(plan: Colocated | Disaggregated | Reject, e: UpstreamFailure) -> set[
     """Ids to exclude from the next attempt: the failed worker, or the pair when the link failed."""
     if isinstance(plan, Disaggregated):
         pair = f"{plan.prefill.id}|{plan.decode.id}"
-        if isinstance(e, KVIntegrityError) or not e.worker:
-            return {pair}  # a bad handoff: both workers may still serve (colocated, or another pair)
+        if isinstance(e, KVIntegrityError) or not e.worker or (e.answered and e.phase == "decode"):
+            # a bad handoff (a decode that answered with a transfer failure is up): both workers
+            # may still serve, colocated or in another pair (vLLM: the decode prefilling itself)
+            return {pair}
         return {pair, e.worker}
     if isinstance(plan, Colocated):
         return {plan.worker.id}
@@ -888,7 +897,7 @@ def _upstream_status_error(
 ) -> GatewayError:
     if status >= 500 or status in (408, 429):
         return UpstreamFailure(
-            f"worker {w.id} answered HTTP {status}: {body[:200]!r}", phase=phase, worker=w.id
+            f"worker {w.id} answered HTTP {status}: {body[:200]!r}", phase=phase, worker=w.id, answered=True
         )
     return UpstreamRejected(status, body, ctype)
 

@@ -150,3 +150,20 @@ async def test_per_worker_inflight_cap_sheds_with_retry_after() -> None:
         assert (await c.emulators["vllm-d"].stats())["received"] <= 4
     finally:
         await stop_cluster(c)
+
+
+async def test_vllm_transfer_failures_fall_back_to_the_decode_prefilling_itself(
+    fast_cluster: Cluster,
+) -> None:
+    """A decode that answers 500 because it could not pull the KV (prefill gone after handing out
+    its params, say) is up: the request falls back to that decode doing its own prefill, and
+    the decode's breaker is not charged with the handoff's failure."""
+    c = fast_cluster
+    await c.emulators["vllm-d"].set_faults(["transfer_fail"])
+    for _ in range(8):
+        status, raw, _ = await post(c.url + "/v1/completions", body("m-vllm"))
+        assert status == 200, raw
+    decode = c.gateway.registry.get("vllm-d")
+    assert decode.breaker.state.value == "closed"
+    text = c.gateway.metrics.render().decode()
+    assert 'pdgw_fallbacks_total{rung="decode_self_prefill"}' in text
