@@ -246,3 +246,50 @@ async def test_soak_with_random_faults() -> None:
         assert total["CORRUPTED"] <= 0.01 * 10_000, total
     finally:
         await stop_cluster(c)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model", ["m-sglang", "m-vllm"])
+async def test_over_long_prompts_under_load_are_clear_4xx(model: str) -> None:
+    c = await build_cluster(colocated_fallback=True, timeouts=TIMEOUTS)
+    try:
+        async with aiohttp.ClientSession() as s:
+
+            async def one(i: int) -> int:
+                b = body(model, "z" * 20_000, i % 2 == 1)
+                b["max_tokens"] = 8192  # prompt + max_tokens over every worker's 8192-token context
+                async with s.post(c.url + "/v1/completions", json=b) as r:
+                    assert (await r.json())["error"]["message"]
+                    return r.status
+
+            statuses = await asyncio.gather(*(one(i) for i in range(N)))
+        assert set(statuses) == {400}, statuses
+        assert await settled(c) == {}
+        received = [(await h.stats())["received"] for h in c.emulators.values()]
+        assert received == [0] * len(received)  # refused before any engine saw them
+    finally:
+        await stop_cluster(c)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("model", "names"), [("m-sglang", ("sgl-p", "sgl-d")), ("m-vllm", ("vllm-p", "vllm-d"))]
+)
+async def test_client_disconnect_mid_stream_under_load(model: str, names: tuple[str, str]) -> None:
+    c = await build_cluster(time_scale=1.0, timeouts=TIMEOUTS)
+    try:
+        b = body(model, "a short prompt", True)
+        b["max_tokens"] = 2000
+        async with aiohttp.ClientSession() as s:
+
+            async def one() -> None:
+                async with s.post(c.url + "/v1/completions", json=b) as r:
+                    assert r.status == 200
+                    await r.content.readany()  # the first token(s), then the client leaves
+
+            await asyncio.gather(*(one() for _ in range(32)))
+        t0 = time.monotonic()
+        assert await settled(c, within_s=3.0) == {}
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        await stop_cluster(c)
