@@ -44,8 +44,6 @@ class PrefillVerdict(msgspec.Struct, frozen=True):
     ok: bool
     reason: str = ""
     kv_params: msgspec.Raw | None = None  # vLLM: the object to hand to the decode, verbatim
-    prompt_tokens: int | None = None
-    first_token: int | None = None  # the token the prefill sampled, when the engine shows it
     retryable: bool = True  # a failure another pair might not have (False: the request is at fault)
     status: int = 200
     body: bytes = b""  # the engine's body, kept for error pass-through

@@ -35,18 +35,11 @@ class _FinishReason(msgspec.Struct):
 
 
 class _MetaInfo(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
     finish_reason: _FinishReason | None = None
 
 
 class _GenerateOut(msgspec.Struct):
     meta_info: _MetaInfo | None = None
-    output_ids: list[int] | None = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -55,7 +48,6 @@ class _Choice(msgspec.Struct):
 
 class _OpenAIOut(msgspec.Struct):
     choices: list[_Choice] | None = None
-    usage: _Usage | None = None
     error: msgspec.Raw = msgspec.Raw()  # empty: absent
     object: str | None = None
     message: str | None = None
@@ -149,8 +141,6 @@ class SGLangAdapter:
         payloads = list(_body.iter_sse_data(body)) if body.lstrip().startswith(b"data:") else [body]
         if not payloads:
             return PrefillVerdict(ok=False, reason="prefill answered an empty body", status=502)
-        prompt_tokens: int | None = None
-        first_token: int | None = None
         for payload in payloads:
             try:
                 if req.route is RouteKind.GENERATE:
@@ -166,14 +156,6 @@ class SGLangAdapter:
                                 status=code,
                                 body=payload,
                             )
-                        if (
-                            out.meta_info
-                            and out.meta_info.prompt_tokens is not None
-                            and not isinstance(outs, list)
-                        ):
-                            prompt_tokens = out.meta_info.prompt_tokens
-                        if out.output_ids and first_token is None and not isinstance(outs, list):
-                            first_token = out.output_ids[0]
                 else:
                     o = _oai_dec.decode(payload)
                     if o.error or o.object == "error":
@@ -183,11 +165,9 @@ class SGLangAdapter:
                     for c in o.choices or ():
                         if c.finish_reason == "abort":
                             return PrefillVerdict(ok=False, reason="prefill aborted the request", status=500)
-                    if o.usage and o.usage.prompt_tokens is not None:
-                        prompt_tokens = o.usage.prompt_tokens
             except msgspec.DecodeError:
                 return PrefillVerdict(ok=False, reason="prefill answered a body that is not JSON", status=502)
-        return PrefillVerdict(ok=True, prompt_tokens=prompt_tokens, first_token=first_token)
+        return PrefillVerdict(ok=True)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
         # Only the prefill scored the prompt: with return_logprob its input logprobs are merged in.

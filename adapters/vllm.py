@@ -160,7 +160,7 @@ class VLLMAdapter:
         if why is not None:
             # too few blocks kill a real vLLM decode (assert in nixl _apply_prefix_caching)
             return PrefillVerdict(ok=False, reason=why, status=502)
-        return PrefillVerdict(ok=True, kv_params=raw, prompt_tokens=prompt_tokens)
+        return PrefillVerdict(ok=True, kv_params=raw)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
         return None

@@ -172,7 +172,7 @@ def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             doc[key] = policy_shorthand(value)
     if args.guards is not None:
         guards = section("guards")
-        for key in ("length_preflight", "prefill_verdict", "decode_consistency"):
+        for key in ("length_preflight", "decode_consistency"):
             guards[key] = args.guards
     if args.min_prefill_tokens is not None:
         section("decider")["min_prefill_tokens"] = args.min_prefill_tokens

@@ -221,7 +221,6 @@ class LimitsConfig(_Section, frozen=True):
 
 class GuardsConfig(_Section, frozen=True):
     length_preflight: bool = True  # prompt + max_tokens vs the chosen workers' context length
-    prefill_verdict: bool = True  # vLLM prefill: status, finish reason, kv_transfer_params sane
     decode_consistency: bool = True  # decode's prompt tokens == prefill's; greedy first token agrees
     shadow_fraction: float = 0.0  # share of requests also run colocated and compared
     chars_per_token_estimate: float = 4.0  # prompt length estimate without a tokenizer

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from adapters import ADAPTERS, HandoffCtx, ProbeInfo
-from adapters._body import splice
+from adapters._body import iter_sse_data, splice
 from adapters.prom import sum_metrics
 from adapters.sglang import merge_input_logprobs
 from gateway.parse import parse_request
@@ -118,11 +118,14 @@ def test_sglang_real_prefill_answers_are_judged_sound(name: str) -> None:
         req, ctx(Engine.SGLANG), cap["prefill"]["status"], cap["prefill"]["raw_body"].encode()
     )
     assert v.ok, v.reason
-    if route is RouteKind.GENERATE:
-        assert v.prompt_tokens == 8
+    if route is RouteKind.GENERATE:  # what the decode guard reads from the same prefill answer
+        raw_p = cap["prefill"]["raw_body"].encode()
+        payloads = list(iter_sse_data(raw_p)) if raw_p.startswith(b"data:") else [raw_p]
+        s = SGL.summarize(req, payloads)
+        assert s.prompt_tokens == 8
         raw = cap["decode"]["raw_body"]
         first = raw.split("data: ", 2)[1].split("\n")[0] if raw.startswith("data: ") else raw
-        assert v.first_token == json.loads(first)["output_ids"][0]
+        assert s.first_token_id == json.loads(first)["output_ids"][0]
 
 
 def test_sglang_prefill_abort_event_on_a_200_stream_is_a_failure() -> None:
@@ -194,7 +197,10 @@ def test_vllm_handoff_bodies_match_the_real_exchange(name: str) -> None:
         req, ctx(Engine.VLLM, rid=rid, block_size=16), 200, cap["prefill"]["raw_body"].encode()
     )
     assert v.ok, v.reason
-    assert v.prompt_tokens == cap["prefill"]["json"]["usage"]["prompt_tokens"]
+    assert (
+        VLLM.summarize(req, [cap["prefill"]["raw_body"].encode()]).prompt_tokens
+        == (cap["prefill"]["json"]["usage"]["prompt_tokens"])
+    )
     decode = json.loads(VLLM.decode_body(req, c, v))
     assert decode == cap["decode"]["request"]["body"]
 

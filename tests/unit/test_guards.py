@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from adapters._summary import summarize_generate, summarize_openai
-from gateway.guards import GuardSettings, Summary, check_decode, check_prefill, preflight
+from gateway.guards import GuardSettings, Summary, check_decode, preflight
 from gateway.streamwatch import StreamWatch
 from policies.snapshot import Role
 from policies.testing import make_worker
@@ -54,7 +54,6 @@ def test_decode_checks() -> None:
     assert check_decode(p, other, max_tokens=6, context_length=None, greedy=False) is None
     text_only = Summary(first_text=",")
     assert check_decode(text_only, Summary(first_text="x"), max_tokens=None, context_length=None, greedy=True)
-    assert check_prefill(Summary(prompt_tokens=1), 27) is not None
 
 
 def test_summaries_of_real_captures() -> None:
