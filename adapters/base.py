@@ -84,7 +84,7 @@ class EngineAdapter(Protocol):
     engine: ClassVar[Engine]
     handoff: ClassVar[HandoffMode]
     health_path: ClassVar[str]
-    metrics_path: ClassVar[str]
+    load_paths: ClassVar[tuple[str, ...]]
     info_paths: ClassVar[tuple[str, ...]]
 
     def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
@@ -117,7 +117,10 @@ class EngineAdapter(Protocol):
         """(path, body) of the engine's abort call, or None when closing the connection is the abort."""
         ...
 
-    def parse_load(self, metrics_text: str) -> WorkerLoad: ...
+    def parse_load(self, path: str, body: bytes) -> WorkerLoad | None:
+        """The engine's own load report from one of `load_paths` (tried in order until one
+        answers 200), or None when the answer holds no load figures (then nothing is assumed)."""
+        ...
 
     def parse_info(self, path: str, body: bytes, into: ProbeInfo) -> ProbeInfo:
         """Fold one info endpoint's answer (`info_paths`) into what is known of the worker."""

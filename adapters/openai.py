@@ -17,7 +17,7 @@ class OpenAIAdapter:
     engine: ClassVar[Engine] = Engine.OPENAI
     handoff: ClassVar[HandoffMode] = HandoffMode.NONE
     health_path: ClassVar[str] = "/health"
-    metrics_path: ClassVar[str] = "/metrics"
+    load_paths: ClassVar[tuple[str, ...]] = ("/metrics",)
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models",)
 
     def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
@@ -44,10 +44,10 @@ class OpenAIAdapter:
     def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
         return None
 
-    def parse_load(self, metrics_text: str) -> WorkerLoad:
+    def parse_load(self, path: str, body: bytes) -> WorkerLoad | None:
         # vLLM and SGLang in normal mode publish their own names; read whichever is there.
         m = sum_metrics(
-            metrics_text,
+            body.decode("utf-8", "replace"),
             (
                 "vllm:num_requests_running",
                 "vllm:num_requests_waiting",
@@ -55,6 +55,8 @@ class OpenAIAdapter:
                 "sglang:num_queue_reqs",
             ),
         )
+        if not m:
+            return None  # a server without these gauges: nothing is known, nothing is assumed
         return WorkerLoad(
             running=int(m.get("vllm:num_requests_running", 0.0) + m.get("sglang:num_running_reqs", 0.0)),
             waiting=int(m.get("vllm:num_requests_waiting", 0.0) + m.get("sglang:num_queue_reqs", 0.0)),

@@ -72,7 +72,10 @@ class SGLangAdapter:
     engine: ClassVar[Engine] = Engine.SGLANG
     handoff: ClassVar[HandoffMode] = HandoffMode.CONCURRENT
     health_path: ClassVar[str] = "/health"
-    metrics_path: ClassVar[str] = "/metrics"
+    # /v1/loads is the scheduler's live snapshot (SGLang >= 0.5.x; 0.5.23 no longer serves
+    # /get_load); its /metrics gauges appear only once the scheduler has logged stats and are
+    # refreshed at log intervals, so they are the fallback for older servers.
+    load_paths: ClassVar[tuple[str, ...]] = ("/v1/loads", "/metrics")
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models", "/server_info")
 
     # -- bodies ---------------------------------------------------------------------------
@@ -201,9 +204,11 @@ class SGLangAdapter:
 
     # -- load and info ----------------------------------------------------------------------
 
-    def parse_load(self, metrics_text: str) -> WorkerLoad:
+    def parse_load(self, path: str, body: bytes) -> WorkerLoad | None:
+        if path == "/v1/loads":
+            return _load_from_snapshot(body)
         m = sum_metrics(
-            metrics_text,
+            body.decode("utf-8", "replace"),
             (
                 "sglang:num_running_reqs",
                 "sglang:num_queue_reqs",
@@ -214,15 +219,15 @@ class SGLangAdapter:
                 "sglang:cache_hit_rate",
             ),
         )
+        if "sglang:num_running_reqs" not in m:
+            return None  # the scheduler has not logged stats yet: a missing gauge is not a zero
         waiting = (
             m.get("sglang:num_queue_reqs", 0.0)
             + m.get("sglang:num_decode_prealloc_queue_reqs", 0.0)
             + m.get("sglang:num_decode_transfer_queue_reqs", 0.0)
         )
         return WorkerLoad(
-            running=int(
-                m.get("sglang:num_running_reqs", 0.0) + m.get("sglang:num_prefill_inflight_queue_reqs", 0.0)
-            ),
+            running=int(m["sglang:num_running_reqs"] + m.get("sglang:num_prefill_inflight_queue_reqs", 0.0)),
             waiting=int(waiting),
             kv_usage=m.get("sglang:token_usage", 0.0),
             cache_hit_rate=m.get("sglang:cache_hit_rate", 0.0),
@@ -241,6 +246,51 @@ class SGLangAdapter:
                 bootstrap_port=info.disaggregation_bootstrap_port,
             )
         return into
+
+
+class _DisaggLoad(msgspec.Struct):
+    prefill_inflight_queue_reqs: int = 0
+
+
+class _RankLoad(msgspec.Struct):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    token_usage: float = 0.0
+    cache_hit_rate: float = 0.0
+    disaggregation: _DisaggLoad | None = None
+
+
+class _Loads(msgspec.Struct):
+    loads: list[_RankLoad]
+
+
+_loads_decoder = msgspec.json.Decoder(_Loads)
+
+
+def _load_from_snapshot(body: bytes) -> WorkerLoad | None:
+    """`GET /v1/loads`: one entry per DP rank; counts add up, usage and hit rate average.
+
+    SGLang already counts its P/D queues (prefill bootstrap; decode prealloc, transfer and
+    retracted) in `num_waiting_reqs`; a prefill's requests whose KV is still being sent sit in
+    neither count, so they are added to the running ones."""
+    try:
+        ranks = _loads_decoder.decode(body).loads
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if not ranks:
+        return None
+    running = waiting = 0
+    for r in ranks:
+        running += r.num_running_reqs
+        waiting += r.num_waiting_reqs
+        if r.disaggregation is not None:
+            running += r.disaggregation.prefill_inflight_queue_reqs
+    return WorkerLoad(
+        running=running,
+        waiting=waiting,
+        kv_usage=sum(r.token_usage for r in ranks) / len(ranks),
+        cache_hit_rate=sum(r.cache_hit_rate for r in ranks) / len(ranks),
+    )
 
 
 def _merge_bodies(prefill_body: bytes, decode_body: bytes) -> bytes:

@@ -68,7 +68,7 @@ class VLLMAdapter:
     engine: ClassVar[Engine] = Engine.VLLM
     handoff: ClassVar[HandoffMode] = HandoffMode.SEQUENTIAL
     health_path: ClassVar[str] = "/health"
-    metrics_path: ClassVar[str] = "/metrics"
+    load_paths: ClassVar[tuple[str, ...]] = ("/metrics",)
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models", "/metrics")
 
     def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
@@ -168,9 +168,9 @@ class VLLMAdapter:
     def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
         return None  # vLLM aborts a request when its connection closes
 
-    def parse_load(self, metrics_text: str) -> WorkerLoad:
+    def parse_load(self, path: str, body: bytes) -> WorkerLoad | None:
         m = sum_metrics(
-            metrics_text,
+            body.decode("utf-8", "replace"),
             (
                 "vllm:num_requests_running",
                 "vllm:num_requests_waiting",
@@ -179,6 +179,8 @@ class VLLMAdapter:
                 "vllm:prefix_cache_queries_total",
             ),
         )
+        if "vllm:num_requests_running" not in m:
+            return None
         queries = m.get("vllm:prefix_cache_queries_total", 0.0)
         hit_rate = m.get("vllm:prefix_cache_hits_total", 0.0) / queries if queries > 0 else 0.0
         return WorkerLoad(

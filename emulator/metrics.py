@@ -46,6 +46,13 @@ def render_sglang(s: EmulatorServer, max_req_input_len: int) -> str:
     counter("num_bootstrap_failed_reqs_total", "Number of bootstrap failed requests.", c.bootstrap_failed)
     counter("num_transfer_failed_reqs_total", "Number of transfer failed requests.", c.kv_transfers_failed)
     gauge("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", s.max_total_tokens)
+    gauge("context_len", "The context length.", s.max_model_len)
+    gauge("page_size", "The page size.", s.block_size)
+    gauge("http_requests_active", "Active HTTP requests.", c.in_flight, f'model_name="{m}"')
+    if not (c.prompt_tokens_total or c.generation_tokens_total):
+        # Real SGLang sets its scheduler gauges only when it logs stats for a forward batch:
+        # before the first one they are simply absent (a reader must not take that for zero).
+        return "".join(out)
     gauge("num_running_reqs", "The number of running requests.", running)
     gauge("num_queue_reqs", "The number of requests in the waiting queue.", e.waiting)
     gauge("num_used_tokens", "The number of used tokens.", pool.used_blocks * s.block_size)
@@ -56,8 +63,6 @@ def render_sglang(s: EmulatorServer, max_req_input_len: int) -> str:
     gauge("gen_throughput", "The generation throughput (token/s).", 0.0)
     gauge("kv_available_tokens", "Number of available KV tokens.", pool.available_blocks * s.block_size)
     gauge("kv_evictable_tokens", "Number of evictable KV tokens.", pool.cached_blocks * s.block_size)
-    gauge("context_len", "The context length.", s.max_model_len)
-    gauge("page_size", "The page size.", s.block_size)
     gauge("num_prefill_bootstrap_queue_reqs", "The number of requests in the prefill bootstrap queue.", 0)
     gauge(
         "num_prefill_inflight_queue_reqs",
@@ -86,7 +91,6 @@ def render_sglang(s: EmulatorServer, max_req_input_len: int) -> str:
             f'sglang:{name}_bucket{{{g},le="+Inf"}} {_fmt(n)}\n'
             f"sglang:{name}_count{{{g}}} {_fmt(n)}\nsglang:{name}_sum{{{g}}} {_fmt(total)}\n"
         )
-    gauge("http_requests_active", "Active HTTP requests.", c.in_flight, f'model_name="{m}"')
     _ = max_req_input_len
     return "".join(out)
 

@@ -12,6 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -585,6 +586,16 @@ def setup(s: EmulatorServer) -> None:
                 n = _num_samples(body.get("n"))
             except (TypeError, ValueError) as e:
                 return _error_openai(400, str(e))
+            want_ids = bool(body.get("return_token_ids"))
+            want_prompt_ids = want_ids or bool(chat and body.get("return_prompt_token_ids"))
+            if chat and body.get("stream") and want_prompt_ids:
+                field = "return_token_ids" if want_ids else "return_prompt_token_ids"
+                where = " on /v1/chat/completions" if want_ids else ""
+                return _error_openai(
+                    400,
+                    f"{field} is not supported with streaming{where}. "
+                    f"Please set stream=false when using {field}=true.",
+                )
             items = make_items(body, prompts, max_new, _sampling(body), n)
             bad = check(items, _error_openai)
             if bad is not None:
@@ -605,26 +616,32 @@ def setup(s: EmulatorServer) -> None:
                 choices = []
                 for i, res in enumerate(results):
                     text = tokenizer.decode(res.output_ids)
+                    choice: dict[str, Any]
                     if chat:
-                        choices.append(
-                            {
-                                "index": i,
-                                "message": {"role": "assistant", "content": text, "reasoning_content": None},
-                                "logprobs": None,
-                                "finish_reason": finish_str(res),
-                                "matched_stop": None,
-                            }
-                        )
+                        choice = {
+                            "index": i,
+                            "message": {"role": "assistant", "content": text, "reasoning_content": None},
+                            "logprobs": None,
+                            "finish_reason": finish_str(res),
+                            "matched_stop": None,
+                        }
+                        # SGLang: chat answers carry the ids as prompt_token_ids/response_token_ids
+                        if want_prompt_ids:
+                            choice["prompt_token_ids"] = list(items[i].prompt)
+                        if want_ids:
+                            choice["response_token_ids"] = list(res.output_ids)
                     else:
-                        choices.append(
-                            {
-                                "index": i,
-                                "text": text,
-                                "logprobs": None,
-                                "finish_reason": finish_str(res),
-                                "matched_stop": None,
-                            }
-                        )
+                        choice = {
+                            "index": i,
+                            "text": text,
+                            "logprobs": None,
+                            "finish_reason": finish_str(res),
+                            "matched_stop": None,
+                        }
+                        if want_ids:  # completions: token_ids (output) and prompt_token_ids
+                            choice["token_ids"] = list(res.output_ids)
+                            choice["prompt_token_ids"] = list(items[i].prompt)
+                    choices.append(choice)
                 pt = sum(r.prompt_tokens for r in results[::n])
                 ct = sum(len(r.output_ids) for r in results)
                 return json_response(
@@ -659,6 +676,7 @@ def setup(s: EmulatorServer) -> None:
 
             async def run(idx: int, it: Item) -> Result:
                 sent = [0]
+                first_sent = [False]
                 if chat:
                     await resp.write(
                         chunk(
@@ -689,17 +707,19 @@ def setup(s: EmulatorServer) -> None:
                             )
                         )
                     else:
-                        await resp.write(
-                            chunk(
-                                {
-                                    "index": idx,
-                                    "text": text,
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                    "matched_stop": None,
-                                }
-                            )
-                        )
+                        c: dict[str, Any] = {
+                            "index": idx,
+                            "text": text,
+                            "logprobs": None,
+                            "finish_reason": None,
+                            "matched_stop": None,
+                        }
+                        if want_ids:  # each chunk its new ids; the first also the prompt's
+                            c["token_ids"] = list(new)
+                            if not first_sent[0]:
+                                c["prompt_token_ids"] = list(it.prompt)
+                                first_sent[0] = True
+                        await resp.write(chunk(c))
 
                 res = await api.execute(it, hit, on_token)
                 if res.error_status:
@@ -726,17 +746,16 @@ def setup(s: EmulatorServer) -> None:
                         )
                     )
                 else:
-                    await resp.write(
-                        chunk(
-                            {
-                                "index": idx,
-                                "text": "",
-                                "logprobs": None,
-                                "finish_reason": finish_str(res),
-                                "matched_stop": None,
-                            }
-                        )
-                    )
+                    last_choice: dict[str, Any] = {
+                        "index": idx,
+                        "text": "",
+                        "logprobs": None,
+                        "finish_reason": finish_str(res),
+                        "matched_stop": None,
+                    }
+                    if want_ids:
+                        last_choice["token_ids"] = []
+                    await resp.write(chunk(last_choice))
                 return res
 
             results = await asyncio.gather(*(run(i, it) for i, it in enumerate(items)))
@@ -908,18 +927,79 @@ def setup(s: EmulatorServer) -> None:
             text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
         )
 
-    async def h_load(request: web.Request) -> web.Response:
+    async def h_loads(request: web.Request) -> web.Response:
+        # SGLang 0.5.23's GET /v1/loads (its old /get_load is gone: 404). Sections: core
+        # scalars always, then memory/disaggregation/queues unless `include` narrows them.
+        include = request.query.get("include")
+        sections = {x.strip() for x in include.split(",")} if include else {"all"}
+        valid = {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+        if not sections <= valid:
+            return json_response(
+                {"detail": f"Invalid include sections: {sections - valid}. Valid options: {sorted(valid)}"},
+                status=400,
+            )
+        pool = engine.pool
+        running = len(engine.seqs)
+        used = pool.used_blocks * s.block_size
+        inflight = len(s.kv_server.rooms) if s.kv_server else 0
+        in_transfer = engine.counters.in_transfer if s.role == "decode" else 0
+        load: dict[str, object] = {
+            "timestamp": time.time(),
+            "dp_rank": 0,
+            "num_running_reqs": running,
+            "num_waiting_reqs": engine.waiting + in_transfer,
+            "num_waiting_uncached_tokens": 0,
+            "num_used_tokens": used,
+            "num_total_tokens": used,
+            "num_active_tokens": used,
+            "num_prealloc_ready_tokens": 0,
+            "max_total_num_tokens": s.max_total_tokens,
+            "max_running_requests": s.profile.max_running,
+            "token_usage": pool.usage(),
+            "gen_throughput": 0.0,
+            "cache_hit_rate": pool.hits / pool.queries if pool.queries else 0.0,
+            "utilization": min(1.0, running / max(1, s.profile.max_running)),
+            "total_prefill_uncached_tokens": engine.counters.prompt_tokens_total,
+            "total_prefill_busy_us": 0,
+            "decode_moments": None,
+        }
+        every = "all" in sections
+        if every or "memory" in sections:
+            load["memory"] = {
+                "weight_gb": 0.0,
+                "kv_cache_gb": 0.0,
+                "graph_gb": 0.0,
+                "token_capacity": s.max_total_tokens,
+            }
+        if s.role != "both" and (every or "disagg" in sections):
+            load["disaggregation"] = {
+                "mode": s.role,
+                "prefill_bootstrap_queue_reqs": 0,
+                "prefill_inflight_queue_reqs": inflight if s.role == "prefill" else 0,
+                "decode_prealloc_queue_reqs": 0,
+                "decode_transfer_queue_reqs": in_transfer,
+                "decode_retracted_queue_reqs": 0,
+                "kv_transfer_speed_gb_s": 0.0,
+                "kv_transfer_latency_ms": 0.0,
+            }
+        if every or "queues" in sections:
+            load["queues"] = {
+                "waiting": engine.waiting,
+                "grammar": 0,
+                "paused": 0,
+                "retracted": 0,
+                "prealloc_ready": 0,
+            }
+        if sections == {"core"}:
+            load = {k: v for k, v in load.items() if not isinstance(v, dict)}
         return json_response(
-            [
-                {
-                    "rid": None,
-                    "dp_rank": 0,
-                    "num_reqs": len(engine.seqs) + engine.waiting,
-                    "num_waiting_reqs": engine.waiting,
-                    "num_tokens": engine.pool.used_blocks * s.block_size,
-                    "load": len(engine.seqs) + engine.waiting,
-                }
-            ]
+            {
+                "timestamp": datetime.now(UTC).isoformat(),
+                "version": "0.5.23",
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": [load],
+            }
         )
 
     r.add_post("/generate", generate)
@@ -935,4 +1015,4 @@ def setup(s: EmulatorServer) -> None:
     r.add_get("/metrics", h_metrics)
     r.add_post("/abort_request", h_abort)
     r.add_route("*", "/flush_cache", h_flush)
-    r.add_get("/get_load", h_load)
+    r.add_get("/v1/loads", h_loads)

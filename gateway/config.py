@@ -179,7 +179,7 @@ class HealthConfig(_Section, frozen=True):
     timeout_s: float = 3.0  # one probe
     failure_threshold: int = 3  # failed probes before unhealthy
     success_threshold: int = 1  # good probes before healthy again
-    scrape_interval_s: float = 2.0  # /metrics scrape for load
+    scrape_interval_s: float = 2.0  # the engines' load reports (SGLang /v1/loads, else /metrics)
 
     def __post_init__(self) -> None:
         _positive("health", **msgspec.structs.asdict(self))

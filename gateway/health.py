@@ -101,14 +101,24 @@ class HealthChecker:
         return w.model is not None
 
     async def scrape(self, w: Worker) -> None:
-        try:
-            status, body = await _get(w, w.adapter.metrics_path, self.settings.timeout_s)
-        except (TimeoutError, UpstreamError, OSError):
+        """Read the engine's own load report. The path that answered last is asked first; one
+        that is not there (404) passes to the next, so an older engine falls back by itself."""
+        paths = w.adapter.load_paths
+        if w.load_path in paths:
+            paths = (w.load_path, *(p for p in paths if p != w.load_path))
+        for path in paths:
+            try:
+                status, body = await _get(w, path, self.settings.timeout_s)
+            except (TimeoutError, UpstreamError, OSError):
+                return
+            if status != 200:
+                continue
+            w.load_path = path
+            load = w.adapter.parse_load(path, body)
+            if load is not None:
+                w.load = msgspec.structs.replace(load, scraped_at=time.monotonic())
+                self.registry.changed()
             return
-        if status == 200:
-            load = w.adapter.parse_load(body.decode("utf-8", "replace"))
-            w.load = msgspec.structs.replace(load, scraped_at=time.monotonic())
-            self.registry.changed()
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in list(self.registry.workers())))

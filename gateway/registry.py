@@ -49,6 +49,7 @@ class Worker:
         "info",
         "labels",
         "load",
+        "load_path",
         "pool",
         "port",
         "probe_failures",
@@ -95,6 +96,7 @@ class Worker:
         self.inflight = 0
         self.inflight_tokens = 0
         self.load = WorkerLoad()
+        self.load_path: str | None = None  # which of the adapter's load_paths answered last
         self.info = ProbeInfo()
         self.probe_failures = 0
         self.probe_successes = 0

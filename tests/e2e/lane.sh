@@ -205,6 +205,7 @@ export E2E_REFERENCE_URL=http://127.0.0.1:$SINGLE_PORT
 export E2E_PREFILL_URL=http://127.0.0.1:$PREFILL_PORT
 export E2E_DECODE_URL=http://127.0.0.1:$DECODE_PORT
 export E2E_PREFILL_PGID=${PGID[prefill]} E2E_DECODE_PGID=${PGID[decode]}
+export E2E_BOOTSTRAP_PORT=$BOOTSTRAP_PORT
 if [[ -n ${E2E_HOLD:-} ]]; then # debugging: keep everything up until this script is stopped
 	env | grep '^E2E_' | sed 's/^/export /' >"$RUN_DIR/env.sh"
 	say "holding; source $RUN_DIR/env.sh; stop with: kill -TERM $$"

@@ -172,6 +172,11 @@ async def test_logprobs(emu: Factory, http: aiohttp.ClientSession) -> None:
 
 async def test_get_endpoints(emu: Factory, http: aiohttp.ClientSession) -> None:
     p, d = await pd_pair(emu, max_model_len=1536, max_total_tokens=1024)
+    async with http.get(p.url + "/metrics") as r:
+        text = await r.text()
+        # like the real scheduler: no load gauges before a forward batch has logged stats
+        assert "sglang:num_running_reqs" not in text and "sglang:token_usage" not in text
+        assert "sglang:max_total_num_tokens" in text
     for srv, mode in ((p, "prefill"), (d, "decode")):
         for path in ("/model_info", "/get_model_info"):
             async with http.get(srv.url + path) as r:
@@ -189,7 +194,7 @@ async def test_get_endpoints(emu: Factory, http: aiohttp.ClientSession) -> None:
                 assert r.status == 200 and await r.read() == b""
         async with http.get(srv.url + "/metrics") as r:
             text = await r.text()
-            for name in (
+            for name in (  # /health_generate ran a forward batch, so the gauges are there now
                 "sglang:num_running_reqs",
                 "sglang:num_queue_reqs",
                 "sglang:token_usage",
@@ -199,7 +204,17 @@ async def test_get_endpoints(emu: Factory, http: aiohttp.ClientSession) -> None:
             ):
                 assert name in text
         async with http.get(srv.url + "/get_load") as r:
-            assert (await r.json())[0]["num_reqs"] == 0
+            assert r.status == 404  # gone in SGLang 0.5.23; /v1/loads replaced it
+        async with http.get(srv.url + "/v1/loads") as r:
+            loads = await r.json()
+            assert loads["version"] == "0.5.23" and len(loads["loads"]) == 1
+            rank = loads["loads"][0]
+            assert rank["dp_rank"] == 0 and rank["num_running_reqs"] == 0 and rank["num_waiting_reqs"] == 0
+            assert rank["max_total_num_tokens"] == 1024 and rank["disaggregation"]["mode"] == mode
+        async with http.get(srv.url + "/v1/loads?include=core") as r:
+            assert "disaggregation" not in (await r.json())["loads"][0]
+        async with http.get(srv.url + "/v1/loads?include=bogus") as r:
+            assert r.status == 400
         async with http.post(srv.url + "/flush_cache") as r:
             assert r.status == 200
     async with http.get(f"http://127.0.0.1:{p.bootstrap_port}/health") as r:
@@ -271,3 +286,45 @@ async def test_abort_request_and_disconnect(emu: Factory, http: aiohttp.ClientSe
         if st2["running"] == 0 and st2["in_flight"] == 0:
             break
     assert st2["running"] == 0 and st2["aborted"] >= 2
+
+
+async def test_load_gauges_appear_once_stats_are_logged(emu: Factory, http: aiohttp.ClientSession) -> None:
+    s = await emu("sglang", "both")
+    await post(http, s.url + "/generate", {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 2}})
+    async with http.get(s.url + "/metrics") as r:
+        text = await r.text()
+    for name in (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:cache_hit_rate",
+    ):
+        assert name in text
+
+
+async def test_return_token_ids_shapes(emu: Factory, http: aiohttp.ClientSession) -> None:
+    """SGLang 0.5.23: completions answer choices[].token_ids + prompt_token_ids; chat answers
+    prompt_token_ids + response_token_ids; a streamed chat asking for them is a 400."""
+    s = await emu("sglang", "both")
+    base = {"model": "m", "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    _, text, _ = await post(http, s.url + "/v1/completions", {**base, "prompt": [1, 5, 6]})
+    c = json.loads(text)["choices"][0]
+    assert c["prompt_token_ids"] == [1, 5, 6] and len(c["token_ids"]) == 4
+    _, plain, _ = await post(
+        http, s.url + "/v1/completions", {**base, "prompt": [1, 5, 6], "return_token_ids": False}
+    )
+    assert "token_ids" not in json.loads(plain)["choices"][0]
+    # streamed completions: ids chunk by chunk, the prompt's with the first
+    async with http.post(s.url + "/v1/completions", json={**base, "prompt": [1, 5, 6], "stream": True}) as r:
+        events = [
+            json.loads(line[6:]) for line in (await r.text()).splitlines() if line.startswith("data: {")
+        ]
+    streamed = [t for e in events for ch in e["choices"] for t in ch.get("token_ids", [])]
+    assert streamed == c["token_ids"] and events[0]["choices"][0]["prompt_token_ids"] == [1, 5, 6]
+    chat = {**base, "messages": [{"role": "user", "content": "hi"}]}
+    _, text, _ = await post(http, s.url + "/v1/chat/completions", chat)
+    c = json.loads(text)["choices"][0]
+    assert c["prompt_token_ids"] and len(c["response_token_ids"]) == 4 and "token_ids" not in c
+    async with http.post(s.url + "/v1/chat/completions", json={**chat, "stream": True}) as r:
+        assert r.status == 400
+        assert "return_token_ids is not supported with streaming" in (await r.json())["message"]

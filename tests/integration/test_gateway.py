@@ -11,7 +11,7 @@ import pytest
 from multidict import CIMultiDict
 from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, build_cluster, stop_cluster
 
 PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far away, " * 8, "x"]
 
@@ -341,3 +341,22 @@ async def test_sglang_streamed_logprobs_are_merged_like_colocated(cluster: Clust
     for g, w in zip(got_ev, want_ev, strict=True):
         assert g["meta_info"]["input_token_logprobs"] == w["meta_info"]["input_token_logprobs"]
         assert g["output_ids"] == w["output_ids"]
+
+
+async def test_load_is_read_from_each_engines_live_report() -> None:
+    """SGLang's load comes from /v1/loads (its /metrics gauges lag and start absent), vLLM's from
+    /metrics; a request held open on the decode shows up as running there."""
+    c = await build_cluster(time_scale=1.0)
+    try:
+        body = {"model": "m-sglang", "prompt": "tell me a long story", "max_tokens": 400, "stream": True}
+        async with aiohttp.ClientSession() as s, s.post(c.url + "/v1/completions", json=body) as r:
+            await r.content.readline()  # the first event: the decode is running it now
+            reg = c.gateway.registry
+            for wid in ("sgl-d", "vllm-d"):
+                await c.gateway.health.scrape(reg.get(wid))
+            sgl_d, vllm_d = reg.get("sgl-d"), reg.get("vllm-d")
+            assert sgl_d.load_path == "/v1/loads" and vllm_d.load_path == "/metrics"
+            assert sgl_d.load.running == 1 and sgl_d.load.scraped_at > 0
+            assert vllm_d.load.running == 0
+    finally:
+        await stop_cluster(c)

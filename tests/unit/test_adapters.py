@@ -164,14 +164,48 @@ def test_sglang_logprob_merge_counts_each_prompt_position_once() -> None:
 
 def test_sglang_load_and_info_from_real_endpoints() -> None:
     ep = endpoints()
-    load = SGL.parse_load(ep["sglang prefill /metrics"])
-    assert load.running == 0 and load.waiting == 0 and 0.0 <= load.kv_usage <= 1.0
+    load = SGL.parse_load("/metrics", ep["sglang prefill /metrics"].encode())
+    assert load is not None and load.running == 0 and load.waiting == 0 and 0.0 <= load.kv_usage <= 1.0
     info = ProbeInfo()
     for path in SGL.info_paths:
         info = SGL.parse_info(path, ep[f"sglang prefill {path}"].encode(), info)
     assert info.model == "./tiny-llama"
     assert info.context_length == 1536 and info.max_input_len == 1018
     assert info.disaggregation_mode == "prefill" and info.bootstrap_port == 31590
+
+
+def test_sglang_load_from_v1_loads_snapshot() -> None:
+    """SGLang 0.5.23's /v1/loads: P/D queues are already in num_waiting_reqs; requests whose KV
+    is still being sent (prefill inflight) count as running; DP ranks add up."""
+    rank = {
+        "dp_rank": 0,
+        "num_running_reqs": 3,
+        "num_waiting_reqs": 2,
+        "token_usage": 0.5,
+        "cache_hit_rate": 0.25,
+        "memory": {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0, "token_capacity": 9},
+        "disaggregation": {
+            "mode": "prefill",
+            "prefill_inflight_queue_reqs": 4,
+            "decode_transfer_queue_reqs": 7,
+        },
+    }
+    body = json.dumps({"version": "0.5.23", "loads": [rank, {**rank, "dp_rank": 1, "token_usage": 0.0}]})
+    load = SGL.parse_load("/v1/loads", body.encode())
+    assert load is not None
+    assert (load.running, load.waiting) == (14, 4) and load.kv_usage == 0.25 and load.cache_hit_rate == 0.25
+    assert SGL.parse_load("/v1/loads", b'{"loads": []}') is None
+    assert SGL.parse_load("/v1/loads", b"not json") is None
+
+
+def test_missing_load_gauges_are_unknown_not_zero() -> None:
+    """SGLang publishes its scheduler gauges only after logging stats: a /metrics page without
+    them says nothing about load."""
+    counters_only = "# TYPE sglang:num_requests_total counter\nsglang:num_requests_total 0.0\n"
+    assert SGL.parse_load("/metrics", counters_only.encode()) is None
+    assert VLLM.parse_load("/metrics", counters_only.encode()) is None
+    load = SGL.parse_load("/metrics", b"sglang:num_running_reqs 2.0\nsglang:num_queue_reqs 1.0\n")
+    assert load is not None and (load.running, load.waiting) == (2, 1)
 
 
 # ---- vLLM -------------------------------------------------------------------------------------
@@ -250,8 +284,8 @@ def test_vllm_client_kv_transfer_params_never_reach_an_engine() -> None:
 
 def test_vllm_load_and_info_from_real_endpoints() -> None:
     ep = endpoints()
-    load = VLLM.parse_load(ep["vllm decode /metrics"])
-    assert load.running == 0 and load.waiting == 0 and 0.0 <= load.cache_hit_rate <= 1.0
+    load = VLLM.parse_load("/metrics", ep["vllm decode /metrics"].encode())
+    assert load is not None and load.running == 0 and load.waiting == 0 and 0.0 <= load.cache_hit_rate <= 1.0
     info = VLLM.parse_info("/v1/models", ep["vllm prefill /v1/models"].encode(), ProbeInfo())
     assert info.model == "tiny" and info.context_length == 512
     info = VLLM.parse_info("/metrics", ep["vllm prefill /metrics"].encode(), info)
