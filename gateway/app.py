@@ -73,6 +73,9 @@ class Gateway:
                     length_preflight=cfg.guards.length_preflight,
                     decode_consistency=cfg.guards.decode_consistency,
                     shadow_fraction=cfg.guards.shadow_fraction,
+                    shadow_tokens=cfg.guards.shadow_tokens,
+                    shadow_before_delivery=cfg.guards.shadow_before_delivery,
+                    suspect_window_s=cfg.guards.suspect_window_s,
                 ),
             ),
         )

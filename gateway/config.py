@@ -223,11 +223,16 @@ class GuardsConfig(_Section, frozen=True):
     length_preflight: bool = True  # prompt + max_tokens vs the chosen workers' context length
     decode_consistency: bool = True  # decode's prompt tokens == prefill's; greedy first token agrees
     shadow_fraction: float = 0.0  # share of requests also run colocated and compared
+    shadow_tokens: int = 8  # tokens a shadow run generates and compares
+    shadow_before_delivery: bool = False  # sampled shadows hold a whole answer until they agree
+    suspect_window_s: float = 120.0  # after a KV-integrity failure: the pair's answers verified first
     chars_per_token_estimate: float = 4.0  # prompt length estimate without a tokenizer
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.shadow_fraction <= 1.0:
             raise ValueError("guards.shadow_fraction must be in [0, 1]")
+        _positive("guards", shadow_tokens=self.shadow_tokens)
+        _non_negative("guards", suspect_window_s=self.suspect_window_s)
         _positive("guards", chars_per_token_estimate=self.chars_per_token_estimate)
 
 

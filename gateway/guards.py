@@ -43,6 +43,8 @@ class GuardSettings(msgspec.Struct, frozen=True):
     decode_consistency: bool = True
     shadow_fraction: float = 0.0
     shadow_tokens: int = 8
+    shadow_before_delivery: bool = False  # sampled shadows hold a whole answer until they agree
+    suspect_window_s: float = 120.0  # after a KV-integrity failure, the pair's answers are verified
     max_bytes_per_token: float = 16.0  # lower-bound divisor for text prompts without a tokenizer
 
 

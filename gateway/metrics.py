@@ -74,6 +74,12 @@ class GatewayMetrics:
         self.guard_failures = Counter(
             "pdgw_guard_failures", "KV-integrity guard failures", ("guard", "stage"), registry=r
         )
+        self.shadow_runs = Counter(
+            "pdgw_shadow_runs",
+            "Colocated re-runs that verify a P/D answer, by when and what they found",
+            ("when", "outcome"),  # before_delivery|after_delivery; agreed|differed|failed
+            registry=r,
+        )
         self.aborts_sent = Counter(
             "pdgw_engine_aborts", "Abort calls sent to engines", ("engine",), registry=r
         )

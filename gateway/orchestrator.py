@@ -183,7 +183,7 @@ class Orchestrator:
                 while True:
                     attempt_no += 1
                     a = _Attempt(echo)
-                    plan = self.policy.plan(view, self.registry.snapshot(), self._exclude(exclude))
+                    plan = self._plan(view, req, exclude)
                     if last_error is not None:
                         rung = _rung(plan)
                         if rung is None or rung not in self.settings.ladder:
@@ -264,6 +264,22 @@ class Orchestrator:
         return NoWorker(
             f"{last.message} (phase {last.phase}); no fallback left", code=last.code, retry_after_s=1.0
         )
+
+    def _plan(
+        self, view: RequestView, req: ParsedRequest, failed: set[str]
+    ) -> Colocated | Disaggregated | Reject:
+        """The policy's plan. Pairs under KV suspicion are avoided, while any other route exists,
+        by requests whose answers cannot be verified (sampling, n > 1, batches) and by streams
+        (whose tokens would flow before the verdict; a failed one ends in an error event, so a
+        colocated answer is better)."""
+        snap = self.registry.snapshot()
+        excl = self._exclude(failed)
+        suspects = self.registry.suspect_pairs()
+        if suspects and (req.stream or not _verifiable(req)):
+            plan = self.policy.plan(view, snap, excl | suspects)
+            if not isinstance(plan, Reject) or plan.status == 404:
+                return plan
+        return self.policy.plan(view, snap, excl)
 
     def _exclude(self, failed: set[str]) -> frozenset[str]:
         """What the policy must avoid: ids that failed for this request, and open pairs."""
@@ -391,6 +407,7 @@ class Orchestrator:
         prefill_task = p.pool.fetch("POST", req.path, _for(p, headers), pbody)
         decode_task = d.pool.start("POST", req.path, _for(d, headers), dbody)
         resp: UpstreamResponse | None = None
+        guard: _DecodeGuard | None = None
         ok_p = ok_d = suspect_pair = client_fault = False
         t0 = time.monotonic()
         in_handoff = False
@@ -407,6 +424,7 @@ class Orchestrator:
                         raise self._prefill_refused(p, d, verdict, ctx.request_id, 200)
                     ok_p = in_handoff = True
                     a.phase = Phase.HANDOFF
+                    guard = self._decode_guard(req, ctx, p.adapter, prefill_out)
                     if not decode_task.done():
                         deadline.reschedule(asyncio.get_running_loop().time() + t.handoff_s)
                     try:
@@ -435,7 +453,7 @@ class Orchestrator:
                 a,
                 phase="decode",
                 transform=d.adapter.decode_transformer(req, prefill_out),
-                guard=self._decode_guard(req, ctx, p.adapter, prefill_out),
+                guard=guard,
             )
             ok_d = True
         except UpstreamFailure as e:
@@ -447,6 +465,8 @@ class Orchestrator:
             client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the workers'
             raise
         finally:
+            if guard is not None:
+                guard.drop_verification()
             if not ok_d:
                 if not prefill_task.cancel() and not prefill_task.cancelled():
                     prefill_task.exception()  # retrieved: no "never retrieved" log
@@ -548,6 +568,7 @@ class Orchestrator:
         resp: UpstreamResponse | None = None
         ok_d = suspect_pair = client_fault = False
         self.registry.acquire(d, tokens)
+        guard = self._decode_guard(req, ctx, p.adapter, out)
         try:
             try:
                 async with asyncio.timeout(t.handoff_s):
@@ -561,9 +582,7 @@ class Orchestrator:
             except (UpstreamConnectError, UpstreamProtocolError) as e:
                 raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
             self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
-            await self._relay(
-                resp, d, req, res, a, phase="decode", guard=self._decode_guard(req, ctx, p.adapter, out)
-            )
+            await self._relay(resp, d, req, res, a, phase="decode", guard=guard)
             ok_d = True
         except UpstreamFailure as e:
             # a failed integrity check, or a decode that answered with a transfer failure: the
@@ -574,6 +593,8 @@ class Orchestrator:
             client_fault = not e.retryable
             raise
         finally:
+            if guard is not None:
+                guard.drop_verification()
             if not ok_d:
                 self._abort_leg(d, resp, req, ctx.request_id)
             self.registry.release(d, tokens)
@@ -621,7 +642,12 @@ class Orchestrator:
                 why = guard.check_end(guard.summarize([body]))
                 if why is not None:
                     raise self._integrity(guard, why, w, "before_first_byte")
-                self._maybe_shadow(guard, body)
+                if guard.verify is not None:
+                    why = await self._verified(guard, body)
+                    if why is not None:
+                        raise self._integrity(guard, why, w, "before_first_byte", Guard.SHADOW)
+                else:
+                    self._maybe_shadow(guard, body)
             if transform is not None:
                 body = transform(body)
             a.first_byte_at = time.monotonic()
@@ -647,6 +673,8 @@ class Orchestrator:
             write = watch.feed
         idle = self.settings.timeouts.idle_s
         loop = asyncio.get_running_loop()
+        # a stream verified before its clean end: its bytes are kept for the comparison
+        kept: list[bytes] | None = [] if guard is not None and guard.verify is not None else None
         chunks = 0
         last = loop.time()  # when the upstream last sent something
         stopped = False  # the guard stopped the stream
@@ -655,6 +683,8 @@ class Orchestrator:
         def sink(data: bytes) -> None:
             nonlocal chunks, last, stopped
             chunks += 1
+            if kept is not None:
+                kept.append(data)
             write(data if transform is None else transform(data))
             last = loop.time()
             if watch is not None and watch.violation is not None and not stopped:
@@ -697,6 +727,14 @@ class Orchestrator:
         finally:
             timer.cancel()
         if watch is not None and guard is not None:
+            if kept is not None and watch.violation is None:
+                # the end (finish event, usage, [DONE]) is still held: release it only if the
+                # stream agrees with its verification run
+                why = await self._verified(guard, b"".join(kept), stream=True)
+                if why is not None:
+                    resp.release()
+                    stage = "mid_stream" if res.started else "before_first_byte"
+                    raise self._integrity(guard, why, w, stage, Guard.SHADOW)
             why = watch.finish()
             if watch.failed is not None:
                 resp.release()
@@ -728,31 +766,76 @@ class Orchestrator:
             payloads = list(iter_sse_data(prefill_body))
         else:
             payloads = [prefill_body]
-        return _DecodeGuard(ctx, prefill_adapter, req, prefill_adapter.summarize(req, payloads))
+        g = _DecodeGuard(ctx, prefill_adapter, req, prefill_adapter.summarize(req, payloads))
+        s = self.settings.guards
+        if _verifiable(req) and (
+            self.registry.is_suspect(f"{ctx.prefill.id}|{ctx.decode.id}")
+            or (s.shadow_before_delivery and s.shadow_fraction > 0 and self.rng.random() < s.shadow_fraction)
+        ):
+            # verified before delivery: a colocated re-run of the first tokens starts now, beside
+            # the decode, and the answer is released only if it agrees
+            worker = self._shadow_worker(g)
+            if worker is not None:
+                g.verify = asyncio.ensure_future(self._shadow_run(g, worker))
+            else:
+                log.info("verify.unavailable", request_id=ctx.request_id, reason="no colocated worker")
+        return g
+
+    def _shadow_worker(self, g: _DecodeGuard) -> Worker | None:
+        """Where a shadow re-run goes: a colocated worker of the model (vLLM: else the decode
+        worker itself, without KV params)."""
+        targets = self.registry.snapshot().pool(Role.COLOCATED, g.req.model)
+        if not targets and g.ctx.decode.engine is Engine.VLLM:
+            targets = (g.ctx.decode,)
+        if not targets:
+            return None
+        return self.registry.find(self.rng.choice(targets).id)
+
+    async def _verified(self, g: _DecodeGuard, body: bytes, stream: bool = False) -> str | None:
+        """Why the answer (a whole body, or a stream's bytes) disagrees with its verification
+        run, or None (it agrees, or there is no verdict)."""
+        assert g.verify is not None
+        out = await g.verify
+        g.verify = None
+        if out is None:
+            self.metrics.child(self.metrics.shadow_runs, "before_delivery", "failed").inc()
+            return None  # the re-run failed: nothing to compare (logged there)
+        got, want = (_stream_text(body) if stream else _answer_text(body)), _answer_text(out)
+        if got is None or want is None or got.startswith(want) or want.startswith(got):
+            self.metrics.child(self.metrics.shadow_runs, "before_delivery", "agreed").inc()
+            return None
+        self.metrics.child(self.metrics.shadow_runs, "before_delivery", "differed").inc()
+        log.warning(
+            "verify.mismatch",
+            request_id=g.ctx.request_id,
+            delivered_sha1=hashlib.sha1(got.encode()).hexdigest()[:12],
+            shadow_sha1=hashlib.sha1(want.encode()).hexdigest()[:12],
+        )
+        return "the answer differs from a colocated re-run of its first tokens"
 
     def _maybe_shadow(self, g: _DecodeGuard, delivered: bytes) -> None:
         """Shadow verification: re-run a sampled share of greedy answers on a colocated worker
         (for vLLM, the decode worker without KV params) and compare their first tokens."""
         s = self.settings.guards
         req = g.req
-        if s.shadow_fraction <= 0 or not req.greedy or req.route is RouteKind.GENERATE:
+        if (
+            s.shadow_fraction <= 0
+            or s.shadow_before_delivery
+            or not req.greedy
+            or req.route is RouteKind.GENERATE
+        ):
             return
         if self.rng.random() >= s.shadow_fraction:
             return
-        snap = self.registry.snapshot()
-        targets = snap.pool(Role.COLOCATED, req.model)
-        if not targets and g.ctx.decode.engine is Engine.VLLM:
-            targets = (g.ctx.decode,)
-        if not targets:
-            return
-        worker = self.registry.find(self.rng.choice(targets).id)
+        worker = self._shadow_worker(g)
         if worker is None:
             return
         task = asyncio.ensure_future(self._shadow(g, worker, delivered))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _shadow(self, g: _DecodeGuard, w: Worker, delivered: bytes) -> None:
+    async def _shadow_run(self, g: _DecodeGuard, w: Worker) -> bytes | None:
+        """The request's first `shadow_tokens` tokens, greedy, on `w` alone; None if it failed."""
         s = self.settings.guards
         fields = g.req.decode_dict()
         body = _body_rewrite(
@@ -777,12 +860,23 @@ class Orchestrator:
                 status, out = await w.pool.fetch("POST", g.req.path, _for(w, headers), body)
         except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
             log.info("shadow.skipped", request_id=g.ctx.request_id, worker=w.id, error=str(e))
-            return
+            return None
         if status != 200:
+            log.info("shadow.skipped", request_id=g.ctx.request_id, worker=w.id, error=f"HTTP {status}")
+            return None
+        return out
+
+    async def _shadow(self, g: _DecodeGuard, w: Worker, delivered: bytes) -> None:
+        """After delivery: compare, and on a mismatch count it and take the pair out."""
+        out = await self._shadow_run(g, w)
+        if out is None:
+            self.metrics.child(self.metrics.shadow_runs, "after_delivery", "failed").inc()
             return
         got, want = _answer_text(delivered), _answer_text(out)
         if got is None or want is None or got.startswith(want) or want.startswith(got):
+            self.metrics.child(self.metrics.shadow_runs, "after_delivery", "agreed").inc()
             return
+        self.metrics.child(self.metrics.shadow_runs, "after_delivery", "differed").inc()
         self.metrics.child(self.metrics.guard_failures, Guard.SHADOW.value, "after_delivery").inc()
         log.warning(
             "guard.failed",
@@ -797,12 +891,21 @@ class Orchestrator:
             delivered_chars=len(got),
             shadow_chars=len(want),
         )
+        pair = f"{g.ctx.prefill.id}|{g.ctx.decode.id}"
         self.registry.pair_breaker(g.ctx.prefill.id, g.ctx.decode.id).force_open()
+        self.registry.mark_suspect(pair, self.settings.guards.suspect_window_s)
         self.registry.changed()
 
-    def _integrity(self, g: _DecodeGuard, why: str, w: Worker, stage: str) -> KVIntegrityError:
+    def _integrity(
+        self, g: _DecodeGuard, why: str, w: Worker, stage: str, guard: Guard = Guard.DECODE_CONSISTENCY
+    ) -> KVIntegrityError:
+        """A handoff's answer failed a check: counted, and the pair is suspect from now on (its
+        next answers are verified before delivery)."""
+        self.registry.mark_suspect(
+            f"{g.ctx.prefill.id}|{g.ctx.decode.id}", self.settings.guards.suspect_window_s
+        )
         self._guard_failed(
-            Guard.DECODE_CONSISTENCY,
+            guard,
             stage,
             g.ctx.request_id,
             why,
@@ -878,6 +981,13 @@ def _for(w: Worker, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byt
     return [*(h for h in headers if h[0] != b"authorization"), (b"authorization", w.authorization)]
 
 
+def _verifiable(req: ParsedRequest) -> bool:
+    """Can this request's answer be checked against a short colocated re-run before its clean
+    end is sent? (Greedy, one answer, OpenAI routes; a stream's tokens flow meanwhile, only its
+    end is held.)"""
+    return req.greedy and req.n == 1 and not req.is_batch and req.route is not RouteKind.GENERATE
+
+
 def _blame(plan: Colocated | Disaggregated | Reject, e: UpstreamFailure) -> set[str]:
     """Ids to exclude from the next attempt: the failed worker, or the pair when the link failed."""
     if isinstance(plan, Disaggregated):
@@ -913,7 +1023,7 @@ def _prefill_error(p: Worker, v: PrefillVerdict) -> GatewayError:
 class _DecodeGuard:
     """Decode-consistency checks of one handoff, against what its prefill said."""
 
-    __slots__ = ("adapter", "context_length", "ctx", "prefill", "req")
+    __slots__ = ("adapter", "context_length", "ctx", "prefill", "req", "verify")
 
     def __init__(self, ctx: HandoffCtx, adapter: EngineAdapter, req: ParsedRequest, prefill: Summary) -> None:
         self.ctx = ctx
@@ -921,6 +1031,14 @@ class _DecodeGuard:
         self.req = req
         self.prefill = prefill
         self.context_length = ctx.decode.context_length
+        # a colocated re-run whose answer must agree before this one is delivered, or None
+        self.verify: asyncio.Future[bytes | None] | None = None
+
+    def drop_verification(self) -> None:
+        """The attempt ended without consuming its verification run: stop it."""
+        if self.verify is not None:
+            self.verify.cancel()
+            self.verify = None
 
     def summarize(self, payloads: list[bytes]) -> Summary:
         return self.adapter.summarize(self.req, payloads)
@@ -954,6 +1072,36 @@ class _Answer(msgspec.Struct):
 
 
 _answer = msgspec.json.Decoder(_Answer)
+
+
+class _StreamChoice(msgspec.Struct):
+    text: str | None = None
+    delta: dict[str, object] | None = None
+
+
+class _StreamEvent(msgspec.Struct):
+    choices: list[_StreamChoice] = []
+
+
+_stream_event = msgspec.json.Decoder(_StreamEvent)
+
+
+def _stream_text(raw: bytes) -> str | None:
+    """The text of a one-answer completions or chat stream (its SSE bytes)."""
+    parts: list[str] = []
+    for payload in iter_sse_data(raw):
+        try:
+            ev = _stream_event.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        for c in ev.choices:
+            if c.text is not None:
+                parts.append(c.text)
+            elif c.delta is not None:
+                content = c.delta.get("content")
+                if isinstance(content, str):
+                    parts.append(content)
+    return "".join(parts)
 
 
 def _answer_text(body: bytes) -> str | None:

@@ -7,6 +7,7 @@ accounting, breaker outcomes) update `Worker` objects; `snapshot()` rebuilds the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -134,6 +135,7 @@ class Registry:
         self._full: set[str] = set()
         self._workers: dict[str, Worker] = {}
         self._pair_breakers: dict[str, CircuitBreaker] = {}
+        self._suspect_until: dict[str, float] = {}  # pair id -> monotonic time its suspicion ends
         self._breaker = breaker or BreakerSettings()
         self._version = 0
         self._snap_version = -1
@@ -152,6 +154,8 @@ class Registry:
         w = self._workers.pop(worker_id)
         for key in [k for k in self._pair_breakers if worker_id in k.split("|")]:
             del self._pair_breakers[key]
+        for key in [k for k in self._suspect_until if worker_id in k.split("|")]:
+            del self._suspect_until[key]
         self.changed()
         return w
 
@@ -202,6 +206,27 @@ class Registry:
         without a call, and no open pair returns a shared empty set."""
         out = [k for k, b in self._pair_breakers.items() if b.state is not _CLOSED and not b.allows()]
         return frozenset(out) if out else _NO_PAIRS
+
+    def mark_suspect(self, pair_id: str, window_s: float) -> None:
+        """A handoff on this pair failed a KV-integrity check: suspect it for `window_s` (renewed
+        by each new failure). Suspect pairs get their answers verified before delivery."""
+        if window_s > 0:
+            self._suspect_until[pair_id] = time.monotonic() + window_s
+
+    def is_suspect(self, pair_id: str) -> bool:
+        until = self._suspect_until.get(pair_id)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._suspect_until[pair_id]
+        return False
+
+    def suspect_pairs(self) -> frozenset[str]:
+        """Pair ids under suspicion now (one dict check per request while there are none)."""
+        if not self._suspect_until:
+            return _NO_PAIRS
+        return frozenset(k for k in list(self._suspect_until) if self.is_suspect(k))
 
     def acquire(self, w: Worker, tokens: int) -> None:
         w.inflight += 1
