@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import procs
+from bench import nginx_upstream, procs
 from bench.loadgen import (
     LoadResult,
     Session,
@@ -50,6 +50,8 @@ STREAM_TOKENS = 64
 RESULTS_DIR = procs.REPO_ROOT / "bench" / "results"
 DOC_BEGIN = "<!-- bench:overhead:begin -->"
 DOC_END = "<!-- bench:overhead:end -->"
+NGINX_DOC_BEGIN = "<!-- bench:overhead-nginx:begin -->"
+NGINX_DOC_END = "<!-- bench:overhead-nginx:end -->"
 
 
 @dataclass
@@ -106,7 +108,8 @@ class Cluster:
     both: procs.Upstream
 
     def cpu_probe(self) -> float:
-        return sum(procs.tree_cpu_seconds(u.proc.pid) for u in (self.prefill, self.decode))
+        pids = {u.proc.pid for u in (self.prefill, self.decode)}  # nginx: one process serves both
+        return sum(procs.tree_cpu_seconds(pid) for pid in pids)
 
 
 def start_cluster(
@@ -290,14 +293,14 @@ def markdown_table(rows: list[Row]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def doc_section(rows: list[Row], meta: dict[str, Any]) -> str:
+def doc_section(rows: list[Row], meta: dict[str, Any], begin: str = DOC_BEGIN, end: str = DOC_END) -> str:
     return (
-        f"{DOC_BEGIN}\n"
+        f"{begin}\n"
         f"Measured {meta['time']} on {meta['machine']} ({meta['cpus']} CPUs), "
         f"{meta['duration_s']:g} s per row after {meta['warmup_s']:g} s warm-up; pinning: {meta['pinning']}.\n\n"
         f"```\n{meta['command']}\n```\n\n"
         f"{markdown_table(rows)}"
-        f"{DOC_END}\n"
+        f"{end}\n"
     )
 
 
@@ -334,11 +337,11 @@ only thing that costs anything on its core.
 """
 
 
-def write_doc(path: Path, section: str) -> None:
+def write_doc(path: Path, section: str, begin: str = DOC_BEGIN, end: str = DOC_END) -> None:
     text = path.read_text() if path.exists() else DOC_HEADER
-    if DOC_BEGIN in text and DOC_END in text:
-        before, _, rest = text.partition(DOC_BEGIN)
-        _, _, after = rest.partition(DOC_END)
+    if begin in text and end in text:
+        before, _, rest = text.partition(begin)
+        _, _, after = rest.partition(end)
         text = before + section.rstrip("\n") + after
     else:
         text = text.rstrip("\n") + "\n\n" + section
@@ -374,6 +377,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-pin", action="store_true", help="do not pin anything")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-going", action="store_true", help="a target that fails to start is skipped")
+    p.add_argument(
+        "--upstream",
+        choices=("emulator", "nginx"),
+        default="emulator",
+        help="emulator (zero-delay mode, the default) or nginx: fixed engine-shaped answers from "
+        "nginx + its echo module, fast enough that the target is the bottleneck "
+        f"({nginx_upstream.INSTALL_HINT})",
+    )
     return p.parse_args(argv)
 
 
@@ -431,33 +442,65 @@ def main(argv: list[str]) -> int:
     rows: list[Row] = []
     failures: list[str] = []
     t0 = time.monotonic()
-    for engine, kinds in plan(targets, engines):
+
+    def run_targets(engine: str, kinds: list[str], cluster: Cluster, row_modes: list[str]) -> None:
+        for kind in kinds:
+            with procs.process_group() as tgroup:
+                try:
+                    target = start_target(tgroup, kind, cluster, target_cpus, log_dir)
+                    for mode in row_modes:
+                        smoke(target, mode)
+                except Exception as exc:
+                    msg = f"{kind} ({engine}) failed to start: {exc}"
+                    if not args.keep_going:
+                        raise
+                    print(msg, file=sys.stderr)
+                    failures.append(msg.splitlines()[0])
+                    continue
+                for mode in row_modes:
+                    for c in conns:
+                        row = measure(target, cluster, mode, c, args.duration, args.warmup, target_cpus)
+                        rows.append(row)
+                        print(
+                            f"[{engine}] {kind:<13} {mode:<9} c={c:<3} {row.rps:8.0f} req/s "
+                            f"p50 {row.p50_ms:7.3f} ms  cpu/req "
+                            f"{_f(row.cpu_us_per_req, '.0f')} µs  errors {row.errors}",
+                            file=sys.stderr,
+                        )
+
+    if args.upstream == "nginx":
+        meta["upstream"] = "nginx (fixed answers, echo module)"
         with procs.process_group() as upstreams:
-            print(f"[{engine}] starting emulated prefill, decode and colocated servers", file=sys.stderr)
-            cluster = start_cluster(upstreams, engine, up_cpus, log_dir, args.seed)
-            for kind in kinds:
-                with procs.process_group() as tgroup:
-                    try:
-                        target = start_target(tgroup, kind, cluster, target_cpus, log_dir)
-                        for mode in modes:
-                            smoke(target, mode)
-                    except Exception as exc:
-                        msg = f"{kind} ({engine}) failed to start: {exc}"
-                        if not args.keep_going:
-                            raise
-                        print(msg, file=sys.stderr)
-                        failures.append(msg.splitlines()[0])
-                        continue
-                    for mode in modes:
-                        for c in conns:
-                            row = measure(target, cluster, mode, c, args.duration, args.warmup, target_cpus)
-                            rows.append(row)
-                            print(
-                                f"[{engine}] {kind:<13} {mode:<9} c={c:<3} {row.rps:8.0f} req/s "
-                                f"p50 {row.p50_ms:7.3f} ms  cpu/req "
-                                f"{_f(row.cpu_us_per_req, '.0f')} µs  errors {row.errors}",
-                                file=sys.stderr,
-                            )
+            print("starting nginx upstreams", file=sys.stderr)
+            nginx, layout, bport = nginx_upstream.start(
+                upstreams,
+                engines,
+                modes,
+                prompt_tokens=len(PROMPT) // 4,
+                max_tokens=NONSTREAM_MAX_TOKENS,
+                cpus=up_cpus,
+                log_dir=log_dir,
+            )
+            for engine, kinds in plan(targets, engines):
+                for mode in modes:
+                    ports = layout[(engine, mode)]
+
+                    cluster = Cluster(
+                        engine,
+                        procs.Upstream(
+                            nginx, engine, "prefill", ports.prefill, bport if engine == "sglang" else None
+                        ),
+                        procs.Upstream(nginx, engine, "decode", ports.decode),
+                        procs.Upstream(nginx, engine, "both", ports.both),
+                    )
+                    run_targets(engine, kinds, cluster, [mode])
+    else:
+        meta["upstream"] = "emulator (zero-delay mode)"
+        for engine, kinds in plan(targets, engines):
+            with procs.process_group() as upstreams:
+                print(f"[{engine}] starting emulated prefill, decode and colocated servers", file=sys.stderr)
+                cluster = start_cluster(upstreams, engine, up_cpus, log_dir, args.seed)
+                run_targets(engine, kinds, cluster, modes)
     fill_derived(rows)
     meta["wall_s"] = round(time.monotonic() - t0, 1)
     meta["failures"] = failures
@@ -468,7 +511,8 @@ def main(argv: list[str]) -> int:
     print(markdown_table(rows))
     print(f"results: {json_path}", file=sys.stderr)
     if args.out:
-        write_doc(Path(args.out), doc_section(rows, meta))
+        marks = (NGINX_DOC_BEGIN, NGINX_DOC_END) if args.upstream == "nginx" else (DOC_BEGIN, DOC_END)
+        write_doc(Path(args.out), doc_section(rows, meta, *marks), *marks)
         print(f"wrote {args.out}", file=sys.stderr)
     return 1 if failures or any(r.errors for r in rows) else 0
 

@@ -135,7 +135,7 @@ class Handlers:
                 raise BadRequest(
                     f"unsupported content-type {ctype.decode(errors='replace')!r}; send application/json"
                 )
-            models = self.registry.snapshot().models()
+            models = self.registry.models()
             parsed = parse_request(
                 route,
                 req.path,

@@ -37,3 +37,10 @@ def configure(level: str = "info", json: bool = True) -> None:
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
     logger: structlog.typing.FilteringBoundLogger = structlog.get_logger(name)
     return logger
+
+
+def info_enabled(logger: structlog.typing.FilteringBoundLogger) -> bool:
+    """Would `logger.info` write anything (with the configuration in force now)?"""
+    bound = logger.bind()
+    check = getattr(bound, "is_enabled_for", None)
+    return True if check is None else bool(check(logging.INFO))

@@ -42,7 +42,7 @@ from gateway.http.client import UpstreamResponse
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.http.server import HttpResponder
 from gateway.ids import new_room
-from gateway.logging import get_logger
+from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.parse import ParsedRequest
 from gateway.registry import Registry, Worker
@@ -142,6 +142,7 @@ class Orchestrator:
         self.rng = rng or random.Random()
         self._background: set[asyncio.Task[None]] = set()
         self._loop_time: Callable[[], float] = time.monotonic
+        self._log_done = info_enabled(log)  # the access log line is built only when it is written
 
     # -- entry ---------------------------------------------------------------------------------
 
@@ -239,22 +240,37 @@ class Orchestrator:
             self.metrics.child(self.metrics.e2e, route, a.plan_kind).observe(end - started)
             if a.first_byte_at:
                 self.metrics.child(self.metrics.ttft, route, a.plan_kind).observe(a.first_byte_at - started)
-            log.info(
-                "request.done",
-                request_id=request_id,
-                model=req.model,
-                route=route,
-                plan=a.plan_kind,
-                prefill=a.prefill,
-                decode=a.decode,
-                attempts=attempt_no,
-                failed_attempts=history or None,
-                phase=a.phase.value,
-                outcome=outcome,
-                duration_ms=round((end - started) * 1000, 3),
-                ttft_ms=round((a.first_byte_at - started) * 1000, 3) if a.first_byte_at else None,
-                prefill_ms=round((a.prefill_done_at - a.started) * 1000, 3) if a.prefill_done_at else None,
-            )
+            if self._log_done:
+                self._log_request(req, request_id, a, attempt_no, history, outcome, started, end)
+
+    def _log_request(
+        self,
+        req: ParsedRequest,
+        request_id: str,
+        a: _Attempt,
+        attempt_no: int,
+        history: list[str],
+        outcome: str,
+        started: float,
+        end: float,
+    ) -> None:
+        """The per-request access log line (only built when info is logged)."""
+        log.info(
+            "request.done",
+            request_id=request_id,
+            model=req.model,
+            route=req.route.value,
+            plan=a.plan_kind,
+            prefill=a.prefill,
+            decode=a.decode,
+            attempts=attempt_no,
+            failed_attempts=history or None,
+            phase=a.phase.value,
+            outcome=outcome,
+            duration_ms=round((end - started) * 1000, 3),
+            ttft_ms=round((a.first_byte_at - started) * 1000, 3) if a.first_byte_at else None,
+            prefill_ms=round((a.prefill_done_at - a.started) * 1000, 3) if a.prefill_done_at else None,
+        )
 
     def _out_of_rungs(self, last: UpstreamFailure) -> GatewayError:
         """No rung left: shed with 503 + Retry-After naming what failed, or the failure itself."""

@@ -138,6 +138,7 @@ class Registry:
         self._suspect_until: dict[str, float] = {}  # pair id -> monotonic time its suspicion ends
         self._breaker = breaker or BreakerSettings()
         self._version = 0
+        self._models: tuple[str, ...] | None = None  # cached until membership or info changes
         self._snap_version = -1
         self._snap = ClusterSnapshot(version=0, workers=())
 
@@ -175,6 +176,16 @@ class Registry:
 
     def changed(self) -> None:
         self._version += 1
+        self._models = None
+
+    def models(self) -> tuple[str, ...]:
+        """The models some worker serves (cached: per request it is a lookup, not a scan)."""
+        models = self._models
+        if models is None:
+            models = self._models = tuple(
+                sorted({w.model for w in self._workers.values() if w.model is not None})
+            )
+        return models
 
     def snapshot(self) -> ClusterSnapshot:
         if self._snap_version != self._version:
@@ -187,10 +198,7 @@ class Registry:
     def model_label(self, model: str) -> str:
         """`model` if some worker serves it, else "unknown": client-chosen names must not grow
         metric label sets without bound."""
-        for w in self._workers.values():
-            if w.model == model:
-                return model
-        return "unknown"
+        return model if model in self.models() else "unknown"
 
     def pair_breaker(self, prefill_id: str, decode_id: str) -> CircuitBreaker:
         key = f"{prefill_id}|{decode_id}"

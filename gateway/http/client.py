@@ -262,8 +262,17 @@ class UpstreamResponse:
         loop = self._conn._loop
         fut: asyncio.Future[None] = loop.create_future()
         buf = self._buf
-        while buf:
-            sink(buf.popleft())
+        if buf:
+            # what arrived before pipe() (e.g. a whole stream while the prefill's verdict was
+            # awaited) goes out in one client write, not one per upstream chunk
+            if batch is not None:
+                batch.cork()
+            try:
+                while buf:
+                    sink(buf.popleft())
+            finally:
+                if batch is not None:
+                    batch.uncork()
         self._buffered = 0
         if self._error is not None:
             fut.set_exception(self._error)
