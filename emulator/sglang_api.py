@@ -412,6 +412,10 @@ def setup(s: EmulatorServer) -> None:
 
     def check(items: list[Item], error: Callable[[int, str], web.Response]) -> web.Response | None:
         for it in items:
+            if it.prompt and (min(it.prompt) < 0 or max(it.prompt) >= tokenizer.VOCAB_SIZE):
+                # a 400, not a crash (the message is the emulator's: not checked against 0.5.23)
+                bad = min(it.prompt) if min(it.prompt) < 0 else max(it.prompt)
+                return error(400, f"Token id {bad} is out of vocabulary (valid: [0, {tokenizer.VOCAB_SIZE}))")
             msg = api.validate(len(it.prompt), it.max_new)
             if msg is not None:
                 return error(400, msg)

@@ -123,6 +123,10 @@ def setup(s: EmulatorServer) -> None:
         return min(int(mt), room) if mt is not None else room
 
     def check_length(prompt: list[int], body: dict[str, Any]) -> web.Response | None:
+        if prompt and (min(prompt) < 0 or max(prompt) >= tokenizer.VOCAB_SIZE):
+            # vLLM's renderer validates prompt token ids (VLLMValidationError -> 400)
+            bad = min(prompt) if min(prompt) < 0 else max(prompt)
+            return _error(400, f"Token id {bad} is out of vocabulary")
         n_prompt = len(prompt)
         if n_prompt > max_len:
             return _error(

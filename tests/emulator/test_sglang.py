@@ -328,3 +328,12 @@ async def test_return_token_ids_shapes(emu: Factory, http: aiohttp.ClientSession
     async with http.post(s.url + "/v1/chat/completions", json={**chat, "stream": True}) as r:
         assert r.status == 400
         assert "return_token_ids is not supported with streaming" in (await r.json())["message"]
+
+
+async def test_out_of_vocabulary_token_ids_are_a_400(emu: Factory, http: aiohttp.ClientSession) -> None:
+    s = await emu("sglang", "both")
+    async with http.post(s.url + "/generate", json={"input_ids": [-1, 5], "sampling_params": {}}) as r:
+        assert r.status == 400 and "out of vocabulary" in (await r.json())["error"]["message"]
+    body = {"model": "m", "prompt": [5, 10**6], "max_tokens": 2}
+    async with http.post(s.url + "/v1/completions", json=body) as r:
+        assert r.status == 400 and (await r.json())["code"] == 400

@@ -278,3 +278,14 @@ async def test_disconnect_aborts(emu: Factory, http: aiohttp.ClientSession) -> N
             'vllm:num_requests_running{engine="0",model_name="meta-llama/Meta-Llama-3-8B-Instruct"} 0.0'
             in await r.text()
         )
+
+
+async def test_out_of_vocabulary_token_ids_are_a_400(emu: Factory, http: aiohttp.ClientSession) -> None:
+    """vLLM's renderer refuses prompt ids outside the vocabulary (a 400, not a crash)."""
+    s = await emu("vllm", "both")
+    for ids, bad in (([-1, 5], -1), ([5, 10**6], 10**6)):
+        async with http.post(
+            s.url + "/v1/completions", json={"model": "m", "prompt": ids, "max_tokens": 2}
+        ) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["message"] == f"Token id {bad} is out of vocabulary"

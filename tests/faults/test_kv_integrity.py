@@ -206,8 +206,9 @@ async def test_context_limit_mismatch_between_prefill_and_decode() -> None:
                 break
             await asyncio.sleep(0.01)
         assert stats["in_flight"] == 0 and stats["received"] == 1
-        outcomes = await hammer(c, "m-sglang", 200, refs)
-        assert outcomes["CORRUPTED"] == 0 and outcomes["correct"] + outcomes["clear_error"] == 200
+        outcomes = await hammer(c, "m-sglang", 2000, refs)
+        assert outcomes["CORRUPTED"] == 0 and outcomes["correct"] + outcomes["clear_error"] == 2000
+        assert outcomes["clear_error"] >= 200, outcomes  # >= 10 % of them hit the mismatch
         assert outcomes["correct"] > 0  # the prompts that fit both are served
     finally:
         await stop_cluster(c)
@@ -219,8 +220,8 @@ async def test_clean_run_has_no_false_positives(model: str) -> None:
     c = await build_cluster()
     try:
         refs = await references(c, model)
-        outcomes = await hammer(c, model, 5000, refs, seed=1)
-        assert outcomes == Counter(correct=5000)
+        outcomes = await hammer(c, model, 10_000, refs, seed=1)
+        assert outcomes == Counter(correct=10_000)
         text = c.gateway.metrics.render().decode()
         assert "pdgw_guard_failures_total{" not in text
     finally:
