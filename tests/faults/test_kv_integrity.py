@@ -250,3 +250,19 @@ async def test_strict_verification_has_no_false_positives(model: str) -> None:
         assert agreed == 2000, agreed
     finally:
         await stop_cluster(c)
+
+
+@pytest.mark.timeout(300)
+async def test_consistent_garbage_needs_strict_verification() -> None:
+    """The emulator's vLLM `silent_truncation`: the prefill computes on a 1-token KV, so its sampled
+    token, its params and the decode's answer all agree with each other and no cheap check can
+    tell (docs/guards.md, limits). Only a colocated re-run can: in strict mode none is delivered."""
+    c = await build_cluster(colocated_fallback=True, guards=STRICT)
+    try:
+        refs = await references(c, "m-vllm")
+        await c.emulators["vllm-p"].set_faults(["silent_truncation:0.15"])
+        outcomes = await hammer(c, "m-vllm", 2000, refs)
+        assert outcomes["CORRUPTED"] == 0 and outcomes["GATEWAY_500"] == 0, outcomes
+        assert _metric(c.gateway.metrics.render().decode(), 'guard="shadow"') > 0
+    finally:
+        await stop_cluster(c)
