@@ -742,6 +742,8 @@ class Orchestrator:
             raise UpstreamFailure(f"worker {w.id} broke the stream: {e}", phase=phase, worker=w.id) from None
         finally:
             timer.cancel()
+        if res.started:
+            res.cork()  # the held end of the stream and its last chunk go out in one send
         if watch is not None and guard is not None:
             if kept is not None and watch.violation is None:
                 # the end (finish event, usage, [DONE]) is still held: release it only if the

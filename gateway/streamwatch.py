@@ -14,7 +14,7 @@ Everything in between is passed on as it arrives; per chunk the cost is two `byt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from gateway.guards import Summary
 
@@ -25,6 +25,22 @@ _FINISH = (b'"finish_reason":"', b'"finish_reason":{', b'{"error":')
 
 Summarize = Callable[[list[bytes]], Summary]
 Check = Callable[[Summary], str | None]
+
+
+def _iter_payloads(events: bytes) -> Iterator[bytes]:
+    """The `data:` payloads of whole events, one at a time (lazily: a caller that stops early
+    does not split the rest)."""
+    start = 0
+    n = len(events)
+    while start < n:
+        end = events.find(b"\n", start)
+        if end < 0:
+            end = n
+        if events.startswith(b"data:", start):
+            p = events[start + 5 : end].strip()
+            if p and p != b"[DONE]":
+                yield p
+        start = end + 1
 
 
 def _payloads(events: bytes) -> list[bytes]:
@@ -89,9 +105,16 @@ class StreamWatch:
             complete, self._buf = buf[: cut + 2], buf[cut + 2 :]
         if self._state == 0:
             self._held += complete
-            self._head.extend(_payloads(complete))
-            first = self._summarize(self._head)
-            if first.first_text is None and first.first_token_id is None:
+            # event by event, up to the first that carries a token: when a whole stream arrives
+            # in one piece, only its head is decoded here (the rest passes, its end is checked)
+            first = None
+            for payload in _iter_payloads(complete):
+                self._head.append(payload)
+                s = self._summarize(self._head)
+                if s.first_text is not None or s.first_token_id is not None:
+                    first = s
+                    break
+            if first is None:
                 return  # no token yet (a role-only chat event, say)
             self._first = first
             self.violation = self._check_first(first)

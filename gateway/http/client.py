@@ -268,6 +268,10 @@ class UpstreamResponse:
             if batch is not None:
                 batch.cork()
             try:
+                if batch is not None and len(buf) > 1:
+                    data = b"".join(buf)  # one sink call (and one chunk) for the whole backlog
+                    buf.clear()
+                    sink(data)
                 while buf:
                     sink(buf.popleft())
             finally:

@@ -100,7 +100,7 @@ class HttpResponder:
         self._head_only = request.method == "HEAD"
         self._http10 = request.http_version == "1.0"
         self._chunked = False
-        self._cork: list[bytes] | None = None
+        self._cork: list[bytes | bytearray] | None = None
 
     @property
     def closed(self) -> bool:
@@ -167,7 +167,11 @@ class HttpResponder:
             buf += b"transfer-encoding: chunked\r\n"
             self._chunked = True
         buf += b"\r\n"
-        conn._transport.write(buf)
+        cork = self._cork
+        if cork is not None:  # the head goes out with the first body bytes, in one send
+            cork.append(buf)
+        else:
+            conn._transport.write(buf)
 
     def write(self, data: bytes) -> None:
         """One chunk of a streamed response; empty data is a no-op. Safe to use as a pipe sink:
@@ -219,9 +223,12 @@ class HttpResponder:
             return
         if not self.started:
             raise RuntimeError("end() before start_stream()")
-        if self._cork is not None:
+        cork = self._cork
+        if cork is not None:  # what is corked and the last chunk, in one send
+            if self._chunked:
+                cork.append(_LAST_CHUNK)
             self.uncork()
-        if self._chunked and not self._conn._closed:
+        elif self._chunked and not self._conn._closed:
             self._conn._transport.write(_LAST_CHUNK)
         self._finish()
 
