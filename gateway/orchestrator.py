@@ -786,8 +786,9 @@ class Orchestrator:
             payloads = [prefill_body]
         g = _DecodeGuard(ctx, prefill_adapter, req, prefill_adapter.summarize(req, payloads))
         s = self.settings.guards
+        suspects = self.registry.suspect_pairs()  # a shared empty set while no pair is suspect
         if _verifiable(req) and (
-            self.registry.is_suspect(f"{ctx.prefill.id}|{ctx.decode.id}")
+            (suspects and f"{ctx.prefill.id}|{ctx.decode.id}" in suspects)
             or (s.shadow_before_delivery and s.shadow_fraction > 0 and self.rng.random() < s.shadow_fraction)
         ):
             # verified before delivery: a colocated re-run of the first tokens starts now, beside
@@ -815,14 +816,10 @@ class Orchestrator:
         assert g.verify is not None
         out = await g.verify
         g.verify = None
-        if out is None:
-            self.metrics.child(self.metrics.shadow_runs, "before_delivery", "failed").inc()
-            return None  # the re-run failed: nothing to compare (logged there)
-        got, want = (_stream_text(body) if stream else _answer_text(body)), _answer_text(out)
-        if got is None or want is None or got.startswith(want) or want.startswith(got):
-            self.metrics.child(self.metrics.shadow_runs, "before_delivery", "agreed").inc()
+        got = _stream_text(body) if stream else _answer_text(body)
+        want = self._shadow_disagrees("before_delivery", got, out)
+        if want is None or got is None:
             return None
-        self.metrics.child(self.metrics.shadow_runs, "before_delivery", "differed").inc()
         log.warning(
             "verify.mismatch",
             request_id=g.ctx.request_id,
@@ -884,17 +881,26 @@ class Orchestrator:
             return None
         return out
 
+    def _shadow_disagrees(self, when: str, got: str | None, shadow_body: bytes | None) -> str | None:
+        """The shadow's text when it contradicts the delivered text `got`, else None; counted in
+        `pdgw_shadow_runs_total{when,outcome}`. One is a prefix of the other when they agree
+        (the shadow generates `shadow_tokens`, the answer as many as it asked for)."""
+        if shadow_body is None:
+            self.metrics.child(self.metrics.shadow_runs, when, "failed").inc()
+            return None  # the re-run failed: nothing to compare (logged there)
+        want = _answer_text(shadow_body)
+        if got is None or want is None or got.startswith(want) or want.startswith(got):
+            self.metrics.child(self.metrics.shadow_runs, when, "agreed").inc()
+            return None
+        self.metrics.child(self.metrics.shadow_runs, when, "differed").inc()
+        return want
+
     async def _shadow(self, g: _DecodeGuard, w: Worker, delivered: bytes) -> None:
         """After delivery: compare, and on a mismatch count it and take the pair out."""
-        out = await self._shadow_run(g, w)
-        if out is None:
-            self.metrics.child(self.metrics.shadow_runs, "after_delivery", "failed").inc()
+        got = _answer_text(delivered)
+        want = self._shadow_disagrees("after_delivery", got, await self._shadow_run(g, w))
+        if want is None or got is None:
             return
-        got, want = _answer_text(delivered), _answer_text(out)
-        if got is None or want is None or got.startswith(want) or want.startswith(got):
-            self.metrics.child(self.metrics.shadow_runs, "after_delivery", "agreed").inc()
-            return
-        self.metrics.child(self.metrics.shadow_runs, "after_delivery", "differed").inc()
         self.metrics.child(self.metrics.guard_failures, Guard.SHADOW.value, "after_delivery").inc()
         log.warning(
             "guard.failed",

@@ -221,20 +221,15 @@ class Registry:
         if window_s > 0:
             self._suspect_until[pair_id] = time.monotonic() + window_s
 
-    def is_suspect(self, pair_id: str) -> bool:
-        until = self._suspect_until.get(pair_id)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        del self._suspect_until[pair_id]
-        return False
-
     def suspect_pairs(self) -> frozenset[str]:
-        """Pair ids under suspicion now (one dict check per request while there are none)."""
+        """Pair ids under suspicion now (expired ones are dropped); one dict check per request
+        while there are none."""
         if not self._suspect_until:
             return _NO_PAIRS
-        return frozenset(k for k in list(self._suspect_until) if self.is_suspect(k))
+        now = time.monotonic()
+        for k in [k for k, until in self._suspect_until.items() if until <= now]:
+            del self._suspect_until[k]
+        return frozenset(self._suspect_until) if self._suspect_until else _NO_PAIRS
 
     def acquire(self, w: Worker, tokens: int) -> None:
         w.inflight += 1

@@ -264,16 +264,14 @@ class UpstreamResponse:
         buf = self._buf
         if buf:
             # what arrived before pipe() (e.g. a whole stream while the prefill's verdict was
-            # awaited) goes out in one client write, not one per upstream chunk
+            # awaited) is one sink call; corked, the response head (if the sink starts the
+            # response) leaves with it in one client write
+            backlog = buf[0] if len(buf) == 1 else b"".join(buf)
+            buf.clear()
             if batch is not None:
                 batch.cork()
             try:
-                if batch is not None and len(buf) > 1:
-                    data = b"".join(buf)  # one sink call (and one chunk) for the whole backlog
-                    buf.clear()
-                    sink(data)
-                while buf:
-                    sink(buf.popleft())
+                sink(backlog)
             finally:
                 if batch is not None:
                     batch.uncork()

@@ -172,11 +172,11 @@ async def test_wrong_request_kv_makes_the_pair_suspect(model: str, emulator: str
         await stop_cluster(c)
 
 
-def _metric(text: str, label: str) -> float:
+def _metric(text: str, label: str, name: str = "pdgw_guard_failures_total") -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("pdgw_guard_failures_total{") and label in line
+        if line.startswith(name + "{") and label in line
     )
 
 
@@ -241,12 +241,7 @@ async def test_strict_verification_has_no_false_positives(model: str) -> None:
         assert "pdgw_guard_failures_total{" not in text
         assert not c.gateway.registry.suspect_pairs()
         # every P/D answer was verified (a few P/D attempts may have gone colocated: none here)
-        agreed = sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith('pdgw_shadow_runs_total{outcome="agreed",when="before_delivery"}')
-            or line.startswith('pdgw_shadow_runs_total{when="before_delivery",outcome="agreed"}')
-        )
+        agreed = _metric(text, 'outcome="agreed",when="before_delivery"', "pdgw_shadow_runs_total")
         assert agreed == 2000, agreed
     finally:
         await stop_cluster(c)
