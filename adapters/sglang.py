@@ -11,6 +11,7 @@ never comes (300 s by default), so the orchestrator aborts it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 from urllib.parse import urlsplit
@@ -68,6 +69,17 @@ def _host_of(url: str) -> str:
     return urlsplit(url).hostname or "127.0.0.1"
 
 
+@functools.lru_cache(maxsize=4096)
+def _bootstrap_prefix(prefill_url: str, bootstrap_port: int | None) -> bytes:
+    """`"bootstrap_host":...,"bootstrap_port":...,"bootstrap_room":` for one prefill worker
+    (a pure function of its URL and port, memoised: per request only the room is formatted)."""
+    return _body.pairs(
+        bootstrap_host=_body.encoder.encode(_host_of(prefill_url)),
+        bootstrap_port=b"null" if bootstrap_port is None else str(bootstrap_port).encode(),
+        bootstrap_room=b"",
+    )
+
+
 class SGLangAdapter:
     engine: ClassVar[Engine] = Engine.SGLANG
     handoff: ClassVar[HandoffMode] = HandoffMode.CONCURRENT
@@ -94,15 +106,9 @@ class SGLangAdapter:
         return _body.splice(req.body, self._rid_pair(req, request_id))
 
     def _pd_body(self, req: ParsedRequest, ctx: HandoffCtx, *, prefill: bool = False) -> bytes:
-        port = ctx.prefill.bootstrap_port
-        extra = _body.pairs(
-            bootstrap_host=_body.encoder.encode(_host_of(ctx.prefill.url)),
-            bootstrap_port=b"null" if port is None else str(port).encode(),
-            bootstrap_room=str(ctx.room).encode(),
-        )
-        rid = self._rid_pair(req, ctx.request_id)
-        if rid:
-            extra += b"," + rid
+        extra = _bootstrap_prefix(ctx.prefill.url, ctx.prefill.bootstrap_port) + b"%d" % ctx.room
+        if not (req.fields.rid or req.is_batch or req.n > 1):
+            extra += b',"rid":' + _body.encoder.encode(ctx.request_id)
         if prefill and req.stream:
             # The prefill's answer is read whole and judged, never relayed: asking for it whole
             # gives one JSON document with the sampled token instead of SSE, and an over-long

@@ -1,18 +1,29 @@
 """Prometheus metrics on an injected CollectorRegistry (no module-level metric objects).
 
-Per-request cost matters: label children are cached, inter-token latency is observed once per
-request (its mean), and per-worker gauges are read from the registry at scrape time by a
-collector instead of being updated on the hot path.
+Per-request cost matters. The request-path counters and histograms are this module's own
+`Counter` / `Histogram`: a labelled child is a plain object whose `inc()` / `observe()` adds to
+ints and floats (the gateway is one event-loop thread, so no lock, unlike prometheus_client's
+per-update mutex), rendered through prometheus_client's exposition at scrape time. Label
+children are cached, inter-token latency is observed once per request (its mean), and
+per-worker gauges are read from the registry at scrape time by a collector instead of being
+updated on the hot path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from policies.snapshot import ClusterSnapshot
 
@@ -21,6 +32,105 @@ if TYPE_CHECKING:
 
 _LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
+        self.value += amount
+
+
+class HistogramChild:
+    """Per-bucket (not cumulative) counts; `counts[-1]` is the +Inf bucket."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # bucket `le` holds value <= le: the first bound >= value
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class Counter(Collector):
+    """A labelled counter, exposed as `<name>_total`."""
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str], registry: CollectorRegistry) -> None:
+        self.name, self.doc, self.label_names = name, doc, list(labels)
+        self._children: dict[tuple[str, ...], CounterChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> CounterChild:
+        if len(values) != len(self.label_names):
+            raise ValueError(f"{self.name}: expected labels {self.label_names}, got {values}")
+        c = self._children.get(values)
+        if c is None:
+            c = self._children[values] = CounterChild()
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(self.name, self.doc, labels=self.label_names)
+        for values, c in self._children.items():
+            fam.add_metric(list(values), c.value)
+        yield fam
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self.name, self.doc, labels=self.label_names)
+
+
+class Histogram(Collector):
+    def __init__(
+        self,
+        name: str,
+        doc: str,
+        labels: Sequence[str],
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name, self.doc, self.label_names = name, doc, list(labels)
+        self.bounds = tuple(float(b) for b in buckets)
+        if list(self.bounds) != sorted(self.bounds):
+            raise ValueError(f"{name}: buckets must be sorted")
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> HistogramChild:
+        if len(values) != len(self.label_names):
+            raise ValueError(f"{self.name}: expected labels {self.label_names}, got {values}")
+        c = self._children.get(values)
+        if c is None:
+            c = self._children[values] = HistogramChild(self.bounds)
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.label_names)
+        for values, c in self._children.items():
+            acc = 0
+            buckets: list[tuple[str, float]] = []
+            for bound, n in zip((*map(_le, self.bounds), "+Inf"), c.counts, strict=True):
+                acc += n
+                buckets.append((bound, float(acc)))
+            fam.add_metric(list(values), buckets, c.sum)
+        yield fam
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.doc, labels=self.label_names)
+
+
+def _le(bound: float) -> str:
+    """prometheus_client's spelling of a bucket bound (`1.0`, `0.0025`)."""
+    return str(floatToGoString(bound))
 
 
 class GatewayMetrics:
@@ -83,14 +193,9 @@ class GatewayMetrics:
         self.aborts_sent = Counter(
             "pdgw_engine_aborts", "Abort calls sent to engines", ("engine",), registry=r
         )
-        self._children: dict[tuple[Any, ...], Any] = {}
 
     def child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = metric.labels(*labels)
-        return c
+        return metric.labels(*labels)
 
     def watch_cluster(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
         self.registry.register(_ClusterCollector(snapshot))

@@ -18,12 +18,14 @@ import hashlib
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from adapters import EngineAdapter, HandoffCtx, HandoffMode, PrefillVerdict
 from adapters._body import iter_sse_data
 from adapters._body import rewrite as _body_rewrite
+from gateway.deadlines import DeadlineWheel
 from gateway.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -113,9 +115,13 @@ class _Attempt:
         "prefill",
         "prefill_done_at",
         "started",
+        "task",
+        "wheel",
     )
 
-    def __init__(self, echo: tuple[bytes, bytes]) -> None:
+    def __init__(self, echo: tuple[bytes, bytes], task: asyncio.Task[None], wheel: DeadlineWheel) -> None:
+        self.task = task  # the request's handler task: what a deadline cancels
+        self.wheel = wheel
         self.phase = Phase.PLANNED
         self.echo = echo  # the x-request-id header echoed to the client
         self.plan_kind = "none"
@@ -143,6 +149,8 @@ class Orchestrator:
         self._background: set[asyncio.Task[None]] = set()
         self._loop_time: Callable[[], float] = time.monotonic
         self._log_done = info_enabled(log)  # the access log line is built only when it is written
+        self._wheel: DeadlineWheel | None = None
+        self._done_metrics: dict[tuple[RouteKind, str, str, str], tuple[Any, Any, Any]] = {}
 
     # -- entry ---------------------------------------------------------------------------------
 
@@ -178,12 +186,17 @@ class Orchestrator:
         history: list[str] = []  # failed attempts: "plan:phase reached:error code"
         outcome = "ok"
         echo = (b"x-request-id", request_id.encode())
-        a = _Attempt(echo)
+        task: asyncio.Task[None] = asyncio.current_task()  # type: ignore[assignment]
+        wheel = self._wheel
+        if wheel is None or wheel.loop is not task.get_loop():
+            wheel = self._wheel = DeadlineWheel(task.get_loop())
+        a = _Attempt(echo, task, wheel)
         try:
-            async with asyncio.timeout(self.settings.timeouts.total_s):
+            with wheel.after(self.settings.timeouts.total_s, task):
                 while True:
                     attempt_no += 1
-                    a = _Attempt(echo)
+                    if attempt_no > 1:
+                        a = _Attempt(echo, task, wheel)
                     plan = self._plan(view, req, exclude)
                     if last_error is not None:
                         rung = _rung(plan)
@@ -234,14 +247,31 @@ class Orchestrator:
             raise
         finally:
             end = time.monotonic()
-            route = req.route.value
-            label = self.registry.model_label(req.model)
-            self.metrics.child(self.metrics.requests, route, label, a.plan_kind, outcome).inc()
-            self.metrics.child(self.metrics.e2e, route, a.plan_kind).observe(end - started)
+            key = (req.route, req.model, a.plan_kind, outcome)
+            done = self._done_metrics.get(key)
+            if done is None:
+                done = self._done_metrics_for(key)
+            done[0].inc()
+            done[1].observe(end - started)
             if a.first_byte_at:
-                self.metrics.child(self.metrics.ttft, route, a.plan_kind).observe(a.first_byte_at - started)
+                done[2].observe(a.first_byte_at - started)
             if self._log_done:
                 self._log_request(req, request_id, a, attempt_no, history, outcome, started, end)
+
+    def _done_metrics_for(self, key: tuple[RouteKind, str, str, str]) -> tuple[Any, Any, Any]:
+        """The request counter, latency and TTFT children for one (route, model, plan, outcome),
+        looked up once and then kept: three label lookups per request become one."""
+        route, model, plan, outcome = key[0].value, key[1], key[2], key[3]
+        m = self.metrics
+        label = self.registry.model_label(model)
+        children = (
+            m.child(m.requests, route, label, plan, outcome),
+            m.child(m.e2e, route, plan),
+            m.child(m.ttft, route, plan),
+        )
+        if label == model and len(self._done_metrics) < 10_000:  # client-chosen names: not kept
+            self._done_metrics[key] = children
+        return children
 
     def _log_request(
         self,
@@ -379,7 +409,7 @@ class Orchestrator:
         ok = client_fault = False
         try:
             try:
-                async with asyncio.timeout(self.settings.timeouts.prefill_s):
+                with a.wheel.after(self.settings.timeouts.prefill_s, a.task):
                     resp = await w.pool.request("POST", req.path, _for(w, headers), body)
             except TimeoutError:
                 raise UpstreamTimeout(
@@ -430,7 +460,7 @@ class Orchestrator:
         try:
             try:
                 # One timer for both phases (rescheduled at the verdict) instead of one each.
-                async with asyncio.timeout(t.prefill_s) as deadline:
+                with a.wheel.after(t.prefill_s, a.task) as deadline:
                     status, prefill_out = await self._await_prefill(prefill_task, decode_task, p, d)
                     a.prefill_done_at = time.monotonic()
                     self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
@@ -442,7 +472,7 @@ class Orchestrator:
                     a.phase = Phase.HANDOFF
                     guard = self._decode_guard(req, ctx, p.adapter, prefill_out)
                     if not decode_task.done():
-                        deadline.reschedule(asyncio.get_running_loop().time() + t.handoff_s)
+                        deadline.reschedule(a.wheel.loop.time() + t.handoff_s)
                     try:
                         resp = await decode_task
                     except (UpstreamConnectError, UpstreamProtocolError) as e:
@@ -563,7 +593,7 @@ class Orchestrator:
         self.registry.acquire(p, tokens)
         try:
             try:
-                async with asyncio.timeout(t.prefill_s):
+                with a.wheel.after(t.prefill_s, a.task):
                     status, out = await self._call_whole(p, req.path, _for(p, headers), pbody, "prefill")
             except TimeoutError:
                 raise UpstreamTimeout(
@@ -587,7 +617,7 @@ class Orchestrator:
         guard = self._decode_guard(req, ctx, p.adapter, out)
         try:
             try:
-                async with asyncio.timeout(t.handoff_s):
+                with a.wheel.after(t.handoff_s, a.task):
                     resp = await d.pool.request("POST", req.path, _for(d, headers), dbody)
             except TimeoutError:
                 raise UpstreamTimeout(

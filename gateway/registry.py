@@ -18,6 +18,8 @@ from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.http.client import UpstreamPool
 from policies.snapshot import ClusterSnapshot, Engine, Role, WorkerLoad, WorkerState
 
+_replace = msgspec.structs.replace
+
 _CLOSED = BreakerState.CLOSED
 _NO_PAIRS: frozenset[str] = frozenset()
 
@@ -137,10 +139,18 @@ class Registry:
         self._pair_breakers: dict[str, CircuitBreaker] = {}
         self._suspect_until: dict[str, float] = {}  # pair id -> monotonic time its suspicion ends
         self._breaker = breaker or BreakerSettings()
-        self._version = 0
+        self._version = 0  # bumped by anything but in-flight counts (membership, health, breakers, load)
         self._models: tuple[str, ...] | None = None  # cached until membership or info changes
         self._snap_version = -1
+        self._snap_seq = 0
         self._snap = ClusterSnapshot(version=0, workers=())
+        self._snap_index: dict[str, int] = {}
+        # workers whose in-flight counts moved since the last snapshot: per request, only their
+        # states are copied (two, for a P/D request), not every worker's rebuilt
+        self._moved: set[Worker] = set()
+        # workers whose breaker is open: the open -> half-open transition is a matter of time,
+        # looked for at each snapshot while there are any
+        self._open: set[Worker] = set()
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -153,6 +163,8 @@ class Registry:
 
     async def remove(self, worker_id: str) -> Worker:
         w = self._workers.pop(worker_id)
+        self._open.discard(w)
+        self._moved.discard(w)
         for key in [k for k in self._pair_breakers if worker_id in k.split("|")]:
             del self._pair_breakers[key]
         for key in [k for k in self._suspect_until if worker_id in k.split("|")]:
@@ -188,12 +200,40 @@ class Registry:
         return models
 
     def snapshot(self) -> ClusterSnapshot:
+        """The cluster as policies see it, current to this call. Cheap per request: rebuilt
+        whole only after a change other than in-flight counts; otherwise the workers whose
+        counts moved get a copied state."""
+        if self._open:
+            self._half_open_due()
         if self._snap_version != self._version:
-            self._snap = ClusterSnapshot(
-                version=self._version, workers=tuple(w.state() for w in self._workers.values())
-            )
+            workers = tuple(w.state() for w in self._workers.values())
+            self._snap_index = {w.id: i for i, w in enumerate(workers)}
             self._snap_version = self._version
+            self._moved.clear()
+        elif self._moved:
+            states = list(self._snap.workers)
+            index = self._snap_index
+            for w in self._moved:
+                i = index[w.id]
+                old = states[i]
+                if old.inflight != w.inflight or old.inflight_tokens != w.inflight_tokens:
+                    states[i] = _replace(old, inflight=w.inflight, inflight_tokens=w.inflight_tokens)
+            self._moved.clear()
+            workers = tuple(states)
+        else:
+            return self._snap
+        self._snap_seq += 1
+        self._snap = ClusterSnapshot(version=self._snap_seq, workers=workers)
         return self._snap
+
+    def _half_open_due(self) -> None:
+        """Worker breakers whose open period is over turn half-open (one trial request)."""
+        for w in list(self._open):
+            if w.breaker.state is not BreakerState.OPEN:
+                self._open.discard(w)
+            elif w.breaker.allows() or w.breaker.state is not BreakerState.OPEN:
+                self._open.discard(w)
+                self.changed()
 
     def model_label(self, model: str) -> str:
         """`model` if some worker serves it, else "unknown": client-chosen names must not grow
@@ -235,14 +275,14 @@ class Registry:
         w.inflight += 1
         w.inflight_tokens += tokens
         w.breaker.on_dispatch()
-        self._version += 1
+        self._moved.add(w)
         if self.inflight_cap and w.inflight >= self.inflight_cap:
             self._full.add(w.id)
 
     def release(self, w: Worker, tokens: int) -> None:
         w.inflight -= 1
         w.inflight_tokens -= tokens
-        self._version += 1
+        self._moved.add(w)
         if self._full and w.inflight < self.inflight_cap:
             self._full.discard(w.id)
 
@@ -252,7 +292,9 @@ class Registry:
 
     def record(self, w: Worker, ok: bool) -> None:
         if w.breaker.record(ok):
-            self._version += 1
+            if w.breaker.state is BreakerState.OPEN:
+                self._open.add(w)
+            self.changed()
 
     async def close(self) -> None:
         for w in self._workers.values():

@@ -90,12 +90,18 @@ def plan_worker_ids(plan: Plan) -> tuple[str, ...]:
 
 def routed_event(req: RequestView, plan: Colocated | Disaggregated) -> Routed:
     """The `Routed` event the orchestrator sends for an accepted plan."""
-    workers = (plan.prefill, plan.decode) if isinstance(plan, Disaggregated) else (plan.worker,)
+    ids: tuple[str, ...]
+    roles: tuple[Role, ...]
+    if isinstance(plan, Disaggregated):
+        p, d = plan.prefill, plan.decode
+        ids, roles = (p.id, d.id), (p.role, d.role)
+    else:
+        ids, roles = (plan.worker.id,), (plan.worker.role,)
     return Routed(
         request_id=req.request_id,
         model=req.model,
-        worker_ids=tuple(w.id for w in workers),
-        roles=tuple(w.role for w in workers),
+        worker_ids=ids,
+        roles=roles,
         prompt_tokens=req.prompt_tokens,
         max_tokens=req.max_tokens,
     )
@@ -203,6 +209,11 @@ class Profile:
 
     def select(self, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState:
         """`run_profile(self, ...).worker`; raises `NoCandidates`."""
+        if not self.filters and not self.scorers:
+            # a bare picker (round robin, random): no totals to add up
+            if not cands:
+                raise NoCandidates("input")
+            return self.picker.pick(req, [(w, 0.0) for w in cands])
         return run_profile(self, req, cands).worker
 
     def observe(self, event: PolicyEvent) -> None:

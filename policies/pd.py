@@ -70,13 +70,29 @@ class PDPolicy:
 
     def plan(self, req: RequestView, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
         model = req.model
-        if not any(w.serves(model) for w in snap.workers):
+        # the three pools in one pass (`snap.pool` each would walk the workers three times)
+        decodes: list[WorkerState] = []
+        prefills: list[WorkerState] = []
+        colocated: list[WorkerState] = []
+        known = False
+        for w in snap.workers:
+            if w.model is not None and w.model != model:
+                continue
+            known = True
+            if not w.healthy or w.draining or w.id in exclude:
+                continue
+            role = w.role
+            if role is Role.DECODE:
+                decodes.append(w)
+            elif role is Role.PREFILL:
+                prefills.append(w)
+            else:
+                colocated.append(w)
+        if not known:
             return Reject(f"unknown model {model!r}: no worker serves it", 404)
-        decodes = snap.pool(Role.DECODE, model, exclude)
-        prefills = snap.pool(Role.PREFILL, model, exclude)
-        colocated = snap.pool(Role.COLOCATED, model, exclude)
 
-        pairable = [d for d in decodes if _pair_prefills(d, prefills, exclude)]
+        partners = {d.id: _pair_prefills(d, prefills, exclude) for d in decodes}
+        pairable = [d for d in decodes if partners[d.id]]
         while pairable:
             decode = _select(self.decode, req, pairable)
             if decode is None:
@@ -87,7 +103,7 @@ class PDPolicy:
                     return Colocated(worker, reason="decider: colocated")
                 if decode.engine is Engine.VLLM:
                     return Colocated(decode, reason="decider: decode self-prefill")
-            prefill = _select(self.prefill, req, _pair_prefills(decode, prefills, exclude))
+            prefill = _select(self.prefill, req, partners[decode.id])
             if prefill is not None:
                 return Disaggregated(prefill, decode)
             # the prefill selector's filters refused every prefill for this decode: try another
@@ -116,7 +132,10 @@ def _pair_prefills(
     decode: WorkerState, prefills: Sequence[WorkerState], exclude: frozenset[str]
 ) -> list[WorkerState]:
     """Prefill workers that can pair with `decode`: same engine, pair not excluded."""
-    return [p for p in prefills if p.engine is decode.engine and pair_id(p.id, decode.id) not in exclude]
+    engine = decode.engine
+    if not exclude:
+        return [p for p in prefills if p.engine is engine]
+    return [p for p in prefills if p.engine is engine and pair_id(p.id, decode.id) not in exclude]
 
 
 def _select(selector: RoleSelector, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState | None:

@@ -26,13 +26,17 @@ class RoundRobinPicker:
         self._last: dict[tuple[Role, str], str] = {}
 
     def pick(self, req: RequestView, scored: Sequence[tuple[WorkerState, float]]) -> WorkerState:
-        cands = sorted((w for w, _ in scored), key=lambda w: w.id)
-        last = self._last.get((cands[0].role, req.model))
-        if last is not None:
-            for w in cands:
-                if w.id > last:
-                    return w
-        return cands[0]
+        # the next id after the last one picked, wrapping to the smallest (one pass, no sort)
+        first = scored[0][0]
+        last = self._last.get((first.role, req.model))
+        after: WorkerState | None = None
+        for w, _ in scored:
+            wid = w.id
+            if wid < first.id:
+                first = w
+            if last is not None and wid > last and (after is None or wid < after.id):
+                after = w
+        return after if after is not None else first
 
     def observe(self, event: PolicyEvent) -> None:
         if isinstance(event, Routed):

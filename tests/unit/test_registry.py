@@ -1,0 +1,76 @@
+"""The registry's snapshot: current to each call, cheap per request, and worker breakers that
+recover by themselves (open -> half-open after `open_s`, closed after successes)."""
+
+from __future__ import annotations
+
+import time
+
+from gateway.registry import BreakerSettings, Registry, Worker
+from policies.snapshot import Engine, Role
+
+
+def _registry(open_s: float = 30.0) -> tuple[Registry, Worker, Worker, Worker]:
+    reg = Registry(BreakerSettings(failure_threshold=2, success_threshold=1, open_s=open_s))
+    ws = []
+    for i, role in enumerate((Role.PREFILL, Role.DECODE, Role.COLOCATED)):
+        w = Worker(f"w{i}", f"http://127.0.0.1:{9000 + i}", role, Engine.SGLANG, model="m")
+        w.healthy = True
+        reg.add(w)
+        ws.append(w)
+    return reg, ws[0], ws[1], ws[2]
+
+
+def _state(reg: Registry, wid: str):  # type: ignore[no-untyped-def]
+    s = reg.snapshot().get(wid)
+    assert s is not None
+    return s
+
+
+def test_snapshot_follows_inflight_counts_and_copies_only_moved_workers() -> None:
+    reg, p, d, _ = _registry()
+    before = reg.snapshot()
+    assert reg.snapshot() is before  # nothing changed: the same object
+    reg.acquire(p, 100)
+    reg.acquire(d, 300)
+    after = reg.snapshot()
+    assert after is not before and after.version != before.version
+    assert (_state(reg, "w0").inflight, _state(reg, "w0").inflight_tokens) == (1, 100)
+    assert (_state(reg, "w1").inflight, _state(reg, "w1").inflight_tokens) == (1, 300)
+    assert after.get("w2") is before.get("w2")  # untouched worker: its state is not rebuilt
+    reg.release(p, 100)
+    reg.release(d, 300)
+    assert _state(reg, "w0").inflight == 0 and _state(reg, "w1").inflight_tokens == 0
+
+
+def test_snapshot_rebuilt_after_other_changes() -> None:
+    reg, p, _, _ = _registry()
+    reg.snapshot()
+    p.draining = True
+    reg.changed()
+    assert _state(reg, "w0").draining
+
+
+def test_open_worker_breaker_recovers_after_open_s() -> None:
+    reg, p, _, _ = _registry(open_s=0.05)
+    reg.record(p, False)
+    reg.record(p, False)  # failure_threshold = 2: open
+    assert not _state(reg, "w0").healthy
+    time.sleep(0.06)
+    assert _state(reg, "w0").healthy  # half-open: one trial request may go
+    assert p.breaker.state.value == "half_open"
+    reg.acquire(p, 1)
+    reg.release(p, 1)
+    reg.record(p, True)  # success_threshold = 1: closed again
+    assert p.breaker.state.value == "closed" and _state(reg, "w0").healthy
+
+
+def test_half_open_failure_reopens() -> None:
+    reg, p, _, _ = _registry(open_s=0.05)
+    reg.record(p, False)
+    reg.record(p, False)
+    time.sleep(0.06)
+    assert _state(reg, "w0").healthy
+    reg.record(p, False)  # the trial failed
+    assert not _state(reg, "w0").healthy
+    time.sleep(0.06)
+    assert _state(reg, "w0").healthy
