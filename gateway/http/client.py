@@ -8,6 +8,7 @@ callers with ``asyncio.timeout``; the only timeout here is the connect timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -89,6 +90,7 @@ class UpstreamResponse:
         "_error",
         "_fetch",
         "_flow",
+        "_pend",
         "_pipe_fut",
         "_released",
         "_sink",
@@ -115,6 +117,9 @@ class UpstreamResponse:
         self._released = False
         self._whole = False
         self._fetch: _Call | None = None  # fetch(): resolved with (status, body) at the end
+        # pipe(): the pieces of body of the upstream read being parsed, handed to the sink as one
+        # at the end of that read (a 64-event burst is one sink call, not 64)
+        self._pend: list[bytes] = []
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lowercase), or None."""
@@ -142,7 +147,26 @@ class UpstreamResponse:
         if self._buffered > _BUFFER_HIGH and not self._whole:
             self._conn.pause_reading()
 
+    def _flush(self) -> bool:
+        """Hand the pending pieces to the sink; False if the sink failed (the response then
+        failed with its exception and the connection is aborted, as a failing sink does)."""
+        pend = self._pend
+        data = pend[0] if len(pend) == 1 else b"".join(pend)
+        pend.clear()
+        sink = self._sink
+        if sink is None:  # the pipe ended meanwhile (cancelled: the connection is aborted)
+            return True
+        try:
+            sink(data)
+        except Exception as e:
+            self._on_error(e)
+            self._conn.abort()
+            return False
+        return True
+
     def _on_complete(self) -> None:
+        if self._pend and not self._flush():
+            return
         self.complete = True
         call = self._fetch
         if call is not None:
@@ -170,6 +194,12 @@ class UpstreamResponse:
     def _on_error(self, exc: BaseException) -> None:
         if self.complete or self._error is not None:
             return
+        if self._pend:  # what arrived before the failure still reaches the sink
+            pend, self._pend = self._pend, []
+            sink = self._sink
+            if sink is not None:
+                with contextlib.suppress(Exception):
+                    sink(b"".join(pend))
         self._error = exc
         call = self._fetch
         if call is not None:
@@ -427,6 +457,8 @@ class _UpstreamConnection(asyncio.Protocol):
         except HttpParserError as e:
             self._fail(UpstreamProtocolError(f"invalid HTTP response from upstream: {e}"))
         finally:
+            if resp is not None and resp._pend:
+                resp._flush()
             if batch is not None:
                 batch.uncork()
 
@@ -484,6 +516,9 @@ class _UpstreamConnection(asyncio.Protocol):
         resp = self._resp
         if resp is None or resp.complete:
             return  # e.g. after a HEAD response; the connection is not reused
+        if resp._sink is not None:
+            resp._pend.append(body)  # handed over at the end of this read (data_received)
+            return
         resp._on_body(body)
 
     def on_message_complete(self) -> None:
