@@ -20,7 +20,7 @@ to the selectors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from policies.base import (
     CacheEstimator,
@@ -29,7 +29,9 @@ from policies.base import (
     NoCandidates,
     NonCachedTokensDecider,
     PolicyEvent,
+    Profile,
     RoleSelector,
+    observers_by_event,
     pair_id,
 )
 from policies.snapshot import (
@@ -64,6 +66,26 @@ class PDPolicy:
         self.colocated = colocated
         self.decider: Decider = decider if decider is not None else NonCachedTokensDecider()
         self.cache: CacheEstimator = cache if cache is not None else NoCacheEstimate()
+        # every stateful part of the distinct selectors, found once: observe() runs twice per
+        # request and would otherwise walk selector -> profile -> parts each time
+        observers: list[Callable[[PolicyEvent], None]] = []
+        seen: list[RoleSelector] = []
+        for sel in (decode, prefill, colocated):
+            if any(sel is s for s in seen):
+                continue
+            seen.append(sel)
+            if isinstance(sel, Profile):
+                observers.extend(sel._observers)
+            else:
+                observers.append(sel.observe)
+        self._observers = tuple(observers)
+        self._by_event = observers_by_event(observers)
+        # the default decider with the default estimate always disaggregates: not asked
+        self._always_pd = (
+            isinstance(self.decider, NonCachedTokensDecider)
+            and self.decider.min_prefill_tokens <= 0
+            and isinstance(self.cache, NoCacheEstimate)
+        )
 
     def __repr__(self) -> str:
         return f"PDPolicy(name={self.name!r})"
@@ -97,7 +119,9 @@ class PDPolicy:
             decode = _select(self.decode, req, pairable)
             if decode is None:
                 break
-            if not self.decider.should_disaggregate(req, decode, self.cache.cached_tokens(req, decode)):
+            if not self._always_pd and not self.decider.should_disaggregate(
+                req, decode, self.cache.cached_tokens(req, decode)
+            ):
                 worker = _select(self.colocated, req, colocated)
                 if worker is not None:
                     return Colocated(worker, reason="decider: colocated")
@@ -118,14 +142,9 @@ class PDPolicy:
         return Reject(f"no usable worker for model {model!r}", 503)
 
     def observe(self, event: PolicyEvent) -> None:
-        """Forward to each distinct selector once (roles may share one); no allocation, as this
-        runs twice per request."""
-        decode, prefill, colocated = self.decode, self.prefill, self.colocated
-        decode.observe(event)
-        if prefill is not decode:
-            prefill.observe(event)
-        if colocated is not decode and colocated is not prefill:
-            colocated.observe(event)
+        """Forward to each distinct selector's stateful parts once (roles may share one)."""
+        for observe in self._by_event.get(type(event), self._observers):
+            observe(event)
 
 
 def _pair_prefills(

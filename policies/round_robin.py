@@ -38,10 +38,13 @@ class RoundRobinPicker:
                 after = w
         return after if after is not None else first
 
+    observes = (Routed,)  # only routing moves the cursor
+
     def observe(self, event: PolicyEvent) -> None:
         if isinstance(event, Routed):
+            last, model = self._last, event.model
             for wid, role in zip(event.worker_ids, event.roles, strict=True):
-                self._last[(role, event.model)] = wid
+                last[(role, model)] = wid
 
 
 def round_robin_profile(name: str = "round_robin") -> Profile:

@@ -132,11 +132,23 @@ class UpstreamResponse:
         return f"<UpstreamResponse {self.status} complete={self.complete}>"
 
     # -- called by the protocol ---------------------------------------------------------------
-    def _on_body(self, data: bytes) -> None:
+    def _flush(self) -> bool:
+        """The pieces of body of the read just parsed (``_pend``), as one: to the sink when
+        piped, else into the buffer (waking a reader). Per chunk the protocol only appends;
+        this runs once per upstream read. False if the sink failed (the response then failed
+        with its exception and the connection is aborted, as a failing sink does)."""
+        pend = self._pend
+        data = pend[0] if len(pend) == 1 else b"".join(pend)
+        pend.clear()
         sink = self._sink
         if sink is not None:
-            sink(data)
-            return
+            try:
+                sink(data)
+            except Exception as e:
+                self._on_error(e)
+                self._conn.abort()
+                return False
+            return True
         self._buf.append(data)
         self._buffered += len(data)
         w = self._waiter
@@ -146,22 +158,6 @@ class UpstreamResponse:
                 w.set_result(None)
         if self._buffered > _BUFFER_HIGH and not self._whole:
             self._conn.pause_reading()
-
-    def _flush(self) -> bool:
-        """Hand the pending pieces to the sink; False if the sink failed (the response then
-        failed with its exception and the connection is aborted, as a failing sink does)."""
-        pend = self._pend
-        data = pend[0] if len(pend) == 1 else b"".join(pend)
-        pend.clear()
-        sink = self._sink
-        if sink is None:  # the pipe ended meanwhile (cancelled: the connection is aborted)
-            return True
-        try:
-            sink(data)
-        except Exception as e:
-            self._on_error(e)
-            self._conn.abort()
-            return False
         return True
 
     def _on_complete(self) -> None:
@@ -194,12 +190,13 @@ class UpstreamResponse:
     def _on_error(self, exc: BaseException) -> None:
         if self.complete or self._error is not None:
             return
-        if self._pend:  # what arrived before the failure still reaches the sink
-            pend, self._pend = self._pend, []
-            sink = self._sink
-            if sink is not None:
+        if self._pend:  # what arrived before the failure still reaches the sink (or buffer)
+            if self._sink is not None:
+                pend, self._pend = self._pend, []
                 with contextlib.suppress(Exception):
-                    sink(b"".join(pend))
+                    self._sink(b"".join(pend))
+            else:
+                self._flush()
         self._error = exc
         call = self._fetch
         if call is not None:
@@ -457,8 +454,9 @@ class _UpstreamConnection(asyncio.Protocol):
         except HttpParserError as e:
             self._fail(UpstreamProtocolError(f"invalid HTTP response from upstream: {e}"))
         finally:
-            if resp is not None and resp._pend:
-                resp._flush()
+            cur = self._resp  # the one whose head came in this read, too
+            if cur is not None and cur._pend:
+                cur._flush()
             if batch is not None:
                 batch.uncork()
 
@@ -516,10 +514,7 @@ class _UpstreamConnection(asyncio.Protocol):
         resp = self._resp
         if resp is None or resp.complete:
             return  # e.g. after a HEAD response; the connection is not reused
-        if resp._sink is not None:
-            resp._pend.append(body)  # handed over at the end of this read (data_received)
-            return
-        resp._on_body(body)
+        resp._pend.append(body)  # handed over as one at the end of this read (data_received)
 
     def on_message_complete(self) -> None:
         if self._informational:

@@ -1,0 +1,242 @@
+"""The gateway's own Python cost per request, without sockets or a kernel in the way.
+
+`pd-gateway bench overhead` measures what a deployment pays (system calls, wake-ups and the
+machine's noise included: ±10 % between runs here). This drives the real gateway objects
+(`Gateway` from the same flags as `pd-gateway serve`: server protocol, handlers,
+orchestrator, adapters, guards, metrics, upstream pools) over in-memory transports on one
+uvloop loop: the client's request is fed to the server protocol, the engine answers (shaped
+like bench/nginx_upstream.py's) are fed to the upstream connections, and the CPU time of the
+whole loop is divided by the requests served. Every answer is checked, so a broken path fails
+loudly instead of looking fast. What is left out is exactly the kernel's part, so before/after
+figures of a change to the Python path are comparable to a few percent.
+
+    .venv/bin/python -m bench.python_cost                     # both engines, both modes
+    .venv/bin/python -m bench.python_cost --engines sglang --modes nonstream -n 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import uvloop  # noqa: E402
+
+from adapters.base import ProbeInfo  # noqa: E402
+from bench.nginx_upstream import _completion, _stream  # noqa: E402
+from bench.overhead import NONSTREAM_MAX_TOKENS, PROMPT, request_body  # noqa: E402
+from gateway.app import Gateway  # noqa: E402
+from gateway.cli_args import parse_serve_args  # noqa: E402
+from gateway.http.client import _UpstreamConnection  # noqa: E402
+from gateway.http.server import HttpServer, ServerLimits  # noqa: E402
+from gateway.logging import configure  # noqa: E402
+
+MODEL = "bench-model"
+
+
+class MemTransport:
+    """Enough of asyncio.Transport for the gateway's protocols; writes are kept."""
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.out.append(bytes(data))
+
+    def writelines(self, parts: Any) -> None:
+        for p in parts:
+            self.write(p)
+
+    def take(self) -> bytes:
+        data = b"".join(self.out)
+        self.out.clear()
+        return data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 40000) if name == "peername" else default
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+
+def _response(body: bytes, ctype: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (ctype, len(body)) + body
+
+
+def _chunked(events: list[bytes], ctype: bytes) -> bytes:
+    out = [b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n" % ctype]
+    for ev in events:
+        out.append(b"%x\r\n%s\r\n" % (len(ev), ev))
+    out.append(b"0\r\n\r\n")
+    return b"".join(out)
+
+
+class Rig:
+    """One gateway in front of one in-memory prefill and decode."""
+
+    def __init__(self, engine: str, mode: str) -> None:
+        self.engine, self.mode = engine, mode
+        argv = ["--engine", engine, "--prefill", "http://127.0.0.1:18001"]
+        if engine == "sglang":
+            argv.append("18100")
+        argv += ["--decode", "http://127.0.0.1:18002", "--log-level", "warning"]
+        argv += [a for a in os.environ.get("PYCOST_EXTRA", "").split() if a]
+        cfg = parse_serve_args(argv)
+        configure(cfg.log_level, cfg.log_json)  # as `serve` does: no per-request log line
+        self.gw = Gateway(cfg)
+        prompt_tokens = len(PROMPT) // 4
+        for w in self.gw.registry.workers():
+            w.healthy = True
+            w.info = ProbeInfo(model=MODEL, context_length=8192, max_input_len=8186)
+        self.gw.registry.changed()
+        loop = asyncio.get_running_loop()
+        self.server = HttpServer(self.gw.handlers, ServerLimits(), loop)
+        self.client = self.server._protocol()
+        self.ct = MemTransport()
+        self.client.connection_made(self.ct)  # type: ignore[arg-type]
+        self.up: dict[str, tuple[_UpstreamConnection, MemTransport]] = {}
+        for w in self.gw.registry.workers():
+            conn = _UpstreamConnection(w.pool, loop)
+            t = MemTransport()
+            conn.connection_made(t)  # type: ignore[arg-type]
+            w.pool._loop = loop
+            w.pool._put(conn)
+            self.up[w.role.value] = (conn, t)
+        self.body = request_body(mode, engine)
+        if mode == "stream64":
+            self.decode_answer = _chunked([ev.encode() for ev in _stream(64)], b"text/event-stream")
+        else:
+            text = "a" + "b" * (NONSTREAM_MAX_TOKENS - 1)
+            body = _completion(text, prompt_tokens, NONSTREAM_MAX_TOKENS).encode()
+            self.decode_answer = _response(body, b"application/json")
+        self.prompt_tokens = prompt_tokens
+        self._prefill = self._prefill_template()
+        self._prefill_fixed = _response(self._prefill, b"application/json")
+
+    def _prefill_template(self) -> bytes:
+        extra = ""
+        if self.engine == "vllm":
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [[1, 2]],
+                "remote_engine_id": "bench-engine",
+                "remote_request_id": "cmpl-REQID-0-0000abcd",
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+                "remote_num_tokens": self.prompt_tokens,
+            }
+            extra = ',"kv_transfer_params":' + json.dumps(params, separators=(",", ":"))
+        return _completion("a", self.prompt_tokens, 1, extra).encode()
+
+    def _prefill_answer(self, request_id: str) -> bytes:
+        """vLLM's names the request (its id is in `remote_request_id`); SGLang's is fixed."""
+        if self.engine == "vllm":
+            return _response(self._prefill.replace(b"REQID", request_id.encode()), b"application/json")
+        return self._prefill_fixed
+
+    async def one(self, i: int) -> None:
+        rid = f"bench-{i}"
+        req = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+            b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (rid.encode(), len(self.body))
+        ) + self.body
+        pconn, pt = self.up["prefill"]
+        dconn, dt = self.up["decode"]
+        self.client.data_received(req)
+        await _until(lambda: bool(pt.out))
+        pt.take()
+        if self.engine == "vllm":
+            pconn.data_received(self._prefill_answer(rid))
+            await _until(lambda: bool(dt.out))
+            dt.take()
+            dconn.data_received(self.decode_answer)
+        else:
+            await _until(lambda: bool(dt.out))
+            dt.take()
+            pconn.data_received(self._prefill_answer(rid))
+            dconn.data_received(self.decode_answer)
+        tail = b"[DONE]" if self.mode == "stream64" else b"}"
+        await _until(lambda: bool(self.ct.out) and self._ended(tail))
+        out = self.ct.take()
+        if not out.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"{self.engine} {self.mode}: {out[:300]!r}")
+
+    def _ended(self, tail: bytes) -> bool:
+        data = self.ct.out[-1]
+        return tail in data or data.endswith(b"0\r\n\r\n") or data.rstrip().endswith(tail)
+
+
+async def _until(cond: Any, limit: int = 50) -> None:
+    for _ in range(limit):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise RuntimeError("the gateway did not get there")
+
+
+async def measure(engine: str, mode: str, n: int, repeats: int) -> dict[str, Any]:
+    rig = Rig(engine, mode)
+    for i in range(min(2000, n)):  # warm-up: caches, pools, code paths
+        await rig.one(-i - 1)
+    per: list[float] = []
+    k = 0
+    for _ in range(repeats):
+        t0 = time.process_time()
+        for _ in range(n):
+            await rig.one(k)
+            k += 1
+        per.append((time.process_time() - t0) / n * 1e6)
+    return {"engine": engine, "mode": mode, "requests": n * repeats, "us_per_request": per}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", default="sglang,vllm")
+    ap.add_argument("--modes", default="nonstream,stream64")
+    ap.add_argument("-n", type=int, default=10000, help="requests per repeat")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    for engine in args.engines.split(","):
+        for mode in args.modes.split(","):
+            r = uvloop.run(measure(engine, mode, args.n, args.repeats))
+            per = r["us_per_request"]
+            print(
+                f"{engine:7} {mode:10} python µs/request: median {statistics.median(per):6.1f}"
+                f"  (min {min(per):.1f}, max {max(per):.1f}, {r['requests']} requests)"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
