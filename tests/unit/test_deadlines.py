@@ -91,3 +91,30 @@ async def test_deadline_and_outside_cancel_together_stay_a_cancel() -> None:
 
     with pytest.raises(asyncio.CancelledError):
         await asyncio.ensure_future(body())
+
+
+async def test_met_deadlines_hold_nothing_and_wake_once() -> None:
+    """Deadlines met in time leave no bucket behind, and at most the one timer that finds
+    nothing to do (and then sets none): no wake-up per tick."""
+    wheel = DeadlineWheel(asyncio.get_running_loop())
+    me = _me()
+    for _ in range(200):
+        with wheel.after(60, me), wheel.after(600, me):
+            await asyncio.sleep(0)
+    assert len(wheel) == 0 and wheel.buckets == 0
+    wheel._fire()  # what the one armed timer does when it comes due
+    assert not wheel.armed
+
+
+async def test_earliest_bucket_is_armed_across_durations() -> None:
+    loop = asyncio.get_running_loop()
+    wheel = DeadlineWheel(loop)
+    me = _me()
+    t0 = loop.time()
+    with wheel.after(600, me):  # armed for 600 s ...
+        with pytest.raises(TimeoutError):
+            with wheel.after(0.05, me):  # ... then re-armed for the earlier one
+                await asyncio.sleep(5)
+        assert wheel.armed  # back to the 600 s one
+    assert loop.time() - t0 < 0.5
+    assert wheel.buckets == 0
