@@ -162,7 +162,7 @@ class Handlers:
             self.metrics.child(self.metrics.requests, route.value, model, "none", e.code.value).inc()
             return self._error(res, e, request_id)
         live = self._live
-        live[res] = asyncio.current_task()
+        live[res] = res.task if res.task is not None else asyncio.current_task()
         try:
             await self.orchestrator.serve(parsed, request_id, res, req.header(b"authorization"))
         finally:

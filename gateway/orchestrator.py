@@ -186,7 +186,7 @@ class Orchestrator:
         history: list[str] = []  # failed attempts: "plan:phase reached:error code"
         outcome = "ok"
         echo = (b"x-request-id", request_id.encode())
-        task: asyncio.Task[None] = asyncio.current_task()  # type: ignore[assignment]
+        task: asyncio.Task[None] = res.task or asyncio.current_task()  # type: ignore[assignment]
         wheel = self._wheel
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
@@ -718,7 +718,7 @@ class Orchestrator:
             watch = StreamWatch(started_write, guard.summarize, guard.check_first, guard.check_end)
             write = watch.feed
         idle = self.settings.timeouts.idle_s
-        loop = asyncio.get_running_loop()
+        loop = a.wheel.loop
         # a stream verified before its clean end: its bytes are kept for the comparison
         kept: list[bytes] | None = [] if guard is not None and guard.verify is not None else None
         chunks = 0

@@ -90,7 +90,17 @@ class HttpResponder:
     """Writes the response of one request. Exactly one of ``send()`` or ``start_stream()`` …
     ``end()`` (or ``abort()``)."""
 
-    __slots__ = ("_chunked", "_conn", "_cork", "_finished", "_head_only", "_http10", "_keep_alive", "started")
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_cork",
+        "_finished",
+        "_head_only",
+        "_http10",
+        "_keep_alive",
+        "started",
+        "task",
+    )
 
     def __init__(self, conn: _HttpConnection, request: HttpRequest) -> None:
         self._conn = conn
@@ -101,6 +111,9 @@ class HttpResponder:
         self._http10 = request.http_version == "1.0"
         self._chunked = False
         self._cork: list[bytes | bytearray] | None = None
+        # the Task running the handler (set at dispatch): known here, a handler need not ask
+        # asyncio.current_task(), which costs a getpid() system call on Python 3.11
+        self.task: asyncio.Task[None] | None = None
 
     @property
     def closed(self) -> bool:
@@ -544,6 +557,7 @@ class _HttpConnection(asyncio.Protocol):
         server = self._server
         server.active_requests += 1
         task = self._loop.create_task(self._handler(req, resp))
+        resp.task = task
         self._task = task
         task.add_done_callback(self._on_done)
 
