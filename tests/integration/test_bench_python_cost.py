@@ -1,0 +1,17 @@
+"""`bench.python_cost` drives the real gateway over in-memory transports; its figures are only
+worth something while every answer it gets is right, so each engine and mode runs a few
+requests here (the rig raises on a wrong answer or a stuck request)."""
+
+from __future__ import annotations
+
+import pytest
+import uvloop
+
+from bench.python_cost import measure
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("mode", ["nonstream", "stream64"])
+def test_python_cost_rig_serves_every_request(engine: str, mode: str) -> None:
+    r = uvloop.run(measure(engine, mode, n=50, repeats=1))
+    assert r["requests"] == 50 and len(r["us_per_request"]) == 1 and r["us_per_request"][0] > 0
