@@ -41,7 +41,15 @@ from bench.loadgen import (
 )
 
 ENGINES = ("sglang", "vllm")
-TARGET_KINDS = ("direct", "direct-pd", "gateway", "gateway-noguards", "sglang-router", "vllm-router")
+TARGET_KINDS = (
+    "direct",
+    "direct-pd",
+    "bare-pd",
+    "gateway",
+    "gateway-noguards",
+    "sglang-router",
+    "vllm-router",
+)
 MODES = ("nonstream", "stream64")
 MODEL = "bench-model"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
@@ -141,6 +149,18 @@ def start_target(
         argv = procs.vllm_router_argv(
             port, [pre.url], [dec.url], prometheus_port=prom_port, log_level="warning"
         )
+    elif kind == "bare-pd":
+        argv = [sys.executable, "-m", "bench.bare_pd", "--engine", cluster.engine, "--port", str(port)]
+        argv += ["--prefill", pre.url, "--decode", dec.url]
+        if pre.bootstrap_port is not None:
+            argv += ["--bootstrap-port", str(pre.bootstrap_port)]
+        proc = group.add(
+            procs.start_process(
+                f"{kind}-{cluster.engine}", argv, cpus=cpus, log_dir=log_dir, cwd=procs.REPO_ROOT
+            )
+        )
+        proc.wait_http(f"http://{procs.HOST}:{port}/health", timeout=90.0)
+        return Target(kind, cluster.engine, proc, port)
     elif kind in ("gateway", "gateway-noguards"):
         argv = procs.gateway_argv(
             cluster.engine,
@@ -257,7 +277,7 @@ def fill_derived(rows: list[Row]) -> None:
             r.added_p50_ms = r.p50_ms - d.p50_ms
         rt = routers.get((r.engine, r.mode, r.conns))
         if (
-            r.target.startswith("gateway")
+            (r.target.startswith("gateway") or r.target == "bare-pd")
             and rt is not None
             and rt.cpu_us_per_req
             and r.cpu_us_per_req is not None
@@ -322,9 +342,13 @@ only thing that costs anything on its core.
   `do_remote_decode`, then the decode with the returned `kv_transfer_params`): the floor for
   any P/D router on these upstreams (it runs on the target core, as a router would). `added p50` is a target's p50 minus `direct-pd`'s p50
   (minus `direct`'s when `direct-pd` was not run) at the same mode and connection count.
+* `bare-pd` (`bench/bare_pd.py`) is a P/D proxy with nothing but the handoff, on the gateway's
+  own HTTP layer (`gateway.http`): one fixed pair, no routing, ids, deadlines, retries, breakers,
+  guards, metrics or logs. It is what Python and this HTTP layer cost before any feature: the
+  gateway's figure above it is the price of its features.
 * `target CPU/req` = (utime+stime of the target's process tree over the window) / completed
-  requests; `vs router` is the gateway's figure over the same engine's Rust router in the same
-  run. `upstream CPU/req` is the emulated prefill+decode (direct: the colocated server).
+  requests; `vs router` is the gateway's (or `bare-pd`'s) figure over the same engine's Rust
+  router in the same run. `upstream CPU/req` is the emulated prefill+decode (direct: the colocated server).
 * Requests: `POST /v1/completions`, greedy; `nonstream` asks for 8 tokens, `stream64` for a
   64-token SSE stream (`ignore_eos`).
 * sglang-router 0.3.2, `stream64` at 1 connection: on a reused keep-alive connection the
@@ -360,8 +384,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--modes", default="nonstream,stream64", help="nonstream,stream64")
     p.add_argument(
         "--targets",
-        default="direct,direct-pd,gateway,sglang-router,vllm-router",
-        help="any of direct,direct-pd,gateway,gateway-noguards,sglang-router,vllm-router",
+        default="direct,direct-pd,bare-pd,gateway,sglang-router,vllm-router",
+        help="any of direct,direct-pd,bare-pd,gateway,gateway-noguards,sglang-router,vllm-router",
     )
     p.add_argument("--engines", default="sglang,vllm", help="which P/D pools: sglang,vllm")
     p.add_argument(
@@ -400,7 +424,7 @@ def plan(targets: list[str], engines: list[str]) -> list[tuple[str, list[str]]]:
     """[(engine, [target kinds in run order])]: direct, the Rust router, then the gateway."""
     out = []
     for engine in engines:
-        order = ("direct", "direct-pd", f"{engine}-router", "gateway", "gateway-noguards")
+        order = ("direct", "direct-pd", "bare-pd", f"{engine}-router", "gateway", "gateway-noguards")
         kinds = [k for k in order if k in targets]
         if kinds:
             out.append((engine, kinds))
