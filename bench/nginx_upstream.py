@@ -65,6 +65,26 @@ def _completion(text: str, prompt_tokens: int, completion_tokens: int, extra: st
     return s[:-1] + extra + "}" if extra else s
 
 
+def prefill_answer(engine: str, prompt_tokens: int) -> str:
+    """A prefill's answer: one token "a"; vLLM's adds `kv_transfer_params` whose
+    `remote_request_id` holds the placeholder `REQID` for the request's X-Request-Id."""
+    extra = ""
+    if engine == "vllm":
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[1, 2]],
+            "remote_engine_id": "bench-engine",
+            "remote_request_id": "cmpl-REQID-0-0000abcd",
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "remote_num_tokens": prompt_tokens,
+        }
+        extra = ',"kv_transfer_params":' + json.dumps(params, separators=(",", ":"))
+    return _completion("a", prompt_tokens, 1, extra)
+
+
 def _stream(tokens: int) -> list[str]:
     events = []
     for i in range(tokens):
@@ -116,21 +136,7 @@ def _server(
             f"        location = {path} {{ default_type application/json; echo -n {_nginx_str(info)}; }}"
         )
     if role == "prefill":
-        extra = ""
-        if engine == "vllm":
-            params = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": [[1, 2]],
-                "remote_engine_id": "bench-engine",
-                "remote_request_id": "cmpl-REQID-0-0000abcd",
-                "remote_host": "127.0.0.1",
-                "remote_port": 5600,
-                "tp_size": 1,
-                "remote_num_tokens": prompt_tokens,
-            }
-            extra = ',"kv_transfer_params":' + json.dumps(params, separators=(",", ":"))
-        body = _completion("a", prompt_tokens, 1, extra).replace("REQID", "$http_x_request_id")
+        body = prefill_answer(engine, prompt_tokens).replace("REQID", "$http_x_request_id")
         gen = [f"echo -n {_nginx_str(body)};"]
         ctype = "application/json"
     elif mode == "stream64":

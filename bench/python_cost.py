@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ if str(ROOT) not in sys.path:
 import uvloop  # noqa: E402
 
 from adapters.base import ProbeInfo  # noqa: E402
-from bench.nginx_upstream import _completion, _stream  # noqa: E402
+from bench.nginx_upstream import _completion, _stream, prefill_answer  # noqa: E402
 from bench.overhead import NONSTREAM_MAX_TOKENS, PROMPT, request_body  # noqa: E402
 from gateway.app import Gateway  # noqa: E402
 from gateway.cli_args import parse_serve_args  # noqa: E402
@@ -139,25 +138,8 @@ class Rig:
             body = _completion(text, prompt_tokens, NONSTREAM_MAX_TOKENS).encode()
             self.decode_answer = _response(body, b"application/json")
         self.prompt_tokens = prompt_tokens
-        self._prefill = self._prefill_template()
+        self._prefill = prefill_answer(engine, prompt_tokens).encode()
         self._prefill_fixed = _response(self._prefill, b"application/json")
-
-    def _prefill_template(self) -> bytes:
-        extra = ""
-        if self.engine == "vllm":
-            params = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": [[1, 2]],
-                "remote_engine_id": "bench-engine",
-                "remote_request_id": "cmpl-REQID-0-0000abcd",
-                "remote_host": "127.0.0.1",
-                "remote_port": 5600,
-                "tp_size": 1,
-                "remote_num_tokens": self.prompt_tokens,
-            }
-            extra = ',"kv_transfer_params":' + json.dumps(params, separators=(",", ":"))
-        return _completion("a", self.prompt_tokens, 1, extra).encode()
 
     def _prefill_answer(self, request_id: str) -> bytes:
         """vLLM's names the request (its id is in `remote_request_id`); SGLang's is fixed."""
