@@ -24,7 +24,9 @@ import argparse
 import asyncio
 import random
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,12 +75,16 @@ async def _relay(up_call: asyncio.Future[UpstreamResponse], res: HttpResponder) 
         up.release()
 
 
-async def serve(engine: str, port: int, prefill: str, decode: str, bootstrap_port: int | None) -> None:
-    pp, dp = _pool(prefill), _pool(decode)
+Handler = Callable[[HttpRequest, HttpResponder], Coroutine[Any, Any, None]]
+
+
+def make_handler(
+    engine: str, pp: UpstreamPool, dp: UpstreamPool, prefill_host: str, bootstrap_port: int | None
+) -> Handler:
+    """The whole proxy: one handler over the prefill's and the decode's pools."""
     headers = (_JSON,)
-    host = urlsplit(prefill).hostname or "127.0.0.1"
     prefix = b',"bootstrap_host":%s,"bootstrap_port":%d,"bootstrap_room":' % (
-        _enc.encode(host),
+        _enc.encode(prefill_host),
         bootstrap_port or 0,
     )
     rnd = random.getrandbits
@@ -116,6 +122,12 @@ async def serve(engine: str, port: int, prefill: str, decode: str, bootstrap_por
         dbody = body[:-1] + b',"kv_transfer_params":' + params + b"}"
         await _relay(dp.start("POST", req.path, headers + rid, dbody), res)
 
+    return handler
+
+
+async def serve(engine: str, port: int, prefill: str, decode: str, bootstrap_port: int | None) -> None:
+    host = urlsplit(prefill).hostname or "127.0.0.1"
+    handler = make_handler(engine, _pool(prefill), _pool(decode), host, bootstrap_port)
     server = await start_server(handler, "127.0.0.1", port)
     try:
         await asyncio.Event().wait()

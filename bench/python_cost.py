@@ -12,13 +12,14 @@ figures of a change to the Python path are comparable to a few percent.
 
     .venv/bin/python -m bench.python_cost                     # both engines, both modes
     .venv/bin/python -m bench.python_cost --engines sglang --modes nonstream -n 20000
+    .venv/bin/python -m bench.python_cost --target bare-pd        # the HTTP layer's floor
+    .venv/bin/python -m bench.python_cost --serve-args=--no-guards  # the guards' share
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ if str(ROOT) not in sys.path:
 import uvloop  # noqa: E402
 
 from adapters.base import ProbeInfo  # noqa: E402
+from bench.bare_pd import make_handler  # noqa: E402
 from bench.nginx_upstream import _completion, _stream, prefill_answer  # noqa: E402
 from bench.overhead import NONSTREAM_MAX_TOKENS, PROMPT, request_body  # noqa: E402
 from gateway.app import Gateway  # noqa: E402
@@ -102,13 +104,13 @@ def _chunked(events: list[bytes], ctype: bytes) -> bytes:
 class Rig:
     """One gateway in front of one in-memory prefill and decode."""
 
-    def __init__(self, engine: str, mode: str) -> None:
+    def __init__(self, engine: str, mode: str, target: str = "gateway", serve_args: str = "") -> None:
         self.engine, self.mode = engine, mode
         argv = ["--engine", engine, "--prefill", "http://127.0.0.1:18001"]
         if engine == "sglang":
             argv.append("18100")
         argv += ["--decode", "http://127.0.0.1:18002", "--log-level", "warning"]
-        argv += [a for a in os.environ.get("PYCOST_EXTRA", "").split() if a]
+        argv += serve_args.split()
         cfg = parse_serve_args(argv)
         configure(cfg.log_level, cfg.log_json)  # as `serve` does: no per-request log line
         self.gw = Gateway(cfg)
@@ -118,7 +120,11 @@ class Rig:
             w.info = ProbeInfo(model=MODEL, context_length=8192, max_input_len=8186)
         self.gw.registry.changed()
         loop = asyncio.get_running_loop()
-        self.server = HttpServer(self.gw.handlers, ServerLimits(), loop)
+        handler: Any = self.gw.handlers
+        if target == "bare-pd":  # the floor: bench/bare_pd.py's handler over the same pools
+            pools = {w.role.value: w.pool for w in self.gw.registry.workers()}
+            handler = make_handler(engine, pools["prefill"], pools["decode"], "127.0.0.1", 18100)
+        self.server = HttpServer(handler, ServerLimits(), loop)
         self.client = self.server._protocol()
         self.ct = MemTransport()
         self.client.connection_made(self.ct)  # type: ignore[arg-type]
@@ -187,8 +193,10 @@ async def _until(cond: Any, limit: int = 50) -> None:
     raise RuntimeError("the gateway did not get there")
 
 
-async def measure(engine: str, mode: str, n: int, repeats: int) -> dict[str, Any]:
-    rig = Rig(engine, mode)
+async def measure(
+    engine: str, mode: str, n: int, repeats: int, target: str = "gateway", serve_args: str = ""
+) -> dict[str, Any]:
+    rig = Rig(engine, mode, target, serve_args)
     for i in range(min(2000, n)):  # warm-up: caches, pools, code paths
         await rig.one(-i - 1)
     per: list[float] = []
@@ -199,7 +207,7 @@ async def measure(engine: str, mode: str, n: int, repeats: int) -> dict[str, Any
             await rig.one(k)
             k += 1
         per.append((time.process_time() - t0) / n * 1e6)
-    return {"engine": engine, "mode": mode, "requests": n * repeats, "us_per_request": per}
+    return {"engine": engine, "mode": mode, "target": target, "requests": n * repeats, "us_per_request": per}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,13 +216,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="nonstream,stream64")
     ap.add_argument("-n", type=int, default=10000, help="requests per repeat")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--target",
+        choices=("gateway", "bare-pd"),
+        default="gateway",
+        help="the gateway, or bench/bare_pd.py's handoff-only handler (the HTTP layer's floor)",
+    )
+    ap.add_argument("--serve-args", default="", help='more `pd-gateway serve` flags, e.g. "--no-guards"')
     args = ap.parse_args(argv)
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
-            r = uvloop.run(measure(engine, mode, args.n, args.repeats))
+            r = uvloop.run(measure(engine, mode, args.n, args.repeats, args.target, args.serve_args))
             per = r["us_per_request"]
             print(
-                f"{engine:7} {mode:10} python µs/request: median {statistics.median(per):6.1f}"
+                f"{args.target:8} {engine:7} {mode:10} python µs/request: median {statistics.median(per):6.1f}"
                 f"  (min {min(per):.1f}, max {max(per):.1f}, {r['requests']} requests)"
             )
     return 0

@@ -10,8 +10,9 @@ import uvloop
 from bench.python_cost import measure
 
 
+@pytest.mark.parametrize("target", ["gateway", "bare-pd"])
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 @pytest.mark.parametrize("mode", ["nonstream", "stream64"])
-def test_python_cost_rig_serves_every_request(engine: str, mode: str) -> None:
-    r = uvloop.run(measure(engine, mode, n=50, repeats=1))
+def test_python_cost_rig_serves_every_request(target: str, engine: str, mode: str) -> None:
+    r = uvloop.run(measure(engine, mode, n=50, repeats=1, target=target))
     assert r["requests"] == 50 and len(r["us_per_request"]) == 1 and r["us_per_request"][0] > 0
