@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import structlog  # noqa: E402
 import uvloop  # noqa: E402
 
 from adapters.base import ProbeInfo  # noqa: E402
@@ -40,7 +41,7 @@ from gateway.app import Gateway  # noqa: E402
 from gateway.cli_args import parse_serve_args  # noqa: E402
 from gateway.http.client import _UpstreamConnection  # noqa: E402
 from gateway.http.server import HttpServer, ServerLimits  # noqa: E402
-from gateway.logging import configure  # noqa: E402
+from gateway.logging import LEVELS  # noqa: E402
 
 MODEL = "bench-model"
 
@@ -112,8 +113,17 @@ class Rig:
         argv += ["--decode", "http://127.0.0.1:18002", "--log-level", "warning"]
         argv += serve_args.split()
         cfg = parse_serve_args(argv)
-        configure(cfg.log_level, cfg.log_json)  # as `serve` does: no per-request log line
-        self.gw = Gateway(cfg)
+        # built at `serve`'s log level (warning: no per-request access line), without touching
+        # the process's logging for good (structlog's configure caches loggers on first use)
+        saved = structlog.get_config()
+        structlog.configure(
+            wrapper_class=structlog.make_filtering_bound_logger(LEVELS[cfg.log_level]),
+            cache_logger_on_first_use=False,
+        )
+        try:
+            self.gw = Gateway(cfg)
+        finally:
+            structlog.configure(**saved)
         prompt_tokens = len(PROMPT) // 4
         for w in self.gw.registry.workers():
             w.healthy = True

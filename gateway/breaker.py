@@ -61,6 +61,12 @@ class CircuitBreaker:
             self._trial = False
         return not self._trial
 
+    @property
+    def admits(self) -> bool:
+        """Would a request be let through now, as far as known without the clock: closed, or
+        half-open with no trial in flight. Pure (the open -> half-open move is `allows()`'s)."""
+        return self.state is BreakerState.CLOSED or (self.state is BreakerState.HALF_OPEN and not self._trial)
+
     def on_dispatch(self) -> None:
         if self.state is BreakerState.HALF_OPEN:
             self._trial = True

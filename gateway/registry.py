@@ -115,7 +115,7 @@ class Worker:
             role=self.role,
             engine=self.engine,
             model=self.model,
-            healthy=self.healthy and self.breaker.state is not BreakerState.OPEN,
+            healthy=self.healthy and self.breaker.admits,
             draining=self.draining,
             context_length=self.info.context_length,
             max_input_len=self.info.max_input_len,
@@ -274,7 +274,9 @@ class Registry:
     def acquire(self, w: Worker, tokens: int) -> None:
         w.inflight += 1
         w.inflight_tokens += tokens
-        w.breaker.on_dispatch()
+        if w.breaker.state is BreakerState.HALF_OPEN:
+            w.breaker.on_dispatch()  # the one trial request: no other until it has ended
+            self.changed()
         self._moved.add(w)
         if self.inflight_cap and w.inflight >= self.inflight_cap:
             self._full.add(w.id)
@@ -291,8 +293,10 @@ class Registry:
         return self._full
 
     def record(self, w: Worker, ok: bool) -> None:
-        if w.breaker.record(ok):
-            if w.breaker.state is BreakerState.OPEN:
+        b = w.breaker
+        trial = b.state is BreakerState.HALF_OPEN  # a trial ended: the next may go
+        if b.record(ok) or trial:
+            if b.state is BreakerState.OPEN:
                 self._open.add(w)
             self.changed()
 

@@ -59,9 +59,26 @@ def test_open_worker_breaker_recovers_after_open_s() -> None:
     assert _state(reg, "w0").healthy  # half-open: one trial request may go
     assert p.breaker.state.value == "half_open"
     reg.acquire(p, 1)
+    assert not _state(reg, "w0").healthy  # the trial is in flight: no second request
     reg.release(p, 1)
     reg.record(p, True)  # success_threshold = 1: closed again
     assert p.breaker.state.value == "closed" and _state(reg, "w0").healthy
+
+
+def test_half_open_lets_one_trial_at_a_time_until_closed() -> None:
+    reg = Registry(BreakerSettings(failure_threshold=1, success_threshold=2, open_s=0.05))
+    w = Worker("w", "http://127.0.0.1:9100", Role.DECODE, Engine.SGLANG, model="m")
+    w.healthy = True
+    reg.add(w)
+    reg.record(w, False)
+    time.sleep(0.06)
+    for _ in range(2):  # two successful trials, one after the other
+        assert _state(reg, "w").healthy
+        reg.acquire(w, 1)
+        assert not _state(reg, "w").healthy
+        reg.release(w, 1)
+        reg.record(w, True)
+    assert w.breaker.state.value == "closed" and _state(reg, "w").healthy
 
 
 def test_half_open_failure_reopens() -> None:
