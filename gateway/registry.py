@@ -231,7 +231,7 @@ class Registry:
         for w in list(self._open):
             if w.breaker.state is not BreakerState.OPEN:
                 self._open.discard(w)
-            elif w.breaker.allows() or w.breaker.state is not BreakerState.OPEN:
+            elif w.breaker.allows():  # the open period is over: now half-open
                 self._open.discard(w)
                 self.changed()
 
