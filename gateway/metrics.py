@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 _LAT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+C = TypeVar("C")
 
 
 class CounterChild:
@@ -62,21 +65,31 @@ class HistogramChild:
         self.sum += value
 
 
-class Counter(Collector):
-    """A labelled counter, exposed as `<name>_total`."""
+class _Labelled(Collector, Generic[C]):
+    """A metric family: one child per label values, made on first use and kept."""
 
     def __init__(self, name: str, doc: str, labels: Sequence[str], registry: CollectorRegistry) -> None:
         self.name, self.doc, self.label_names = name, doc, list(labels)
-        self._children: dict[tuple[str, ...], CounterChild] = {}
+        self._children: dict[tuple[str, ...], C] = {}
         registry.register(self)
 
-    def labels(self, *values: str) -> CounterChild:
-        if len(values) != len(self.label_names):
-            raise ValueError(f"{self.name}: expected labels {self.label_names}, got {values}")
+    def _new(self) -> C:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> C:
         c = self._children.get(values)
         if c is None:
-            c = self._children[values] = CounterChild()
+            if len(values) != len(self.label_names):
+                raise ValueError(f"{self.name}: expected labels {self.label_names}, got {values}")
+            c = self._children[values] = self._new()
         return c
+
+
+class Counter(_Labelled[CounterChild]):
+    """A labelled counter, exposed as `<name>_total`."""
+
+    def _new(self) -> CounterChild:
+        return CounterChild()
 
     def collect(self) -> Iterator[Metric]:
         fam = CounterMetricFamily(self.name, self.doc, labels=self.label_names)
@@ -88,7 +101,7 @@ class Counter(Collector):
         yield CounterMetricFamily(self.name, self.doc, labels=self.label_names)
 
 
-class Histogram(Collector):
+class Histogram(_Labelled[HistogramChild]):
     def __init__(
         self,
         name: str,
@@ -98,20 +111,13 @@ class Histogram(Collector):
         buckets: Sequence[float],
         registry: CollectorRegistry,
     ) -> None:
-        self.name, self.doc, self.label_names = name, doc, list(labels)
         self.bounds = tuple(float(b) for b in buckets)
         if list(self.bounds) != sorted(self.bounds):
             raise ValueError(f"{name}: buckets must be sorted")
-        self._children: dict[tuple[str, ...], HistogramChild] = {}
-        registry.register(self)
+        super().__init__(name, doc, labels, registry)
 
-    def labels(self, *values: str) -> HistogramChild:
-        if len(values) != len(self.label_names):
-            raise ValueError(f"{self.name}: expected labels {self.label_names}, got {values}")
-        c = self._children.get(values)
-        if c is None:
-            c = self._children[values] = HistogramChild(self.bounds)
-        return c
+    def _new(self) -> HistogramChild:
+        return HistogramChild(self.bounds)
 
     def collect(self) -> Iterator[Metric]:
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.label_names)

@@ -1,0 +1,45 @@
+"""The gateway's own lock-free metric children, exposed through prometheus_client."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.metrics import GatewayMetrics
+
+
+def _samples(m: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_counter_and_histogram_exposition() -> None:
+    m = GatewayMetrics()
+    c = m.child(m.requests, "chat", "m", "disaggregated", "ok")
+    c.inc()
+    c.inc(2)
+    h = m.child(m.e2e, "chat", "disaggregated")
+    for v in (0.0005, 0.001, 0.02, 400.0):  # below the first bound, on a bound, inside, past the last
+        h.observe(v)
+    got = _samples(m)
+    lab = (("model", "m"), ("outcome", "ok"), ("plan", "disaggregated"), ("route", "chat"))
+    assert got[("pdgw_requests_total", lab)] == 3.0
+    hl = (("plan", "disaggregated"), ("route", "chat"))
+    assert got[("pdgw_request_duration_seconds_bucket", (("le", "0.001"), *hl))] == 2.0  # le is inclusive
+    assert got[("pdgw_request_duration_seconds_bucket", (("le", "0.025"), *hl))] == 3.0
+    assert got[("pdgw_request_duration_seconds_bucket", (("le", "300.0"), *hl))] == 3.0
+    assert got[("pdgw_request_duration_seconds_bucket", (("le", "+Inf"), *hl))] == 4.0
+    assert got[("pdgw_request_duration_seconds_count", hl)] == 4.0
+    assert got[("pdgw_request_duration_seconds_sum", hl)] == pytest.approx(400.0215)
+
+
+def test_children_are_kept_and_labels_checked() -> None:
+    m = GatewayMetrics()
+    assert m.child(m.retries, "prefill") is m.child(m.retries, "prefill")
+    with pytest.raises(ValueError, match="expected labels"):
+        m.child(m.e2e, "chat")
+    with pytest.raises(ValueError):
+        m.child(m.retries, "prefill").inc(-1)
