@@ -97,7 +97,7 @@ class SGLangAdapter:
         # list of rids; closing the connection aborts those.
         if req.fields.rid or req.is_batch or req.n > 1:
             return b""
-        return _body.pairs(rid=_body.encoder.encode(request_id))
+        return b'"rid":' + _body.encoder.encode(request_id)
 
     def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
         if req.has_owned_fields:
@@ -107,8 +107,9 @@ class SGLangAdapter:
 
     def _pd_body(self, req: ParsedRequest, ctx: HandoffCtx, *, prefill: bool = False) -> bytes:
         extra = _bootstrap_prefix(ctx.prefill.url, ctx.prefill.bootstrap_port) + b"%d" % ctx.room
-        if not (req.fields.rid or req.is_batch or req.n > 1):
-            extra += b',"rid":' + _body.encoder.encode(ctx.request_id)
+        rid = self._rid_pair(req, ctx.request_id)
+        if rid:
+            extra += b"," + rid
         if prefill and req.stream:
             # The prefill's answer is read whole and judged, never relayed: asking for it whole
             # gives one JSON document with the sampled token instead of SSE, and an over-long

@@ -54,8 +54,11 @@ class Deadline:
         tb: TracebackType | None,
     ) -> None:
         self._wheel._discard(self)
-        if self.expired and exc_type is asyncio.CancelledError:
-            if self.task.uncancel() <= self._cancelling:
+        # as asyncio.timeout: a deadline that fired takes its cancellation back in any case (the
+        # block may have ended in the same loop turn), and turns it into TimeoutError unless
+        # another cancellation is pending too
+        if self.expired and self.task.uncancel() <= self._cancelling:
+            if exc_type is asyncio.CancelledError:
                 raise TimeoutError from exc
 
 
@@ -79,9 +82,6 @@ class DeadlineWheel:
     def after(self, seconds: float, task: asyncio.Task[Any]) -> Deadline:
         """A deadline `seconds` from now for `task` (the running one)."""
         return Deadline(self, task, self._loop.time() + seconds)
-
-    def at(self, when: float, task: asyncio.Task[Any]) -> Deadline:
-        return Deadline(self, task, when)
 
     def __len__(self) -> int:
         return sum(len(b) for b in self._buckets.values())

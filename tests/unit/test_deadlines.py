@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -118,3 +119,24 @@ async def test_earliest_bucket_is_armed_across_durations() -> None:
         assert wheel.armed  # back to the 600 s one
     assert loop.time() - t0 < 0.5
     assert wheel.buckets == 0
+
+
+async def test_fired_deadline_takes_its_cancel_back_when_the_block_ends_anyway() -> None:
+    """The deadline fired in the loop turn the block finished in: no TimeoutError (nothing was
+    interrupted), but the cancellation count is restored, as asyncio.timeout does, so later
+    `cancelling()` checks do not mistake it for the client going away."""
+    wheel = DeadlineWheel(asyncio.get_running_loop())
+
+    seen: list[int] = []
+
+    async def body() -> None:
+        me = _me()
+        with wheel.after(5, me) as d:
+            d.expired = True  # what the wheel does when it fires: mark, then cancel
+            me.cancel()
+            seen.append(me.cancelling())
+        seen.append(me.cancelling())
+
+    with contextlib.suppress(asyncio.CancelledError):  # the request itself is still pending
+        await asyncio.ensure_future(body())
+    assert seen == [1, 0]
