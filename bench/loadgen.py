@@ -33,12 +33,16 @@ class LoadResult:
     latencies_s: list[float] = field(repr=False)
     error_samples: list[str] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)  # name -> CPU seconds over the window
+    # Percentiles a foreign load generator (wrk) reported, when there is no latency list.
+    fixed_percentiles_ms: dict[float, float] = field(default_factory=dict)
 
     @property
     def rps(self) -> float:
         return self.completed / self.duration_s if self.duration_s > 0 else 0.0
 
     def percentile_ms(self, q: float) -> float:
+        if self.fixed_percentiles_ms:
+            return self.fixed_percentiles_ms.get(q, float("nan"))
         return percentile(self.latencies_s, q) * 1000.0
 
 

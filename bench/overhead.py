@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import nginx_upstream, procs
+from bench import wrk as bench_wrk
 from bench.loadgen import (
     LoadResult,
     Session,
@@ -60,6 +61,8 @@ DOC_BEGIN = "<!-- bench:overhead:begin -->"
 DOC_END = "<!-- bench:overhead:end -->"
 NGINX_DOC_BEGIN = "<!-- bench:overhead-nginx:begin -->"
 NGINX_DOC_END = "<!-- bench:overhead-nginx:end -->"
+WRK_DOC_BEGIN = "<!-- bench:overhead-wrk:begin -->"
+WRK_DOC_END = "<!-- bench:overhead-wrk:end -->"
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Row:
     errors: int
     cpu_us_per_req: float | None  # the target's process tree; None for direct
     upstream_cpu_us_per_req: float | None
+    sys_us_per_req: float | None = None  # the kernel's share (stime) of cpu_us_per_req
     added_p50_ms: float | None = None
     cpu_vs_router: float | None = None  # gateway only: / the same engine's router
     error_samples: list[str] = field(default_factory=list)
@@ -207,6 +211,8 @@ def measure(
     duration: float,
     warmup: float,
     target_cpus: str | None = None,
+    loadgen: str = "python",
+    load_cpus: str | None = None,
 ) -> Row:
     path = "/v1/completions"
     tail = b"[DONE]" if mode == "stream64" else None
@@ -231,6 +237,7 @@ def measure(
     if target.proc is not None:
         pid = target.proc.pid
         probes["target"] = lambda: procs.tree_cpu_seconds(pid)
+        probes["target_sys"] = lambda: procs.tree_cpu_times(pid)[1]
     elif target.kind == "direct":
         both_pid = cluster.both.proc.pid
         probes["upstream"] = lambda: procs.tree_cpu_seconds(both_pid)
@@ -238,17 +245,30 @@ def measure(
     saved = os.sched_getaffinity(0) if target.kind == "direct-pd" and target_cpus else None
     if saved is not None and target_cpus:
         os.sched_setaffinity(0, _cpu_set(target_cpus))
-    loop = new_event_loop()
-    try:
-        res: LoadResult = loop.run_until_complete(
-            run_load(make_session, conns=conns, duration_s=duration, warmup_s=warmup, cpu_probes=probes)
+    res: LoadResult
+    if loadgen == "wrk" and target.kind != "direct-pd":
+        res = bench_wrk.run_wrk(
+            f"http://{procs.HOST}:{target.port}{path}",
+            request_body(mode, target.engine),
+            conns=conns,
+            duration_s=duration,
+            warmup_s=warmup,
+            cpu_probes=probes,
+            cpus=load_cpus,
         )
-    finally:
-        loop.close()
-        if saved is not None:
-            os.sched_setaffinity(0, saved)
+    else:
+        loop = new_event_loop()
+        try:
+            res = loop.run_until_complete(
+                run_load(make_session, conns=conns, duration_s=duration, warmup_s=warmup, cpu_probes=probes)
+            )
+        finally:
+            loop.close()
+            if saved is not None:
+                os.sched_setaffinity(0, saved)
     n = max(res.completed, 1)
     tcpu = res.cpu_s.get("target")
+    tsys = res.cpu_s.get("target_sys")
     return Row(
         target=target.kind,
         engine=target.engine,
@@ -262,6 +282,7 @@ def measure(
         errors=res.errors,
         cpu_us_per_req=(tcpu / n * 1e6) if tcpu is not None and res.completed else None,
         upstream_cpu_us_per_req=res.cpu_s["upstream"] / n * 1e6 if res.completed else None,
+        sys_us_per_req=(tsys / n * 1e6) if tsys is not None and res.completed else None,
         error_samples=res.error_samples,
     )
 
@@ -299,15 +320,15 @@ def _ratio(v: float | None) -> str:
 def markdown_table(rows: list[Row]) -> str:
     head = (
         "| engine | target | mode | conns | req/s | p50 ms | p90 ms | p99 ms | added p50 ms "
-        "| target CPU/req µs | vs router | upstream CPU/req µs | errors |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| target CPU/req µs | of which kernel µs | vs router | upstream CPU/req µs | errors |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         lines.append(
             f"| {r.engine} | {r.target} | {r.mode} | {r.conns} | {r.rps:.0f} | {_f(r.p50_ms, '.3f')} "
             f"| {_f(r.p90_ms, '.3f')} | {_f(r.p99_ms, '.3f')} | {_f(r.added_p50_ms, '+.3f')} "
-            f"| {_f(r.cpu_us_per_req, '.0f')} | {_ratio(r.cpu_vs_router)} "
+            f"| {_f(r.cpu_us_per_req, '.0f')} | {_f(r.sys_us_per_req, '.0f')} | {_ratio(r.cpu_vs_router)} "
             f"| {_f(r.upstream_cpu_us_per_req, '.0f')} | {r.errors} |"
         )
     return head + "\n".join(lines) + "\n"
@@ -317,7 +338,9 @@ def doc_section(rows: list[Row], meta: dict[str, Any], begin: str = DOC_BEGIN, e
     return (
         f"{begin}\n"
         f"Measured {meta['time']} on {meta['machine']} ({meta['cpus']} CPUs), "
-        f"{meta['duration_s']:g} s per row after {meta['warmup_s']:g} s warm-up; pinning: {meta['pinning']}.\n\n"
+        f"{meta['duration_s']:g} s per row after {meta['warmup_s']:g} s warm-up; pinning: {meta['pinning']}"
+        + ("; load from wrk (direct-pd: the Python load generator)" if meta.get("loadgen") == "wrk" else "")
+        + ".\n\n"
         f"```\n{meta['command']}\n```\n\n"
         f"{markdown_table(rows)}"
         f"{end}\n"
@@ -347,7 +370,7 @@ only thing that costs anything on its core.
   guards, metrics or logs. It is what Python and this HTTP layer cost before any feature: the
   gateway's figure above it is the price of its features.
 * `target CPU/req` = (utime+stime of the target's process tree over the window) / completed
-  requests; `vs router` is the gateway's (or `bare-pd`'s) figure over the same engine's Rust
+  requests, `of which kernel` its stime part; `vs router` is the gateway's (or `bare-pd`'s) figure over the same engine's Rust
   router in the same run. `upstream CPU/req` is the emulated prefill+decode (direct: the colocated server).
 * Requests: `POST /v1/completions`, greedy; `nonstream` asks for 8 tokens, `stream64` for a
   64-token SSE stream (`ignore_eos`).
@@ -399,6 +422,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target-cpus", default="0", help="CPU list for the target under test (default 0)")
     p.add_argument("--upstream-cpus", default="1", help="CPU list for emulators + load generator (default 1)")
     p.add_argument("--no-pin", action="store_true", help="do not pin anything")
+    p.add_argument(
+        "--loadgen",
+        choices=("python", "wrk"),
+        default="python",
+        help="python (bench/loadgen.py, the default) or wrk: several times the request rate, "
+        "so a fast target is busier (direct-pd always uses the Python one) "
+        f"({bench_wrk.INSTALL_HINT})",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-going", action="store_true", help="a target that fails to start is skipped")
     p.add_argument(
@@ -442,6 +473,9 @@ def main(argv: list[str]) -> int:
     up_cpus = args.upstream_cpus if pin else None
     if pin:
         os.sched_setaffinity(0, _cpu_set(args.upstream_cpus))
+    if args.loadgen == "wrk" and not bench_wrk.available():
+        print(f"wrk is not installed ({bench_wrk.INSTALL_HINT})", file=sys.stderr)
+        return 2
     for kind in ("sglang-router", "vllm-router"):
         if kind in targets and not procs.router_available(kind):
             print(f"note: {kind} is not installed; skipping it", file=sys.stderr)
@@ -462,6 +496,7 @@ def main(argv: list[str]) -> int:
         if pin
         else "none",
         "versions": _versions(),
+        "loadgen": args.loadgen,
     }
     rows: list[Row] = []
     failures: list[str] = []
@@ -483,7 +518,17 @@ def main(argv: list[str]) -> int:
                     continue
                 for mode in row_modes:
                     for c in conns:
-                        row = measure(target, cluster, mode, c, args.duration, args.warmup, target_cpus)
+                        row = measure(
+                            target,
+                            cluster,
+                            mode,
+                            c,
+                            args.duration,
+                            args.warmup,
+                            target_cpus,
+                            loadgen=args.loadgen,
+                            load_cpus=up_cpus,
+                        )
                         rows.append(row)
                         print(
                             f"[{engine}] {kind:<13} {mode:<9} c={c:<3} {row.rps:8.0f} req/s "
@@ -535,7 +580,12 @@ def main(argv: list[str]) -> int:
     print(markdown_table(rows))
     print(f"results: {json_path}", file=sys.stderr)
     if args.out:
-        marks = (NGINX_DOC_BEGIN, NGINX_DOC_END) if args.upstream == "nginx" else (DOC_BEGIN, DOC_END)
+        if args.loadgen == "wrk":
+            marks = (WRK_DOC_BEGIN, WRK_DOC_END)
+        elif args.upstream == "nginx":
+            marks = (NGINX_DOC_BEGIN, NGINX_DOC_END)
+        else:
+            marks = (DOC_BEGIN, DOC_END)
         write_doc(Path(args.out), doc_section(rows, meta, *marks), *marks)
         print(f"wrote {args.out}", file=sys.stderr)
     return 1 if failures or any(r.errors for r in rows) else 0

@@ -193,8 +193,11 @@ def start_process(
 
 
 def pin_argv(argv: list[str], cpus: str) -> list[str]:
+    """`argv` under `taskset -c cpus`. Whether to pin is the caller's decision (`can_pin`, asked
+    before the caller pins itself): asked here, it would see the caller's own narrowed affinity
+    and silently leave the child on the caller's CPUs."""
     taskset = _which("taskset")
-    if taskset is None or not can_pin(cpus):
+    if taskset is None:
         return argv
     return [taskset, "-c", cpus, *argv]
 
@@ -268,19 +271,26 @@ class ProcessGroup:
 
 def tree_cpu_seconds(pid: int) -> float:
     """utime+stime (all threads) of `pid` and its live descendants, in seconds."""
+    user, system = tree_cpu_times(pid)
+    return user + system
+
+
+def tree_cpu_times(pid: int) -> tuple[float, float]:
+    """(utime, stime) (all threads) of `pid` and its live descendants, in seconds."""
     import psutil
 
-    total = 0.0
+    user = system = 0.0
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return 0.0
+        return 0.0, 0.0
     for p in procs:
         with contextlib.suppress(psutil.Error):
             t = p.cpu_times()
-            total += t.user + t.system
-    return total
+            user += t.user
+            system += t.system
+    return user, system
 
 
 # --------------------------------------------------------------------------- commands

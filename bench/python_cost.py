@@ -94,18 +94,23 @@ def _response(body: bytes, ctype: bytes) -> bytes:
     return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (ctype, len(body)) + body
 
 
-def _chunked(events: list[bytes], ctype: bytes) -> bytes:
+def _chunked_reads(events: list[bytes], ctype: bytes) -> list[bytes]:
+    """A chunked SSE answer as the reads of an engine that sends each event when it is made:
+    the head with the first event, then one event per read, the last with the end chunk."""
     out = [b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n" % ctype]
     for ev in events:
         out.append(b"%x\r\n%s\r\n" % (len(ev), ev))
-    out.append(b"0\r\n\r\n")
-    return b"".join(out)
+    out[-1] += b"0\r\n\r\n"
+    return [out[0] + out[1], *out[2:]]
+
 
 
 class Rig:
     """One gateway in front of one in-memory prefill and decode."""
 
-    def __init__(self, engine: str, mode: str, target: str = "gateway", serve_args: str = "") -> None:
+    def __init__(
+        self, engine: str, mode: str, target: str = "gateway", serve_args: str = "", apart: bool = False
+    ) -> None:
         self.engine, self.mode = engine, mode
         argv = ["--engine", engine, "--prefill", "http://127.0.0.1:18001"]
         if engine == "sglang":
@@ -148,11 +153,16 @@ class Rig:
             self.up[w.role.value] = (conn, t)
         self.body = request_body(mode, engine)
         if mode == "stream64":
-            self.decode_answer = _chunked([ev.encode() for ev in _stream(64)], b"text/event-stream")
+            reads = _chunked_reads([ev.encode() for ev in _stream(64)], b"text/event-stream")
+            self.decode_answer = b"".join(reads)
+            # --apart: one event per read, a loop turn between them (the emulator's and a real
+            # engine's pace); otherwise the whole stream in one read (nginx's)
+            self.decode_reads = reads if apart else [self.decode_answer]
         else:
             text = "a" + "b" * (NONSTREAM_MAX_TOKENS - 1)
             body = _completion(text, prompt_tokens, NONSTREAM_MAX_TOKENS).encode()
             self.decode_answer = _response(body, b"application/json")
+            self.decode_reads = [self.decode_answer]
         self.prompt_tokens = prompt_tokens
         self._prefill = prefill_answer(engine, prompt_tokens).encode()
         self._prefill_fixed = _response(self._prefill, b"application/json")
@@ -178,21 +188,32 @@ class Rig:
             pconn.data_received(self._prefill_answer(rid))
             await _until(lambda: bool(dt.out))
             dt.take()
-            dconn.data_received(self.decode_answer)
+            await self._feed(dconn)
         else:
             await _until(lambda: bool(dt.out))
             dt.take()
             pconn.data_received(self._prefill_answer(rid))
-            dconn.data_received(self.decode_answer)
+            await self._feed(dconn)
         tail = b"[DONE]" if self.mode == "stream64" else b"}"
         await _until(lambda: bool(self.ct.out) and self._ended(tail))
         out = self.ct.take()
         if not out.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(f"{self.engine} {self.mode}: {out[:300]!r}")
 
+    async def _feed(self, dconn: _UpstreamConnection) -> None:
+        reads = self.decode_reads
+        dconn.data_received(reads[0])
+        for piece in reads[1:]:
+            await asyncio.sleep(0)
+            dconn.data_received(piece)
+
     def _ended(self, tail: bytes) -> bool:
+        """A stream ends with the last chunk (which may leave in its own write after [DONE]);
+        a JSON answer with its closing brace."""
         data = self.ct.out[-1]
-        return tail in data or data.endswith(b"0\r\n\r\n") or data.rstrip().endswith(tail)
+        if self.mode == "stream64":
+            return data.endswith(b"0\r\n\r\n")
+        return tail in data or data.rstrip().endswith(tail)
 
 
 async def _until(cond: Any, limit: int = 50) -> None:
@@ -204,9 +225,15 @@ async def _until(cond: Any, limit: int = 50) -> None:
 
 
 async def measure(
-    engine: str, mode: str, n: int, repeats: int, target: str = "gateway", serve_args: str = ""
+    engine: str,
+    mode: str,
+    n: int,
+    repeats: int,
+    target: str = "gateway",
+    serve_args: str = "",
+    apart: bool = False,
 ) -> dict[str, Any]:
-    rig = Rig(engine, mode, target, serve_args)
+    rig = Rig(engine, mode, target, serve_args, apart)
     for i in range(min(2000, n)):  # warm-up: caches, pools, code paths
         await rig.one(-i - 1)
     per: list[float] = []
@@ -233,10 +260,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the gateway, or bench/bare_pd.py's handoff-only handler (the HTTP layer's floor)",
     )
     ap.add_argument("--serve-args", default="", help='more `pd-gateway serve` flags, e.g. "--no-guards"')
+    ap.add_argument(
+        "--apart",
+        action="store_true",
+        help="streams: each event in its own read (an engine's pace) instead of all in one",
+    )
     args = ap.parse_args(argv)
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
-            r = uvloop.run(measure(engine, mode, args.n, args.repeats, args.target, args.serve_args))
+            r = uvloop.run(measure(engine, mode, args.n, args.repeats, args.target, args.serve_args, args.apart))
             per = r["us_per_request"]
             print(
                 f"{args.target:8} {engine:7} {mode:10} python µs/request: median {statistics.median(per):6.1f}"

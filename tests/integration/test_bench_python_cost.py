@@ -16,3 +16,10 @@ from bench.python_cost import measure
 def test_python_cost_rig_serves_every_request(target: str, engine: str, mode: str) -> None:
     r = uvloop.run(measure(engine, mode, n=50, repeats=1, target=target))
     assert r["requests"] == 50 and len(r["us_per_request"]) == 1 and r["us_per_request"][0] > 0
+
+
+@pytest.mark.parametrize("target", ["gateway", "bare-pd"])
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_python_cost_rig_streams_event_by_event(target: str, engine: str) -> None:
+    r = uvloop.run(measure(engine, "stream64", n=50, repeats=1, target=target, apart=True))
+    assert r["requests"] == 50 and r["us_per_request"][0] > 0
