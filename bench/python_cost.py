@@ -104,7 +104,6 @@ def _chunked_reads(events: list[bytes], ctype: bytes) -> list[bytes]:
     return [out[0] + out[1], *out[2:]]
 
 
-
 class Rig:
     """One gateway in front of one in-memory prefill and decode."""
 
@@ -268,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
-            r = uvloop.run(measure(engine, mode, args.n, args.repeats, args.target, args.serve_args, args.apart))
+            r = uvloop.run(
+                measure(engine, mode, args.n, args.repeats, args.target, args.serve_args, args.apart)
+            )
             per = r["us_per_request"]
             print(
                 f"{args.target:8} {engine:7} {mode:10} python µs/request: median {statistics.median(per):6.1f}"

@@ -77,7 +77,10 @@ def run_wrk(
         script.write_text(_SCRIPT % _lua_string(body))
         if warmup_s > 0:
             subprocess.run(
-                _argv(url, script, conns, warmup_s, cpus), capture_output=True, check=True, timeout=warmup_s + 60
+                _argv(url, script, conns, warmup_s, cpus),
+                capture_output=True,
+                check=True,
+                timeout=warmup_s + 60,
             )
         before = {k: p() for k, p in cpu_probes.items()}
         t0 = time.perf_counter()

@@ -709,13 +709,15 @@ class Orchestrator:
         else:
 
             def started_write(data: bytes) -> None:
-                if not res.started:  # the first token passed its check: the stream starts now
-                    res.start_stream(200, head)
-                    a.first_byte_at = time.monotonic()
-                    a.phase = Phase.STREAMING
-                res.write(data)
+                # the first token passed its check: the stream starts now, head and first bytes
+                # in one send; from here on the watch writes to the client directly
+                res.start_stream(200, head, data)
+                a.first_byte_at = time.monotonic()
+                a.phase = Phase.STREAMING
+                sw.write_to(res.write)
 
-            watch = StreamWatch(started_write, guard.summarize, guard.check_first, guard.check_end)
+            sw = StreamWatch(started_write, guard.summarize, guard.check_first, guard.check_end)
+            watch = sw
             write = watch.feed
         idle = self.settings.timeouts.idle_s
         loop = a.wheel.loop

@@ -85,6 +85,11 @@ class StreamWatch:
         self.violation: str | None = None  # a guard failed
         self.failed: str | None = None  # the engine failed before its first token (nothing was sent)
 
+    def write_to(self, write: Callable[[bytes], None]) -> None:
+        """Where the passed bytes go from now on (e.g. straight to the client once the first
+        write has started the response)."""
+        self._write = write
+
     def feed(self, data: bytes) -> None:
         if self._state == 1 and not self._buf and data.endswith(_SEP):
             # the hot path: whole events in the middle of a stream

@@ -83,7 +83,6 @@ class UpstreamResponse:
     """A response whose status line and headers are in; the body follows."""
 
     __slots__ = (
-        "_batch",
         "_buf",
         "_buffered",
         "_conn",
@@ -112,7 +111,6 @@ class UpstreamResponse:
         self._sink: Callable[[bytes], None] | None = None
         self._pipe_fut: asyncio.Future[None] | None = None
         self._flow: FlowControl | None = None
-        self._batch: Batching | None = None
         self._error: BaseException | None = None
         self._released = False
         self._whole = False
@@ -219,7 +217,6 @@ class UpstreamResponse:
 
     def _end_pipe(self) -> None:
         self._sink = None
-        self._batch = None
         flow = self._flow
         if flow is not None:
             self._flow = None
@@ -282,8 +279,9 @@ class UpstreamResponse:
         aborts the upstream connection.
 
         ``batch``: a :class:`Batching` (e.g. the ``HttpResponder`` whose ``write`` is the sink):
-        corked before and uncorked after each upstream read, so all the pieces of one read
-        reach the client in one write. Typical relay::
+        corked around the body buffered before this call, so a response head written just
+        before goes out with it. The pieces of one upstream read always reach the sink as one
+        call. Typical relay::
 
             await up.pipe(responder.write, flow=responder, batch=responder)"""
         loop = self._conn._loop
@@ -312,7 +310,6 @@ class UpstreamResponse:
         if self._pipe_fut is not None:
             raise RuntimeError("pipe() already in progress")
         self._sink = sink
-        self._batch = batch
         self._pipe_fut = fut
         if self._conn._reading_paused:
             self._conn.resume_reading()
@@ -442,10 +439,6 @@ class _UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._seen = True
-        resp = self._resp
-        batch = resp._batch if resp is not None else None
-        if batch is not None:
-            batch.cork()
         try:
             self._parser.feed_data(data)
         except HttpParserCallbackError as e:
@@ -456,9 +449,7 @@ class _UpstreamConnection(asyncio.Protocol):
         finally:
             cur = self._resp  # the one whose head came in this read, too
             if cur is not None and cur._pend:
-                cur._flush()
-            if batch is not None:
-                batch.uncork()
+                cur._flush()  # one sink call per read: one client write, no cork needed
 
     def eof_received(self) -> bool | None:
         return False

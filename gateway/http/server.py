@@ -164,9 +164,10 @@ class HttpResponder:
             transport.write(body)
         self._finish()
 
-    def start_stream(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
+    def start_stream(self, status: int, headers: Sequence[tuple[bytes, bytes]], first: bytes = b"") -> None:
         """Start a streamed response (Transfer-Encoding: chunked; for an HTTP/1.0 client the body
-        is delimited by closing the connection)."""
+        is delimited by closing the connection). ``first``: the first piece of body, sent with
+        the head in one write (as ``write(first)`` would, one system call earlier)."""
         if self.started:
             raise RuntimeError("response already started")
         self.started = True
@@ -180,6 +181,13 @@ class HttpResponder:
             buf += b"transfer-encoding: chunked\r\n"
             self._chunked = True
         buf += b"\r\n"
+        if first and not self._head_only:
+            if self._chunked:
+                buf += b"%x\r\n" % len(first)
+                buf += first
+                buf += b"\r\n"
+            else:
+                buf += first
         cork = self._cork
         if cork is not None:  # the head goes out with the first body bytes, in one send
             cork.append(buf)
@@ -209,8 +217,9 @@ class HttpResponder:
             transport.write(data)
 
     def cork(self) -> None:
-        """Collect write()s until uncork(), which sends them in one transport write (a pipe()
-        corks around each upstream read, so a burst of events costs one send)."""
+        """Collect write()s until uncork(), which sends them in one transport write (e.g. a
+        stream's held end and its last chunk; pipe() corks around the body that was buffered
+        before it, so the head goes out with it)."""
         if self._cork is None:
             self._cork = []
 

@@ -21,7 +21,9 @@ from bench.wrk import _lua_string
 TWO_CPUS = hasattr(os, "sched_getaffinity") and {0, 1} <= os.sched_getaffinity(0)
 
 
-@pytest.mark.skipif(not TWO_CPUS or procs.pin_argv(["x"], "0") == ["x"], reason="needs CPUs 0 and 1 and taskset")
+@pytest.mark.skipif(
+    not TWO_CPUS or procs.pin_argv(["x"], "0") == ["x"], reason="needs CPUs 0 and 1 and taskset"
+)
 def test_a_target_is_pinned_to_its_cpu_after_the_parent_pinned_itself_elsewhere(tmp_path: object) -> None:
     script = textwrap.dedent(
         """
@@ -45,7 +47,12 @@ def test_a_target_is_pinned_to_its_cpu_after_the_parent_pinned_itself_elsewhere(
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], cwd=procs.REPO_ROOT, capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", script],
+        cwd=procs.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert out.stdout.strip() == "[0]", out.stdout + out.stderr
 
