@@ -82,6 +82,7 @@ class Row:
     sys_us_per_req: float | None = None  # the kernel's share (stime) of cpu_us_per_req
     added_p50_ms: float | None = None
     cpu_vs_router: float | None = None  # gateway only: / the same engine's router
+    rounds: int = 1  # > 1: each figure is the median over this many interleaved rounds
     error_samples: list[str] = field(default_factory=list)
 
 
@@ -246,7 +247,7 @@ def measure(
     if saved is not None and target_cpus:
         os.sched_setaffinity(0, _cpu_set(target_cpus))
     res: LoadResult
-    if loadgen == "wrk" and target.kind != "direct-pd":
+    if loadgen == "wrk" and target.kind != "direct-pd":  # main() drops direct-pd with wrk
         res = bench_wrk.run_wrk(
             f"http://{procs.HOST}:{target.port}{path}",
             request_body(mode, target.engine),
@@ -284,6 +285,44 @@ def measure(
         upstream_cpu_us_per_req=res.cpu_s["upstream"] / n * 1e6 if res.completed else None,
         sys_us_per_req=(tsys / n * 1e6) if tsys is not None and res.completed else None,
         error_samples=res.error_samples,
+    )
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = sorted(v for v in values if v is not None and v == v)
+    if not vals:
+        return None
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
+def median_row(rounds: list[Row]) -> Row:
+    """One row from several rounds of the same measurement: each figure's median (the CPU
+    figures each on their own), counts summed."""
+    first = rounds[0]
+    if len(rounds) == 1:
+        return first
+
+    def med(name: str) -> float:
+        v = _median([getattr(r, name) for r in rounds])
+        return float("nan") if v is None else v
+
+    return Row(
+        target=first.target,
+        engine=first.engine,
+        mode=first.mode,
+        conns=first.conns,
+        rps=med("rps"),
+        p50_ms=med("p50_ms"),
+        p90_ms=med("p90_ms"),
+        p99_ms=med("p99_ms"),
+        completed=sum(r.completed for r in rounds),
+        errors=sum(r.errors for r in rounds),
+        cpu_us_per_req=_median([r.cpu_us_per_req for r in rounds]),
+        upstream_cpu_us_per_req=_median([r.upstream_cpu_us_per_req for r in rounds]),
+        sys_us_per_req=_median([r.sys_us_per_req for r in rounds]),
+        error_samples=[e for r in rounds for e in r.error_samples][:5],
+        rounds=len(rounds),
     )
 
 
@@ -338,8 +377,10 @@ def doc_section(rows: list[Row], meta: dict[str, Any], begin: str = DOC_BEGIN, e
     return (
         f"{begin}\n"
         f"Measured {meta['time']} on {meta['machine']} ({meta['cpus']} CPUs), "
-        f"{meta['duration_s']:g} s per row after {meta['warmup_s']:g} s warm-up; pinning: {meta['pinning']}"
-        + ("; load from wrk (direct-pd: the Python load generator)" if meta.get("loadgen") == "wrk" else "")
+        f"{meta['duration_s']:g} s per row after {meta['warmup_s']:g} s warm-up"
+        + (f", median of {meta['rounds']} interleaved rounds" if meta.get("rounds", 1) > 1 else "")
+        + f"; pinning: {meta['pinning']}"
+        + ("; load from wrk" if meta.get("loadgen") == "wrk" else "")
         + ".\n\n"
         f"```\n{meta['command']}\n```\n\n"
         f"{markdown_table(rows)}"
@@ -355,9 +396,12 @@ What it measures: the cost a router adds in front of an SGLang or vLLM P/D pair,
 engines in zero-delay mode (`pd-gateway emulate --time-scale 0`), so that the router is the
 only thing that costs anything on its core.
 
-* Each target (sglang-router, vllm-router, `pd-gateway serve`) runs alone, pinned with
+* Each target (sglang-router, vllm-router, `pd-gateway serve`, `bare-pd`) is pinned with
   `taskset -c 0`; the emulated prefill, decode and colocated servers and the load generator
-  (closed loop, raw asyncio + httptools, `bench/loadgen.py`) share core 1.
+  (closed loop, raw asyncio + httptools, `bench/loadgen.py`) share core 1. All targets are
+  started first; with `--rounds N` every row is measured N times, the targets in turn each
+  round, and each figure is the median of its rounds (a noisy minute of this shared machine
+  then lands on every target alike).
 * `direct` sends the same request straight to a colocated emulated server (`--role both`):
   the floor without any P/D work. `direct-pd` is the load generator doing the P/D handoff
   itself against the same prefill+decode pair as the routers (SGLang: the body with a fresh
@@ -423,6 +467,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--upstream-cpus", default="1", help="CPU list for emulators + load generator (default 1)")
     p.add_argument("--no-pin", action="store_true", help="do not pin anything")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every row this many times, the targets in turn each round, and report "
+        "each figure's median (default 1)",
+    )
+    p.add_argument(
         "--loadgen",
         choices=("python", "wrk"),
         default="python",
@@ -464,6 +515,9 @@ def plan(targets: list[str], engines: list[str]) -> list[tuple[str, list[str]]]:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.rounds < 1:
+        print("--rounds must be at least 1", file=sys.stderr)
+        return 2
     targets = _split(args.targets, TARGET_KINDS, "target")
     modes = _split(args.modes, MODES, "mode")
     engines = _split(args.engines, ENGINES, "engine")
@@ -473,9 +527,15 @@ def main(argv: list[str]) -> int:
     up_cpus = args.upstream_cpus if pin else None
     if pin:
         os.sched_setaffinity(0, _cpu_set(args.upstream_cpus))
-    if args.loadgen == "wrk" and not bench_wrk.available():
-        print(f"wrk is not installed ({bench_wrk.INSTALL_HINT})", file=sys.stderr)
-        return 2
+    if args.loadgen == "wrk":
+        if not bench_wrk.available():
+            print(f"wrk is not installed ({bench_wrk.INSTALL_HINT})", file=sys.stderr)
+            return 2
+        if "direct-pd" in targets:  # the handoff needs a client that can do it: not wrk
+            print(
+                "note: direct-pd needs the Python load generator; skipped with --loadgen wrk", file=sys.stderr
+            )
+            targets.remove("direct-pd")
     for kind in ("sglang-router", "vllm-router"):
         if kind in targets and not procs.router_available(kind):
             print(f"note: {kind} is not installed; skipping it", file=sys.stderr)
@@ -497,14 +557,20 @@ def main(argv: list[str]) -> int:
         else "none",
         "versions": _versions(),
         "loadgen": args.loadgen,
+        "rounds": args.rounds,
     }
     rows: list[Row] = []
+    all_rounds: list[Row] = []
     failures: list[str] = []
     t0 = time.monotonic()
 
     def run_targets(engine: str, kinds: list[str], cluster: Cluster, row_modes: list[str]) -> None:
-        for kind in kinds:
-            with procs.process_group() as tgroup:
+        # Every target is started first (each alone on the target CPU, idle between its rows);
+        # then each round measures every row of every target in turn, so a noisy stretch of
+        # the machine lands on all targets alike instead of on whichever ran through it.
+        with procs.process_group() as tgroup:
+            started: list[Target] = []
+            for kind in kinds:
                 try:
                     target = start_target(tgroup, kind, cluster, target_cpus, log_dir)
                     for mode in row_modes:
@@ -516,26 +582,36 @@ def main(argv: list[str]) -> int:
                     print(msg, file=sys.stderr)
                     failures.append(msg.splitlines()[0])
                     continue
+                started.append(target)
+            per_row: dict[tuple[str, str, int], list[Row]] = {}
+            for rnd in range(args.rounds):
                 for mode in row_modes:
                     for c in conns:
-                        row = measure(
-                            target,
-                            cluster,
-                            mode,
-                            c,
-                            args.duration,
-                            args.warmup,
-                            target_cpus,
-                            loadgen=args.loadgen,
-                            load_cpus=up_cpus,
-                        )
-                        rows.append(row)
-                        print(
-                            f"[{engine}] {kind:<13} {mode:<9} c={c:<3} {row.rps:8.0f} req/s "
-                            f"p50 {row.p50_ms:7.3f} ms  cpu/req "
-                            f"{_f(row.cpu_us_per_req, '.0f')} µs  errors {row.errors}",
-                            file=sys.stderr,
-                        )
+                        for target in started:
+                            row = measure(
+                                target,
+                                cluster,
+                                mode,
+                                c,
+                                args.duration,
+                                args.warmup,
+                                target_cpus,
+                                loadgen=args.loadgen,
+                                load_cpus=up_cpus,
+                            )
+                            per_row.setdefault((target.kind, mode, c), []).append(row)
+                            print(
+                                f"[{engine}] round {rnd + 1}/{args.rounds} {target.kind:<13} {mode:<9} "
+                                f"c={c:<3} {row.rps:8.0f} req/s p50 {row.p50_ms:7.3f} ms  cpu/req "
+                                f"{_f(row.cpu_us_per_req, '.0f')} µs  errors {row.errors}",
+                                file=sys.stderr,
+                            )
+            for target in started:
+                for mode in row_modes:
+                    for c in conns:
+                        rounds = per_row[(target.kind, mode, c)]
+                        rows.append(median_row(rounds))
+                        all_rounds.extend(rounds)
 
     if args.upstream == "nginx":
         meta["upstream"] = "nginx (fixed answers, echo module)"
@@ -576,7 +652,12 @@ def main(argv: list[str]) -> int:
 
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     json_path = Path(args.json) if args.json else RESULTS_DIR / f"overhead-{stamp}.json"
-    json_path.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    json_path.write_text(
+        json.dumps(
+            {"meta": meta, "rows": [asdict(r) for r in rows], "rounds": [asdict(r) for r in all_rounds]},
+            indent=2,
+        )
+    )
     print(markdown_table(rows))
     print(f"results: {json_path}", file=sys.stderr)
     if args.out:

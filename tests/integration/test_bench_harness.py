@@ -1,4 +1,4 @@
-"""The benchmark's CPU pinning and its wrk driver.
+"""The benchmark harness: its CPU pinning, its wrk driver, its rounds.
 
 `pd-gateway bench overhead` pins itself (and so the upstreams and the load generator) to the
 upstream CPU before it starts the target under test on the other one. The target must land on
@@ -71,3 +71,31 @@ def test_wrk_body_is_a_lua_literal_of_the_exact_bytes() -> None:
             out.append(ord(inner[i]))
             i += 1
     assert bytes(out) == body
+
+
+def test_rounds_are_reported_as_each_figures_median() -> None:
+    from bench.overhead import Row, median_row
+
+    def row(rps: float, cpu: float | None, sys_us: float, errors: int) -> Row:
+        return Row(
+            target="gateway",
+            engine="sglang",
+            mode="nonstream",
+            conns=64,
+            rps=rps,
+            p50_ms=rps / 100,
+            p90_ms=1.0,
+            p99_ms=2.0,
+            completed=100,
+            errors=errors,
+            cpu_us_per_req=cpu,
+            upstream_cpu_us_per_req=10.0,
+            sys_us_per_req=sys_us,
+        )
+
+    m = median_row([row(1000, 300.0, 50, 0), row(3000, 100.0, 70, 1), row(2000, None, 60, 0)])
+    assert (m.rps, m.p50_ms, m.sys_us_per_req) == (2000, 20.0, 60)
+    assert m.cpu_us_per_req == 200.0  # the median of the rounds that have a figure
+    assert (m.completed, m.errors, m.rounds) == (300, 1, 3)
+    one = row(1, 2.0, 3, 0)
+    assert median_row([one]) is one
