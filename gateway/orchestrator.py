@@ -48,7 +48,7 @@ from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.parse import ParsedRequest
 from gateway.registry import Registry, Worker
-from gateway.streamwatch import StreamWatch
+from gateway.streamwatch import StreamStopped, StreamWatch
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
 from policies.snapshot import Colocated, Disaggregated, Engine, Reject, RequestView, Role, RouteKind
 
@@ -718,55 +718,49 @@ class Orchestrator:
 
             sw = StreamWatch(started_write, guard.summarize, guard.check_first, guard.check_end)
             watch = sw
-            write = watch.feed
+            write = sw.feed
         idle = self.settings.timeouts.idle_s
         loop = a.wheel.loop
         # a stream verified before its clean end: its bytes are kept for the comparison
         kept: list[bytes] | None = [] if guard is not None and guard.verify is not None else None
-        chunks = 0
-        last = loop.time()  # when the upstream last sent something
-        stopped = False  # the guard stopped the stream
-        piped: asyncio.Future[None] | None = None
+        sink = write
+        if kept is not None or transform is not None:
 
-        def sink(data: bytes) -> None:
-            nonlocal chunks, last, stopped
-            chunks += 1
-            if kept is not None:
-                kept.append(data)
-            write(data if transform is None else transform(data))
-            last = loop.time()
-            if watch is not None and watch.violation is not None and not stopped:
-                stopped = True
-                if piped is not None:  # else pipe() is still handing over buffered bytes
-                    piped.cancel()
+            def sink(data: bytes) -> None:
+                if kept is not None:
+                    kept.append(data)
+                write(data if transform is None else transform(data))
 
+        # Per upstream read the sink is the watch's feed (or the client's write) itself; the
+        # response counts the reads and keeps the last one's time, and a failed first-token
+        # check raises out of the feed, which stops the pipe and closes the upstream connection.
         piped = resp.pipe(sink, flow=res, batch=res)
-        if stopped:
-            piped.cancel()
-        # The idle deadline is checked lazily: one timer that re-arms itself at `last + idle`
-        # when it finds the stream has moved, instead of a new timer per chunk.
+        # The idle deadline is checked lazily: one timer that re-arms itself at the last read +
+        # idle when it finds the stream has moved, instead of a new timer per chunk.
         timed_out = False
         timer: asyncio.TimerHandle
 
         def watchdog() -> None:
             nonlocal timer, timed_out
-            due = last + idle
+            due = resp.last_read_at + idle
             if loop.time() < due:
                 timer = loop.call_at(due, watchdog)
             else:
                 timed_out = True
                 piped.cancel()  # aborts the upstream connection
 
-        timer = loop.call_at(last + idle, watchdog)
+        timer = loop.call_at(resp.last_read_at + idle, watchdog)
         try:
             await piped
+        except StreamStopped:
+            assert guard is not None and watch is not None and watch.violation is not None
+            resp.abort()
+            raise self._integrity(guard, watch.violation, w, "before_first_byte") from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if (not timed_out and not stopped) or (task is not None and task.cancelling()):
+            if not timed_out or (task is not None and task.cancelling()):
                 raise  # the client went away or an outer deadline expired: not ours
             resp.abort()
-            if stopped and guard is not None and watch is not None and watch.violation is not None:
-                raise self._integrity(guard, watch.violation, w, "before_first_byte") from None
             raise UpstreamTimeout(
                 f"worker {w.id} sent nothing for {idle:g}s mid-stream", phase="idle", worker=w.id
             ) from None
@@ -800,9 +794,9 @@ class Orchestrator:
         resp.release()
         end = time.monotonic()
         self.metrics.child(self.metrics.phase, "decode").observe(end - a.first_byte_at)
-        if chunks > 1:
+        if resp.reads > 1:
             self.metrics.child(self.metrics.itl, req.route.value, a.plan_kind).observe(
-                (end - a.first_byte_at) / (chunks - 1)
+                (end - a.first_byte_at) / (resp.reads - 1)
             )
         res.end()
 

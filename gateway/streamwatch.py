@@ -53,6 +53,11 @@ def _payloads(events: bytes) -> list[bytes]:
     return out
 
 
+class StreamStopped(Exception):
+    """Raised by `StreamWatch.feed` when the first token fails its check: a pipe whose sink
+    raises stops reading and aborts the upstream connection. `StreamWatch.violation` says why."""
+
+
 class StreamWatch:
     __slots__ = (
         "_buf",
@@ -124,7 +129,7 @@ class StreamWatch:
             self._first = first
             self.violation = self._check_first(first)
             if self.violation is not None:
-                return
+                raise StreamStopped(self.violation)
             complete, self._held = self._held, b""
             self._state = 1
             # fall through: the held head may already contain the finish event

@@ -85,6 +85,7 @@ class UpstreamResponse:
     __slots__ = (
         "_buf",
         "_buffered",
+        "_clock",
         "_conn",
         "_error",
         "_fetch",
@@ -97,6 +98,8 @@ class UpstreamResponse:
         "_whole",
         "complete",
         "headers",
+        "last_read_at",
+        "reads",
         "status",
     )
 
@@ -115,6 +118,11 @@ class UpstreamResponse:
         self._released = False
         self._whole = False
         self._fetch: _Call | None = None  # fetch(): resolved with (status, body) at the end
+        # pipe(): how many reads reached the sink, and the loop time of the last one (or of the
+        # pipe's start): what a relay needs for its idle deadline and inter-token figures
+        self.reads = 0
+        self.last_read_at = 0.0
+        self._clock: Callable[[], float] = conn._loop.time
         # pipe(): the pieces of body of the upstream read being parsed, handed to the sink as one
         # at the end of that read (a 64-event burst is one sink call, not 64)
         self._pend: list[bytes] = []
@@ -140,6 +148,8 @@ class UpstreamResponse:
         pend.clear()
         sink = self._sink
         if sink is not None:
+            self.reads += 1
+            self.last_read_at = self._clock()
             try:
                 sink(data)
             except Exception as e:
@@ -286,6 +296,7 @@ class UpstreamResponse:
             await up.pipe(responder.write, flow=responder, batch=responder)"""
         loop = self._conn._loop
         fut: asyncio.Future[None] = loop.create_future()
+        self.last_read_at = loop.time()
         buf = self._buf
         if buf:
             # what arrived before pipe() (e.g. a whole stream while the prefill's verdict was
@@ -293,10 +304,17 @@ class UpstreamResponse:
             # response) leaves with it in one client write
             backlog = buf[0] if len(buf) == 1 else b"".join(buf)
             buf.clear()
+            self.reads += 1
             if batch is not None:
                 batch.cork()
             try:
                 sink(backlog)
+            except Exception as e:  # as from the data callback: the future fails, the
+                self._buffered = 0  # connection is closed
+                self._error = e
+                self._conn.abort()
+                fut.set_exception(e)
+                return fut
             finally:
                 if batch is not None:
                     batch.uncork()

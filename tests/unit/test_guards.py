@@ -9,7 +9,7 @@ import pytest
 
 from adapters._summary import summarize_generate, summarize_openai
 from gateway.guards import GuardSettings, Summary, check_decode, preflight
-from gateway.streamwatch import StreamWatch
+from gateway.streamwatch import StreamStopped, StreamWatch
 from policies.snapshot import Role
 from policies.testing import make_worker
 
@@ -103,8 +103,10 @@ def test_stream_watch_releases_tokens_as_they_come() -> None:
 
 def test_stream_watch_stops_a_bad_first_token_before_any_byte() -> None:
     w, out = watch(check_first=lambda s: "bad" if s.first_text == "x" else None)
-    w.feed(chunk(0, "x") + chunk(1, "y"))
-    assert out == [] and w.finish() == "bad"
+    with pytest.raises(StreamStopped):  # raised out of a pipe's sink, it stops the pipe
+        w.feed(chunk(0, "x") + chunk(1, "y"))
+    w.feed(chunk(2, "z"))  # anything after is dropped
+    assert out == [] and w.violation == "bad" and w.finish() == "bad"
 
 
 def test_stream_watch_holds_back_a_bad_ending() -> None:
