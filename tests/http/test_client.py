@@ -274,6 +274,48 @@ async def test_cancelled_pipe_aborts(upstream: HttpServer) -> None:
     assert pool.in_use == 0 and upstream.active_requests == 0
 
 
+class _Stop(Exception):
+    pass
+
+
+async def test_pipe_counts_reads_and_a_raising_sink_stops_it(upstream: HttpServer) -> None:
+    pool = UpstreamPool("127.0.0.1", upstream.port)
+    loop = asyncio.get_running_loop()
+    # live reads: counted, the last one timed
+    r = await pool.request("GET", "/hang", [], None)
+    t0 = loop.time()
+    got: list[bytes] = []
+    fut = r.pipe(got.append)
+    await asyncio.sleep(0.05)
+    assert got == [b"first"] and r.reads == 1 and t0 <= r.last_read_at <= loop.time()
+
+    def stop(data: bytes) -> None:
+        raise _Stop(data)
+
+    # a sink that raises on a live read: the pipe's future fails with it, the upstream is closed
+    fut.cancel()
+    await asyncio.sleep(0.01)
+    r = await pool.request("GET", "/hang", [], None)
+    await asyncio.sleep(0.01)  # the body may already be buffered: either way the same outcome
+    fut = r.pipe(stop)
+    with pytest.raises(_Stop):
+        await fut
+    r.release()
+    await asyncio.sleep(0.05)
+    assert pool.in_use == 0 and upstream.active_requests == 0
+    # the body buffered before pipe() (a relay that waited for a verdict) fails the same way
+    r = await pool.request("GET", "/stream?3", [], None)
+    await asyncio.sleep(0.05)  # the whole (small) stream arrives and is buffered
+    assert r.complete
+    fut = r.pipe(stop)
+    assert r.reads == 1
+    with pytest.raises(_Stop):
+        await fut
+    r.release()
+    assert pool.in_use == 0
+    await pool.close()
+
+
 async def test_idle_timeout_not_reused(upstream: HttpServer) -> None:
     pool = UpstreamPool("127.0.0.1", upstream.port, idle_timeout_s=0.05)
     r = await pool.request("GET", "/", [], None)
