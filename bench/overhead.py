@@ -3,13 +3,16 @@
 One run, the same upstreams for every target:
   * per engine, three emulated servers in zero-delay mode (`--time-scale 0`): a P/D pair
     (prefill + decode) and a colocated (`--role both`) server for the direct baseline;
-  * the target under test (sglang-router, vllm-router, `pd-gateway serve`) pinned alone to
-    one core (`taskset -c 0`), started fresh for each target and stopped after it;
-  * the upstreams and this process (the load generator) on the other core.
+  * the targets under test (sglang-router, vllm-router, `pd-gateway serve`, `bare-pd`) pinned
+    to one core (`taskset -c 0`), all started first and measured in turn (idle otherwise);
+    `--rounds N` repeats every row N times, the targets in turn each round, and reports medians;
+  * the upstreams and this process (the load generator, or wrk with `--loadgen wrk`) on the
+    other core.
 
 Per target, mode (non-stream, 64-token stream) and connection count it reports req/s,
 p50/p90/p99 latency, the p50 added over a direct connection to an emulated server, and the
-target's CPU per request = (utime+stime of its process tree over the window) / completed.
+target's CPU per request = (utime+stime of its process tree over the window) / completed, and
+the kernel's (stime) part of it.
 """
 
 from __future__ import annotations
@@ -478,7 +481,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=("python", "wrk"),
         default="python",
         help="python (bench/loadgen.py, the default) or wrk: several times the request rate, "
-        "so a fast target is busier (direct-pd always uses the Python one) "
+        "so a fast target is busier (direct-pd, which needs the Python one, is skipped) "
         f"({bench_wrk.INSTALL_HINT})",
     )
     p.add_argument("--seed", type=int, default=0)
