@@ -85,7 +85,6 @@ class UpstreamResponse:
     __slots__ = (
         "_buf",
         "_buffered",
-        "_clock",
         "_conn",
         "_error",
         "_fetch",
@@ -122,7 +121,6 @@ class UpstreamResponse:
         # pipe's start): what a relay needs for its idle deadline and inter-token figures
         self.reads = 0
         self.last_read_at = 0.0
-        self._clock: Callable[[], float] = conn._loop.time
         # pipe(): the pieces of body of the upstream read being parsed, handed to the sink as one
         # at the end of that read (a 64-event burst is one sink call, not 64)
         self._pend: list[bytes] = []
@@ -149,7 +147,7 @@ class UpstreamResponse:
         sink = self._sink
         if sink is not None:
             self.reads += 1
-            self.last_read_at = self._clock()
+            self.last_read_at = self._conn._loop.time()
             try:
                 sink(data)
             except Exception as e:
