@@ -67,9 +67,13 @@ class CircuitBreaker:
         half-open with no trial in flight. Pure (the open -> half-open move is `allows()`'s)."""
         return self.state is BreakerState.CLOSED or (self.state is BreakerState.HALF_OPEN and not self._trial)
 
-    def on_dispatch(self) -> None:
+    def on_dispatch(self) -> bool:
+        """A request goes to the worker. True if it is the half-open trial (no other request is
+        let through until it has ended)."""
         if self.state is BreakerState.HALF_OPEN:
             self._trial = True
+            return True
+        return False
 
     def record(self, ok: bool) -> bool:
         """Record one outcome; True when the state changed."""

@@ -274,8 +274,7 @@ class Registry:
     def acquire(self, w: Worker, tokens: int) -> None:
         w.inflight += 1
         w.inflight_tokens += tokens
-        if w.breaker.state is BreakerState.HALF_OPEN:
-            w.breaker.on_dispatch()  # the one trial request: no other until it has ended
+        if w.breaker.on_dispatch():  # the one trial request: the snapshot shows it unusable
             self.changed()
         self._moved.add(w)
         if self.inflight_cap and w.inflight >= self.inflight_cap:

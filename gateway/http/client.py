@@ -307,12 +307,9 @@ class UpstreamResponse:
                 batch.cork()
             try:
                 sink(backlog)
-            except Exception as e:  # as from the data callback: the future fails, the
-                self._buffered = 0  # connection is closed
-                self._error = e
+            except Exception as e:  # as from the data callback: the future fails (below) and
+                self._error = e  # the connection is closed; a complete body fails too
                 self._conn.abort()
-                fut.set_exception(e)
-                return fut
             finally:
                 if batch is not None:
                     batch.uncork()
