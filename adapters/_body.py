@@ -33,6 +33,22 @@ def rewrite(
     return encoder.encode(fields)
 
 
+_USAGE_ON = b'"stream_options":{"include_usage":true}'
+
+
+def ask_stream_usage(body: bytes) -> bytes:
+    """`body` (a streamed OpenAI-route request) asking for the usage chunk at the stream's end,
+    other `stream_options` kept."""
+    fields: dict[str, msgspec.Raw] = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
+    raw = fields.get("stream_options")
+    if raw is None:
+        return splice(body, _USAGE_ON)
+    opts = msgspec.json.decode(raw)
+    opts = dict(opts) if isinstance(opts, dict) else {}
+    opts["include_usage"] = True
+    return rewrite(fields, set_={"stream_options": encoder.encode(opts)})
+
+
 def pairs(**kv: bytes) -> bytes:
     """`"a":1,"b":"x"` from already-encoded JSON values."""
     return b",".join(b'"' + k.encode() + b'":' + v for k, v in kv.items())

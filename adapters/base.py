@@ -36,6 +36,9 @@ class HandoffCtx(msgspec.Struct, frozen=True):
     decode: WorkerState
     room: int  # SGLang bootstrap room (first one of a batch); unused by vLLM
     rooms: tuple[int, ...] = ()  # one per batch element / sample when the request is a batch
+    # ask the decode for a stream's usage chunk the client did not ask for (the decode guard
+    # needs the real token count; the gateway drops the chunk on the way to the client)
+    stream_usage: bool = False
 
 
 class PrefillVerdict(msgspec.Struct, frozen=True):
@@ -83,6 +86,8 @@ def apply_models(body: bytes, into: ProbeInfo) -> ProbeInfo:
 class EngineAdapter(Protocol):
     engine: ClassVar[Engine]
     handoff: ClassVar[HandoffMode]
+    # P/D with n > 1 must go as n one-sample handoffs, merged by the gateway (gateway/samples.py)
+    splits_samples: ClassVar[bool]
     health_path: ClassVar[str]
     load_paths: ClassVar[tuple[str, ...]]
     info_paths: ClassVar[tuple[str, ...]]

@@ -16,6 +16,7 @@ from policies.snapshot import Engine, WorkerLoad
 class OpenAIAdapter:
     engine: ClassVar[Engine] = Engine.OPENAI
     handoff: ClassVar[HandoffMode] = HandoffMode.NONE
+    splits_samples: ClassVar[bool] = False  # colocated only
     health_path: ClassVar[str] = "/health"
     load_paths: ClassVar[tuple[str, ...]] = ("/metrics",)
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models",)

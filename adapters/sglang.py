@@ -83,6 +83,7 @@ def _bootstrap_prefix(prefill_url: str, bootstrap_port: int | None) -> bytes:
 class SGLangAdapter:
     engine: ClassVar[Engine] = Engine.SGLANG
     handoff: ClassVar[HandoffMode] = HandoffMode.CONCURRENT
+    splits_samples: ClassVar[bool] = True  # 0.5.23 gives all samples one room: n > 1 hangs in P/D
     health_path: ClassVar[str] = "/health"
     # /v1/loads is the scheduler's live snapshot (SGLang >= 0.5.x; 0.5.23 no longer serves
     # /get_load); its /metrics gauges appear only once the scheduler has logged stats and are
@@ -119,8 +120,10 @@ class SGLangAdapter:
                 _body.rewrite(fields, drop=(*_OWNED, "stream_options"), set_={"stream": b"false"}), extra
             )
         if req.has_owned_fields:
-            return _body.splice(_body.rewrite(req.decode_dict(), drop=_OWNED), extra)
-        return _body.splice(req.body, extra)
+            body = _body.splice(_body.rewrite(req.decode_dict(), drop=_OWNED), extra)
+        else:
+            body = _body.splice(req.body, extra)
+        return _body.ask_stream_usage(body) if ctx.stream_usage and not prefill else body
 
     def summarize(self, req: ParsedRequest, payloads: Iterable[bytes]) -> Summary:
         if req.route is RouteKind.GENERATE:

@@ -67,6 +67,7 @@ _params_dec = msgspec.json.Decoder(KVTransferParams)
 class VLLMAdapter:
     engine: ClassVar[Engine] = Engine.VLLM
     handoff: ClassVar[HandoffMode] = HandoffMode.SEQUENTIAL
+    splits_samples: ClassVar[bool] = False  # n > 1 is served by the decode alone (supports_pd)
     health_path: ClassVar[str] = "/health"
     load_paths: ClassVar[tuple[str, ...]] = ("/metrics",)
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models", "/metrics")
@@ -104,6 +105,8 @@ class VLLMAdapter:
         base = req.body
         if req.fields.kv_transfer_params:
             base = _body.rewrite(req.decode_dict(), drop=("kv_transfer_params",))
+        if ctx.stream_usage:
+            base = _body.ask_stream_usage(base)
         if params is None:
             return base
         return _body.splice(base, b'"kv_transfer_params":' + bytes(params))

@@ -32,12 +32,14 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
     kv_events: str | None = None
     max_model_len: int = 8192
     seed: int = 0
-    # emulator knobs (flags --max-total-tokens, --block-size, --kv-scale, --waiting-timeout, --handshake-timeout)
+    # emulator knobs (flags --max-total-tokens, --block-size, --kv-scale, --waiting-timeout,
+    # --handshake-timeout, --stream-interval)
     max_total_tokens: int | None = None
     block_size: int | None = None
     kv_scale: int = 1024
     waiting_timeout_s: float | None = None
     handshake_timeout_s: float = 5.0
+    stream_interval: int = 1  # SGLang's --stream-interval: tokens per stream event
 
     def to_argv(self) -> list[str]:
         argv = ["--engine", self.engine, "--role", self.role, "--host", self.host, "--port", str(self.port)]
@@ -58,6 +60,8 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
         argv += ["--kv-scale", str(self.kv_scale), "--handshake-timeout", repr(self.handshake_timeout_s)]
         if self.waiting_timeout_s is not None:
             argv += ["--waiting-timeout", repr(self.waiting_timeout_s)]
+        if self.stream_interval != 1:
+            argv += ["--stream-interval", str(self.stream_interval)]
         return argv
 
 

@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--waiting-timeout", type=float, default=None, help="SGLang decode KV wait (default 300 s)"
     )
     p.add_argument("--handshake-timeout", type=float, default=5.0)
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="SGLang: tokens per stream event (the engine's own flag; the rest comes at the end)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -77,6 +83,7 @@ def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
         kv_scale=args.kv_scale,
         waiting_timeout_s=args.waiting_timeout,
         handshake_timeout_s=args.handshake_timeout,
+        stream_interval=args.stream_interval,
     )
 
 

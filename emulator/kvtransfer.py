@@ -12,7 +12,10 @@ channel ``remote_port``).
   then treats the read as the completion notification and frees the request's held blocks.
 * SGLang (rendezvous on the room): the decode sends ``{"op": "wait_room", room}``; the server
   answers when the prefill of that room has produced its KV (``offer``). A room whose prefill was
-  rejected is never offered: the decode waits for its own timeout, as on SGLang 0.5.23.
+  rejected is never offered: the decode waits for its own timeout, as on SGLang 0.5.23. A room
+  transfers once: a second decode request on a room already claimed (SGLang 0.5.23 gives every
+  sample of an ``n > 1`` request its prompt's room) waits in ``WaitingForInput`` until its own
+  timeout, and a second prefill offer on it is never taken (sglang PRs #26486, #30723).
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class Room(msgspec.Struct):
     ready: asyncio.Future[tuple[list[bytes], int, str | None]]
     taken: asyncio.Future[bool]
     created: float
+    claimed: bool = False  # a decode request is waiting on (or has had) this room's KV
 
 
 class KvServer:
@@ -103,6 +107,8 @@ class KvServer:
         self._concurrency_fault = concurrency_fault
         self.held: dict[str, Held] = {}
         self.rooms: dict[int, Room] = {}
+        # rooms whose KV went to a decode: they never transfer again (bounded, oldest dropped)
+        self.spent: dict[int, None] = {}
         self.active = 0
         self.last_contents: list[bytes] = []
         self.unrecognized_reads = 0
@@ -145,8 +151,16 @@ class KvServer:
         if r is None:
             loop = asyncio.get_running_loop()
             r = Room(loop.create_future(), loop.create_future(), time.monotonic())
+            if room in self.spent:  # a late joiner: nothing will ever pair with it
+                r.claimed = True
+                return r
             self.rooms[room] = r
         return r
+
+    def _spend(self, room: int) -> None:
+        self.spent[room] = None
+        if len(self.spent) > 65536:
+            del self.spent[next(iter(self.spent))]
 
     def offer(self, room: int, contents: list[bytes], num_tokens: int, fault: str | None) -> Room:
         r = self.room(room)
@@ -170,7 +184,7 @@ class KvServer:
             if op == "read":
                 await self._serve_read(header, writer)
             elif op == "wait_room":
-                await self._serve_room(header, writer)
+                await self._serve_room(header, reader, writer)
             else:
                 await send_msg(writer, {"ok": False, "kind": "failed", "error": f"bad op {op!r}"})
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -252,9 +266,17 @@ class KvServer:
                 held.expiry.cancel()
             self._release(held.blocks)
 
-    async def _serve_room(self, header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+    async def _serve_room(
+        self, header: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         room_id = int(header["room"])
         r = self.room(room_id)
+        if r.claimed:
+            # another decode request has this room: this one gets nothing and waits until its own
+            # timeout (or abort) closes the connection
+            await reader.read()
+            return
+        r.claimed = True
         try:
             contents, num_tokens, fault = await asyncio.shield(r.ready)
         except asyncio.CancelledError:
@@ -266,6 +288,7 @@ class KvServer:
         if not r.taken.done():
             r.taken.set_result(ok)
         self.rooms.pop(room_id, None)
+        self._spend(room_id)
 
 
 async def _request(

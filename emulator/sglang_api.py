@@ -1,8 +1,12 @@
 """SGLang 0.5.23's HTTP surface (shapes from the captures in ``shared/captures``).
 
 ``n > 1`` (``sampling_params.n`` on ``/generate``) expands a batch of B prompts into B x n requests,
-prompt-major (request ``k = prompt_index * n + sample_index``, also the choice index); a scalar
-``bootstrap_room`` becomes ``room + k`` on both prefill and decode, so every sample's KV pairs up.
+prompt-major (request ``k = prompt_index * n + sample_index``, also the choice index). Bootstrap
+rooms are SGLang 0.5.23's: ``_normalize_bootstrap_params`` turns a scalar room into ``room + i``
+per element, but every sample of prompt ``i`` is a copy of element ``i`` and keeps its room, so in
+P/D the samples of one prompt share a room; a room transfers once (``emulator.kvtransfer``), and
+the other samples' decodes wait for KV that never comes (sglang PRs #26486, #30723): with
+``n > 1`` in P/D, real SGLang 0.5.23 hangs, and so does this. Batches (``n == 1``) pair up.
 Sample ``j`` is seeded ``seed + j``: greedy samples are equal, seeded ones differ reproducibly.
 """
 
@@ -71,7 +75,8 @@ def _listify(v: Any, n: int) -> list[Any]:
 
 def _rooms(v: Any, num: int, n: int) -> list[int | None]:
     """SGLang's ``_normalize_bootstrap_params`` for ``num`` = batch x ``n`` requests: a scalar room
-    becomes ``room + k`` for the ``k``-th expanded request, a list is repeated ``n`` times."""
+    becomes ``room + k`` for the ``k``-th entry, a list is repeated ``n`` times. (Only the first
+    batch-size entries are used: sample ``j`` of prompt ``i`` takes entry ``i``.)"""
     if v is None:
         return [None] * num
     if isinstance(v, list):
@@ -220,10 +225,13 @@ class SglangApi:
                 engine.load_remote_kv(seq, contents)
             else:
                 await engine.prefill(seq)
+            every = max(1, s.spec.stream_interval)  # --stream-interval: an event per `every` tokens
             async for tok in tokens(s, seq, item.max_new, hit):
                 out.append(tok)
-                if on_token is not None:
+                if on_token is not None and len(out) % every == 0:
                     await on_token(out)
+            if on_token is not None and out and len(out) % every:
+                await on_token(out)  # the rest, before the finish event
             res.finish = {"type": "length", "length": len(out)}
             return res
         except TransferError as e:
@@ -383,7 +391,8 @@ def setup(s: EmulatorServer) -> None:
     ) -> list[Item]:
         """One item per (prompt, sample), prompt-major: item ``k = prompt_index * n + sample_index``
         (SGLang's parallel-sampling expansion). Prefill and decode get the same body, so they derive
-        the same rooms (``room + k`` for a scalar room) and the same per-sample seeds."""
+        the same rooms and per-sample seeds. Every sample of prompt ``i`` has room entry ``i``, as
+        on SGLang 0.5.23 (``_handle_batch_request`` copies ``obj[i]`` for each sample)."""
         num = len(prompts) * n
         rid = body.get("rid")
         rids = _listify(rid, len(prompts)) if rid is not None and n == 1 else [None] * num
@@ -394,14 +403,14 @@ def setup(s: EmulatorServer) -> None:
         for i, p in enumerate(prompts):
             for j in range(n):
                 k = i * n + j
-                host, port = _pick(hosts, k), _pick(ports, k)
+                host, port = _pick(hosts, i), _pick(ports, i)
                 items.append(
                     Item(
                         str(rids[k]) if k < len(rids) and rids[k] is not None else uuid.uuid4().hex,
                         p,
                         max_new,
                         model.sample_seed(sample_seed, j),
-                        rooms[k] if k < len(rooms) else None,
+                        rooms[i] if i < len(rooms) else None,
                         host,
                         int(port) if port is not None else None,
                         bool(body.get("return_logprob", False)),

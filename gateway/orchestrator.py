@@ -48,6 +48,7 @@ from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.parse import ParsedRequest
 from gateway.registry import Registry, Worker
+from gateway.samples import SampleMerger, sample_request
 from gateway.streamwatch import StreamStopped, StreamWatch
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
 from policies.snapshot import Colocated, Disaggregated, Engine, Reject, RequestView, Role, RouteKind
@@ -383,8 +384,15 @@ class Orchestrator:
             return
         a.plan_kind, a.prefill, a.decode = "disaggregated", p.id, d.id
         a.phase = Phase.PREFILL
+        if req.n > 1 and d.adapter.splits_samples:
+            await self._split_samples(p, d, plan, req, request_id, res, headers, view, a)
+            return
         ctx = HandoffCtx(
-            request_id=request_id, prefill=plan.prefill, decode=plan.decode, room=new_room(self.rng)
+            request_id=request_id,
+            prefill=plan.prefill,
+            decode=plan.decode,
+            room=new_room(self.rng),
+            stream_usage=self._stream_usage(req),
         )
         if d.adapter.handoff is HandoffMode.CONCURRENT:
             await self._concurrent(p, d, ctx, req, res, headers, view, tokens, a)
@@ -530,6 +538,54 @@ class Orchestrator:
             self.registry.record(d, ok_d or gone or not ok_p or suspect_pair)
             if pair.record(ok_d or gone):
                 self.registry.changed()
+
+    async def _split_samples(
+        self,
+        p: Worker,
+        d: Worker,
+        plan: Disaggregated,
+        req: ParsedRequest,
+        request_id: str,
+        res: HttpResponder,
+        headers: list[tuple[bytes, bytes]],
+        view: RequestView,
+        a: _Attempt,
+    ) -> None:
+        """`n > 1` on an engine whose P/D cannot pair several samples (SGLang): one handoff per
+        sample, each in its own task with its own room, deadlines and guards, merged into one
+        answer (gateway/samples.py). The first failure cancels the other samples."""
+        merger = SampleMerger(req, res)
+        tokens = view.prompt_tokens + view.max_tokens // req.n
+        attempts: list[_Attempt] = []
+
+        async def one(j: int, sreq: ParsedRequest) -> None:
+            task: asyncio.Task[None] = asyncio.current_task()  # type: ignore[assignment]
+            sa = _Attempt(a.echo, task, a.wheel)
+            attempts.append(sa)
+            sink = merger.sink(j, task)
+            ctx = HandoffCtx(
+                request_id=f"{request_id}-{j}",  # SGLang's rid: unique per sample
+                prefill=plan.prefill,
+                decode=plan.decode,
+                room=new_room(self.rng),
+                stream_usage=self._stream_usage(sreq),
+            )
+            await self._concurrent(p, d, ctx, sreq, sink, headers, view, tokens, sa)  # type: ignore[arg-type]
+
+        tasks = [asyncio.ensure_future(one(j, sample_request(req, j))) for j in range(req.n)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        a.prefill_done_at = max(sa.prefill_done_at for sa in attempts)
+        if req.stream:
+            merger.end_stream()
+        else:
+            merger.send_whole()
+        a.first_byte_at = merger.first_byte_at
+        a.phase = Phase.STREAMING if req.stream else Phase.DONE
 
     async def _await_prefill(
         self,
@@ -716,7 +772,13 @@ class Orchestrator:
                 a.phase = Phase.STREAMING
                 sw.write_to(res.write)
 
-            sw = StreamWatch(started_write, guard.summarize, guard.check_first, guard.check_end)
+            sw = StreamWatch(
+                started_write,
+                guard.summarize,
+                guard.check_first,
+                guard.check_end,
+                drop_usage=guard.ctx.stream_usage,
+            )
             watch = sw
             write = sw.feed
         idle = self.settings.timeouts.idle_s
@@ -799,6 +861,21 @@ class Orchestrator:
                 (end - a.first_byte_at) / (resp.reads - 1)
             )
         res.end()
+
+    def _stream_usage(self, req: ParsedRequest) -> bool:
+        """Does the decode of this handoff get asked for a usage chunk the client did not ask
+        for? Yes for a guarded stream on an OpenAI route: the guard's "finished early" check
+        needs the real token count, and counting events is wrong both ways (role-only events;
+        SGLang sends several tokens in one event with --stream-interval > 1 or a held-back
+        multi-byte character). The chunk is dropped on the way to the client."""
+        return (
+            req.stream
+            and not req.include_usage
+            and req.route is not RouteKind.GENERATE
+            and self.settings.guards.decode_consistency
+            and req.n == 1
+            and not req.is_batch
+        )
 
     def _decode_guard(
         self, req: ParsedRequest, ctx: HandoffCtx, prefill_adapter: EngineAdapter, prefill_body: bytes

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import msgspec
+
 from gateway.guards import Summary
 
 _SEP = b"\n\n"
@@ -53,6 +55,30 @@ def _payloads(events: bytes) -> list[bytes]:
     return out
 
 
+class _UsageChunk(msgspec.Struct):
+    choices: list[msgspec.Raw] = []
+    usage: msgspec.Raw = msgspec.Raw(b"null")
+
+
+_usage_chunk = msgspec.json.Decoder(_UsageChunk)
+
+
+def _without_usage_chunk(events: bytes) -> bytes:
+    """Whole events less the usage-only one (`"choices": []` and a usage), for a client that
+    did not ask for it."""
+    out = []
+    for event in events.split(_SEP):
+        if b'"usage"' in event and event.startswith(b"data:"):
+            try:
+                ev = _usage_chunk.decode(event[5:].strip())
+            except msgspec.DecodeError:
+                ev = None
+            if ev is not None and not ev.choices and bytes(ev.usage) != b"null":
+                continue
+        out.append(event)
+    return _SEP.join(out)
+
+
 class StreamStopped(Exception):
     """Raised by `StreamWatch.feed` when the first token fails its check: a pipe whose sink
     raises stops reading and aborts the upstream connection. `StreamWatch.violation` says why."""
@@ -63,10 +89,10 @@ class StreamWatch:
         "_buf",
         "_check_end",
         "_check_first",
+        "_drop_usage",
         "_first",
         "_head",
         "_held",
-        "_passed_events",
         "_state",
         "_summarize",
         "_write",
@@ -75,9 +101,16 @@ class StreamWatch:
     )
 
     def __init__(
-        self, write: Callable[[bytes], None], summarize: Summarize, check_first: Check, check_end: Check
+        self,
+        write: Callable[[bytes], None],
+        summarize: Summarize,
+        check_first: Check,
+        check_end: Check,
+        *,
+        drop_usage: bool = False,
     ) -> None:
         self._write = write
+        self._drop_usage = drop_usage  # the usage chunk was asked for by the gateway, not the client
         self._summarize = summarize
         self._check_first = check_first
         self._check_end = check_end
@@ -85,7 +118,6 @@ class StreamWatch:
         self._buf = b""  # incomplete tail (all states) / everything held (states 0 and 2)
         self._head: list[bytes] = []  # payloads seen before passing
         self._held = b""
-        self._passed_events = 0
         self._first: Summary | None = None
         self.violation: str | None = None  # a guard failed
         self.failed: str | None = None  # the engine failed before its first token (nothing was sent)
@@ -99,7 +131,6 @@ class StreamWatch:
         if self._state == 1 and not self._buf and data.endswith(_SEP):
             # the hot path: whole events in the middle of a stream
             if data.find(_FINISH[0]) < 0 and data.find(_FINISH[1]) < 0 and data.find(_FINISH[2]) < 0:
-                self._passed_events += data.count(b"data:")
                 self._write(data)
                 return
         if self.violation is not None:
@@ -140,12 +171,10 @@ class StreamWatch:
                 if i >= 0 and (at < 0 or i < at):
                     at = i
             if at < 0:
-                self._passed_events += complete.count(b"data:")
                 self._write(complete)
                 return
             start = complete.rfind(b"data:", 0, at)
             start = max(start, 0)
-            self._passed_events += complete.count(b"data:", 0, start)
             if start:
                 self._write(complete[:start])
             self._held = complete[start:]
@@ -159,11 +188,11 @@ class StreamWatch:
         if self.violation is not None:
             return self.violation
         held = self._held + self._buf
+        # No usage in the stream (the gateway asks for it on OpenAI routes; /generate events
+        # carry their count): the "finished early" check is skipped, not guessed from the
+        # number of events, which is no token count (SGLang sends several tokens per event
+        # with --stream-interval > 1 or a held-back multi-byte character; role-only events).
         end = self._summarize(self._head + _payloads(held))
-        if end.completion_tokens is None:
-            # no usage in the stream: count its events (role-only events too: an upper bound,
-            # so the "finished early" check can only err towards letting an answer through)
-            end.completion_tokens = self._passed_events + len(_payloads(held))
         if self._first is not None:
             end.first_text = self._first.first_text
             end.first_token_id = self._first.first_token_id
@@ -175,6 +204,6 @@ class StreamWatch:
             return None
         self.violation = self._check_end(end) if self._state == 2 else None
         if self.violation is None and held:
-            self._write(held)
+            self._write(_without_usage_chunk(held) if self._drop_usage else held)
         self._held = self._buf = b""
         return self.violation

@@ -167,3 +167,52 @@ async def test_vllm_transfer_failures_fall_back_to_the_decode_prefilling_itself(
     assert decode.breaker.state.value == "closed"
     text = c.gateway.metrics.render().decode()
     assert 'pdgw_fallbacks_total{rung="decode_self_prefill"}' in text
+
+
+def n_body(stream: bool, max_tokens: int = 8) -> dict[str, object]:
+    return body("m-sglang", stream, max_tokens) | {"n": 3}
+
+
+async def test_sglang_n_samples_hung_prefill_leaves_nothing_running(fast_cluster: Cluster) -> None:
+    """n > 1 on SGLang P/D runs one handoff per sample: all of them end (and are aborted on the
+    engines) when they fail, and the client gets one clear error."""
+    c = fast_cluster
+    await c.emulators["sgl-p"].set_faults(["hang_before_first_byte"])
+    status, raw, took = await post(c.url + "/v1/completions", n_body(False))
+    assert status == 503 and took < FAST.total_s, raw
+    assert json.loads(raw)["error"]["code"] == "upstream_timeout"
+    assert await settled(c, ("sgl-p", "sgl-d")) == {"sgl-p": 0, "sgl-d": 0}
+
+
+async def test_sglang_n_samples_decode_crash_mid_stream_is_an_error_event(fast_cluster: Cluster) -> None:
+    c = fast_cluster
+    await c.emulators["sgl-d"].set_faults(["crash_mid_stream"])
+    status, raw, _ = await post(c.url + "/v1/completions", n_body(True, max_tokens=32))
+    assert status == 200
+    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert events and "[DONE]" not in events
+    assert "error" in json.loads(events[-1])
+
+
+async def test_sglang_n_samples_client_gone_mid_stream_stops_every_sample() -> None:
+    c = await build_cluster(time_scale=1.0)  # real delays: the samples are still running when we leave
+    try:
+        before = await c.emulators["sgl-d"].stats()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(c.url + "/v1/completions", json=n_body(True, max_tokens=2000)) as r:
+                assert r.status == 200
+                seen: set[int] = set()
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        seen.update(ch["index"] for ch in json.loads(line[6:])["choices"])
+                    if len(seen) == 3:
+                        break
+            # leaving the block closes the connection mid-stream
+        assert seen == {0, 1, 2}
+        assert await settled(c, ("sgl-p", "sgl-d")) == {"sgl-p": 0, "sgl-d": 0}
+        after = await c.emulators["sgl-d"].stats()
+        # every sample stopped, none ran to its 2000 tokens
+        assert after["completed"] == before["completed"]
+        assert after["generation_tokens_total"] - before["generation_tokens_total"] < 600
+    finally:
+        await stop_cluster(c)

@@ -261,3 +261,38 @@ async def test_consistent_garbage_needs_strict_verification() -> None:
         assert _metric(c.gateway.metrics.render().decode(), 'guard="shadow"') > 0
     finally:
         await stop_cluster(c)
+
+
+@pytest.mark.parametrize("include_usage", [False, True], ids=["no_usage", "usage"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_several_tokens_per_event_are_not_an_early_finish(route: str, include_usage: bool) -> None:
+    """SGLang's --stream-interval N sends N tokens per event (so can a held-back multi-byte
+    character): counting events under-counts tokens, and a guard that did would call a whole
+    answer "finished early" (seen on real SGLang, chat streams without usage). The gateway asks
+    the decode for the usage chunk and drops it when the client did not ask for it."""
+    c = await build_cluster(sglang_stream_interval=4)
+    try:
+        b: dict[str, Any] = {"model": "m-sglang", "max_tokens": 14, "temperature": 0, "stream": True}
+        if route == "/v1/chat/completions":
+            b["messages"] = [{"role": "user", "content": "several tokens per event"}]
+        else:
+            b["prompt"] = "several tokens per event"
+        if include_usage:
+            b["stream_options"] = {"include_usage": True}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(c.url + route, json=b) as r:
+                assert r.status == 200
+                raw = await r.read()
+            async with s.post(c.reference["m-sglang"].url + route, json=b) as r:
+                want = await r.read()
+        events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and not any("error" in json.loads(e) for e in events[:-1]), events
+        usages = [json.loads(e)["usage"] for e in events[:-1] if json.loads(e).get("usage")]
+        want_events = [line[6:] for line in want.decode().split("\n") if line.startswith("data: ")]
+        want_usages = [json.loads(e)["usage"] for e in want_events[:-1] if json.loads(e).get("usage")]
+        assert usages == want_usages and (len(usages) == 1) == include_usage
+        assert answer_text(raw, True) == answer_text(want, True)
+        assert len(events) == len(want_events)  # the same events, less nothing, plus nothing
+        assert "pdgw_guard_failures_total{" not in c.gateway.metrics.render().decode()
+    finally:
+        await stop_cluster(c)

@@ -35,10 +35,12 @@ async def build_cluster(
     faults: dict[str, list[str]] | None = None,
     prefill_max_model_len: int = 8192,
     colocated_fallback: bool = False,
+    sglang_stream_interval: int = 1,
     **gw: object,
 ) -> Cluster:
     """`colocated_fallback` adds a colocated worker for each P/D model to the gateway (the
-    fallback ladder's second rung)."""
+    fallback ladder's second rung); `sglang_stream_interval` is the SGLang decode's (and its
+    reference's) `--stream-interval`."""
     faults = faults or {}
     specs = {
         "sgl-p": EmulatorSpec(
@@ -56,6 +58,7 @@ async def build_cluster(
             model="m-sglang",
             time_scale=time_scale,
             faults=faults.get("sgl-d", []),
+            stream_interval=sglang_stream_interval,
         ),
         "vllm-p": EmulatorSpec(
             engine="vllm",
@@ -79,7 +82,13 @@ async def build_cluster(
         specs["sgl-c"] = EmulatorSpec(engine="sglang", role="both", model="m-sglang", time_scale=time_scale)
         specs["vllm-c"] = EmulatorSpec(engine="vllm", role="both", model="m-vllm", time_scale=time_scale)
     refs = {
-        "m-sglang": EmulatorSpec(engine="sglang", role="both", model="m-sglang", time_scale=time_scale),
+        "m-sglang": EmulatorSpec(
+            engine="sglang",
+            role="both",
+            model="m-sglang",
+            time_scale=time_scale,
+            stream_interval=sglang_stream_interval,
+        ),
         "m-vllm": EmulatorSpec(engine="vllm", role="both", model="m-vllm", time_scale=time_scale),
     }
     emus = {name: await start_emulator(spec) for name, spec in specs.items()}

@@ -219,6 +219,76 @@ async def test_batches_and_n(cluster: Cluster, model: str) -> None:
     assert len(got) == 3 and got == generated("/v1/chat/completions", ref, False)
 
 
+def _n_body(route: str, stream: bool, n: int, seed: int | None) -> dict[str, Any]:
+    body = body_for(route, "m-sglang", "pick a card, any card", stream, max_tokens=6)
+    sampled = {"temperature": 0.8} if seed is not None else {}
+    if route == "/generate":
+        body["sampling_params"] |= {"n": n, **sampled}
+        if seed is not None:
+            body["sampling_params"]["sampling_seed"] = seed
+        return body
+    body |= {"n": n, **sampled}
+    if seed is not None:
+        body["seed"] = seed
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _usage(raw: bytes, stream: bool) -> Any:
+    if not stream:
+        return json.loads(raw).get("usage")
+    return [e["usage"] for e in sse_events(raw) if e != "[DONE]" and e.get("usage")]
+
+
+@pytest.mark.parametrize("seed", [None, 1234], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/generate"])
+async def test_sglang_pd_n_samples_split_and_merged(
+    cluster: Cluster, route: str, stream: bool, seed: int | None
+) -> None:
+    """SGLang 0.5.23 hangs on n > 1 in P/D (its samples share a room; the emulator does the
+    same): the gateway sends one handoff per sample and merges them into the answer a colocated
+    server gives: same samples in the same order, usage counted as the engine counts it."""
+    body = _n_body(route, stream, 3, seed)
+    s, _, raw = await post(cluster.url + route, body)
+    assert s == 200, raw
+    _, _, ref = await post(cluster.reference["m-sglang"].url + route, body)
+    got, want = generated(route, raw, stream), generated(route, ref, stream)
+    assert len(got) == 3 and got == want
+    assert (len(set(got)) == 1) == (seed is None)  # greedy samples agree, seeded ones differ
+    if route != "/generate":
+        assert _usage(raw, stream) == _usage(ref, stream)
+    if stream:
+        assert sse_events(raw).count("[DONE]") == 1 and sse_events(raw)[-1] == "[DONE]"
+        if route != "/generate":
+            finishes = {
+                c["index"]: c["finish_reason"]
+                for e in sse_events(raw)
+                if e != "[DONE]"
+                for c in e["choices"]
+                if c.get("finish_reason")
+            }
+            assert finishes == {0: "length", 1: "length", 2: "length"}
+    else:
+        data = json.loads(raw)
+        if route == "/generate":
+            assert isinstance(data, list) and len(data) == 3
+        else:
+            assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_sglang_pd_batch_times_n(cluster: Cluster, stream: bool) -> None:
+    body = _n_body("/v1/completions", stream, 2, 7) | {"prompt": ["alpha beta", "gamma delta epsilon"]}
+    s, _, raw = await post(cluster.url + "/v1/completions", body)
+    assert s == 200, raw
+    _, _, ref = await post(cluster.reference["m-sglang"].url + "/v1/completions", body)
+    got = generated("/v1/completions", raw, stream)
+    assert len(got) == 4 and got == generated("/v1/completions", ref, stream)
+    assert _usage(raw, stream) == _usage(ref, stream)
+
+
 async def test_sglang_generate_batch_and_logprobs(cluster: Cluster) -> None:
     ref = cluster.reference["m-sglang"].url
     batch = {

@@ -343,3 +343,35 @@ def test_vllm_params_of_another_request_are_refused() -> None:
         body["kv_transfer_params"]["remote_block_ids"] = blocks
         v = VLLM.judge_prefill(req, ctx(Engine.VLLM, rid=rid, block_size=bs), 200, json.dumps(body).encode())
         assert v.ok is ok, (blocks, bs, v.reason)
+
+
+@pytest.mark.parametrize("engine", [Engine.SGLANG, Engine.VLLM])
+@pytest.mark.parametrize(
+    "options", [None, {"include_usage": False}, {"include_usage": False, "continuous_usage_stats": False}]
+)
+def test_decode_asks_for_stream_usage_only_when_the_gateway_needs_it(
+    engine: Engine, options: dict[str, Any] | None
+) -> None:
+    """The decode guard needs a stream's token count: the decode leg asks for the usage chunk
+    (other stream options kept); the prefill never streams, and without the flag nothing changes."""
+    body: dict[str, Any] = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    req = parsed(RouteKind.COMPLETIONS, body)
+    a = ADAPTERS[engine]
+    plain = ctx(engine)
+    asked = msgspec.structs.replace(plain, stream_usage=True)
+    verdict = None
+    if engine is Engine.VLLM:
+        prefill = {
+            "choices": [{"finish_reason": "length"}],
+            "kv_transfer_params": {"remote_engine_id": "e", "remote_block_ids": [[1]]},
+        }
+        verdict = a.judge_prefill(req, plain, 200, json.dumps(prefill).encode())
+        assert verdict.ok, verdict
+    sent = json.loads(a.decode_body(req, asked, verdict))
+    assert sent["stream_options"] == {**(options or {}), "include_usage": True}
+    assert sent["prompt"] == "hi" and sent["stream"] is True
+    untouched = json.loads(a.decode_body(req, plain, verdict))
+    assert untouched.get("stream_options") == options
+    assert "include_usage" not in json.dumps(json.loads(a.prefill_body(req, asked)).get("stream_options"))

@@ -117,7 +117,8 @@ def test_stream_watch_holds_back_a_bad_ending() -> None:
         return "early" if (s.completion_tokens or 0) < 5 else None
 
     w, out = watch(check_end=end)
-    w.feed(chunk(0, "a") + chunk(1, "b", "length") + b"data: [DONE]\n\n")
+    usage = ev({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}})
+    w.feed(chunk(0, "a") + chunk(1, "b", "length") + usage + b"data: [DONE]\n\n")
     assert w.finish() == "early"
     assert b"".join(out) == chunk(0, "a") and b"[DONE]" not in b"".join(out)
     assert seen[0].completion_tokens == 2
@@ -132,4 +133,18 @@ def test_stream_watch_counts_from_usage_when_present(usage: bool) -> None:
         body += ev({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}})
     w.feed(body + b"data: [DONE]\n\n")
     assert w.finish() is None
-    assert seen[0].completion_tokens == 3 and seen[0].prompt_tokens == (4 if usage else None)
+    # without usage there is no count: events are not tokens (SGLang's --stream-interval)
+    assert seen[0].completion_tokens == (3 if usage else None)
+    assert seen[0].prompt_tokens == (4 if usage else None)
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_stream_watch_drops_the_usage_chunk_the_gateway_asked_for(drop: bool) -> None:
+    out: list[bytes] = []
+    w = StreamWatch(out.append, summarize_openai, lambda s: None, lambda s: None, drop_usage=drop)
+    usage = ev({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}})
+    body = chunk(0, "a") + chunk(1, "b") + chunk(2, "c", "length") + usage + b"data: [DONE]\n\n"
+    w.feed(body)
+    assert w.finish() is None
+    want = body.replace(usage, b"") if drop else body
+    assert b"".join(out) == want

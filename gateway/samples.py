@@ -1,0 +1,232 @@
+"""`n > 1` as n requests of one sample each, merged back into one answer.
+
+Why: SGLang 0.5.23 in P/D gives every sample of an `n > 1` request its prompt's bootstrap room
+(`_handle_batch_request` copies element i for each sample), a room transfers KV once, and the
+other samples' decodes wait for KV that never comes (300 s by default; sglang PRs #26486 and
+#30723, seen on the real engine in tests/e2e/test_batches.py). No choice of rooms on the wire
+avoids it. So the gateway sends sample j as its own request (`n` = 1, its own room, `seed + j`
+when a seed is given, so seeded samples differ and are reproducible), each a full handoff with
+its own guards, and merges the answers as the engine would have: choice (or `/generate` output)
+`k = prompt_index * n + j`, completion tokens summed, prompt tokens counted once per prompt, one
+usage chunk and one `[DONE]` at the end of a stream.
+
+`SampleSink` stands in for the client's responder in each sub-request's relay; `SampleMerger`
+writes to the real one. Streams are merged event by event as they come (each event decoded, its
+index renumbered, re-encoded); whole answers when every sample is in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from gateway.http.server import HttpResponder
+from gateway.parse import ParsedRequest, parse_request
+from policies.snapshot import RouteKind
+
+_decode = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder().encode
+_DONE = b"data: [DONE]\n\n"
+
+
+def sample_request(req: ParsedRequest, j: int) -> ParsedRequest:
+    """Sample `j` of `req` as a request of its own (n = 1)."""
+    fields: dict[str, Any] = _decode.decode(req.body)
+    if req.route is RouteKind.GENERATE:
+        sp = fields.get("sampling_params")
+        sp = dict(sp) if isinstance(sp, dict) else {}
+        sp["n"] = 1
+        if isinstance(sp.get("sampling_seed"), int):
+            sp["sampling_seed"] += j
+        fields["sampling_params"] = sp
+    else:
+        fields["n"] = 1
+        if isinstance(fields.get("seed"), int):
+            fields["seed"] += j
+    return parse_request(
+        req.route, req.path, _encode(fields), default_model=req.model, max_n=1, max_tokens_cap=None
+    )
+
+
+class SampleMerger:
+    """The client's one answer, from `n` sub-requests' answers."""
+
+    def __init__(self, req: ParsedRequest, res: HttpResponder) -> None:
+        self.res = res
+        self.n = req.n
+        self.generate = req.route is RouteKind.GENERATE
+        self.bodies: list[bytes | None] = [None] * req.n
+        self.headers: Sequence[tuple[bytes, bytes]] = ()  # a sample's answer headers (type, id)
+        self.usage: list[dict[str, Any] | None] = [None] * req.n
+        self._tail: list[bytes] = [b""] * req.n
+        self._usage_event: dict[str, Any] | None = None  # a usage chunk's other fields (id, model...)
+        self.first_byte_at = 0.0
+
+    def sink(self, j: int, task: asyncio.Task[None]) -> SampleSink:
+        return SampleSink(self, j, task)
+
+    # -- whole answers -------------------------------------------------------------------------
+
+    def send_whole(self) -> None:
+        """Every sample is in: the merged answer goes out."""
+        outs = [_decode.decode(b) if b is not None else None for b in self.bodies]
+        body = self._merge_generate(outs) if self.generate else self._merge_openai(outs)
+        self.first_byte_at = time.monotonic()
+        self.res.send(200, self.headers, body)
+
+    def _merge_generate(self, outs: list[Any]) -> bytes:
+        per = [o if isinstance(o, list) else [o] for o in outs]
+        merged: list[Any] = []
+        for i in range(len(per[0])):
+            for j in range(self.n):
+                item = per[j][i]
+                if isinstance(item, dict) and "index" in item:
+                    item["index"] = i * self.n + j
+                merged.append(item)
+        return _encode(merged)
+
+    def _merge_openai(self, outs: list[Any]) -> bytes:
+        first = outs[0]
+        choices: list[Any] = []
+        for j, o in enumerate(outs):
+            for c in o.get("choices") or ():
+                c["index"] = c.get("index", 0) * self.n + j
+                choices.append(c)
+        choices.sort(key=lambda c: c["index"])
+        first["choices"] = choices
+        usage = _sum_usage([o.get("usage") for o in outs])
+        if usage is not None:
+            first["usage"] = usage
+        return _encode(first)
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def start(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        if not self.res.started:
+            self.res.start_stream(200, headers)
+            self.first_byte_at = time.monotonic()
+
+    def feed(self, j: int, data: bytes) -> None:
+        """Bytes of sample j's stream: its complete events, renumbered, to the client."""
+        buf = self._tail[j] + data
+        cut = buf.rfind(b"\n\n")
+        if cut < 0:
+            self._tail[j] = buf
+            return
+        self._tail[j] = buf[cut + 2 :]
+        out: list[bytes] = []
+        for event in buf[: cut + 2].split(b"\n\n"):
+            line = event.strip()
+            if not line.startswith(b"data:"):
+                if line:
+                    out.append(line + b"\n\n")  # comments, other fields: as they are
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue  # one [DONE] for all, at the end
+            try:
+                ev = _decode.decode(payload)
+            except msgspec.DecodeError:
+                out.append(line + b"\n\n")
+                continue
+            if not isinstance(ev, dict):
+                out.append(line + b"\n\n")
+                continue
+            if not self._renumber(j, ev):
+                continue
+            out.append(b"data: " + _encode(ev) + b"\n\n")
+        if out:
+            self.res.write(b"".join(out))
+
+    def _renumber(self, j: int, ev: dict[str, Any]) -> bool:
+        """Sample j's event as the merged stream's; False to drop it (a usage-only chunk, summed
+        into the one at the end)."""
+        if self.generate:
+            ev["index"] = ev.get("index", 0) * self.n + j
+            return True
+        usage = ev.get("usage")
+        if usage is not None:
+            self.usage[j] = usage
+            ev["usage"] = None
+        choices = ev.get("choices")
+        if not choices:
+            if usage is not None and self._usage_event is None:
+                self._usage_event = {k: v for k, v in ev.items() if k not in ("choices", "usage")}
+            return usage is None
+        for c in choices:
+            c["index"] = c.get("index", 0) * self.n + j
+        return True
+
+    def end_stream(self) -> None:
+        """Every sample's stream ended: the summed usage (when the samples sent theirs) and one
+        [DONE]."""
+        out: list[bytes] = []
+        usage = _sum_usage(self.usage)
+        if usage is not None:
+            ev = dict(self._usage_event or {})
+            ev["choices"] = []
+            ev["usage"] = usage
+            out.append(b"data: " + _encode(ev) + b"\n\n")
+        out.append(_DONE)
+        self.res.write(b"".join(out))
+        self.res.end()
+
+
+def _sum_usage(usages: list[Any]) -> dict[str, Any] | None:
+    """Usage of n single-sample answers as one: prompt tokens once, completion tokens summed."""
+    present = [u for u in usages if isinstance(u, dict)]
+    if not present:
+        return None
+    out = dict(present[0])
+    completion = sum(int(u.get("completion_tokens") or 0) for u in present)
+    out["completion_tokens"] = completion
+    out["total_tokens"] = int(out.get("prompt_tokens") or 0) + completion
+    return out
+
+
+class SampleSink:
+    """Sample j's stand-in for the client's responder (what the orchestrator's relay uses)."""
+
+    def __init__(self, merger: SampleMerger, j: int, task: asyncio.Task[None]) -> None:
+        self._m = merger
+        self._j = j
+        self.started = False
+        self.task = task
+
+    @property
+    def closed(self) -> bool:
+        return self._m.res.closed
+
+    def send(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> None:
+        self.started = True
+        self._m.bodies[self._j] = body
+        self._m.headers = headers
+
+    def start_stream(self, status: int, headers: Sequence[tuple[bytes, bytes]], first: bytes = b"") -> None:
+        self.started = True
+        self._m.start(headers)
+        if first:
+            self._m.feed(self._j, first)
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self._m.feed(self._j, data)
+
+    def end(self) -> None:
+        self._m.res.uncork()  # the relay corked around the stream's held end
+
+    def cork(self) -> None:
+        self._m.res.cork()
+
+    def uncork(self) -> None:
+        self._m.res.uncork()
+
+    def add_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        self._m.res.add_flow_listener(pause, resume)
+
+    def remove_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+        self._m.res.remove_flow_listener(pause, resume)
