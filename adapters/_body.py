@@ -39,9 +39,11 @@ _USAGE_ON = b'"stream_options":{"include_usage":true}'
 def ask_stream_usage(body: bytes) -> bytes:
     """`body` (a streamed OpenAI-route request) asking for the usage chunk at the stream's end,
     other `stream_options` kept."""
+    if b'"stream_options"' not in body:  # the usual case: no decode
+        return splice(body, _USAGE_ON)
     fields: dict[str, msgspec.Raw] = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
     raw = fields.get("stream_options")
-    if raw is None:
+    if raw is None:  # the name was inside a string
         return splice(body, _USAGE_ON)
     opts = msgspec.json.decode(raw)
     opts = dict(opts) if isinstance(opts, dict) else {}

@@ -42,7 +42,7 @@ from gateway.errors import (
 from gateway.guards import Guard, GuardSettings, Summary, check_decode, preflight
 from gateway.http.client import UpstreamResponse
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
-from gateway.http.server import HttpResponder
+from gateway.http.server import HttpResponder, Responder
 from gateway.ids import new_room
 from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
@@ -353,7 +353,7 @@ class Orchestrator:
         plan: Colocated | Disaggregated | Reject,
         req: ParsedRequest,
         request_id: str,
-        res: HttpResponder,
+        res: Responder,
         headers: list[tuple[bytes, bytes]],
         view: RequestView,
         a: _Attempt,
@@ -406,7 +406,7 @@ class Orchestrator:
         w: Worker,
         req: ParsedRequest,
         request_id: str,
-        res: HttpResponder,
+        res: Responder,
         headers: list[tuple[bytes, bytes]],
         tokens: int,
         a: _Attempt,
@@ -442,7 +442,7 @@ class Orchestrator:
         d: Worker,
         ctx: HandoffCtx,
         req: ParsedRequest,
-        res: HttpResponder,
+        res: Responder,
         headers: list[tuple[bytes, bytes]],
         view: RequestView,
         tokens: int,
@@ -546,7 +546,7 @@ class Orchestrator:
         plan: Disaggregated,
         req: ParsedRequest,
         request_id: str,
-        res: HttpResponder,
+        res: Responder,
         headers: list[tuple[bytes, bytes]],
         view: RequestView,
         a: _Attempt,
@@ -570,7 +570,7 @@ class Orchestrator:
                 room=new_room(self.rng),
                 stream_usage=self._stream_usage(sreq),
             )
-            await self._concurrent(p, d, ctx, sreq, sink, headers, view, tokens, sa)  # type: ignore[arg-type]
+            await self._concurrent(p, d, ctx, sreq, sink, headers, view, tokens, sa)
 
         tasks = [asyncio.ensure_future(one(j, sample_request(req, j))) for j in range(req.n)]
         try:
@@ -635,7 +635,7 @@ class Orchestrator:
         d: Worker,
         ctx: HandoffCtx,
         req: ParsedRequest,
-        res: HttpResponder,
+        res: Responder,
         headers: list[tuple[bytes, bytes]],
         tokens: int,
         a: _Attempt,
@@ -720,7 +720,7 @@ class Orchestrator:
         resp: UpstreamResponse,
         w: Worker,
         req: ParsedRequest,
-        res: HttpResponder,
+        res: Responder,
         a: _Attempt,
         *,
         phase: str,

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.http.server import HttpResponder
+from gateway.http.server import Responder
 from gateway.parse import ParsedRequest, parse_request
 from policies.snapshot import RouteKind
 
@@ -33,20 +33,29 @@ _encode = msgspec.json.Encoder().encode
 _DONE = b"data: [DONE]\n\n"
 
 
+def _one_sample(params: dict[str, Any], seed_key: str, j: int) -> dict[str, Any]:
+    out = dict(params)
+    out["n"] = 1
+    if isinstance(out.get(seed_key), int):
+        out[seed_key] += j
+    return out
+
+
 def sample_request(req: ParsedRequest, j: int) -> ParsedRequest:
-    """Sample `j` of `req` as a request of its own (n = 1)."""
+    """Sample `j` of `req` as a request of its own (n = 1). A client's `rid` is dropped: the
+    samples are n engine requests, each named by the gateway."""
     fields: dict[str, Any] = _decode.decode(req.body)
+    fields.pop("rid", None)
     if req.route is RouteKind.GENERATE:
         sp = fields.get("sampling_params")
-        sp = dict(sp) if isinstance(sp, dict) else {}
-        sp["n"] = 1
-        if isinstance(sp.get("sampling_seed"), int):
-            sp["sampling_seed"] += j
-        fields["sampling_params"] = sp
+        if isinstance(sp, list):  # one per batch element
+            fields["sampling_params"] = [
+                _one_sample(x if isinstance(x, dict) else {}, "sampling_seed", j) for x in sp
+            ]
+        else:
+            fields["sampling_params"] = _one_sample(sp if isinstance(sp, dict) else {}, "sampling_seed", j)
     else:
-        fields["n"] = 1
-        if isinstance(fields.get("seed"), int):
-            fields["seed"] += j
+        fields = _one_sample(fields, "seed", j)
     return parse_request(
         req.route, req.path, _encode(fields), default_model=req.model, max_n=1, max_tokens_cap=None
     )
@@ -55,7 +64,7 @@ def sample_request(req: ParsedRequest, j: int) -> ParsedRequest:
 class SampleMerger:
     """The client's one answer, from `n` sub-requests' answers."""
 
-    def __init__(self, req: ParsedRequest, res: HttpResponder) -> None:
+    def __init__(self, req: ParsedRequest, res: Responder) -> None:
         self.res = res
         self.n = req.n
         self.generate = req.route is RouteKind.GENERATE

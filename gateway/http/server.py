@@ -13,7 +13,7 @@ import socket
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from http import HTTPStatus
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from httptools import (
     HttpParserCallbackError,
@@ -84,6 +84,28 @@ class HttpRequest:
 
     def __repr__(self) -> str:
         return f"<HttpRequest {self.method} {self.path}>"
+
+
+class Responder(Protocol):
+    """What response-writing code uses of an `HttpResponder`; the gateway's per-sample sinks
+    (gateway/samples.py) stand in for one."""
+
+    @property
+    def started(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def task(self) -> asyncio.Task[None] | None: ...
+    def send(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> None: ...
+    def start_stream(
+        self, status: int, headers: Sequence[tuple[bytes, bytes]], first: bytes = b""
+    ) -> None: ...
+    def write(self, data: bytes) -> None: ...
+    def end(self) -> None: ...
+    def cork(self) -> None: ...
+    def uncork(self) -> None: ...
+    def add_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None: ...
+    def remove_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None: ...
 
 
 class HttpResponder:

@@ -1,0 +1,166 @@
+"""`n > 1` split into one-sample requests and merged back (gateway/samples.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gateway.parse import parse_request
+from gateway.samples import SampleMerger, sample_request
+from policies.snapshot import RouteKind
+
+
+class Recorder:
+    """The client's side of a response, kept in memory (a `Responder`)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.closed = False
+        self.task: asyncio.Task[None] | None = None
+        self.status = 0
+        self.body = b""
+        self.ended = False
+        self.corked = 0
+
+    def send(self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes) -> None:
+        self.started, self.status, self.body, self.ended = True, status, body, True
+
+    def start_stream(self, status: int, headers: Sequence[tuple[bytes, bytes]], first: bytes = b"") -> None:
+        assert not self.started
+        self.started, self.status = True, status
+        self.body += first
+
+    def write(self, data: bytes) -> None:
+        assert self.started and not self.ended
+        self.body += data
+
+    def end(self) -> None:
+        self.ended = True
+
+    def cork(self) -> None:
+        self.corked += 1
+
+    def uncork(self) -> None:
+        self.corked = 0
+
+    def add_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None: ...
+    def remove_flow_listener(self, pause: Callable[[], None], resume: Callable[[], None]) -> None: ...
+
+
+def parsed(route: RouteKind, body: dict[str, Any]) -> Any:
+    path = {RouteKind.GENERATE: "/generate", RouteKind.COMPLETIONS: "/v1/completions"}.get(
+        route, "/v1/chat/completions"
+    )
+    return parse_request(
+        route, path, json.dumps(body).encode(), default_model="m", max_n=8, max_tokens_cap=None
+    )
+
+
+def sse(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_a_sample_is_the_request_with_n_1_its_own_seed_and_no_client_rid() -> None:
+    req = parsed(
+        RouteKind.COMPLETIONS,
+        {"model": "m", "prompt": "p", "n": 3, "seed": 10, "rid": "mine", "temperature": 0.5},
+    )
+    subs = [sample_request(req, j) for j in range(3)]
+    bodies = [json.loads(s.body) for s in subs]
+    assert [b["n"] for b in bodies] == [1, 1, 1] and [b["seed"] for b in bodies] == [10, 11, 12]
+    assert all("rid" not in b and b["prompt"] == "p" and b["temperature"] == 0.5 for b in bodies)
+    assert all(s.n == 1 and s.model == "m" for s in subs)
+    gen = parsed(
+        RouteKind.GENERATE,
+        {"text": "p", "sampling_params": {"n": 2, "sampling_seed": 5, "max_new_tokens": 4}},
+    )
+    sp = json.loads(sample_request(gen, 1).body)["sampling_params"]
+    assert sp == {"n": 1, "sampling_seed": 6, "max_new_tokens": 4}
+    unseeded = parsed(RouteKind.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2})
+    assert "seed" not in json.loads(sample_request(unseeded, 1).body)
+
+
+def test_whole_answers_merge_like_the_engine() -> None:
+    req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "n": 2})
+    out = Recorder()
+    m = SampleMerger(req, out)
+    loop = asyncio.new_event_loop()
+    try:
+        for j in range(2):
+            answer = {
+                "id": f"cmpl-{j}",
+                "object": "text_completion",
+                "choices": [{"index": i, "text": f"p{i}s{j}", "finish_reason": "length"} for i in range(2)],
+                "usage": {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10},
+            }
+            m.sink(j, loop.create_future()).send(
+                200, [(b"content-type", b"application/json")], json.dumps(answer).encode()
+            )  # type: ignore[arg-type]
+    finally:
+        loop.close()
+    m.send_whole()
+    got = json.loads(out.body)
+    assert got["id"] == "cmpl-0"
+    assert [(c["index"], c["text"]) for c in got["choices"]] == [
+        (0, "p0s0"),
+        (1, "p0s1"),
+        (2, "p1s0"),
+        (3, "p1s1"),
+    ]
+    assert got["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+
+
+def test_streams_merge_event_by_event_with_one_usage_and_one_done() -> None:
+    req = parsed(
+        RouteKind.CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True}
+    )
+    out = Recorder()
+    m = SampleMerger(req, out)
+    loop = asyncio.new_event_loop()
+    try:
+        sinks = [m.sink(j, loop.create_future()) for j in range(2)]  # type: ignore[arg-type]
+    finally:
+        loop.close()
+
+    def events(j: int) -> bytes:
+        return (
+            sse(
+                {
+                    "id": "c",
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+                    "usage": None,
+                }
+            )
+            + sse({"id": "c", "choices": [{"index": 0, "delta": {"content": f"s{j}"}}], "usage": None})
+            + sse(
+                {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": None}
+            )
+            + sse(
+                {
+                    "id": "c",
+                    "choices": [],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+                }
+            )
+            + b"data: [DONE]\n\n"
+        )
+
+    a, b = events(0), events(1)
+    sinks[1].start_stream(200, [(b"content-type", b"text/event-stream")], b[:7])  # an event cut in two
+    sinks[0].start_stream(200, [(b"content-type", b"text/event-stream")], a)
+    sinks[1].write(b[7:])
+    m.end_stream()
+    assert out.ended and out.status == 200
+    evs = [e[6:] for e in out.body.decode().split("\n\n") if e]
+    assert evs.count("[DONE]") == 1 and evs[-1] == "[DONE]"
+    parsed_evs = [json.loads(e) for e in evs[:-1]]
+    text: dict[int, str] = {}
+    for e in parsed_evs:
+        for c in e["choices"]:
+            text[c["index"]] = text.get(c["index"], "") + (c["delta"].get("content") or "")
+    assert text == {0: "s0", 1: "s1"}
+    usages = [e["usage"] for e in parsed_evs if e.get("usage")]
+    assert usages == [{"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}]
+    assert parsed_evs[-1]["id"] == "c" and parsed_evs[-1]["choices"] == []
