@@ -167,6 +167,10 @@ def setup(s: EmulatorServer) -> None:
             return _error(400, "n must be an integer", param="n")
         if n_samples < 1:
             return _error(400, f"n must be at least 1, got {n_samples}.", param="n")
+        temperature = body.get("temperature")
+        if n_samples > 1 and isinstance(temperature, int | float) and temperature < 1e-5:
+            # vLLM 0.32 SamplingParams._verify_greedy_sampling (seen on the real engine)
+            return _error(400, f"n must be 1 when using greedy sampling, got {n_samples}.")
         if len(prompts) > 1 or n_samples > 1:
             for pr in prompts:
                 bad = check_length(pr, body)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import openai
 import pytest
 from openai import OpenAI
 
@@ -21,7 +22,7 @@ MAX_TOKENS = 12
 
 def _texts(client: OpenAI, kind: str, stream: bool, **kw: Any) -> dict[int, tuple[str, str | None]]:
     """(text, finish_reason) per choice index."""
-    kw = {"max_tokens": MAX_TOKENS, "temperature": 0.0, **kw}
+    kw = {"max_tokens": MAX_TOKENS, "temperature": 0.0} | kw
     api: Any = client.chat.completions.create if kind == "chat" else client.completions.create
     out: dict[int, tuple[str, str | None]] = {}
     if not stream:
@@ -73,6 +74,17 @@ def test_n_2_equals_single_server(
         kw["messages"] = [{"role": "user", "content": prompt}]
     else:
         kw["prompt"] = prompt
+    if lane.engine == "vllm":
+        # vLLM refuses n > 1 with greedy sampling; the gateway passes its 400 on as it is
+        with pytest.raises(openai.BadRequestError) as ei:
+            _texts(gateway, kind, stream, **kw)
+        assert "n must be 1 when using greedy sampling" in str(ei.value)
+        # seeded sampling: the decode serves n > 1 alone, sample for sample the single server's
+        kw |= {"temperature": 0.8, "seed": 1234}
+        got = _texts(gateway, kind, stream, **kw)
+        want = _texts(reference, kind, stream, **kw)
+        assert sorted(got) == [0, 1] and got == want, (got, want)
+        return
     got = _texts(gateway, kind, stream, **kw)
     want = _texts(reference, kind, stream, **kw)
     assert sorted(got) == [0, 1], got

@@ -207,31 +207,33 @@ async def test_sglang_bad_n(emu: Factory, http: aiohttp.ClientSession) -> None:
 async def test_vllm_chat_n(emu: Factory, http: aiohttp.ClientSession, stream: bool, role: str) -> None:
     v = await emu("vllm", role)
     path = "/v1/chat/completions"
+    # vLLM refuses n > 1 with greedy sampling (SamplingParams._verify_greedy_sampling)
     s, raw = await post(http, v.url + path, chat_body(3, stream, temperature=0))
-    assert s == 200, raw
-    got = texts(raw, stream)
-    _, single = await post(http, v.url + path, chat_body(1, False, temperature=0))
-    assert got == texts(single, False) * 3
-    u = usage_of(raw, stream)
+    assert s == 400 and "n must be 1 when using greedy sampling, got 3." in raw, raw
+    seeded = chat_body(3, stream, temperature=1.0, seed=42)
+    s, a = await post(http, v.url + path, seeded)
+    assert s == 200, a
+    _, b = await post(http, v.url + path, seeded)
+    sa = texts(a, stream)
+    assert len(set(sa)) == 3 and sa == texts(b, stream)
+    # sample j of a seeded n-request is the n=1 request seeded seed + j
+    for j in range(3):
+        _, one = await post(http, v.url + path, chat_body(1, False, temperature=1.0, seed=42 + j))
+        assert texts(one, False) == [sa[j]]
+        if j == 0:
+            single = one
+    u = usage_of(a, stream)
     assert u["completion_tokens"] == 24 and u["prompt_tokens"] == usage_of(single, False)["prompt_tokens"]
     if stream:
-        assert finishes(raw) == {0: "length", 1: "length", 2: "length"}
+        assert finishes(a) == {0: "length", 1: "length", 2: "length"}
         roles = [
             c["index"]
-            for e in sse_events(raw)
+            for e in sse_events(a)
             if e != "[DONE]"
             for c in json.loads(e)["choices"]
             if c["delta"].get("role") == "assistant"
         ]
         assert roles == [0, 1, 2]
-    seeded = chat_body(3, stream, temperature=1.0, seed=42)
-    _, a = await post(http, v.url + path, seeded)
-    _, b = await post(http, v.url + path, seeded)
-    sa = texts(a, stream)
-    assert len(set(sa)) == 3 and sa == texts(b, stream)
-    # sample 0 of a seeded n-request is the n=1 request with that seed
-    _, one = await post(http, v.url + path, chat_body(1, False, temperature=1.0, seed=42))
-    assert texts(one, False) == sa[:1]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -245,7 +247,8 @@ async def test_vllm_completions_batch_times_n(
         "prompt": prompts,
         "max_tokens": 4,
         "n": 2,
-        "temperature": 0,
+        "temperature": 0.9,
+        "seed": 3,
         "stream": stream,
         "stream_options": {"include_usage": True} if stream else None,
     }
@@ -254,13 +257,18 @@ async def test_vllm_completions_batch_times_n(
     got = texts(raw, stream)
     assert len(got) == 6
     for i, prompt in enumerate(prompts):
-        _, one = await post(
-            http, v.url + "/v1/completions", body | {"prompt": prompt, "n": 1, "stream": False}
-        )
-        assert got[2 * i] == got[2 * i + 1] == texts(one, False)[0]
+        for j in range(2):
+            _, one = await post(
+                http,
+                v.url + "/v1/completions",
+                body | {"prompt": prompt, "n": 1, "seed": 3 + j, "stream": False},
+            )
+            assert got[2 * i + j] == texts(one, False)[0]
     u = usage_of(raw, stream)
     assert u["completion_tokens"] == 24 and u["prompt_tokens"] == sum(len(x) + 1 for x in prompts)
     if stream:
         assert finishes(raw) == dict.fromkeys(range(6), "length")
     s, _ = await post(http, v.url + "/v1/completions", body | {"n": 0})
     assert s == 400
+    s, raw = await post(http, v.url + "/v1/completions", body | {"temperature": 0})
+    assert s == 400 and "greedy sampling" in raw
