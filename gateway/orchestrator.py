@@ -177,7 +177,8 @@ class Orchestrator:
         self, req: ParsedRequest, request_id: str, res: HttpResponder, auth: bytes | None
     ) -> None:
         started = time.monotonic()
-        headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
+        echo = (b"x-request-id", request_id.encode())
+        headers = [(b"content-type", b"application/json"), echo]
         if auth is not None and self.settings.forward_authorization:
             headers.append((b"authorization", auth))
         view = self.view(req, request_id)
@@ -186,7 +187,6 @@ class Orchestrator:
         attempt_no = 0
         history: list[str] = []  # failed attempts: "plan:phase reached:error code"
         outcome = "ok"
-        echo = (b"x-request-id", request_id.encode())
         task: asyncio.Task[None] = res.task or asyncio.current_task()  # type: ignore[assignment]
         wheel = self._wheel
         if wheel is None or wheel.loop is not task.get_loop():

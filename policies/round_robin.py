@@ -42,9 +42,9 @@ class RoundRobinPicker:
 
     def observe(self, event: PolicyEvent) -> None:
         if isinstance(event, Routed):
-            last, model = self._last, event.model
-            for wid, role in zip(event.worker_ids, event.roles, strict=True):
-                last[(role, model)] = wid
+            last, model, roles = self._last, event.model, event.roles
+            for i, wid in enumerate(event.worker_ids):
+                last[(roles[i], model)] = wid
 
 
 def round_robin_profile(name: str = "round_robin") -> Profile:
