@@ -143,6 +143,7 @@ class Gateway:
             bootstrap_port=wc.bootstrap_port,
             weight=wc.weight,
             labels=tuple(sorted(wc.labels.items())),
+            vocab_size=wc.vocab_size,
             connect_timeout_s=self.cfg.timeouts.connect_s,
             authorization=f"Bearer {key}".encode() if key else None,
         )

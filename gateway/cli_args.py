@@ -60,6 +60,14 @@ def build_serve_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--model", default=None, help="model served by the workers given by flags (default: probed)"
     )
+    w.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vocabulary size of the workers given by flags: prompts of token ids outside it are "
+        "a 400 (SGLang does not check them and dies)",
+    )
 
     s = p.add_argument_group("server")
     s.add_argument(
@@ -117,7 +125,9 @@ def build_serve_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prefill_worker(values: list[str], engine: Engine, model: str | None) -> dict[str, Any]:
+def _prefill_worker(
+    values: list[str], engine: Engine, model: str | None, vocab: int | None
+) -> dict[str, Any]:
     if len(values) > 2:
         raise ConfigError(f"--prefill takes URL [BOOTSTRAP_PORT|none], got {' '.join(values)}")
     url = values[0]
@@ -135,6 +145,8 @@ def _prefill_worker(values: list[str], engine: Engine, model: str | None) -> dic
         worker["bootstrap_port"] = SGLANG_DEFAULT_BOOTSTRAP_PORT
     if model is not None:
         worker["model"] = model
+    if vocab is not None:
+        worker["vocab_size"] = vocab
     return worker
 
 
@@ -142,12 +154,15 @@ def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Apply parsed flags over a raw (file) document: workers appended, scalars replaced."""
     doc = normalize_raw(raw)
     engine = Engine(args.engine)
-    flag_workers: list[dict[str, Any]] = [_prefill_worker(v, engine, args.model) for v in args.prefill]
+    vocab = getattr(args, "vocab_size", None)
+    flag_workers: list[dict[str, Any]] = [_prefill_worker(v, engine, args.model, vocab) for v in args.prefill]
     for role, urls in (("decode", args.decode), ("colocated", args.worker)):
         for url in urls:
             worker: dict[str, Any] = {"url": url, "role": role, "engine": engine.value}
             if args.model is not None:
                 worker["model"] = args.model
+            if vocab is not None:
+                worker["vocab_size"] = vocab
             flag_workers.append(worker)
     if flag_workers:
         doc["workers"] = [*doc.get("workers", []), *flag_workers]

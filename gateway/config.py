@@ -79,6 +79,9 @@ class WorkerConfig(_Section, frozen=True):
     weight: float = 1.0
     labels: dict[str, str] = {}
     api_key_env: str | None = None  # env var holding the Bearer key the gateway sends it
+    # token ids the model has: prompts given as ids outside [0, vocab_size) are refused with a
+    # 400 before they reach it (SGLang 0.5.23 does not check them: its server dies)
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -90,6 +93,8 @@ class WorkerConfig(_Section, frozen=True):
             raise ValueError(f"worker url {self.url!r}: {e}") from None
         if self.engine is Engine.OPENAI and self.role is not Role.COLOCATED:
             raise ValueError(f"worker {self.url}: engine openai can only be colocated, not {self.role}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"worker {self.url}: vocab_size must be at least 1")
         if self.bootstrap_port is not None:
             if not (self.engine is Engine.SGLANG and self.role is Role.PREFILL):
                 raise ValueError(

@@ -51,7 +51,16 @@ from gateway.registry import Registry, Worker
 from gateway.samples import SampleMerger, sample_request
 from gateway.streamwatch import StreamStopped, StreamWatch
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
-from policies.snapshot import Colocated, Disaggregated, Engine, Reject, RequestView, Role, RouteKind
+from policies.snapshot import (
+    Colocated,
+    Disaggregated,
+    Engine,
+    Reject,
+    RequestView,
+    Role,
+    RouteKind,
+    WorkerState,
+)
 
 log = get_logger("pd_gateway.request")
 
@@ -363,8 +372,10 @@ class Orchestrator:
             if plan.status == 404:
                 raise ModelNotFound(plan.reason, param="model")
             raise NoWorker(plan.reason, retry_after_s=1.0)
+        chosen = (plan.worker,) if isinstance(plan, Colocated) else (plan.prefill, plan.decode)
+        if req.max_id >= 0:
+            _check_vocab(req, chosen)
         if self.settings.guards.length_preflight:
-            chosen = (plan.worker,) if isinstance(plan, Colocated) else (plan.prefill, plan.decode)
             why = preflight(req.prompt_units, req.prompt_is_ids, req.max_tokens, chosen, self.settings.guards)
             if why is not None:
                 self._guard_failed(Guard.LENGTH_PREFLIGHT, "preflight", request_id, why)
@@ -1106,6 +1117,17 @@ def _for(w: Worker, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byt
     if w.authorization is None:
         return headers
     return [*(h for h in headers if h[0] != b"authorization"), (b"authorization", w.authorization)]
+
+
+def _check_vocab(req: ParsedRequest, chosen: tuple[WorkerState, ...]) -> None:
+    """Token ids beyond a worker's (configured) vocabulary: a 400 here, not a dead engine (SGLang
+    0.5.23 does not check them; its scheduler's embedding lookup raises and the server exits)."""
+    for w in chosen:
+        if w.vocab_size is not None and req.max_id >= w.vocab_size:
+            raise BadRequest(
+                f"Token id {req.max_id} is out of vocabulary (the model has {w.vocab_size} tokens)",
+                param="input_ids" if req.route is RouteKind.GENERATE else "prompt",
+            )
 
 
 def _verifiable(req: ParsedRequest) -> bool:

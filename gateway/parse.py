@@ -7,6 +7,8 @@ UTF-8 length, which is what the length estimate needs (see `ParsedRequest.prompt
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from gateway.errors import BadRequest
@@ -71,6 +73,7 @@ class ParsedRequest:
         "has_owned_fields",
         "include_usage",
         "is_batch",
+        "max_id",
         "max_tokens",
         "model",
         "n",
@@ -109,7 +112,9 @@ class ParsedRequest:
         self.max_tokens: int | None = explicit
         self.n = n
         self.greedy = temperature == 0 or top_k == 1
-        self.batch, self.is_batch, self.prompt_units, self.prompt_is_ids = _measure_prompt(route, f)
+        self.batch, self.is_batch, self.prompt_units, self.prompt_is_ids, self.max_id = _measure_prompt(
+            route, f
+        )
 
     @property
     def accounting_max_tokens(self) -> int:
@@ -173,6 +178,24 @@ def parse_request(
     return req
 
 
+def _id_range(ids: list[Any], route: RouteKind) -> int:
+    """The largest id of a token-id prompt (-1 when its items are not all integers: the engine
+    then answers for it); a negative id is a 400."""
+    try:
+        low, high = min(ids), max(ids)
+    except TypeError:
+        return -1
+    if not isinstance(low, int) or not isinstance(high, int):
+        return -1
+    if low < 0:
+        raise BadRequest(f"Token id {low} is out of vocabulary", param=_ids_param(route))
+    return high
+
+
+def _ids_param(route: RouteKind) -> str:
+    return "input_ids" if route is RouteKind.GENERATE else "prompt"
+
+
 def _prompt_param(route: RouteKind) -> str:
     return {RouteKind.CHAT: "messages", RouteKind.COMPLETIONS: "prompt"}.get(route, "text")
 
@@ -185,24 +208,25 @@ def _param_of(msg: str) -> str | None:
     return msg[at + 2 :].rstrip("`").split("[")[0].split(".")[0] or None
 
 
-def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool]:
-    """(batch size, is a batch, prompt size summed over the batch, size is in token ids).
+def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool, int]:
+    """(batch size, is a batch, prompt size summed over the batch, size is in token ids, the
+    largest token id or -1).
 
     For text the size is an upper bound of its UTF-8 bytes (the JSON length, escapes included);
-    for token ids it is their exact count.
-    """
+    for token ids it is their exact count. A negative token id is refused here; one too large
+    for a worker's vocabulary where the worker's vocabulary size is known (the orchestrator)."""
     if route is RouteKind.CHAT:
         raw = f.messages
         if not raw or not bytes(raw).lstrip().startswith(b"["):
             raise BadRequest("'messages' must be a non-empty array", param="messages")
         if len(raw) <= 2 or bytes(raw).replace(b" ", b"") == b"[]":
             raise BadRequest("'messages' must be a non-empty array", param="messages")
-        return 1, False, len(raw), False
+        return 1, False, len(raw), False, -1
     raw = f.prompt if route is RouteKind.COMPLETIONS else (f.text if f.text else f.input_ids)
     data = bytes(raw)
     head = data.lstrip()[:1]
     if head == b'"':
-        return 1, False, len(data), False
+        return 1, False, len(data), False, -1
     if head != b"[":
         raise BadRequest(
             "the prompt must be a string, a list of strings or a list of token ids", param="prompt"
@@ -212,9 +236,11 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool]
         raise BadRequest("the prompt must not be empty", param="prompt")
     first = value[0]
     if isinstance(first, int):  # one prompt as token ids
-        return 1, False, len(value), True
+        return 1, False, len(value), True, _id_range(value, route)
     if isinstance(first, str):
-        return len(value), True, sum(len(s.encode()) for s in value if isinstance(s, str)), False
+        return len(value), True, sum(len(s.encode()) for s in value if isinstance(s, str)), False, -1
     if isinstance(first, list):
-        return len(value), True, sum(len(x) for x in value if isinstance(x, list)), True
+        lists = [x for x in value if isinstance(x, list)]
+        top = max((_id_range(x, route) for x in lists if x), default=-1)
+        return len(value), True, sum(len(x) for x in lists), True, top
     raise BadRequest("the prompt must be a string, a list of strings or a list of token ids", param="prompt")

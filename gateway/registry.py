@@ -59,6 +59,7 @@ class Worker:
         "probe_successes",
         "role",
         "url",
+        "vocab_size",
         "weight",
     )
 
@@ -76,6 +77,7 @@ class Worker:
         breaker: CircuitBreaker | None = None,
         connect_timeout_s: float = 2.0,
         authorization: bytes | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         parts = urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", ""):
@@ -91,6 +93,7 @@ class Worker:
         self.bootstrap_port = bootstrap_port
         self.weight = weight
         self.labels = labels
+        self.vocab_size = vocab_size
         self.breaker = breaker or CircuitBreaker()
         self.pool = UpstreamPool(self.host, self.port, connect_timeout_s=connect_timeout_s)
         self.authorization = authorization
@@ -125,6 +128,7 @@ class Worker:
             weight=self.weight,
             block_size=self.info.block_size,
             labels=self.labels,
+            vocab_size=self.vocab_size,
             inflight=self.inflight,
             inflight_tokens=self.inflight_tokens,
             load=self.load,

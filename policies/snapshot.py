@@ -48,6 +48,7 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     max_input_len: int | None = None  # prompt tokens it accepts (SGLang's max_req_input_len)
     bootstrap_port: int | None = None  # SGLang prefill only
     block_size: int | None = None  # KV block size the engine reports (vLLM: cache_config_info)
+    vocab_size: int | None = None  # configured: prompt token ids must be below it
     weight: float = 1.0
     labels: tuple[tuple[str, str], ...] = ()
     inflight: int = 0  # requests the gateway has in flight on it

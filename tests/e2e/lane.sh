@@ -195,11 +195,13 @@ for name in single prefill decode; do pin "$name"; done
 say "engines up, pinned to CPU $ENGINE_CPUS"
 
 # -- gateway -------------------------------------------------------------------------------------
-start gateway "$GW_BIN" serve "${GW_ARGS[@]}" --host 127.0.0.1 --port "$GATEWAY_PORT" --log-level info
+# the model's vocabulary, so that prompt ids outside it are refused before an engine sees them
+VOCAB=$("$ROOT/.venv/bin/python" -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$MODEL/config.json")
+start gateway "$GW_BIN" serve "${GW_ARGS[@]}" --vocab-size "$VOCAB" --host 127.0.0.1 --port "$GATEWAY_PORT" --log-level info
 wait_http gateway "http://127.0.0.1:$GATEWAY_PORT/readiness"
 
 # -- tests ---------------------------------------------------------------------------------------
-export E2E_ENGINE=$ENGINE E2E_MODEL=tiny E2E_MAX_MODEL_LEN=512 E2E_RUN_DIR=$RUN_DIR
+export E2E_ENGINE=$ENGINE E2E_MODEL=tiny E2E_MAX_MODEL_LEN=512 E2E_RUN_DIR=$RUN_DIR E2E_VOCAB_SIZE=$VOCAB
 export E2E_GATEWAY_URL=http://127.0.0.1:$GATEWAY_PORT
 export E2E_REFERENCE_URL=http://127.0.0.1:$SINGLE_PORT
 export E2E_PREFILL_URL=http://127.0.0.1:$PREFILL_PORT

@@ -36,6 +36,7 @@ async def build_cluster(
     prefill_max_model_len: int = 8192,
     colocated_fallback: bool = False,
     sglang_stream_interval: int = 1,
+    vocab_size: int | None = None,
     **gw: object,
 ) -> Cluster:
     """`colocated_fallback` adds a colocated worker for each P/D model to the gateway (the
@@ -106,6 +107,7 @@ async def build_cluster(
                 bootstrap_port=emus[name].bootstrap_port
                 if engine is Engine.SGLANG and role is Role.PREFILL
                 else None,
+                vocab_size=vocab_size,
             )
         )
     cfg = GatewayConfig(

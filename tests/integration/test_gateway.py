@@ -435,3 +435,36 @@ async def test_load_is_read_from_each_engines_live_report() -> None:
             assert vllm_d.load.running == 0
     finally:
         await stop_cluster(c)
+
+
+@pytest.mark.parametrize(
+    ("model", "path", "body"),
+    [
+        ("m-sglang", "/generate", {"input_ids": [5, 300], "sampling_params": {"max_new_tokens": 2}}),
+        ("m-sglang", "/v1/completions", {"prompt": [[5, 6], [7, 259]], "max_tokens": 2}),
+        ("m-vllm", "/v1/completions", {"prompt": [5, 1000], "max_tokens": 2}),
+    ],
+)
+async def test_token_ids_outside_the_vocabulary_are_a_400_and_the_engines_live(
+    model: str, path: str, body: dict[str, Any]
+) -> None:
+    """SGLang 0.5.23 dies on a prompt id outside its vocabulary (the emulator too): with the
+    workers' vocab_size configured, the gateway refuses such a prompt before any engine sees it."""
+    from tests.integration.conftest import build_cluster, stop_cluster
+
+    c = await build_cluster(vocab_size=259)
+    try:
+        s, _, raw = await post(c.url + path, {"model": model, **body})
+        assert s == 400, raw
+        err = json.loads(raw)["error"]
+        assert "out of vocabulary" in err["message"] and err["type"] == "invalid_request_error"
+        assert err["param"] == ("input_ids" if path == "/generate" else "prompt")
+        key = "input_ids" if path == "/generate" else "prompt"
+        s, _, raw = await post(c.url + path, {"model": model, **body, key: [5, -1]})
+        assert s == 400 and b"Token id -1" in raw, raw  # negative ids: refused whatever the vocabulary
+        ok = {"model": model, "prompt": [5, 258], "max_tokens": 2}
+        s, _, raw = await post(c.url + "/v1/completions", ok)
+        assert s == 200, raw
+        assert not any(e.dead for e in c.emulators.values())
+    finally:
+        await stop_cluster(c)

@@ -201,6 +201,14 @@ def test_flags_sglang_router_style() -> None:
     ]
 
 
+def test_flags_vocab_size_applies_to_the_flag_workers() -> None:
+    c = parse_serve_args(["--prefill", "http://h:1", "--decode", "http://h:2", "--vocab-size", "32000"])
+    assert [w.vocab_size for w in c.workers] == [32000, 32000]
+    assert parse_serve_args(["--decode", "http://h:2"]).workers[0].vocab_size is None
+    with pytest.raises(ConfigError, match="vocab_size must be at least 1"):
+        parse_serve_args(["--decode", "http://h:2", "--vocab-size", "0"])
+
+
 def test_flags_vllm_prefill_has_no_bootstrap_port() -> None:
     c = parse_serve_args(["--engine", "vllm", "--prefill", "http://h:1", "--decode", "http://h:2"])
     assert [(w.engine, w.bootstrap_port) for w in c.workers] == [(Engine.VLLM, None), (Engine.VLLM, None)]
