@@ -1,0 +1,71 @@
+"""Edges of the OpenAI API through the gateway's P/D, against the real engines: one-token answers,
+stop strings, per-token logprobs, non-ASCII prompts. Each answer must be the single server's."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from tests.e2e._support import KINDS, Kind, Lane, _text, call
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_token_answers(lane: Lane, gateway: OpenAI, reference: OpenAI, kind: Kind, stream: bool) -> None:
+    """max_tokens=1: the decode's whole answer is the token the prefill sampled."""
+    prompt = _text(random.Random(f"one-{kind}-{stream}"), 25)
+    got = call(gateway, kind, prompt, 1, stream, lane.model)
+    want = call(reference, kind, prompt, 1, stream, lane.model)
+    assert got.same_generation() == want.same_generation()
+    assert got.text and got.finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_stop_strings(lane: Lane, gateway: OpenAI, reference: OpenAI, kind: Kind, stream: bool) -> None:
+    prompt = _text(random.Random(f"stop-{kind}-{stream}"), 30)
+    full = call(reference, kind, prompt, 24, False, lane.model)
+    stop = full.text[6:9]  # a piece of what the model says: the answer stops before it
+    assert stop.strip(), full.text
+    got = call(gateway, kind, prompt, 24, stream, lane.model, stop=[stop])
+    want = call(reference, kind, prompt, 24, stream, lane.model, stop=[stop])
+    assert got.text == want.text and got.finish_reason == want.finish_reason == "stop"
+    assert stop not in got.text
+
+
+def _logprobs(client: OpenAI, model: str, prompt: str, max_tokens: int = 6) -> Any:
+    r = client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2
+    )
+    return r.choices[0].logprobs
+
+
+def test_completion_logprobs(lane: Lane, gateway: OpenAI, reference: OpenAI) -> None:
+    prompt = _text(random.Random("logprobs"), 40)
+    if lane.engine == "vllm":
+        # vLLM's CPU build compiles its logprobs path on the first request that asks for them:
+        # seconds with a warm compile cache, more than the gateway's 60 s prefill deadline on a
+        # cold machine (seen in this lane). Warm each server first, one at a time.
+        for base in (lane.reference, lane.prefill, lane.decode):
+            _logprobs(lane.client(base, timeout=600), lane.model, "warm up", max_tokens=1)
+    got, want = _logprobs(gateway, lane.model, prompt), _logprobs(reference, lane.model, prompt)
+    assert got.tokens == want.tokens
+    assert len(got.token_logprobs) == len(want.token_logprobs) == 6
+    for g, w in zip(got.token_logprobs, want.token_logprobs, strict=True):
+        assert abs(g - w) < 1e-3, (got.token_logprobs, want.token_logprobs)
+    assert [sorted(t) for t in got.top_logprobs] == [sorted(t) for t in want.top_logprobs]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_ascii_prompt(lane: Lane, gateway: OpenAI, reference: OpenAI, kind: Kind, stream: bool) -> None:
+    prompt = "Grüße aus Köln — 東京 и Москва: 🙂 " + _text(random.Random(f"utf8-{kind}"), 12)
+    got = call(gateway, kind, prompt, 10, stream, lane.model)
+    want = call(reference, kind, prompt, 10, stream, lane.model)
+    assert got.same_generation() == want.same_generation()
+    assert got.prompt_tokens == want.prompt_tokens or stream
