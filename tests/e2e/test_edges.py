@@ -69,3 +69,24 @@ def test_non_ascii_prompt(lane: Lane, gateway: OpenAI, reference: OpenAI, kind: 
     want = call(reference, kind, prompt, 10, stream, lane.model)
     assert got.same_generation() == want.same_generation()
     assert got.prompt_tokens == want.prompt_tokens or stream
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_echo(lane: Lane, gateway: OpenAI, reference: OpenAI, stream: bool) -> None:
+    """`echo`: the answer repeats the prompt before its tokens (the guards must not take the
+    echoed prompt for the first token)."""
+    prompt = _text(random.Random(f"echo-{stream}"), 15)
+    got = call(gateway, "completions", prompt, 8, stream, lane.model, echo=True)
+    want = call(reference, "completions", prompt, 8, stream, lane.model, echo=True)
+    assert got.text == want.text and got.finish_reason == want.finish_reason
+    assert got.text  # (what is echoed is the engine's business: vLLM with return_token_ids does not)
+
+
+def test_chat_max_completion_tokens(lane: Lane, gateway: OpenAI, reference: OpenAI) -> None:
+    messages = [{"role": "user", "content": _text(random.Random("mct"), 20)}]
+    kw: dict[str, Any] = {"model": lane.model, "messages": messages, "temperature": 0}
+    got = gateway.chat.completions.create(max_completion_tokens=9, **kw)
+    want = reference.chat.completions.create(max_completion_tokens=9, **kw)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage is not None and want.usage is not None
+    assert got.usage.completion_tokens == want.usage.completion_tokens == 9
