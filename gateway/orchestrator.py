@@ -883,16 +883,18 @@ class Orchestrator:
             req.stream
             and not req.include_usage
             and req.route is not RouteKind.GENERATE
-            and self.settings.guards.decode_consistency
-            and req.n == 1
-            and not req.is_batch
+            and self._guarded(req)
         )
+
+    def _guarded(self, req: ParsedRequest) -> bool:
+        """Does the decode-consistency guard watch this request's decode? (One answer to compare.)"""
+        return self.settings.guards.decode_consistency and req.n == 1 and not req.is_batch
 
     def _decode_guard(
         self, req: ParsedRequest, ctx: HandoffCtx, prefill_adapter: EngineAdapter, prefill_body: bytes
     ) -> _DecodeGuard | None:
         """The decode-consistency guard for one handoff, or None where it does not apply."""
-        if not self.settings.guards.decode_consistency or req.n != 1 or req.is_batch:
+        if not self._guarded(req):
             return None
         if prefill_body.lstrip().startswith(b"data:"):
             payloads = list(iter_sse_data(prefill_body))

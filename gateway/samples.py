@@ -140,14 +140,11 @@ class SampleMerger:
             try:
                 ev = _decode.decode(payload)
             except msgspec.DecodeError:
-                out.append(line + b"\n\n")
-                continue
+                ev = None
             if not isinstance(ev, dict):
-                out.append(line + b"\n\n")
-                continue
-            if not self._renumber(j, ev):
-                continue
-            out.append(b"data: " + _encode(ev) + b"\n\n")
+                out.append(line + b"\n\n")  # not an event to renumber: as it is
+            elif self._renumber(j, ev):
+                out.append(b"data: " + _encode(ev) + b"\n\n")
         if out:
             self.res.write(b"".join(out))
 
