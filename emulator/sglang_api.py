@@ -365,6 +365,26 @@ class SglangApi:
         }
 
 
+def _per_prompt_params(sp: Any, prompts: int, batch: bool) -> list[dict[str, Any]]:
+    """`/generate`'s `sampling_params`, one dict per prompt: an object is every prompt's, a list
+    holds one per prompt of a batch (SGLang indexes it by prompt; a list for a single prompt or
+    one shorter than the batch fails inside the engine, here with a 400)."""
+    if sp is None:
+        return [{}] * prompts
+    if isinstance(sp, dict):
+        return [sp] * prompts
+    if not isinstance(sp, list) or not all(isinstance(x, dict) for x in sp):
+        raise TypeError("sampling_params must be an object or a list of objects")
+    if not batch or len(sp) < prompts:
+        raise ValueError(f"sampling_params has {len(sp)} entries for {prompts} prompt(s)")
+    return sp[:prompts]
+
+
+def _max_new(sp: dict[str, Any]) -> int:
+    v = sp.get("max_new_tokens")
+    return 128 if v is None else int(v)
+
+
 def _sampling(sp: dict[str, Any]) -> int | None:
     t = sp.get("temperature")
     if t is None or float(t) <= 0.0:
@@ -387,10 +407,16 @@ def setup(s: EmulatorServer) -> None:
         return obj
 
     def make_items(
-        body: dict[str, Any], prompts: list[list[int]], max_new: int, sample_seed: int | None, n: int = 1
+        body: dict[str, Any],
+        prompts: list[list[int]],
+        max_new: int | list[int],
+        sample_seed: int | list[int | None] | None,
+        n: int = 1,
     ) -> list[Item]:
         """One item per (prompt, sample), prompt-major: item ``k = prompt_index * n + sample_index``
-        (SGLang's parallel-sampling expansion). Prefill and decode get the same body, so they derive
+        (SGLang's parallel-sampling expansion). `max_new` and `sample_seed` are one for all
+        prompts or a list with one per prompt (`/generate`'s list of `sampling_params`). Prefill
+        and decode get the same body, so they derive
         the same rooms and per-sample seeds. Every sample of prompt ``i`` has room entry ``i``, as
         on SGLang 0.5.23 (``_handle_batch_request`` copies ``obj[i]`` for each sample)."""
         num = len(prompts) * n
@@ -408,8 +434,10 @@ def setup(s: EmulatorServer) -> None:
                     Item(
                         str(rids[k]) if k < len(rids) and rids[k] is not None else uuid.uuid4().hex,
                         p,
-                        max_new,
-                        model.sample_seed(sample_seed, j),
+                        max_new[i] if isinstance(max_new, list) else max_new,
+                        model.sample_seed(
+                            sample_seed[i] if isinstance(sample_seed, list) else sample_seed, j
+                        ),
                         rooms[i] if i < len(rooms) else None,
                         host,
                         int(port) if port is not None else None,
@@ -479,8 +507,6 @@ def setup(s: EmulatorServer) -> None:
     # ------------------------------------------------------------------ /generate
     async def generate(request: web.Request) -> web.StreamResponse:
         async def body_fn(body: dict[str, Any], hit: dict[str, Fault]) -> web.StreamResponse:
-            sp = body.get("sampling_params") or {}
-            max_new = int(sp.get("max_new_tokens", 128) if sp.get("max_new_tokens") is not None else 128)
             batch = False
             if body.get("input_ids") is not None:
                 ids = body["input_ids"]
@@ -491,11 +517,17 @@ def setup(s: EmulatorServer) -> None:
                 batch = isinstance(text, list)
                 prompts = [tokenizer.encode(t) for t in (text if batch else [text])]
             try:
-                n = _num_samples(sp.get("n"))
+                sps = _per_prompt_params(body.get("sampling_params"), len(prompts), batch)
+                n = _num_samples(sps[0].get("n"))
+                if any(_num_samples(sp.get("n")) != n for sp in sps):
+                    raise ValueError(
+                        "The parallel_sample_num should be the same for all samples in sample params."
+                    )
             except (TypeError, ValueError) as e:
                 return _error_generate(400, str(e))
             batch = batch or n > 1  # SGLang turns a single prompt with n > 1 into a batch
-            items = make_items(body, prompts, max_new, _sampling(sp), n)
+            max_new = [_max_new(sp) for sp in sps]
+            items = make_items(body, prompts, max_new, [_sampling(sp) for sp in sps], n)
             bad = check(items, _error_generate, request)
             if bad is not None:
                 return bad

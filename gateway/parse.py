@@ -45,7 +45,7 @@ class _Fields(msgspec.Struct):
     messages: msgspec.Raw = msgspec.Raw()  # empty: absent
     text: msgspec.Raw = msgspec.Raw()  # empty: absent
     input_ids: msgspec.Raw = msgspec.Raw()  # empty: absent
-    sampling_params: _SamplingParams | None = None
+    sampling_params: _SamplingParams | list[_SamplingParams] | None = None  # a list: one per prompt
     return_logprob: bool | None = None
     logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent
     rid: msgspec.Raw = msgspec.Raw()  # empty: absent
@@ -100,21 +100,23 @@ class ParsedRequest:
             or bool(f.bootstrap_room)
             or bool(f.kv_transfer_params)
         )
-        sp = f.sampling_params
-        if route is RouteKind.GENERATE:
-            explicit = sp.max_new_tokens if sp else None
-            temperature = sp.temperature if sp else None
-            top_k = sp.top_k if sp else None
-            n = 1 if sp is None or sp.n is None else sp.n
-        else:
-            explicit = f.max_completion_tokens if f.max_completion_tokens is not None else f.max_tokens
-            temperature, top_k, n = f.temperature, f.top_k, (1 if f.n is None else f.n)
-        self.max_tokens: int | None = explicit
-        self.n = n
-        self.greedy = temperature == 0 or top_k == 1
         self.batch, self.is_batch, self.prompt_units, self.prompt_is_ids, self.max_id = _measure_prompt(
             route, f
         )
+        sp = f.sampling_params
+        if route is not RouteKind.GENERATE:
+            explicit = f.max_completion_tokens if f.max_completion_tokens is not None else f.max_tokens
+            n = 1 if f.n is None else f.n
+            greedy = f.temperature == 0 or f.top_k == 1
+        elif isinstance(sp, list):
+            explicit, n, greedy = _per_prompt(sp, self.batch, self.is_batch)
+        else:
+            explicit = sp.max_new_tokens if sp else None
+            n = 1 if sp is None or sp.n is None else sp.n
+            greedy = sp is not None and (sp.temperature == 0 or sp.top_k == 1)
+        self.max_tokens: int | None = explicit
+        self.n = n
+        self.greedy = greedy
 
     @property
     def accounting_max_tokens(self) -> int:
@@ -176,6 +178,29 @@ def parse_request(
     if not 1 <= req.n <= max_n:
         raise BadRequest(f"'n' must be between 1 and {max_n}", param="n")
     return req
+
+
+def _per_prompt(sps: list[_SamplingParams], batch: int, is_batch: bool) -> tuple[int | None, int, bool]:
+    """`/generate` with one `sampling_params` object per prompt of a batch (SGLang's list form):
+    (the largest `max_new_tokens` given, None when no entry gives one; `n`, which
+    SGLang requires to be the same in every entry; greedy when every entry is)."""
+    if not is_batch:
+        raise BadRequest(
+            "'sampling_params' is a list, which needs a batch of prompts; use an object for one prompt",
+            param="sampling_params",
+        )
+    if len(sps) != batch:
+        raise BadRequest(
+            f"'sampling_params' has {len(sps)} entries for a batch of {batch} prompts; "
+            "give one per prompt, or one object for all",
+            param="sampling_params",
+        )
+    ns = {1 if sp.n is None else sp.n for sp in sps}
+    if len(ns) > 1:
+        raise BadRequest("'n' must be the same in every entry of 'sampling_params'", param="sampling_params")
+    explicit = max((sp.max_new_tokens for sp in sps if sp.max_new_tokens is not None), default=None)
+    greedy = all(sp.temperature == 0 or sp.top_k == 1 for sp in sps)
+    return explicit, ns.pop(), greedy
 
 
 def _id_range(ids: list[Any], route: RouteKind) -> int:

@@ -91,6 +91,28 @@ def test_generate_batch_of_token_ids_equals_single_server(lane: Lane, stream: bo
     assert len(got) == 3
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_generate_sampling_params_per_prompt_equals_single_server(lane: Lane, stream: bool, n: int) -> None:
+    """`sampling_params` as a list, one object per prompt of the batch: each prompt keeps its
+    own limit through P/D (with n = 2, split into one handoff per sample), as on the single
+    server."""
+    body = {
+        "input_ids": [[1, 45, 499, 173], [1, 90, 250, 263, 93, 72], [1, 306]],
+        "stream": stream,
+        "sampling_params": [
+            {"temperature": 0, "max_new_tokens": 3, "n": n},
+            {"temperature": 0, "max_new_tokens": 9, "n": n},
+            {"temperature": 0, "max_new_tokens": 5, "n": n},
+        ],
+    }
+    got, want = generate(lane.gateway, body), generate(lane.reference, body)
+    if stream:
+        got, want = last_per_index(got), last_per_index(want)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert [len(o["output_ids"]) for o in got] == [k for k in (3, 9, 5) for _ in range(n)]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_generate_prompt_logprobs_are_merged_once_per_position(lane: Lane, stream: bool) -> None:
     body = {

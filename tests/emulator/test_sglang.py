@@ -154,6 +154,26 @@ async def test_batch_rooms(emu: Factory, http: aiohttp.ClientSession) -> None:
     assert [o["output_ids"] for o in json.loads(dtext2)] == [o["output_ids"] for o in json.loads(ref)]
 
 
+async def test_generate_sampling_params_list(emu: Factory, http: aiohttp.ClientSession) -> None:
+    """One `sampling_params` object per prompt of a batch, as SGLang takes them."""
+    s = await emu("sglang", "both")
+    prompts = [[1, 50, 60], [1, 90, 91, 92], [1, 7]]
+    sps = [{"temperature": 0, "max_new_tokens": k} for k in (2, 6, 3)]
+    st, text, _ = await post(http, s.url + "/generate", {"input_ids": prompts, "sampling_params": sps})
+    assert st == 200, text
+    outs = json.loads(text)
+    assert [len(o["output_ids"]) for o in outs] == [2, 6, 3]
+    for prompt, sp, out in zip(prompts, sps, outs, strict=True):  # each as if sent alone
+        _, one, _ = await post(http, s.url + "/generate", {"input_ids": prompt, "sampling_params": sp})
+        assert json.loads(one)["output_ids"] == out["output_ids"]
+    st, text, _ = await post(
+        http, s.url + "/generate", {"input_ids": prompts, "sampling_params": [{"n": 2}, {}, {"n": 2}]}
+    )
+    assert st == 400 and "parallel_sample_num should be the same" in text
+    st, text, _ = await post(http, s.url + "/generate", {"input_ids": prompts, "sampling_params": sps[:1]})
+    assert st == 400 and "1 entries for 3 prompt(s)" in text
+
+
 async def test_logprobs(emu: Factory, http: aiohttp.ClientSession) -> None:
     s = await emu("sglang", "both")
     _, text, _ = await post(

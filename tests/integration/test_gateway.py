@@ -320,6 +320,52 @@ async def test_sglang_generate_batch_and_logprobs(cluster: Cluster) -> None:
     assert json.loads(raw)["output_ids"] == json.loads(want)["output_ids"]
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_sglang_generate_sampling_params_per_prompt(cluster: Cluster, stream: bool, n: int) -> None:
+    """SGLang's `/generate` takes `sampling_params` as a list, one object per prompt of a batch:
+    passed through P/D (and split per sample when n > 1), each prompt gets its own limits."""
+    body = {
+        "model": "m-sglang",
+        "text": ["alpha beta", "gamma delta epsilon", "zeta"],
+        "stream": stream,
+        "sampling_params": [
+            {"temperature": 0, "max_new_tokens": 2, "n": n},
+            {"temperature": 0, "max_new_tokens": 7, "n": n},
+            {"temperature": 0.9, "sampling_seed": 11, "max_new_tokens": 4, "n": n},
+        ],
+    }
+    s, _, raw = await post(cluster.url + "/generate", body)
+    assert s == 200, raw
+    _, _, ref = await post(cluster.reference["m-sglang"].url + "/generate", body)
+    got = generated("/generate", raw, stream)
+    assert len(got) == 3 * n and got == generated("/generate", ref, stream)
+    if not stream:
+        lengths = [d["meta_info"]["completion_tokens"] for d in json.loads(raw)]
+        assert lengths == [x for x in (2, 7, 4) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"text": "one prompt", "sampling_params": [{"max_new_tokens": 2}]}, "needs a batch"),
+        ({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 2}]}, "1 entries for a batch of 2"),
+        (
+            {"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 2}, {"n": 3}]},
+            "'n' must be the same",
+        ),
+        ({"text": ["a", "b"], "sampling_params": [{"max_new_tokens": "x"}, {}]}, "Expected `int"),
+    ],
+)
+async def test_generate_sampling_params_list_errors(
+    cluster: Cluster, body: dict[str, Any], needle: str
+) -> None:
+    s, _, raw = await post(cluster.url + "/generate", {"model": "m-sglang", **body})
+    assert s == 400, raw
+    err = json.loads(raw)["error"]
+    assert needle in err["message"] and err["param"] == "sampling_params", err
+
+
 async def test_request_ids_are_honoured_echoed_and_generated(cluster: Cluster) -> None:
     s, h, raw = await post(
         cluster.url + "/v1/completions",

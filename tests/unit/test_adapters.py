@@ -375,3 +375,13 @@ def test_decode_asks_for_stream_usage_only_when_the_gateway_needs_it(
     untouched = json.loads(a.decode_body(req, plain, verdict))
     assert untouched.get("stream_options") == options
     assert "include_usage" not in json.dumps(json.loads(a.prefill_body(req, asked)).get("stream_options"))
+
+
+def test_generate_sampling_params_per_prompt_are_read_for_accounting() -> None:
+    sps = [{"max_new_tokens": 3, "temperature": 0}, {"max_new_tokens": 40, "top_k": 1}]
+    req = parsed(RouteKind.GENERATE, {"text": ["a", "b"], "sampling_params": sps})
+    assert (req.max_tokens, req.n, req.greedy, req.batch) == (40, 1, True, 2)
+    req = parsed(RouteKind.GENERATE, {"text": ["a", "b"], "sampling_params": [sps[0], {"n": 1}]})
+    assert (req.max_tokens, req.greedy) == (3, False)  # the largest given limit; one entry samples
+    req = parsed(RouteKind.GENERATE, {"text": ["a", "b"], "sampling_params": [{"n": 3}, {"n": 3}]})
+    assert (req.max_tokens, req.n, req.accounting_max_tokens) == (None, 3, 128)
