@@ -10,8 +10,9 @@ Shed, in OpenAI's error shape with `Retry-After`:
 - 503 `overloaded`: the queue is full (`max_queue`; 0 = no queue, shed as soon as all slots are busy);
 - 503 `queue_timeout`: no slot within `queue_timeout_s`;
 - 503 `shutting_down`: the gateway is stopping (queued requests are released with it too);
-- 429 `too_many_concurrent_requests`: one client address already has `per_client_max_concurrent`
-  requests running or queued (0 = off).
+- 429 `too_many_concurrent_requests`: one client already has `per_client_max_concurrent`
+  requests running or queued (0 = off). A client is its socket's address, or the value of a
+  configured header (`limits.client_key_header`, read by the handlers).
 
 Optionally `max_inflight_tokens` bounds the sum of the requests' token estimates (prompt +
 max_tokens); a request larger than the whole budget still runs, alone.
@@ -36,7 +37,7 @@ class AdmissionStats(msgspec.Struct, frozen=True):
     active: int
     active_tokens: int
     queued: int
-    clients: int  # client addresses with a request running or queued (per-client cap on only)
+    clients: int  # clients with a request running or queued (per-client cap on only)
     admitted: int  # admitted at once
     admitted_after_queue: int  # admitted after waiting in the queue
     queue_wait_s: float  # total time admitted requests spent queued

@@ -120,6 +120,7 @@ class Gateway:
             request_id_headers=cfg.request_id_headers,
             max_n=lim.max_n,
             max_tokens_cap=lim.max_tokens_cap,
+            client_key_header=lim.client_key_header,
             admission=self.admission,
             admin=self.admin,
         )

@@ -199,7 +199,11 @@ class LimitsConfig(_Section, frozen=True):
     queue_timeout_s: float = 30.0  # longest wait for a slot
     max_tokens_cap: int | None = None  # reject (400) larger max_tokens; None: no cap
     max_n: int = 128  # largest `n`
-    per_client_max_concurrent: int = 0  # per client address; 0 = off
+    per_client_max_concurrent: int = 0  # per client (see client_key_header); 0 = off
+    # who "a client" is for per_client_max_concurrent: empty, the socket's address; a header name
+    # (e.g. "x-api-key", "authorization"), its value when sent (the address otherwise); for
+    # "x-forwarded-for" its last address, the one the proxy in front of the gateway saw
+    client_key_header: str = ""
     max_inflight_tokens: int | None = None  # prompt + max_tokens estimate in flight; None: no limit
     retry_after_s: float = 1.0  # the Retry-After sent with 429/503 from admission control
     max_inflight_per_worker: int = 0  # a worker at this many requests is skipped (0 = no cap)
@@ -217,6 +221,9 @@ class LimitsConfig(_Section, frozen=True):
         _non_negative(
             "limits", max_queue=self.max_queue, per_client_max_concurrent=self.per_client_max_concurrent
         )
+        name = self.client_key_header
+        if name and (not name.isascii() or not all(c.isalnum() or c in "-_" for c in name)):
+            raise ValueError(f"limits.client_key_header: {name!r} is not a header name")
         if self.max_tokens_cap is not None:
             _positive("limits", max_tokens_cap=self.max_tokens_cap)
         if self.max_inflight_tokens is not None:

@@ -61,6 +61,7 @@ class Handlers:
         request_id_headers: tuple[str, ...] = ("x-request-id",),
         max_n: int = 128,
         max_tokens_cap: int | None = None,
+        client_key_header: str = "",
         admission: Admission | None = None,
         admin: Admin | None = None,
     ) -> None:
@@ -71,6 +72,7 @@ class Handlers:
         self.id_headers = tuple(h.lower().encode() for h in request_id_headers)
         self.max_n = max_n
         self.max_tokens_cap = max_tokens_cap
+        self.client_key = client_key_reader(client_key_header)
         self.admission = admission or Admission(1 << 30, 0, 1.0)
         self._count_tokens = self.admission.max_tokens is not None
         self.admin = admin  # None: /admin/* is 404
@@ -148,7 +150,7 @@ class Handlers:
             self.metrics.child(self.metrics.requests, route.value, "", "none", e.code.value).inc()
             return self._error(res, e, request_id)
         adm = self.admission
-        client = req.client[0] if req.client is not None else ""
+        client = self.client_key(req)
         tokens = 0
         if self._count_tokens:
             v = self.orchestrator.view(parsed, request_id)
@@ -239,3 +241,30 @@ def _routes(snap: ClusterSnapshot, model: str) -> list[str]:
 
 
 __all__ = ["Handlers", "error_body"]
+
+
+def _address(req: HttpRequest) -> str:
+    return req.client[0] if req.client is not None else ""
+
+
+def client_key_reader(header: str) -> Callable[[HttpRequest], str]:
+    """Who sent a request, for the per-client cap: the socket's address, or the value of a
+    configured header when the request has it (`x-forwarded-for`: its last address, the one the
+    trusted proxy in front of the gateway appended; earlier ones are the client's own word)."""
+    if not header:
+        return _address
+    name = header.lower().encode()
+    last_hop = name == b"x-forwarded-for"
+
+    def key(req: HttpRequest) -> str:
+        value = req.header(name)
+        if not value:
+            return _address(req)
+        if last_hop:
+            value = value.rpartition(b",")[2].strip()
+            if not value:
+                return _address(req)
+            return value.decode("latin-1")
+        return "h:" + value.decode("latin-1")  # never equal to an address key
+
+    return key

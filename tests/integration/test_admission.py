@@ -29,13 +29,16 @@ def stream_body(model: str = "m-colocated", max_tokens: int = 60) -> dict[str, A
 
 
 async def call(
-    url: str, body: dict[str, Any], session: aiohttp.ClientSession | None = None
+    url: str,
+    body: dict[str, Any],
+    session: aiohttp.ClientSession | None = None,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, str], bytes, float]:
     t0 = time.monotonic()
     own = session is None
     s = session or aiohttp.ClientSession()
     try:
-        async with s.post(url + "/v1/completions", json=body) as r:
+        async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
             raw = await r.read()
             return r.status, dict(r.headers), raw, time.monotonic() - t0
     finally:
@@ -166,6 +169,32 @@ async def test_per_client_cap_is_429_and_counts_are_given_back() -> None:
         results = await asyncio.gather(*(call(c.url, stream_body(max_tokens=4)) for _ in range(2)))
         assert [r[0] for r in results] == [200, 200]
         assert await metric(c, "pdgw_shed_total", reason="per_client") == 3
+    finally:
+        await stop_cluster(c)
+
+
+@pytest.mark.parametrize("header", ["x-api-key", "x-forwarded-for"])
+async def test_per_client_cap_keyed_on_a_header(header: str) -> None:
+    """Behind a load balancer every request comes from one address: the cap counts by a header
+    (an API key, or the address the proxy appended to X-Forwarded-For) where configured."""
+    c = await build_cluster(
+        time_scale=TS, limits=LimitsConfig(per_client_max_concurrent=2, client_key_header=header)
+    )
+
+    def who(name: str) -> dict[str, str]:
+        if header == "x-forwarded-for":  # the client's own claim first, then the proxy's hop
+            return {header: f"203.0.113.9, 10.1.0.{name}"}
+        return {header: f"key-{name}"}
+
+    try:
+        sends = [who("1")] * 3 + [who("2")] * 2 + [{}] * 3  # {}: keyed on the socket address
+        results = await asyncio.gather(*(call(c.url, stream_body(), headers=h) for h in sends))
+        statuses = [r[0] for r in results]
+        assert sorted(statuses[:3]) == [200, 200, 429], statuses
+        assert statuses[3:5] == [200, 200], statuses
+        assert sorted(statuses[5:]) == [200, 200, 429], statuses
+        await settle(c)
+        assert c.gateway.admission.stats().clients == 0
     finally:
         await stop_cluster(c)
 

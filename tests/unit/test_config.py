@@ -101,6 +101,10 @@ def test_toml_round_trip(cfg: GatewayConfig, tmp_path: Path) -> None:
         ('[fallback]\nladder = ["elsewhere"]\n', "Invalid enum value 'elsewhere'"),
         ('[admin]\ntoken = "a"\ntoken_env = "B"\n', "set token_env or token, not both"),
         ('request_id_headers = ["X Id"]\n', "must be a lowercase header name"),
+        (
+            '[limits]\nclient_key_header = "x api key"\n',
+            "limits.client_key_header: 'x api key' is not a header",
+        ),
         ('log_level = "loud"\n', "Invalid enum value 'loud' - at `$.log_level`"),
         (
             '[[workers]]\nurl = "http://a:1"\nrole = "decode"\nbootstrap_port = 8998\n',
