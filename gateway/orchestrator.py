@@ -969,6 +969,14 @@ class Orchestrator:
         """The request's first `shadow_tokens` tokens, greedy, on `w` alone; None if it failed."""
         s = self.settings.guards
         fields = g.req.decode_dict()
+        limit = str(s.shadow_tokens).encode()
+        if g.req.route is RouteKind.GENERATE:  # SGLang's native route: the limit is a sampling param
+            sp = msgspec.json.decode(fields.get("sampling_params", b"{}"))
+            sp = dict(sp) if isinstance(sp, dict) else {}
+            sp["max_new_tokens"] = s.shadow_tokens
+            set_ = {"sampling_params": msgspec.json.encode(sp), "stream": b"false"}
+        else:
+            set_ = {"max_tokens": limit, "stream": b"false"}
         body = _body_rewrite(
             fields,
             drop=(
@@ -980,7 +988,7 @@ class Orchestrator:
                 "bootstrap_room",
                 "rid",
             ),
-            set_={"max_tokens": str(s.shadow_tokens).encode(), "stream": b"false"},
+            set_=set_,
         )
         headers = [
             (b"content-type", b"application/json"),
@@ -1134,9 +1142,8 @@ def _check_vocab(req: ParsedRequest, chosen: tuple[WorkerState, ...]) -> None:
 
 def _verifiable(req: ParsedRequest) -> bool:
     """Can this request's answer be checked against a short colocated re-run before its clean
-    end is sent? (Greedy, one answer, OpenAI routes; a stream's tokens flow meanwhile, only its
-    end is held.)"""
-    return req.greedy and req.n == 1 and not req.is_batch and req.route is not RouteKind.GENERATE
+    end is sent? (Greedy, one answer; a stream's tokens flow meanwhile, only its end is held.)"""
+    return req.greedy and req.n == 1 and not req.is_batch
 
 
 def _blame(plan: Colocated | Disaggregated | Reject, e: UpstreamFailure) -> set[str]:
@@ -1220,6 +1227,7 @@ class _Choice0(msgspec.Struct):
 
 class _Answer(msgspec.Struct):
     choices: list[_Choice0] = []
+    text: str | None = None  # SGLang's /generate
 
 
 _answer = msgspec.json.Decoder(_Answer)
@@ -1232,19 +1240,23 @@ class _StreamChoice(msgspec.Struct):
 
 class _StreamEvent(msgspec.Struct):
     choices: list[_StreamChoice] = []
+    text: str | None = None  # SGLang's /generate: the text so far
 
 
 _stream_event = msgspec.json.Decoder(_StreamEvent)
 
 
 def _stream_text(raw: bytes) -> str | None:
-    """The text of a one-answer completions or chat stream (its SSE bytes)."""
+    """The text of a one-answer completions, chat or `/generate` stream (its SSE bytes)."""
     parts: list[str] = []
     for payload in iter_sse_data(raw):
         try:
             ev = _stream_event.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
+        if ev.text is not None:  # /generate: each event has the whole text so far
+            parts = [ev.text]
+            continue
         for c in ev.choices:
             if c.text is not None:
                 parts.append(c.text)
@@ -1256,11 +1268,13 @@ def _stream_text(raw: bytes) -> str | None:
 
 
 def _answer_text(body: bytes) -> str | None:
-    """Choice 0's text of a completions or chat answer."""
+    """Choice 0's text of a completions or chat answer, or a `/generate` answer's text."""
     try:
         a = _answer.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    if a.text is not None:
+        return a.text
     if not a.choices:
         return None
     c = a.choices[0]

@@ -25,7 +25,14 @@ PROMPTS = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(3 + (i * 13) % 120)) f
 MAX_TOKENS = 8
 
 
-def body(model: str, prompt: str, stream: bool) -> dict[str, Any]:
+def body(model: str, prompt: str, stream: bool, route: str = "/v1/completions") -> dict[str, Any]:
+    if route == "/generate":
+        return {
+            "model": model,
+            "text": prompt,
+            "stream": stream,
+            "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+        }
     return {
         "model": model,
         "prompt": prompt,
@@ -36,10 +43,11 @@ def body(model: str, prompt: str, stream: bool) -> dict[str, Any]:
     }
 
 
-def answer_text(raw: bytes, stream: bool) -> tuple[str, bool]:
+def answer_text(raw: bytes, stream: bool, route: str = "/v1/completions") -> tuple[str, bool]:
     """(text, ended cleanly)."""
     if not stream:
-        return json.loads(raw)["choices"][0]["text"], True
+        data = json.loads(raw)
+        return (data["text"] if route == "/generate" else data["choices"][0]["text"]), True
     text, clean = "", False
     for line in raw.split(b"\n"):
         if not line.startswith(b"data: "):
@@ -51,22 +59,31 @@ def answer_text(raw: bytes, stream: bool) -> tuple[str, bool]:
         ev = json.loads(payload)
         if "error" in ev:
             return text, False
+        if route == "/generate":  # the whole text so far
+            text = ev["text"]
+            continue
         for c in ev.get("choices", []):
             text += c.get("text") or ""
     return text, clean
 
 
-async def references(c: Cluster, model: str) -> dict[str, str]:
+async def references(c: Cluster, model: str, route: str = "/v1/completions") -> dict[str, str]:
     out = {}
     async with aiohttp.ClientSession() as s:
         for p in PROMPTS:
-            async with s.post(c.reference[model].url + "/v1/completions", json=body(model, p, False)) as r:
-                out[p] = (await r.json())["choices"][0]["text"]
+            async with s.post(c.reference[model].url + route, json=body(model, p, False, route)) as r:
+                out[p] = answer_text(await r.read(), False, route)[0]
     return out
 
 
 async def hammer(
-    c: Cluster, model: str, n: int, refs: dict[str, str], seed: int = 0, stream_share: int = 2
+    c: Cluster,
+    model: str,
+    n: int,
+    refs: dict[str, str],
+    seed: int = 0,
+    stream_share: int = 2,
+    route: str = "/v1/completions",
 ) -> Counter[str]:
     rng = random.Random(seed)
     outcomes: Counter[str] = Counter()
@@ -77,14 +94,14 @@ async def hammer(
         async def one(i: int) -> None:
             prompt = rng.choice(PROMPTS)
             stream = stream_share > 0 and i % stream_share == 1
-            async with sem, s.post(c.url + "/v1/completions", json=body(model, prompt, stream)) as r:
+            async with sem, s.post(c.url + route, json=body(model, prompt, stream, route)) as r:
                 raw = await r.read()
                 if r.status != 200:
                     assert json.loads(raw)["error"]["message"]
                     # engine 5xx become 502/503/504: a 500 can only be the gateway's own failure
                     outcomes["clear_error" if r.status != 500 else "GATEWAY_500"] += 1
                     return
-                text, clean = answer_text(raw, stream)
+                text, clean = answer_text(raw, stream, route)
                 if not clean:
                     outcomes["stream_error_event"] += 1
                 elif text == refs[prompt]:
@@ -130,17 +147,22 @@ STRICT = GuardsConfig(shadow_fraction=1.0, shadow_before_delivery=True)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("model", "emulator"), WRONG_KV)
-async def test_wrong_request_kv_strict_verification_delivers_none(model: str, emulator: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "emulator", "route"),
+    [(m, e, "/v1/completions") for m, e in WRONG_KV] + [("m-sglang", "sgl-p", "/generate")],
+)
+async def test_wrong_request_kv_strict_verification_delivers_none(
+    model: str, emulator: str, route: str
+) -> None:
     """Another request's KV (sglang PR #32564 shape) at 15 % of 2,000 requests, half streamed, with
     every greedy answer verified before its clean end (`shadow_before_delivery`, fraction 1): not
     one corrupted answer is delivered; the few the first-token check cannot see are caught by the
     colocated re-run before delivery and served again elsewhere."""
     c = await build_cluster(colocated_fallback=True, guards=STRICT)
     try:
-        refs = await references(c, model)
+        refs = await references(c, model, route)
         await c.emulators[emulator].set_faults(["wrong_request_kv:0.15"])
-        outcomes = await hammer(c, model, 2000, refs)
+        outcomes = await hammer(c, model, 2000, refs, route=route)
         assert outcomes["CORRUPTED"] == 0 and outcomes["GATEWAY_500"] == 0, outcomes
         assert sum(outcomes.values()) == 2000 and outcomes["correct"] >= 1990, outcomes
         text = c.gateway.metrics.render().decode()
@@ -229,13 +251,16 @@ async def test_clean_run_has_no_false_positives(model: str) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", ["m-sglang", "m-vllm"])
-async def test_strict_verification_has_no_false_positives(model: str) -> None:
+@pytest.mark.parametrize(
+    ("model", "route"),
+    [("m-sglang", "/v1/completions"), ("m-vllm", "/v1/completions"), ("m-sglang", "/generate")],
+)
+async def test_strict_verification_has_no_false_positives(model: str, route: str) -> None:
     """Every answer re-run colocated and compared before delivery: on a clean run, none differs."""
     c = await build_cluster(colocated_fallback=True, guards=STRICT)
     try:
-        refs = await references(c, model)
-        outcomes = await hammer(c, model, 2000, refs, seed=2)
+        refs = await references(c, model, route)
+        outcomes = await hammer(c, model, 2000, refs, seed=2, route=route)
         assert outcomes == Counter(correct=2000)
         text = c.gateway.metrics.render().decode()
         assert "pdgw_guard_failures_total{" not in text
