@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -40,6 +41,10 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
     waiting_timeout_s: float | None = None
     handshake_timeout_s: float = 5.0
     stream_interval: int = 1  # SGLang's --stream-interval: tokens per stream event
+    # --ssl-certfile / --ssl-keyfile (both engines' flags): the HTTP API over TLS (the bootstrap
+    # and KV ports stay plain)
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
     def to_argv(self) -> list[str]:
         argv = ["--engine", self.engine, "--role", self.role, "--host", self.host, "--port", str(self.port)]
@@ -62,6 +67,10 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
             argv += ["--waiting-timeout", repr(self.waiting_timeout_s)]
         if self.stream_interval != 1:
             argv += ["--stream-interval", str(self.stream_interval)]
+        if self.ssl_certfile is not None:
+            argv += ["--ssl-certfile", self.ssl_certfile]
+        if self.ssl_keyfile is not None:
+            argv += ["--ssl-keyfile", self.ssl_keyfile]
         return argv
 
 
@@ -135,7 +144,7 @@ class EmulatorProcess:
         self.port = spec.port
         self.bootstrap_port = spec.bootstrap_port
         self.kv_port = spec.kv_port
-        self.url = f"http://{spec.host}:{spec.port}"
+        self.url = f"{'https' if spec.ssl_certfile else 'http'}://{spec.host}:{spec.port}"
 
     @property
     def pid(self) -> int:
@@ -175,12 +184,14 @@ def spawn_emulator(spec: EmulatorSpec, *, ready_timeout: float = 20.0) -> Emulat
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     handle = EmulatorProcess(proc, spec)
+    # readiness only: a TLS emulator's certificate is the caller's to check, not this loop's
+    tls = ssl._create_unverified_context() if spec.ssl_certfile else None
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"emulator exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(handle.url + "/health", timeout=1.0) as resp:
+            with urllib.request.urlopen(handle.url + "/health", timeout=1.0, context=tls) as resp:
                 if resp.status == 200:
                     return handle
         except (urllib.error.URLError, OSError):

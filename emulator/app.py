@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -113,7 +114,8 @@ class EmulatorServer:
     # ------------------------------------------------------------------ lifecycle
     @property
     def url(self) -> str:
-        return f"http://{self.spec.host}:{self.port}"
+        scheme = "https" if self.spec.ssl_certfile else "http"
+        return f"{scheme}://{self.spec.host}:{self.port}"
 
     @property
     def kv_scale(self) -> int:
@@ -149,7 +151,13 @@ class EmulatorServer:
             self.app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
         )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, spec.host, spec.port, backlog=2048, reuse_address=True)
+        tls = None
+        if spec.ssl_certfile:
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(spec.ssl_certfile, spec.ssl_keyfile)
+        site = web.TCPSite(
+            self.runner, spec.host, spec.port, backlog=2048, reuse_address=True, ssl_context=tls
+        )
         await site.start()
         server = site._server
         sockets = getattr(server, "sockets", None) or []

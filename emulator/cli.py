@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="SGLang: tokens per stream event (the engine's own flag; the rest comes at the end)",
     )
+    p.add_argument(
+        "--ssl-certfile",
+        default=None,
+        help="serve the HTTP API over TLS with this certificate (PEM), as the engines' own flag",
+    )
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -84,6 +90,8 @@ def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
         waiting_timeout_s=args.waiting_timeout,
         handshake_timeout_s=args.handshake_timeout,
         stream_interval=args.stream_interval,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
     )
 
 

@@ -145,6 +145,7 @@ class Gateway:
             weight=wc.weight,
             labels=tuple(sorted(wc.labels.items())),
             vocab_size=wc.vocab_size,
+            tls=wc.tls_context(),
             connect_timeout_s=self.cfg.timeouts.connect_s,
             authorization=f"Bearer {key}".encode() if key else None,
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import ssl
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -82,11 +83,16 @@ class WorkerConfig(_Section, frozen=True):
     # token ids the model has: prompts given as ids outside [0, vocab_size) are refused with a
     # 400 before they reach it (SGLang 0.5.23 does not check them: its server dies)
     vocab_size: int | None = None
+    # https:// workers: the certificate is checked against the system's CAs, or this PEM bundle
+    tls_ca_file: str | None = None
+    tls_verify: bool = True  # false: no certificate check at all (a test setup, never production)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"worker url {self.url!r} must be http(s)://host[:port]")
+        if parts.scheme == "http" and (self.tls_ca_file is not None or not self.tls_verify):
+            raise ValueError(f"worker {self.url}: tls_ca_file / tls_verify apply only to https:// workers")
         try:
             parts.port  # noqa: B018 - raises ValueError on a bad port
         except ValueError as e:
@@ -104,13 +110,27 @@ class WorkerConfig(_Section, frozen=True):
             if not 1 <= self.bootstrap_port <= 65535:
                 raise ValueError(f"worker {self.url}: bootstrap_port must be in 1..65535")
         _positive("worker", weight=self.weight)
-        for key in ("id", "name", "model", "api_key_env"):
+        for key in ("id", "name", "model", "api_key_env", "tls_ca_file"):
             if getattr(self, key) == "":
                 raise ValueError(f"worker {self.url}: {key} must not be empty")
 
     @property
     def worker_id(self) -> str:
         return self.id or self.name or self.url.rstrip("/")
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The SSL context for an https:// worker (None for http://); ConfigError if its CA
+        bundle cannot be read."""
+        if urlsplit(self.url).scheme != "https":
+            return None
+        try:
+            ctx = ssl.create_default_context(cafile=self.tls_ca_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"worker {self.worker_id}: tls_ca_file {self.tls_ca_file!r}: {e}") from None
+        if not self.tls_verify:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        return ctx
 
     def api_key(self, environ: Mapping[str, str]) -> str | None:
         """The key from `environ[api_key_env]`; ConfigError if the variable is named but unset."""

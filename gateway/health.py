@@ -59,7 +59,7 @@ class HealthChecker:
             ok = status == 200
             reason = f"HTTP {status}"
         except (TimeoutError, UpstreamError, OSError) as e:
-            ok, reason = False, type(e).__name__
+            ok, reason = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         n = self._rounds.get(w.id, 0)
         self._rounds[w.id] = n + 1
         if ok and (w.info.model is None or n % s.info_every == 0):

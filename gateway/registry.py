@@ -7,6 +7,7 @@ accounting, breaker outcomes) update `Worker` objects; `snapshot()` rebuilds the
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Iterable
 from urllib.parse import urlsplit
@@ -78,14 +79,20 @@ class Worker:
         connect_timeout_s: float = 2.0,
         authorization: bytes | None = None,
         vocab_size: int | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme not in ("http", ""):
-            raise ValueError(f"worker {id}: only http:// URLs are supported, got {url!r}")
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"worker {id}: only http:// and https:// URLs are supported, got {url!r}")
+        if parts.scheme == "https" and tls is None:
+            tls = ssl.create_default_context()
+        elif parts.scheme == "http":
+            tls = None
+        port = parts.port or (443 if tls is not None else 80)
         self.id = id
-        self.url = f"http://{parts.hostname}:{parts.port or 80}"
+        self.url = f"{parts.scheme}://{parts.hostname}:{port}"
         self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 80
+        self.port = port
         self.role = role
         self.engine = engine
         self.adapter: EngineAdapter = ADAPTERS[engine]
@@ -95,7 +102,7 @@ class Worker:
         self.labels = labels
         self.vocab_size = vocab_size
         self.breaker = breaker or CircuitBreaker()
-        self.pool = UpstreamPool(self.host, self.port, connect_timeout_s=connect_timeout_s)
+        self.pool = UpstreamPool(self.host, self.port, connect_timeout_s=connect_timeout_s, tls=tls)
         self.authorization = authorization
         self.healthy = False  # until the first probe says otherwise
         self.draining = False

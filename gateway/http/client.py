@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
@@ -570,7 +571,8 @@ class _UpstreamConnection(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Keep-alive connection pool for one upstream origin ``host:port``."""
+    """Keep-alive connection pool for one upstream origin ``host:port`` (over TLS when given an
+    SSL context: the certificate is checked against ``host``)."""
 
     __slots__ = (
         "_closed",
@@ -583,6 +585,7 @@ class UpstreamPool:
         "in_use",
         "max_idle",
         "port",
+        "tls",
     )
 
     def __init__(
@@ -593,9 +596,11 @@ class UpstreamPool:
         max_idle: int = 256,
         connect_timeout_s: float = 5.0,
         idle_timeout_s: float = 4.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host = host
         self.port = port
+        self.tls = tls
         self.max_idle = max_idle
         self.connect_timeout_s = connect_timeout_s
         # Pooled connections idle longer than this are not reused (uvicorn, behind SGLang and
@@ -605,9 +610,10 @@ class UpstreamPool:
         self._idle: list[_UpstreamConnection] = []  # LIFO: the newest at the end
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        hostport = host if port == 80 else f"{host}:{port}"
+        default = 443 if tls is not None else 80
+        hostport = host if port == default else f"{host}:{port}"
         if ":" in host and not host.startswith("["):
-            hostport = f"[{host}]" if port == 80 else f"[{host}]:{port}"
+            hostport = f"[{host}]" if port == default else f"[{host}]:{port}"
         self._host_line = b"host: %s\r\n" % hostport.encode("idna")
 
     @property
@@ -647,7 +653,11 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, proto = await loop.create_connection(
-                    lambda: _UpstreamConnection(self, loop), self.host, self.port
+                    lambda: _UpstreamConnection(self, loop),
+                    self.host,
+                    self.port,
+                    ssl=self.tls,
+                    server_hostname=self.host if self.tls is not None else None,
                 )
         except TimeoutError:
             raise UpstreamConnectError(

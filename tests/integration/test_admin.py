@@ -233,7 +233,12 @@ async def test_add_a_worker_that_then_serves_traffic(admin_cluster: Cluster) -> 
         ({"url": "http://127.0.0.1:1", "role": "decode", "engine": "openai"}, 400, "colocated"),
         ({"url": "http://127.0.0.1:1", "role": "decode", "bootstrap_port": 5}, 400, "bootstrap_port"),
         ({"url": "http://127.0.0.1:1", "role": "colocated", "weight": -1}, 400, "weight"),
-        ({"url": "https://127.0.0.1:1", "role": "colocated", "engine": "openai"}, 400, "http://"),
+        (
+            {"url": "https://127.0.0.1:1", "role": "colocated", "tls_ca_file": "/nonexistent"},
+            400,
+            "tls_ca_file",
+        ),
+        ({"url": "http://127.0.0.1:1", "role": "colocated", "tls_verify": False}, 400, "https://"),
         ({"url": "http://127.0.0.1:1", "role": "colocated", "api_key_env": "HOME"}, 400, "api_key_env"),
         ({"url": "http://127.0.0.1:1", "role": "colocated", "id": "col"}, 409, "exists"),
         ({"url": "SELF", "role": "colocated", "id": "loop"}, 400, "gateway itself"),
