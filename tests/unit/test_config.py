@@ -54,6 +54,17 @@ def test_example_file_loads_and_builds() -> None:
     build_policy(c.policy, prefill=c.prefill_policy, decode=c.decode_policy, decider=c.decider)
 
 
+async def test_example_file_builds_a_gateway() -> None:
+    """Every worker of the example (an https one among them) becomes a Worker; nothing is started."""
+    from gateway.app import Gateway
+
+    env = {"HOSTED_API_KEY": "k", "PD_GATEWAY_ADMIN_TOKEN": "t"}
+    g = Gateway(load_config(EXAMPLE), environ=env)
+    urls = sorted(w.url for w in g.registry.workers())
+    assert len(urls) == 5 and urls[-1] == "https://api.internal.example:443", urls
+    assert g.registry.find("hosted").pool.tls is not None  # type: ignore[union-attr]
+
+
 def test_docs_embed_the_example() -> None:
     doc = (ROOT / "docs" / "configuration.md").read_text()
     block = re.search(r"```toml\n(.*?)```", doc, re.S)
