@@ -21,7 +21,7 @@ import msgspec
 
 from gateway.guards import Summary
 from gateway.parse import ParsedRequest
-from policies.snapshot import Engine, WorkerLoad, WorkerState
+from policies.snapshot import Engine, RouteKind, WorkerLoad, WorkerState
 
 
 class HandoffMode(enum.Enum):
@@ -88,6 +88,8 @@ class EngineAdapter(Protocol):
     handoff: ClassVar[HandoffMode]
     # P/D with n > 1 must go as n one-sample handoffs, merged by the gateway (gateway/samples.py)
     splits_samples: ClassVar[bool]
+    # client routes the engine answers (SGLang's native /generate is SGLang's alone)
+    routes: ClassVar[frozenset[RouteKind]]
     health_path: ClassVar[str]
     load_paths: ClassVar[tuple[str, ...]]
     info_paths: ClassVar[tuple[str, ...]]

@@ -10,13 +10,14 @@ from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, ap
 from adapters.prom import sum_metrics
 from gateway.guards import Summary
 from gateway.parse import ParsedRequest
-from policies.snapshot import Engine, WorkerLoad
+from policies.snapshot import Engine, RouteKind, WorkerLoad
 
 
 class OpenAIAdapter:
     engine: ClassVar[Engine] = Engine.OPENAI
     handoff: ClassVar[HandoffMode] = HandoffMode.NONE
     splits_samples: ClassVar[bool] = False  # colocated only
+    routes: ClassVar[frozenset[RouteKind]] = frozenset((RouteKind.COMPLETIONS, RouteKind.CHAT))
     health_path: ClassVar[str] = "/health"
     load_paths: ClassVar[tuple[str, ...]] = ("/metrics",)
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models",)

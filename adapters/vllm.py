@@ -25,7 +25,7 @@ from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, ap
 from adapters.prom import sum_metrics
 from gateway.guards import Summary
 from gateway.parse import ParsedRequest
-from policies.snapshot import Engine, WorkerLoad
+from policies.snapshot import Engine, RouteKind, WorkerLoad
 
 _BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 
@@ -68,6 +68,7 @@ class VLLMAdapter:
     engine: ClassVar[Engine] = Engine.VLLM
     handoff: ClassVar[HandoffMode] = HandoffMode.SEQUENTIAL
     splits_samples: ClassVar[bool] = False  # n > 1 is served by the decode alone (supports_pd)
+    routes: ClassVar[frozenset[RouteKind]] = frozenset((RouteKind.COMPLETIONS, RouteKind.CHAT))
     health_path: ClassVar[str] = "/health"
     load_paths: ClassVar[tuple[str, ...]] = ("/metrics",)
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models", "/metrics")

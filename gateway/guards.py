@@ -71,8 +71,8 @@ def preflight(
     """Why the request cannot fit a chosen worker, or None. Refuses only what surely cannot fit."""
     if prompt_is_ids:
         low = prompt_units
-    else:
-        low = int(prompt_units / s.max_bytes_per_token)
+    else:  # a prompt (never empty: refused at parse) is at least one token
+        low = max(1, int(prompt_units / s.max_bytes_per_token))
     out = max_tokens or 0
     for w in workers:
         if w.max_input_len is not None and low >= w.max_input_len:
@@ -81,6 +81,11 @@ def preflight(
                 f"{w.max_input_len} tokens"
             )
         if w.context_length is not None and low + out > w.context_length:
+            if out >= w.context_length:
+                return (
+                    f"max_tokens ({out}) leaves no room for the prompt in the context length of "
+                    f"{w.context_length} tokens of worker {w.id}"
+                )
             what = "the prompt" if out == 0 else f"the prompt (at least {low} tokens) plus max_tokens ({out})"
             return f"{what} exceeds the context length of {w.context_length} tokens of worker {w.id}"
     return None

@@ -330,6 +330,9 @@ class Orchestrator:
         colocated answer is better)."""
         snap = self.registry.snapshot()
         excl = self._exclude(failed)
+        unable = self.registry.not_serving(req.route)
+        if unable:
+            excl = excl | unable
         suspects = self.registry.suspect_pairs()
         if suspects and (req.stream or not _verifiable(req)):
             plan = self.policy.plan(view, snap, excl | suspects)
@@ -371,6 +374,14 @@ class Orchestrator:
         if isinstance(plan, Reject):
             if plan.status == 404:
                 raise ModelNotFound(plan.reason, param="model")
+            mine = [w for w in self.registry.workers() if w.model == req.model]
+            if mine and not any(req.route in w.adapter.routes for w in mine):
+                engines = ", ".join(sorted({w.engine.value for w in mine}))
+                raise BadRequest(
+                    f"model {req.model!r} is served by {engines} workers, which do not answer "
+                    f"{req.path} (SGLang's native route); use /v1/completions or /v1/chat/completions",
+                    param="model",
+                )
             raise NoWorker(plan.reason, retry_after_s=1.0)
         chosen = (plan.worker,) if isinstance(plan, Colocated) else (plan.prefill, plan.decode)
         if req.max_id >= 0:
@@ -379,7 +390,13 @@ class Orchestrator:
             why = preflight(req.prompt_units, req.prompt_is_ids, req.max_tokens, chosen, self.settings.guards)
             if why is not None:
                 self._guard_failed(Guard.LENGTH_PREFLIGHT, "preflight", request_id, why)
-                raise ContextLengthExceeded(why, param="messages" if req.route.value == "chat" else "prompt")
+                if why.startswith("max_tokens"):
+                    param = "max_new_tokens" if req.route is RouteKind.GENERATE else "max_tokens"
+                else:
+                    param = {RouteKind.CHAT: "messages", RouteKind.COMPLETIONS: "prompt"}.get(
+                        req.route, "text"
+                    )
+                raise ContextLengthExceeded(why, param=param)
         if isinstance(plan, Colocated):
             w = self.registry.get(plan.worker.id)
             a.plan_kind, a.decode = "colocated", w.id

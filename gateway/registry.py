@@ -17,7 +17,7 @@ import msgspec
 from adapters import ADAPTERS, EngineAdapter, ProbeInfo
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.http.client import UpstreamPool
-from policies.snapshot import ClusterSnapshot, Engine, Role, WorkerLoad, WorkerState
+from policies.snapshot import ClusterSnapshot, Engine, Role, RouteKind, WorkerLoad, WorkerState
 
 _replace = msgspec.structs.replace
 
@@ -152,6 +152,8 @@ class Registry:
         self._breaker = breaker or BreakerSettings()
         self._version = 0  # bumped by anything but in-flight counts (membership, health, breakers, load)
         self._models: tuple[str, ...] | None = None  # cached until membership or info changes
+        # per route: the workers whose engine does not answer it (cached like _models)
+        self._not_serving: dict[RouteKind, frozenset[str]] = {}
         self._snap_version = -1
         self._snap_seq = 0
         self._snap = ClusterSnapshot(version=0, workers=())
@@ -200,6 +202,16 @@ class Registry:
     def changed(self) -> None:
         self._version += 1
         self._models = None
+        self._not_serving = {}
+
+    def not_serving(self, route: RouteKind) -> frozenset[str]:
+        """Ids of the workers whose engine has no such route (SGLang's /generate on a vLLM
+        worker): a policy must not pick them for it. A shared empty set in the usual case."""
+        out = self._not_serving.get(route)
+        if out is None:
+            ids = [w.id for w in self._workers.values() if route not in w.adapter.routes]
+            out = self._not_serving[route] = frozenset(ids) if ids else _NO_PAIRS
+        return out
 
     def models(self) -> tuple[str, ...]:
         """The models some worker serves (cached: per request it is a lookup, not a scan)."""

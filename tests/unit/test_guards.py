@@ -34,6 +34,9 @@ def test_preflight_refuses_only_what_surely_cannot_fit() -> None:
     # text: 1,000 bytes is at most 1,000 tokens but at least 1000/16 = 62: not surely too long
     assert preflight(1000, False, 10, (w,), s) is None
     assert preflight(2000, False, 10, (w,), s) is not None
+    # a one-byte prompt is still one token: max_tokens alone cannot take the whole context
+    assert (preflight(1, False, 100, (w,), s) or "").startswith("max_tokens (100) leaves no room")
+    assert preflight(1, False, 99, (w,), s) is None
 
 
 def test_decode_checks() -> None:
