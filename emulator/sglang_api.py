@@ -27,6 +27,7 @@ from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_respons
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, admit_and_compute, env_float, sglang_fetch_kv, tokens
 from emulator.kvtransfer import TransferError
+from emulator.logprobs import logprob_ask, logprobs
 from emulator.metrics import render_sglang
 from emulator.scheduler import Aborted, EngineDead, Seq, TooLarge
 
@@ -633,6 +634,7 @@ def setup(s: EmulatorServer) -> None:
             max_new = int(mt) if mt is not None else max(1, s.max_model_len - len(prompts[0]))
             try:
                 n = _num_samples(body.get("n"))
+                ask = logprob_ask(body, chat)
             except (TypeError, ValueError) as e:
                 return _error_openai(400, str(e))
             want_ids = bool(body.get("return_token_ids"))
@@ -665,12 +667,17 @@ def setup(s: EmulatorServer) -> None:
                 choices = []
                 for i, res in enumerate(results):
                     text = tokenizer.decode(res.output_ids)
+                    lps = None
+                    if ask is not None:
+                        lps = logprobs(
+                            ask, list(res.output_ids), items[i].prompt[-1] if items[i].prompt else 0
+                        )
                     choice: dict[str, Any]
                     if chat:
                         choice = {
                             "index": i,
                             "message": {"role": "assistant", "content": text, "reasoning_content": None},
-                            "logprobs": None,
+                            "logprobs": lps,
                             "finish_reason": finish_str(res),
                             "matched_stop": None,
                         }
@@ -683,7 +690,7 @@ def setup(s: EmulatorServer) -> None:
                         choice = {
                             "index": i,
                             "text": text,
-                            "logprobs": None,
+                            "logprobs": lps,
                             "finish_reason": finish_str(res),
                             "matched_stop": None,
                         }
@@ -740,16 +747,21 @@ def setup(s: EmulatorServer) -> None:
                     )
 
                 async def on_token(out: list[int]) -> None:
-                    new = out[sent[0] :]
+                    start = sent[0]
+                    new = out[start:]
                     sent[0] = len(out)
                     text = "".join(tokenizer.token_text(t) for t in new)
+                    lp = None
+                    if ask is not None:
+                        prev = out[start - 1] if start else (it.prompt[-1] if it.prompt else 0)
+                        lp = logprobs(ask, list(new), prev, start)
                     if chat:
                         await resp.write(
                             chunk(
                                 {
                                     "index": idx,
                                     "delta": {"reasoning_content": None, "content": text},
-                                    "logprobs": None,
+                                    "logprobs": lp,
                                     "finish_reason": None,
                                     "matched_stop": None,
                                 }
@@ -759,7 +771,7 @@ def setup(s: EmulatorServer) -> None:
                         c: dict[str, Any] = {
                             "index": idx,
                             "text": text,
-                            "logprobs": None,
+                            "logprobs": lp,
                             "finish_reason": None,
                             "matched_stop": None,
                         }

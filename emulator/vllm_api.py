@@ -20,6 +20,7 @@ from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_respons
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, tokens, vllm_pull_kv
 from emulator.kvtransfer import Held, TransferError
+from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_vllm
 from emulator.scheduler import Aborted, EngineDead, Seq, TooLarge
 
@@ -165,6 +166,10 @@ def setup(s: EmulatorServer) -> None:
             n_samples = 1 if body.get("n") is None else int(body["n"])
         except (TypeError, ValueError):
             return _error(400, "n must be an integer", param="n")
+        try:
+            ask = logprob_ask(body, chat)
+        except ValueError as e:
+            return _error(400, str(e))
         if n_samples < 1:
             return _error(400, f"n must be at least 1, got {n_samples}.", param="n")
         temperature = body.get("temperature")
@@ -176,7 +181,7 @@ def setup(s: EmulatorServer) -> None:
                 bad = check_length(pr, body)
                 if bad is not None:
                     return bad
-            return await run_multi(request, body, chat, hit, prompts, n_samples)
+            return await run_multi(request, body, chat, hit, prompts, n_samples, ask)
         prompt = prompts[0]
         n_prompt = len(prompt)
         bad = check_length(prompt, body)
@@ -231,11 +236,14 @@ def setup(s: EmulatorServer) -> None:
             if stream and resp is None:
                 resp = await start_sse(request)
             first = True
+            prev, offset = prompt[-1] if prompt else 0, 0
             async for tok in tokens(s, seq, n, hit):
                 out.append(tok)
                 if resp is not None:
                     last = len(out) == n
                     text = tokenizer.token_text(tok)
+                    lp = logprobs(ask, [tok], prev, offset) if ask is not None else None
+                    prev, offset = tok, offset + len(text)
                     if chat:
                         if first:
                             await resp.write(
@@ -269,7 +277,7 @@ def setup(s: EmulatorServer) -> None:
                                         {
                                             "index": 0,
                                             "delta": {"content": text},
-                                            "logprobs": None,
+                                            "logprobs": lp,
                                             "finish_reason": None,
                                             "token_ids": [tok] if return_ids else None,
                                         }
@@ -281,7 +289,7 @@ def setup(s: EmulatorServer) -> None:
                         choice: dict[str, Any] = {
                             "index": 0,
                             "text": text,
-                            "logprobs": None,
+                            "logprobs": lp,
                             "finish_reason": "length" if last else None,
                             "stop_reason": None,
                         }
@@ -410,6 +418,7 @@ def setup(s: EmulatorServer) -> None:
             await resp.write_eof()
             return resp
         text = tokenizer.decode(out)
+        lps = logprobs(ask, out, prompt[-1] if prompt else 0) if ask is not None else None
         if chat:
             obj: dict[str, Any] = {
                 "id": oid,
@@ -429,7 +438,7 @@ def setup(s: EmulatorServer) -> None:
                             "tool_calls": [],
                             "reasoning": None,
                         },
-                        "logprobs": None,
+                        "logprobs": lps,
                         "finish_reason": "length",
                         "stop_reason": None,
                         "token_ids": out if return_ids else None,
@@ -456,7 +465,7 @@ def setup(s: EmulatorServer) -> None:
                     {
                         "index": 0,
                         "text": text,
-                        "logprobs": None,
+                        "logprobs": lps,
                         "finish_reason": "length",
                         "stop_reason": None,
                         "token_ids": out if return_ids else None,
@@ -481,6 +490,7 @@ def setup(s: EmulatorServer) -> None:
         hit: dict[str, Fault],
         prompts: list[list[int]],
         n: int,
+        ask: LogprobAsk | None,
     ) -> web.StreamResponse:
         """A batch of prompts and/or ``n > 1`` samples, served locally (the gateway sends these to
         one worker without ``kv_transfer_params``). Choice ``k = prompt_index * n + sample_index``;
@@ -541,13 +551,17 @@ def setup(s: EmulatorServer) -> None:
                     if resp is None:
                         continue
                     text = tokenizer.token_text(tok)
+                    lp = None
+                    if ask is not None:
+                        prev = out[-2] if len(out) > 1 else (seq.prompt[-1] if seq.prompt else 0)
+                        lp = logprobs(ask, [tok], prev, len(out) - 1)
                     if chat:
                         await resp.write(
                             chunk(
                                 {
                                     "index": k,
                                     "delta": {"content": text},
-                                    "logprobs": None,
+                                    "logprobs": lp,
                                     "finish_reason": None,
                                     "token_ids": [tok] if return_ids else None,
                                 }
@@ -557,7 +571,7 @@ def setup(s: EmulatorServer) -> None:
                         choice: dict[str, Any] = {
                             "index": k,
                             "text": text,
-                            "logprobs": None,
+                            "logprobs": lp,
                             "finish_reason": "length" if len(out) == max_new else None,
                             "stop_reason": None,
                         }
@@ -622,6 +636,7 @@ def setup(s: EmulatorServer) -> None:
         choices: list[dict[str, Any]] = []
         for k, (_, seq) in enumerate(children):
             out = outs[k]
+            lps = logprobs(ask, out, seq.prompt[-1] if seq.prompt else 0) if ask is not None else None
             if chat:
                 choices.append(
                     {
@@ -636,7 +651,7 @@ def setup(s: EmulatorServer) -> None:
                             "tool_calls": [],
                             "reasoning": None,
                         },
-                        "logprobs": None,
+                        "logprobs": lps,
                         "finish_reason": finish[k],
                         "stop_reason": None,
                         "token_ids": out if return_ids else None,
@@ -648,7 +663,7 @@ def setup(s: EmulatorServer) -> None:
                     {
                         "index": k,
                         "text": tokenizer.decode(out),
-                        "logprobs": None,
+                        "logprobs": lps,
                         "finish_reason": finish[k],
                         "stop_reason": None,
                         "token_ids": out if return_ids else None,

@@ -289,3 +289,41 @@ async def test_out_of_vocabulary_token_ids_are_a_400(emu: Factory, http: aiohttp
         ) as r:
             assert r.status == 400
             assert (await r.json())["error"]["message"] == f"Token id {bad} is out of vocabulary"
+
+
+async def test_openai_logprobs_shapes(emu: Factory, http: aiohttp.ClientSession) -> None:
+    """`logprobs` (completions) and `logprobs` + `top_logprobs` (chat), whole and streamed: one
+    entry per generated token, the chosen token the most likely, the same values either way."""
+    s = await emu("vllm", "both")
+    comp = {"prompt": "Hello there", "max_tokens": 5, "temperature": 0, "logprobs": 3}
+    st, text = await post(http, s.url + "/v1/completions", comp)
+    assert st == 200, text
+    c = json.loads(text)["choices"][0]
+    lp = c["logprobs"]
+    assert "".join(lp["tokens"]) == c["text"] and len(lp["token_logprobs"]) == 5
+    assert lp["text_offset"] == [0, 1, 2, 3, 4]
+    for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert len(top) == 3 and max(top.values()) == top[tok] == val < 0
+    st, raw = await post(http, s.url + "/v1/completions", comp | {"stream": True})
+    events = [json.loads(e) for e in sse_events(raw) if e != "[DONE]"]
+    streamed = [e["choices"][0]["logprobs"] for e in events if e["choices"]]
+    assert [v for x in streamed for v in x["token_logprobs"]] == lp["token_logprobs"]
+    assert [v for x in streamed for v in x["text_offset"]] == lp["text_offset"]
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    st, text = await post(http, s.url + "/v1/chat/completions", chat)
+    assert st == 200, text
+    content = json.loads(text)["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(e["top_logprobs"]) == 2 for e in content)
+    assert all(e["top_logprobs"][0]["token"] == e["token"] for e in content)
+    st, text = await post(http, s.url + "/v1/chat/completions", chat | {"logprobs": False})
+    assert st == 400 and "`logprobs` must be set to true" in text
+    st, text = await post(http, s.url + "/v1/completions", comp | {"logprobs": 21})
+    assert st == 400 and "greater than max allowed: 20" in text
+    st, text = await post(http, s.url + "/v1/completions", comp | {"logprobs": None})
+    assert st == 200 and json.loads(text)["choices"][0]["logprobs"] is None

@@ -366,6 +366,93 @@ async def test_generate_sampling_params_list_errors(
     assert needle in err["message"] and err["param"] == "sampling_params", err
 
 
+async def test_generate_on_a_model_without_sglang_workers_is_a_clear_400(cluster: Cluster) -> None:
+    """/generate is SGLang's own route: a model served only by vLLM workers gets a 400 that says
+    so (not the engine's 404 passed on as a failed prefill), and no engine sees the request."""
+    before = (await cluster.emulators["vllm-p"].stats())["received"]
+    s, _, raw = await post(
+        cluster.url + "/generate", {"model": "m-vllm", "text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    )
+    assert s == 400, raw
+    err = json.loads(raw)["error"]
+    assert (
+        err["param"] == "model" and "vllm workers" in err["message"] and "/v1/completions" in err["message"]
+    )
+    assert (await cluster.emulators["vllm-p"].stats())["received"] == before
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/completions", {"model": "m-vllm", "prompt": "x", "max_tokens": 10**7}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"model": "m-sglang", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**7},
+            "max_tokens",
+        ),
+        (
+            "/generate",
+            {"model": "m-sglang", "text": "x", "sampling_params": {"max_new_tokens": 10**7}},
+            "max_new_tokens",
+        ),
+        ("/v1/completions", {"model": "m-vllm", "prompt": list(range(5, 9000)), "max_tokens": 4}, "prompt"),
+    ],
+)
+async def test_context_length_errors_name_what_is_too_large(
+    cluster: Cluster, route: str, body: dict[str, Any], param: str
+) -> None:
+    s, _, raw = await post(cluster.url + route, body)
+    assert s == 400, raw
+    err = json.loads(raw)["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == param, err
+    assert "at least 0" not in err["message"]
+
+
+def _logprobs_of(route: str, raw: bytes, stream: bool) -> list[Any]:
+    """Per choice 0: the (token, logprob, top alternatives) triples, streamed chunks joined."""
+    chat = route.endswith("chat/completions")
+    objs = [json.loads(raw)] if not stream else [e for e in sse_events(raw) if e != "[DONE]"]
+    out: list[Any] = []
+    for o in objs:
+        for c in o.get("choices", []):
+            lp = c.get("logprobs")
+            if c.get("index", 0) != 0 or not lp:
+                continue
+            if chat:
+                out += [
+                    (e["token"], e["logprob"], [t["token"] for t in e["top_logprobs"]]) for e in lp["content"]
+                ]
+            else:
+                out += list(
+                    zip(
+                        lp["tokens"],
+                        lp["token_logprobs"],
+                        [sorted(t) for t in lp["top_logprobs"]],
+                        strict=True,
+                    )
+                )
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("model", "route"), [c for c in CASES if c[1] != "/generate"])
+async def test_openai_logprobs_through_pd_equal_colocated(
+    cluster: Cluster, model: str, route: str, stream: bool
+) -> None:
+    body = body_for(route, model, "The capital of France is", stream, max_tokens=6)
+    if route == "/v1/chat/completions":
+        body |= {"logprobs": True, "top_logprobs": 3}
+    else:
+        body |= {"logprobs": 2}
+    s, _, raw = await post(cluster.url + route, body)
+    assert s == 200, raw
+    _, _, ref = await post(cluster.reference[model].url + route, body)
+    got, want = _logprobs_of(route, raw, stream), _logprobs_of(route, ref, stream)
+    assert len(got) == 6 and got == want
+    assert all(lp < 0 and len(top) == (3 if "chat" in route else 2) for _, lp, top in got)
+    assert "".join(t for t, _, _ in got) == generated(route, raw, stream)[0]
+
+
 async def test_request_ids_are_honoured_echoed_and_generated(cluster: Cluster) -> None:
     s, h, raw = await post(
         cluster.url + "/v1/completions",

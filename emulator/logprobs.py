@@ -1,0 +1,93 @@
+"""OpenAI-route logprobs of the emulated model (`logprobs` on completions, `logprobs` +
+`top_logprobs` on chat), in the shapes both engines answer with.
+
+A token's logprob is a function of the token before it and itself (`model.prompt_logprob`), so
+a P/D answer and a colocated one with the same tokens carry the same logprobs, and different
+tokens (a wrong KV) show in them too. The chosen token is always the most likely; the other
+`top` entries are the next letters of the model's alphabet, each less likely than the last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from emulator import model, tokenizer
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+class LogprobAsk(msgspec.Struct, frozen=True):
+    chat: bool
+    top: int  # alternatives asked for (completions: `logprobs`; chat: `top_logprobs`)
+
+
+def logprob_ask(body: dict[str, Any], chat: bool) -> LogprobAsk | None:
+    """What the request asks for, or None. Raises ValueError for a value the engines refuse."""
+    if chat:
+        if not body.get("logprobs"):
+            if body.get("top_logprobs"):
+                raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+            return None
+        top = body.get("top_logprobs") or 0
+    else:
+        top = body.get("logprobs")
+        if top is None or top is False:
+            return None
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ValueError(f"logprobs must be a non-negative integer, got {top!r}")
+    if top > MAX_LOGPROBS:
+        raise ValueError(
+            f"Requested sample logprobs of {top}, which is greater than max allowed: {MAX_LOGPROBS}"
+        )
+    return LogprobAsk(chat, top)
+
+
+def _alternatives(prev: int, tok: int, top: int) -> list[tuple[int, float]]:
+    lp = model.prompt_logprob(prev, tok)
+    out = [(tok, lp)]
+    for alt in model.ALPHABET_IDS:
+        if len(out) >= top:
+            break
+        if all(alt != t for t, _ in out):
+            out.append((alt, lp - 0.25 * len(out)))
+    return out[:top]
+
+
+def logprobs(ask: LogprobAsk, tokens: list[int], prev: int, offset: int = 0) -> dict[str, Any]:
+    """The `logprobs` object of a choice (or of one stream chunk) for `tokens`, `prev` being the
+    token before the first of them (the prompt's last, or the previous chunk's last) and `offset`
+    the length of the text before them (completions' `text_offset`)."""
+    if ask.chat:
+        content = []
+        for tok in tokens:
+            text = tokenizer.token_text(tok)
+            alts = _alternatives(prev, tok, ask.top)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": model.prompt_logprob(prev, tok),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": tokenizer.token_text(t),
+                            "logprob": lp,
+                            "bytes": list(tokenizer.token_text(t).encode()),
+                        }
+                        for t, lp in alts
+                    ],
+                }
+            )
+            prev = tok
+        return {"content": content}
+    texts, lps, tops, offsets = [], [], [], []
+    for tok in tokens:
+        text = tokenizer.token_text(tok)
+        texts.append(text)
+        lps.append(model.prompt_logprob(prev, tok))
+        tops.append({tokenizer.token_text(t): lp for t, lp in _alternatives(prev, tok, max(1, ask.top))})
+        offsets.append(offset)
+        offset += len(text)
+        prev = tok
+    return {"text_offset": offsets, "token_logprobs": lps, "tokens": texts, "top_logprobs": tops}
