@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from emulator.faults import Fault
@@ -41,23 +41,29 @@ async def admit_and_compute(server: EmulatorServer, seq: Seq, *, truncate_to: in
     await server.engine.prefill(seq, truncate_to=truncate_to)
 
 
-async def tokens(server: EmulatorServer, seq: Seq, n: int, hit: dict[str, Fault]) -> AsyncIterator[int]:
+async def tokens(
+    server: EmulatorServer, seq: Seq, n: int, hit: dict[str, Fault]
+) -> AsyncGenerator[int, None]:
     """Output tokens with the per-token faults applied."""
     engine = server.engine
     slow = hit.get("slow")
     mid = hit.get("hang_mid_stream") or hit.get("crash_mid_stream")
     after = mid.get_int("after", 2) if mid is not None else -1
     i = 0
-    async for tok in engine.decode(seq, n):
-        if i == after and mid is not None:
-            raise MidStreamFault(mid.kind)
-        if i == 0:
-            seq.t_first = time.time()
-        engine.counters.generation_tokens_total += 1
-        yield tok
-        i += 1
-        if slow is not None:
-            await asyncio.sleep((slow.get_float("factor", 5.0) - 1.0) * engine.token_interval())
+    steps = engine.decode(seq, n)
+    try:
+        async for tok in steps:
+            if i == after and mid is not None:
+                raise MidStreamFault(mid.kind)
+            if i == 0:
+                seq.t_first = time.time()
+            engine.counters.generation_tokens_total += 1
+            yield tok
+            i += 1
+            if slow is not None:
+                await asyncio.sleep((slow.get_float("factor", 5.0) - 1.0) * engine.token_interval())
+    finally:
+        await steps.aclose()  # a consumer that stops early (a stop string) leaves the batch now
     if i == after and mid is not None:
         raise MidStreamFault(mid.kind)
 

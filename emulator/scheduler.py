@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
 from emulator import model, timing
@@ -288,7 +288,7 @@ class Engine:
         seq.state = model.stream_state(kv, len(seq.prompt), self.seed, seq.sample_seed)
 
     # ------------------------------------------------------------------ decode
-    async def decode(self, seq: Seq, n: int) -> AsyncIterator[int]:
+    async def decode(self, seq: Seq, n: int) -> AsyncGenerator[int, None]:
         """Yield ``n`` output tokens; one per engine step in timed mode."""
         state = seq.state
         if self.zero_delay:

@@ -30,6 +30,7 @@ from emulator.kvtransfer import TransferError
 from emulator.logprobs import logprob_ask, logprobs
 from emulator.metrics import render_sglang
 from emulator.scheduler import Aborted, EngineDead, Seq, TooLarge
+from emulator.stops import Stopper, StopSpec, stop_spec
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
 
@@ -44,6 +45,7 @@ class Item(msgspec.Struct):
     bport: int | None
     logprob: bool = False
     top_n: int = 0
+    stop: StopSpec | None = None
 
 
 class Result(msgspec.Struct):
@@ -55,6 +57,16 @@ class Result(msgspec.Struct):
     t_first: float
     error_status: int = 0
     error_message: str = ""
+    visible: int | None = None  # stopped: the output tokens whose text is shown
+
+    @property
+    def text(self) -> str:
+        ids = self.output_ids if self.visible is None else self.output_ids[: self.visible]
+        return tokenizer.decode(ids)
+
+    @property
+    def matched(self) -> Any:
+        return (self.finish or {}).get("matched")
 
 
 def _error_generate(status: int, message: str) -> web.Response:
@@ -227,13 +239,30 @@ class SglangApi:
             else:
                 await engine.prefill(seq)
             every = max(1, s.spec.stream_interval)  # --stream-interval: an event per `every` tokens
-            async for tok in tokens(s, seq, item.max_new, hit):
-                out.append(tok)
-                if on_token is not None and len(out) % every == 0:
-                    await on_token(out)
-            if on_token is not None and out and len(out) % every:
-                await on_token(out)  # the rest, before the finish event
-            res.finish = {"type": "length", "length": len(out)}
+            stopper = Stopper(item.stop) if item.stop is not None else None
+            shown = 0  # tokens a stream has shown (a stop string's possible start is held back)
+            gen = tokens(s, seq, item.max_new, hit)
+            try:
+                async for tok in gen:
+                    out.append(tok)
+                    stopped = stopper is not None and stopper.feed(tok)
+                    if stopped:
+                        break
+                    if on_token is not None and len(out) % every == 0:
+                        now = stopper.shown(len(out), False) if stopper is not None else len(out)
+                        if now > shown:
+                            shown = now
+                            await on_token(out[:now])
+            finally:
+                await gen.aclose()
+            final = stopper.shown(len(out), True) if stopper is not None else len(out)
+            if on_token is not None and final > shown:
+                await on_token(out[:final])  # the rest, before the finish event
+            if stopper is not None and stopper.matched is not None:
+                res.finish = {"type": "stop", "matched": stopper.matched}
+                res.visible = stopper.visible
+            else:
+                res.finish = {"type": "length", "length": len(out)}
             return res
         except TransferError as e:
             engine.counters.bootstrap_failed += e.kind == "handshake"
@@ -360,7 +389,7 @@ class SglangApi:
     def generate_obj(self, item: Item, res: Result, final: bool) -> dict[str, Any]:
         n = len(res.output_ids)
         return {
-            "text": tokenizer.decode(res.output_ids),
+            "text": res.text,
             "output_ids": list(res.output_ids),
             "meta_info": self.meta(item, res, final, n),
         }
@@ -413,6 +442,7 @@ def setup(s: EmulatorServer) -> None:
         max_new: int | list[int],
         sample_seed: int | list[int | None] | None,
         n: int = 1,
+        stop: StopSpec | list[StopSpec | None] | None = None,
     ) -> list[Item]:
         """One item per (prompt, sample), prompt-major: item ``k = prompt_index * n + sample_index``
         (SGLang's parallel-sampling expansion). `max_new` and `sample_seed` are one for all
@@ -444,6 +474,7 @@ def setup(s: EmulatorServer) -> None:
                         int(port) if port is not None else None,
                         bool(body.get("return_logprob", False)),
                         int(body.get("top_logprobs_num") or 0),
+                        stop[i] if isinstance(stop, list) else stop,
                     )
                 )
         return items
@@ -528,7 +559,11 @@ def setup(s: EmulatorServer) -> None:
                 return _error_generate(400, str(e))
             batch = batch or n > 1  # SGLang turns a single prompt with n > 1 into a batch
             max_new = [_max_new(sp) for sp in sps]
-            items = make_items(body, prompts, max_new, [_sampling(sp) for sp in sps], n)
+            try:
+                stops = [stop_spec(sp, "no_stop_trim") for sp in sps]
+            except ValueError as e:
+                return _error_generate(400, str(e))
+            items = make_items(body, prompts, max_new, [_sampling(sp) for sp in sps], n, stops)
             bad = check(items, _error_generate, request)
             if bad is not None:
                 return bad
@@ -635,6 +670,7 @@ def setup(s: EmulatorServer) -> None:
             try:
                 n = _num_samples(body.get("n"))
                 ask = logprob_ask(body, chat)
+                stop = stop_spec(body, "no_stop_trim")
             except (TypeError, ValueError) as e:
                 return _error_openai(400, str(e))
             want_ids = bool(body.get("return_token_ids"))
@@ -647,7 +683,7 @@ def setup(s: EmulatorServer) -> None:
                     f"{field} is not supported with streaming{where}. "
                     f"Please set stream=false when using {field}=true.",
                 )
-            items = make_items(body, prompts, max_new, _sampling(body), n)
+            items = make_items(body, prompts, max_new, _sampling(body), n, stop)
             bad = check(items, _error_openai, request)
             if bad is not None:
                 return bad
@@ -666,7 +702,7 @@ def setup(s: EmulatorServer) -> None:
                         return _error_openai(res.error_status, res.error_message)
                 choices = []
                 for i, res in enumerate(results):
-                    text = tokenizer.decode(res.output_ids)
+                    text = res.text
                     lps = None
                     if ask is not None:
                         lps = logprobs(
@@ -679,7 +715,7 @@ def setup(s: EmulatorServer) -> None:
                             "message": {"role": "assistant", "content": text, "reasoning_content": None},
                             "logprobs": lps,
                             "finish_reason": finish_str(res),
-                            "matched_stop": None,
+                            "matched_stop": res.matched,
                         }
                         # SGLang: chat answers carry the ids as prompt_token_ids/response_token_ids
                         if want_prompt_ids:
@@ -692,7 +728,7 @@ def setup(s: EmulatorServer) -> None:
                             "text": text,
                             "logprobs": lps,
                             "finish_reason": finish_str(res),
-                            "matched_stop": None,
+                            "matched_stop": res.matched,
                         }
                         if want_ids:  # completions: token_ids (output) and prompt_token_ids
                             choice["token_ids"] = list(res.output_ids)
@@ -802,7 +838,7 @@ def setup(s: EmulatorServer) -> None:
                                 "delta": {"reasoning_content": None},
                                 "logprobs": None,
                                 "finish_reason": finish_str(res),
-                                "matched_stop": None,
+                                "matched_stop": res.matched,
                             }
                         )
                     )
@@ -812,7 +848,7 @@ def setup(s: EmulatorServer) -> None:
                         "text": "",
                         "logprobs": None,
                         "finish_reason": finish_str(res),
-                        "matched_stop": None,
+                        "matched_stop": res.matched,
                     }
                     if want_ids:
                         last_choice["token_ids"] = []

@@ -23,6 +23,7 @@ from emulator.kvtransfer import Held, TransferError
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_vllm
 from emulator.scheduler import Aborted, EngineDead, Seq, TooLarge
+from emulator.stops import Stopper, StopSpec, stop_spec
 
 ENGINE_DEAD_MSG = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 LEASE_S = 30.0
@@ -32,6 +33,15 @@ class HandoffError(Exception):
     def __init__(self, message: str, fatal: bool = False) -> None:
         super().__init__(message)
         self.fatal = fatal
+
+
+def _finish(stopper: Stopper | None) -> str:
+    return "stop" if stopper is not None and stopper.matched is not None else "length"
+
+
+def _stop_reason(stopper: Stopper | None) -> str | int | None:
+    """vLLM names what stopped a sequence: the stop string or the stop token id."""
+    return None if stopper is None else stopper.matched
 
 
 def _error(status: int, message: str, typ: str | None = None, param: str | None = None) -> web.Response:
@@ -168,6 +178,7 @@ def setup(s: EmulatorServer) -> None:
             return _error(400, "n must be an integer", param="n")
         try:
             ask = logprob_ask(body, chat)
+            stop = stop_spec(body, "include_stop_str_in_output")
         except ValueError as e:
             return _error(400, str(e))
         if n_samples < 1:
@@ -181,7 +192,7 @@ def setup(s: EmulatorServer) -> None:
                 bad = check_length(pr, body)
                 if bad is not None:
                     return bad
-            return await run_multi(request, body, chat, hit, prompts, n_samples, ask)
+            return await run_multi(request, body, chat, hit, prompts, n_samples, ask, stop)
         prompt = prompts[0]
         n_prompt = len(prompt)
         bad = check_length(prompt, body)
@@ -236,16 +247,18 @@ def setup(s: EmulatorServer) -> None:
             if stream and resp is None:
                 resp = await start_sse(request)
             first = True
-            prev, offset = prompt[-1] if prompt else 0, 0
-            async for tok in tokens(s, seq, n, hit):
-                out.append(tok)
-                if resp is not None:
-                    last = len(out) == n
-                    text = tokenizer.token_text(tok)
-                    lp = logprobs(ask, [tok], prev, offset) if ask is not None else None
-                    prev, offset = tok, offset + len(text)
-                    if chat:
-                        if first:
+            shown = 0  # tokens whose text a stream has shown (a stop string's start is held back)
+            stopper = Stopper(stop) if stop is not None else None
+            steps = tokens(s, seq, n, hit)
+            try:
+                async for tok in steps:
+                    out.append(tok)
+                    stopped = stopper is not None and stopper.feed(tok)
+                    last = stopped or len(out) == n
+                    if resp is not None:
+                        now = stopper.shown(len(out), last) if stopper is not None else len(out)
+                        new = out[shown:now]
+                        if chat and first:
                             await resp.write(
                                 sse(
                                     {
@@ -266,48 +279,60 @@ def setup(s: EmulatorServer) -> None:
                                     }
                                 )
                             )
-                        await resp.write(
-                            sse(
-                                {
-                                    "id": oid,
-                                    "object": "chat.completion.chunk",
-                                    "created": created,
-                                    "model": body.get("model") or served,
-                                    "choices": [
+                        if new or (last and not chat):
+                            text = "".join(tokenizer.token_text(t) for t in new)
+                            lp = None
+                            if ask is not None:
+                                before = out[shown - 1] if shown else (prompt[-1] if prompt else 0)
+                                lp = logprobs(ask, new, before, shown)
+                            if chat:
+                                await resp.write(
+                                    sse(
                                         {
-                                            "index": 0,
-                                            "delta": {"content": text},
-                                            "logprobs": lp,
-                                            "finish_reason": None,
-                                            "token_ids": [tok] if return_ids else None,
+                                            "id": oid,
+                                            "object": "chat.completion.chunk",
+                                            "created": created,
+                                            "model": body.get("model") or served,
+                                            "choices": [
+                                                {
+                                                    "index": 0,
+                                                    "delta": {"content": text},
+                                                    "logprobs": lp,
+                                                    "finish_reason": None,
+                                                    "token_ids": new if return_ids else None,
+                                                }
+                                            ],
                                         }
-                                    ],
+                                    )
+                                )
+                            else:
+                                choice: dict[str, Any] = {
+                                    "index": 0,
+                                    "text": text,
+                                    "logprobs": lp,
+                                    "finish_reason": _finish(stopper) if last else None,
+                                    "stop_reason": _stop_reason(stopper) if last else None,
                                 }
-                            )
-                        )
-                    else:
-                        choice: dict[str, Any] = {
-                            "index": 0,
-                            "text": text,
-                            "logprobs": lp,
-                            "finish_reason": "length" if last else None,
-                            "stop_reason": None,
-                        }
-                        if return_ids:
-                            choice["prompt_token_ids"] = prompt if first else None
-                            choice["token_ids"] = [tok]
-                        await resp.write(
-                            sse(
-                                {
-                                    "id": oid,
-                                    "object": "text_completion",
-                                    "created": created,
-                                    "model": body.get("model") or served,
-                                    "choices": [choice],
-                                }
-                            )
-                        )
-                first = False
+                                if return_ids:
+                                    choice["prompt_token_ids"] = prompt if shown == 0 else None
+                                    choice["token_ids"] = new
+                                await resp.write(
+                                    sse(
+                                        {
+                                            "id": oid,
+                                            "object": "text_completion",
+                                            "created": created,
+                                            "model": body.get("model") or served,
+                                            "choices": [choice],
+                                        }
+                                    )
+                                )
+                            shown = now
+                    first = False
+                    if stopped:
+                        break
+            finally:
+                await steps.aclose()
             if remote_decode:
                 truncated = "silent_truncation" in hit
                 seq.kv_valid = seq.kv_valid and not truncated
@@ -392,8 +417,8 @@ def setup(s: EmulatorServer) -> None:
                                     "index": 0,
                                     "delta": {"content": ""},
                                     "logprobs": None,
-                                    "finish_reason": "length",
-                                    "stop_reason": None,
+                                    "finish_reason": _finish(stopper),
+                                    "stop_reason": _stop_reason(stopper),
                                     "token_ids": None,
                                 }
                             ],
@@ -417,8 +442,9 @@ def setup(s: EmulatorServer) -> None:
             await resp.write(DONE)
             await resp.write_eof()
             return resp
-        text = tokenizer.decode(out)
-        lps = logprobs(ask, out, prompt[-1] if prompt else 0) if ask is not None else None
+        shown_ids = out[: stopper.shown(len(out), True)] if stopper is not None else out
+        text = tokenizer.decode(shown_ids)
+        lps = logprobs(ask, shown_ids, prompt[-1] if prompt else 0) if ask is not None else None
         if chat:
             obj: dict[str, Any] = {
                 "id": oid,
@@ -439,8 +465,8 @@ def setup(s: EmulatorServer) -> None:
                             "reasoning": None,
                         },
                         "logprobs": lps,
-                        "finish_reason": "length",
-                        "stop_reason": None,
+                        "finish_reason": _finish(stopper),
+                        "stop_reason": _stop_reason(stopper),
                         "token_ids": out if return_ids else None,
                         "routed_experts": None,
                     }
@@ -466,8 +492,8 @@ def setup(s: EmulatorServer) -> None:
                         "index": 0,
                         "text": text,
                         "logprobs": lps,
-                        "finish_reason": "length",
-                        "stop_reason": None,
+                        "finish_reason": _finish(stopper),
+                        "stop_reason": _stop_reason(stopper),
                         "token_ids": out if return_ids else None,
                         "prompt_logprobs": None,
                         "prompt_token_ids": prompt if return_ids else None,
@@ -491,6 +517,7 @@ def setup(s: EmulatorServer) -> None:
         prompts: list[list[int]],
         n: int,
         ask: LogprobAsk | None,
+        stop: StopSpec | None,
     ) -> web.StreamResponse:
         """A batch of prompts and/or ``n > 1`` samples, served locally (the gateway sends these to
         one worker without ``kv_transfer_params``). Choice ``k = prompt_index * n + sample_index``;
@@ -517,6 +544,7 @@ def setup(s: EmulatorServer) -> None:
                 children.append((max_new, Seq(rid, prompt, max_new, model.sample_seed(base_seed, j))))
         outs: list[list[int]] = [[] for _ in children]
         finish: list[str] = ["length"] * len(children)
+        stoppers = [Stopper(stop) if stop is not None else None for _ in children]
         resp: web.StreamResponse | None = None
 
         def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
@@ -546,39 +574,56 @@ def setup(s: EmulatorServer) -> None:
             try:
                 await engine.admit(seq)
                 await engine.prefill(seq)
-                async for tok in tokens(s, seq, max_new, hit):
-                    out.append(tok)
-                    if resp is None:
-                        continue
-                    text = tokenizer.token_text(tok)
-                    lp = None
-                    if ask is not None:
-                        prev = out[-2] if len(out) > 1 else (seq.prompt[-1] if seq.prompt else 0)
-                        lp = logprobs(ask, [tok], prev, len(out) - 1)
-                    if chat:
-                        await resp.write(
-                            chunk(
-                                {
-                                    "index": k,
-                                    "delta": {"content": text},
-                                    "logprobs": lp,
-                                    "finish_reason": None,
-                                    "token_ids": [tok] if return_ids else None,
-                                }
-                            )
-                        )
-                    else:
-                        choice: dict[str, Any] = {
-                            "index": k,
-                            "text": text,
-                            "logprobs": lp,
-                            "finish_reason": "length" if len(out) == max_new else None,
-                            "stop_reason": None,
-                        }
-                        if return_ids:
-                            choice["prompt_token_ids"] = seq.prompt if len(out) == 1 else None
-                            choice["token_ids"] = [tok]
-                        await resp.write(chunk(choice))
+                stopper = stoppers[k]
+                shown = 0
+                steps = tokens(s, seq, max_new, hit)
+                try:
+                    async for tok in steps:
+                        out.append(tok)
+                        stopped = stopper is not None and stopper.feed(tok)
+                        if stopped:
+                            finish[k] = "stop"
+                        last = stopped or len(out) == max_new
+                        if resp is not None:
+                            now = stopper.shown(len(out), last) if stopper is not None else len(out)
+                            new = out[shown:now]
+                            if new or (last and not chat):
+                                text = "".join(tokenizer.token_text(t) for t in new)
+                                lp = None
+                                if ask is not None:
+                                    before = (
+                                        out[shown - 1] if shown else (seq.prompt[-1] if seq.prompt else 0)
+                                    )
+                                    lp = logprobs(ask, new, before, shown)
+                                if chat:
+                                    await resp.write(
+                                        chunk(
+                                            {
+                                                "index": k,
+                                                "delta": {"content": text},
+                                                "logprobs": lp,
+                                                "finish_reason": None,
+                                                "token_ids": new if return_ids else None,
+                                            }
+                                        )
+                                    )
+                                else:
+                                    choice: dict[str, Any] = {
+                                        "index": k,
+                                        "text": text,
+                                        "logprobs": lp,
+                                        "finish_reason": finish[k] if last else None,
+                                        "stop_reason": _stop_reason(stopper) if last else None,
+                                    }
+                                    if return_ids:
+                                        choice["prompt_token_ids"] = seq.prompt if shown == 0 else None
+                                        choice["token_ids"] = new
+                                    await resp.write(chunk(choice))
+                                shown = now
+                        if stopped:
+                            break
+                finally:
+                    await steps.aclose()
             except Aborted:
                 engine.counters.aborted += 1
                 finish[k] = "abort"
@@ -593,7 +638,7 @@ def setup(s: EmulatorServer) -> None:
                             "delta": {"content": ""},
                             "logprobs": None,
                             "finish_reason": finish[k],
-                            "stop_reason": None,
+                            "stop_reason": _stop_reason(stoppers[k]),
                             "token_ids": None,
                         }
                     )
@@ -635,15 +680,17 @@ def setup(s: EmulatorServer) -> None:
             return resp
         choices: list[dict[str, Any]] = []
         for k, (_, seq) in enumerate(children):
+            stopper = stoppers[k]
             out = outs[k]
-            lps = logprobs(ask, out, seq.prompt[-1] if seq.prompt else 0) if ask is not None else None
+            shown_ids = out[: stopper.shown(len(out), True)] if stopper is not None else out
+            lps = logprobs(ask, shown_ids, seq.prompt[-1] if seq.prompt else 0) if ask is not None else None
             if chat:
                 choices.append(
                     {
                         "index": k,
                         "message": {
                             "role": "assistant",
-                            "content": tokenizer.decode(out),
+                            "content": tokenizer.decode(shown_ids),
                             "refusal": None,
                             "annotations": None,
                             "audio": None,
@@ -653,7 +700,7 @@ def setup(s: EmulatorServer) -> None:
                         },
                         "logprobs": lps,
                         "finish_reason": finish[k],
-                        "stop_reason": None,
+                        "stop_reason": _stop_reason(stopper),
                         "token_ids": out if return_ids else None,
                         "routed_experts": None,
                     }
@@ -662,10 +709,10 @@ def setup(s: EmulatorServer) -> None:
                 choices.append(
                     {
                         "index": k,
-                        "text": tokenizer.decode(out),
+                        "text": tokenizer.decode(shown_ids),
                         "logprobs": lps,
                         "finish_reason": finish[k],
-                        "stop_reason": None,
+                        "stop_reason": _stop_reason(stopper),
                         "token_ids": out if return_ids else None,
                         "prompt_logprobs": None,
                         "prompt_token_ids": seq.prompt if return_ids else None,

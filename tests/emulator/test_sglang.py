@@ -368,3 +368,28 @@ async def test_out_of_vocabulary_token_ids_kill_the_server(
         async with http.post(s.url + path, json=body) as r:
             await r.read()
     assert s.dead
+
+
+async def test_stop_strings(emu: Factory, http: aiohttp.ClientSession) -> None:
+    """SGLang's stop handling on /generate (sampling_params.stop, matched in finish_reason) and
+    on the OpenAI routes (matched_stop); no_stop_trim keeps the stop string."""
+    s = await emu("sglang", "both")
+    sp = {"temperature": 0, "max_new_tokens": 40}
+    _, text, _ = await post(http, s.url + "/generate", {"text": PROMPT, "sampling_params": sp})
+    full = json.loads(text)["text"]
+    stop = full[6:8]
+    at = full.index(stop)
+    body = {"text": PROMPT, "sampling_params": sp | {"stop": [stop]}}
+    _, text, _ = await post(http, s.url + "/generate", body)
+    obj = json.loads(text)
+    assert obj["text"] == full[:at] and obj["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert obj["meta_info"]["completion_tokens"] == len(obj["output_ids"]) == at + 2
+    _, text, _ = await post(http, s.url + "/generate", {**body, "stream": True})
+    assert json.loads(sse_events(text)[-2])["text"] == full[:at]
+    kept = {"text": PROMPT, "sampling_params": sp | {"stop": stop, "no_stop_trim": True}}
+    _, text, _ = await post(http, s.url + "/generate", kept)
+    assert json.loads(text)["text"] == full[: at + 2]
+    comp = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stop": stop}
+    _, text, _ = await post(http, s.url + "/v1/completions", comp)
+    c = json.loads(text)["choices"][0]
+    assert (c["text"], c["finish_reason"], c["matched_stop"]) == (full[:at], "stop", stop)

@@ -327,3 +327,45 @@ async def test_openai_logprobs_shapes(emu: Factory, http: aiohttp.ClientSession)
     assert st == 400 and "greater than max allowed: 20" in text
     st, text = await post(http, s.url + "/v1/completions", comp | {"logprobs": None})
     assert st == 200 and json.loads(text)["choices"][0]["logprobs"] is None
+
+
+async def test_stop_strings_and_stop_token_ids(emu: Factory, http: aiohttp.ClientSession) -> None:
+    """vLLM's stop handling: the text ends before the first stop string (kept with
+    include_stop_str_in_output), every generated token counts in the usage, stop_reason names
+    the match; a stop token id ends the sequence and never shows in the text."""
+    s = await emu("vllm", "both")
+    base = {"prompt": "Hello there", "max_tokens": 40, "temperature": 0}
+    _, text = await post(http, s.url + "/v1/completions", base)
+    full = json.loads(text)["choices"][0]["text"]
+    stop = full[5:7]  # a two-character string that first occurs at or before position 5
+    at = full.index(stop)
+    _, text = await post(http, s.url + "/v1/completions", base | {"stop": ["zzzz", stop]})
+    obj = json.loads(text)
+    c = obj["choices"][0]
+    assert (c["text"], c["finish_reason"], c["stop_reason"]) == (full[:at], "stop", stop)
+    assert obj["usage"]["completion_tokens"] == at + 2
+    _, text = await post(
+        http, s.url + "/v1/completions", base | {"stop": stop, "include_stop_str_in_output": True}
+    )
+    assert json.loads(text)["choices"][0]["text"] == full[: at + 2]
+    _, raw = await post(http, s.url + "/v1/completions", base | {"stop": [stop], "stream": True})
+    events = [json.loads(e) for e in sse_events(raw) if e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == full[:at]
+    assert (
+        events[-1]["choices"][0]["finish_reason"] == "stop"
+        and events[-1]["choices"][0]["stop_reason"] == stop
+    )
+    tok = ord(full[3]) + 3  # the emulator's byte tokenizer: id = byte + 3
+    _, text = await post(http, s.url + "/v1/completions", base | {"stop_token_ids": [tok]})
+    c = json.loads(text)["choices"][0]
+    first = full.index(full[3])
+    assert (c["text"], c["finish_reason"], c["stop_reason"]) == (full[:first], "stop", tok)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "temperature": 0}
+    _, text = await post(http, s.url + "/v1/chat/completions", chat)
+    said = json.loads(text)["choices"][0]["message"]["content"]
+    _, raw = await post(http, s.url + "/v1/chat/completions", chat | {"stop": said[4:6], "stream": True})
+    events = [json.loads(e) for e in sse_events(raw) if e != "[DONE]"]
+    got = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert got == said[: said.index(said[4:6])] and events[-1]["choices"][0]["finish_reason"] == "stop"
+    st, text = await post(http, s.url + "/v1/completions", base | {"stop": [""]})
+    assert st == 400 and "must not be empty" in text

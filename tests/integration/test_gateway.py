@@ -453,6 +453,40 @@ async def test_openai_logprobs_through_pd_equal_colocated(
     assert "".join(t for t, _, _ in got) == generated(route, raw, stream)[0]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("model", "route"), CASES)
+async def test_stop_strings_through_pd_equal_colocated(
+    cluster: Cluster, model: str, route: str, stream: bool
+) -> None:
+    """An answer cut short by a stop string (fewer tokens than asked, finish "stop") passes the
+    decode guard and equals the colocated server's, on every route of both engines."""
+    body = body_for(route, model, "Once upon a time", False, max_tokens=30)
+    _, _, raw = await post(cluster.reference[model].url + route, body)
+    full = generated(route, raw, False)[0]
+    stop = full[8:10]
+    if route == "/generate":
+        body["sampling_params"]["stop"] = [stop]
+    else:
+        body["stop"] = [stop]
+    body["stream"] = stream
+    s, _, raw = await post(cluster.url + route, body)
+    assert s == 200, raw
+    _, _, ref = await post(cluster.reference[model].url + route, body)
+    got = generated(route, raw, stream)
+    assert got == generated(route, ref, stream) == [full[: full.index(stop)]]
+    if stream and route != "/generate":
+        finishes = [
+            c["finish_reason"]
+            for e in sse_events(raw)
+            if e != "[DONE]"
+            for c in e["choices"]
+            if c.get("finish_reason")
+        ]
+        assert finishes == ["stop"]
+    text = cluster.gateway.metrics.render().decode()
+    assert "pdgw_guard_failures_total{" not in text
+
+
 async def test_request_ids_are_honoured_echoed_and_generated(cluster: Cluster) -> None:
     s, h, raw = await post(
         cluster.url + "/v1/completions",

@@ -1,0 +1,101 @@
+"""Stop strings and stop token ids of the emulated model.
+
+Both engines end a sequence at the first occurrence of a `stop` string in its text, or at a
+token of `stop_token_ids`, with finish reason "stop" (vLLM names the match in `stop_reason`,
+SGLang in `matched_stop` / `finish_reason.matched`). Every generated token counts in the usage,
+but the text ends before the stop string (unless vLLM's `include_stop_str_in_output` or
+SGLang's `no_stop_trim`) and never shows a stop token. A stream holds back the last
+`len(longest stop string) - 1` characters until they cannot start a match (vLLM's stop buffer).
+
+The emulated model's tokens are one printable character each, so a character position in the
+text is a token position: "visible" counts both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from emulator import tokenizer
+
+
+class StopSpec(msgspec.Struct, frozen=True):
+    strings: tuple[str, ...] = ()
+    ids: frozenset[int] = frozenset()
+    keep: bool = False  # the stop string stays in the text
+
+    @property
+    def hold(self) -> int:
+        """Characters a stream keeps back while they might begin a stop string."""
+        if self.keep or not self.strings:
+            return 0
+        return max(len(s) for s in self.strings) - 1
+
+
+def stop_spec(params: dict[str, Any], keep_key: str) -> StopSpec | None:
+    """The stop conditions of a request's parameters (the body on the OpenAI routes, SGLang's
+    `sampling_params` on `/generate`); None when there are none. ValueError on a bad value."""
+    raw = params.get("stop")
+    if raw is None:
+        strings: tuple[str, ...] = ()
+    elif isinstance(raw, str):
+        strings = (raw,)
+    elif isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+        strings = tuple(raw)
+    else:
+        raise ValueError("stop must be a string or a list of strings")
+    if any(not x for x in strings):
+        raise ValueError("stop strings must not be empty")
+    ids_raw = params.get("stop_token_ids") or []
+    if not isinstance(ids_raw, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in ids_raw
+    ):
+        raise ValueError("stop_token_ids must be a list of integers")
+    if not strings and not ids_raw:
+        return None
+    return StopSpec(strings, frozenset(ids_raw), bool(params.get(keep_key)))
+
+
+class Stopper:
+    """Watches one sequence's tokens for its stop conditions."""
+
+    __slots__ = ("matched", "spec", "text", "visible")
+
+    def __init__(self, spec: StopSpec) -> None:
+        self.spec = spec
+        self.text = ""
+        self.matched: str | int | None = None
+        self.visible = 0  # tokens (characters) of the text a client sees once stopped
+
+    def feed(self, tok: int) -> bool:
+        """Add a generated token; True when it ends the sequence."""
+        spec = self.spec
+        if tok in spec.ids:
+            self.matched, self.visible = tok, len(self.text)
+            return True
+        if not spec.strings:
+            self.text += tokenizer.token_text(tok)
+            return False
+        longest = spec.hold + 1 if not spec.keep else max(len(s) for s in spec.strings)
+        start = max(0, len(self.text) - longest + 1)
+        self.text += tokenizer.token_text(tok)
+        best: tuple[int, str] | None = None
+        for s in spec.strings:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        at, s = best
+        self.matched = s
+        self.visible = at + len(s) if spec.keep else at
+        return True
+
+    def shown(self, produced: int, final: bool) -> int:
+        """How many of the `produced` tokens a stream may show now."""
+        if self.matched is not None:
+            return min(self.visible, produced)
+        if final:
+            return produced
+        return max(0, produced - self.spec.hold)
