@@ -392,10 +392,10 @@ class Orchestrator:
                 self._guard_failed(Guard.LENGTH_PREFLIGHT, "preflight", request_id, why)
                 if why.startswith("max_tokens"):
                     param = "max_new_tokens" if req.route is RouteKind.GENERATE else "max_tokens"
+                elif req.route is RouteKind.GENERATE:
+                    param = "input_ids" if req.prompt_is_ids else "text"
                 else:
-                    param = {RouteKind.CHAT: "messages", RouteKind.COMPLETIONS: "prompt"}.get(
-                        req.route, "text"
-                    )
+                    param = "messages" if req.route is RouteKind.CHAT else "prompt"
                 raise ContextLengthExceeded(why, param=param)
         if isinstance(plan, Colocated):
             w = self.registry.get(plan.worker.id)
@@ -986,14 +986,13 @@ class Orchestrator:
         """The request's first `shadow_tokens` tokens, greedy, on `w` alone; None if it failed."""
         s = self.settings.guards
         fields = g.req.decode_dict()
-        limit = str(s.shadow_tokens).encode()
         if g.req.route is RouteKind.GENERATE:  # SGLang's native route: the limit is a sampling param
             sp = msgspec.json.decode(fields.get("sampling_params", b"{}"))
             sp = dict(sp) if isinstance(sp, dict) else {}
             sp["max_new_tokens"] = s.shadow_tokens
             set_ = {"sampling_params": msgspec.json.encode(sp), "stream": b"false"}
         else:
-            set_ = {"max_tokens": limit, "stream": b"false"}
+            set_ = {"max_tokens": str(s.shadow_tokens).encode(), "stream": b"false"}
         body = _body_rewrite(
             fields,
             drop=(

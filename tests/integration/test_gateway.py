@@ -396,6 +396,11 @@ async def test_generate_on_a_model_without_sglang_workers_is_a_clear_400(cluster
             "max_new_tokens",
         ),
         ("/v1/completions", {"model": "m-vllm", "prompt": list(range(5, 9000)), "max_tokens": 4}, "prompt"),
+        (
+            "/generate",
+            {"model": "m-sglang", "input_ids": [5] * 9000, "sampling_params": {"max_new_tokens": 4}},
+            "input_ids",
+        ),
     ],
 )
 async def test_context_length_errors_name_what_is_too_large(
