@@ -35,6 +35,21 @@ class HandoffError(Exception):
         self.fatal = fatal
 
 
+def _release(
+    out: list[int], shown: int, last: bool, stopper: Stopper | None, ask: LogprobAsk | None, prompt: list[int]
+) -> tuple[int, list[int], str, dict[str, Any] | None]:
+    """What a stream shows after its newest token: (tokens shown from now on, the new ones,
+    their text, their logprobs). A possible stop string's start stays held back."""
+    now = stopper.shown(len(out), last) if stopper is not None else len(out)
+    new = out[shown:now]
+    text = "".join(tokenizer.token_text(t) for t in new)
+    lp = None
+    if ask is not None and new:
+        before = out[shown - 1] if shown else (prompt[-1] if prompt else 0)
+        lp = logprobs(ask, new, before, shown)
+    return now, new, text, lp
+
+
 def _finish(stopper: Stopper | None) -> str:
     return "stop" if stopper is not None and stopper.matched is not None else "length"
 
@@ -256,8 +271,7 @@ def setup(s: EmulatorServer) -> None:
                     stopped = stopper is not None and stopper.feed(tok)
                     last = stopped or len(out) == n
                     if resp is not None:
-                        now = stopper.shown(len(out), last) if stopper is not None else len(out)
-                        new = out[shown:now]
+                        now, new, text, lp = _release(out, shown, last, stopper, ask, prompt)
                         if chat and first:
                             await resp.write(
                                 sse(
@@ -280,11 +294,6 @@ def setup(s: EmulatorServer) -> None:
                                 )
                             )
                         if new or (last and not chat):
-                            text = "".join(tokenizer.token_text(t) for t in new)
-                            lp = None
-                            if ask is not None:
-                                before = out[shown - 1] if shown else (prompt[-1] if prompt else 0)
-                                lp = logprobs(ask, new, before, shown)
                             if chat:
                                 await resp.write(
                                     sse(
@@ -585,16 +594,8 @@ def setup(s: EmulatorServer) -> None:
                             finish[k] = "stop"
                         last = stopped or len(out) == max_new
                         if resp is not None:
-                            now = stopper.shown(len(out), last) if stopper is not None else len(out)
-                            new = out[shown:now]
+                            now, new, text, lp = _release(out, shown, last, stopper, ask, seq.prompt)
                             if new or (last and not chat):
-                                text = "".join(tokenizer.token_text(t) for t in new)
-                                lp = None
-                                if ask is not None:
-                                    before = (
-                                        out[shown - 1] if shown else (seq.prompt[-1] if seq.prompt else 0)
-                                    )
-                                    lp = logprobs(ask, new, before, shown)
                                 if chat:
                                     await resp.write(
                                         chunk(
