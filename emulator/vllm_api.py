@@ -50,6 +50,41 @@ def _release(
     return now, new, text, lp
 
 
+def _token_choice(
+    index: int,
+    chat: bool,
+    text: str,
+    lp: dict[str, Any] | None,
+    new: list[int],
+    last: bool,
+    stopper: Stopper | None,
+    shown: int,
+    prompt: list[int],
+    return_ids: bool,
+) -> dict[str, Any]:
+    """A stream chunk's choice for the tokens `new` (chat: a delta; the finish comes in a chunk
+    of its own. Completions: the last one carries the finish)."""
+    if chat:
+        return {
+            "index": index,
+            "delta": {"content": text},
+            "logprobs": lp,
+            "finish_reason": None,
+            "token_ids": new if return_ids else None,
+        }
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": text,
+        "logprobs": lp,
+        "finish_reason": _finish(stopper) if last else None,
+        "stop_reason": _stop_reason(stopper) if last else None,
+    }
+    if return_ids:
+        choice["prompt_token_ids"] = prompt if shown == 0 else None
+        choice["token_ids"] = new
+    return choice
+
+
 def _finish(stopper: Stopper | None) -> str:
     return "stop" if stopper is not None and stopper.matched is not None else "length"
 
@@ -294,48 +329,20 @@ def setup(s: EmulatorServer) -> None:
                                 )
                             )
                         if new or (last and not chat):
-                            if chat:
-                                await resp.write(
-                                    sse(
-                                        {
-                                            "id": oid,
-                                            "object": "chat.completion.chunk",
-                                            "created": created,
-                                            "model": body.get("model") or served,
-                                            "choices": [
-                                                {
-                                                    "index": 0,
-                                                    "delta": {"content": text},
-                                                    "logprobs": lp,
-                                                    "finish_reason": None,
-                                                    "token_ids": new if return_ids else None,
-                                                }
-                                            ],
-                                        }
-                                    )
+                            choice = _token_choice(
+                                0, chat, text, lp, new, last, stopper, shown, prompt, return_ids
+                            )
+                            await resp.write(
+                                sse(
+                                    {
+                                        "id": oid,
+                                        "object": "chat.completion.chunk" if chat else "text_completion",
+                                        "created": created,
+                                        "model": body.get("model") or served,
+                                        "choices": [choice],
+                                    }
                                 )
-                            else:
-                                choice: dict[str, Any] = {
-                                    "index": 0,
-                                    "text": text,
-                                    "logprobs": lp,
-                                    "finish_reason": _finish(stopper) if last else None,
-                                    "stop_reason": _stop_reason(stopper) if last else None,
-                                }
-                                if return_ids:
-                                    choice["prompt_token_ids"] = prompt if shown == 0 else None
-                                    choice["token_ids"] = new
-                                await resp.write(
-                                    sse(
-                                        {
-                                            "id": oid,
-                                            "object": "text_completion",
-                                            "created": created,
-                                            "model": body.get("model") or served,
-                                            "choices": [choice],
-                                        }
-                                    )
-                                )
+                            )
                             shown = now
                     first = False
                     if stopped:
@@ -596,30 +603,10 @@ def setup(s: EmulatorServer) -> None:
                         if resp is not None:
                             now, new, text, lp = _release(out, shown, last, stopper, ask, seq.prompt)
                             if new or (last and not chat):
-                                if chat:
-                                    await resp.write(
-                                        chunk(
-                                            {
-                                                "index": k,
-                                                "delta": {"content": text},
-                                                "logprobs": lp,
-                                                "finish_reason": None,
-                                                "token_ids": new if return_ids else None,
-                                            }
-                                        )
-                                    )
-                                else:
-                                    choice: dict[str, Any] = {
-                                        "index": k,
-                                        "text": text,
-                                        "logprobs": lp,
-                                        "finish_reason": finish[k] if last else None,
-                                        "stop_reason": _stop_reason(stopper) if last else None,
-                                    }
-                                    if return_ids:
-                                        choice["prompt_token_ids"] = seq.prompt if shown == 0 else None
-                                        choice["token_ids"] = new
-                                    await resp.write(chunk(choice))
+                                choice = _token_choice(
+                                    k, chat, text, lp, new, last, stopper, shown, seq.prompt, return_ids
+                                )
+                                await resp.write(chunk(choice))
                                 shown = now
                         if stopped:
                             break
