@@ -60,9 +60,13 @@ class Result(msgspec.Struct):
     visible: int | None = None  # stopped: the output tokens whose text is shown
 
     @property
+    def shown_ids(self) -> list[int]:
+        """The output tokens whose text the client sees (all but a stop string's)."""
+        return self.output_ids if self.visible is None else self.output_ids[: self.visible]
+
+    @property
     def text(self) -> str:
-        ids = self.output_ids if self.visible is None else self.output_ids[: self.visible]
-        return tokenizer.decode(ids)
+        return tokenizer.decode(self.shown_ids)
 
     @property
     def matched(self) -> Any:
@@ -555,14 +559,11 @@ def setup(s: EmulatorServer) -> None:
                     raise ValueError(
                         "The parallel_sample_num should be the same for all samples in sample params."
                     )
+                stops = [stop_spec(sp, "no_stop_trim") for sp in sps]
             except (TypeError, ValueError) as e:
                 return _error_generate(400, str(e))
             batch = batch or n > 1  # SGLang turns a single prompt with n > 1 into a batch
             max_new = [_max_new(sp) for sp in sps]
-            try:
-                stops = [stop_spec(sp, "no_stop_trim") for sp in sps]
-            except ValueError as e:
-                return _error_generate(400, str(e))
             items = make_items(body, prompts, max_new, [_sampling(sp) for sp in sps], n, stops)
             bad = check(items, _error_generate, request)
             if bad is not None:
@@ -705,9 +706,7 @@ def setup(s: EmulatorServer) -> None:
                     text = res.text
                     lps = None
                     if ask is not None:
-                        lps = logprobs(
-                            ask, list(res.output_ids), items[i].prompt[-1] if items[i].prompt else 0
-                        )
+                        lps = logprobs(ask, res.shown_ids, items[i].prompt[-1] if items[i].prompt else 0)
                     choice: dict[str, Any]
                     if chat:
                         choice = {

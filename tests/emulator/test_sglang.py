@@ -393,3 +393,6 @@ async def test_stop_strings(emu: Factory, http: aiohttp.ClientSession) -> None:
     _, text, _ = await post(http, s.url + "/v1/completions", comp)
     c = json.loads(text)["choices"][0]
     assert (c["text"], c["finish_reason"], c["matched_stop"]) == (full[:at], "stop", stop)
+    _, text, _ = await post(http, s.url + "/v1/completions", comp | {"logprobs": 1})
+    lp = json.loads(text)["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"]) == full[:at]  # logprobs of the shown tokens only, as the text
