@@ -90,6 +90,9 @@ class EngineAdapter(Protocol):
     splits_samples: ClassVar[bool]
     # client routes the engine answers (SGLang's native /generate is SGLang's alone)
     routes: ClassVar[frozenset[RouteKind]]
+    # a decode worker of this engine can answer a request alone, prefill included (vLLM's
+    # kv_both can; an SGLang decode server cannot)
+    decode_alone: ClassVar[bool]
     health_path: ClassVar[str]
     load_paths: ClassVar[tuple[str, ...]]
     info_paths: ClassVar[tuple[str, ...]]
@@ -103,7 +106,9 @@ class EngineAdapter(Protocol):
         ...
 
     def supports_pd(self, req: ParsedRequest) -> bool:
-        """Can this request be disaggregated? If not, the decode worker serves it alone."""
+        """Can this request be disaggregated? If not, the decode worker serves it alone (an
+        engine whose decode cannot, `decode_alone` false, must answer True: the orchestrator keeps
+        such requests off its decode workers before planning, see `ParsedRequest.local_prefill`)."""
         ...
 
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes: ...

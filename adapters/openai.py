@@ -18,6 +18,7 @@ class OpenAIAdapter:
     handoff: ClassVar[HandoffMode] = HandoffMode.NONE
     splits_samples: ClassVar[bool] = False  # colocated only
     routes: ClassVar[frozenset[RouteKind]] = frozenset((RouteKind.COMPLETIONS, RouteKind.CHAT))
+    decode_alone: ClassVar[bool] = True  # colocated only: never a decode
     health_path: ClassVar[str] = "/health"
     load_paths: ClassVar[tuple[str, ...]] = ("/metrics",)
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models",)

@@ -85,6 +85,7 @@ class SGLangAdapter:
     handoff: ClassVar[HandoffMode] = HandoffMode.CONCURRENT
     splits_samples: ClassVar[bool] = True  # 0.5.23 gives all samples one room: n > 1 hangs in P/D
     routes: ClassVar[frozenset[RouteKind]] = frozenset(RouteKind)
+    decode_alone: ClassVar[bool] = False
     health_path: ClassVar[str] = "/health"
     # /v1/loads is the scheduler's live snapshot (SGLang >= 0.5.x; 0.5.23 no longer serves
     # /get_load); its /metrics gauges appear only once the scheduler has logged stats and are

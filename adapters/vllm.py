@@ -69,6 +69,7 @@ class VLLMAdapter:
     handoff: ClassVar[HandoffMode] = HandoffMode.SEQUENTIAL
     splits_samples: ClassVar[bool] = False  # n > 1 is served by the decode alone (supports_pd)
     routes: ClassVar[frozenset[RouteKind]] = frozenset((RouteKind.COMPLETIONS, RouteKind.CHAT))
+    decode_alone: ClassVar[bool] = True  # kv_both
     health_path: ClassVar[str] = "/health"
     load_paths: ClassVar[tuple[str, ...]] = ("/metrics",)
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models", "/metrics")
@@ -83,8 +84,10 @@ class VLLMAdapter:
 
     def supports_pd(self, req: ParsedRequest) -> bool:
         # One prefill answer carries one kv_transfer_params object: batches and n > 1 would hand the
-        # decode a single prompt's KV for several sequences.
-        return not req.is_batch and req.n == 1
+        # decode a single prompt's KV for several sequences. A request that scores the prompt
+        # (prompt logprobs) makes the decode ignore the remote KV and compute the prompt again
+        # (vLLM's skip_reading_prefix_cache): the prefill's work would be thrown away.
+        return not req.is_batch and req.n == 1 and req.local_prefill is None
 
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
         fields = req.decode_dict()

@@ -8,13 +8,14 @@ transfer), and then yields output tokens, applying the per-token faults (``slow`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from emulator.faults import Fault
-from emulator.kvtransfer import TransferError, pull_blocks, wait_room
+from emulator.kvtransfer import TransferError, notify_done, pull_blocks, wait_room
 from emulator.scheduler import Seq
 
 if TYPE_CHECKING:
@@ -36,8 +37,10 @@ def env_float(name: str, default: float) -> float:
         return default
 
 
-async def admit_and_compute(server: EmulatorServer, seq: Seq, *, truncate_to: int | None = None) -> None:
-    await server.engine.admit(seq)
+async def admit_and_compute(
+    server: EmulatorServer, seq: Seq, *, truncate_to: int | None = None, read_cache: bool = True
+) -> None:
+    await server.engine.admit(seq, read_cache=read_cache)
     await server.engine.prefill(seq, truncate_to=truncate_to)
 
 
@@ -149,3 +152,17 @@ async def vllm_pull_kv(
         )
     finally:
         c.in_transfer -= 1
+
+
+async def vllm_skip_remote_kv(server: EmulatorServer, params: dict[str, object]) -> None:
+    """vLLM decode computing the prompt itself (prompt logprobs skip reading any cache): nothing
+    is pulled, the prefill is only notified so that it frees the blocks it holds. A failed
+    notification is only logged by vLLM (the blocks then wait for their lease)."""
+    with contextlib.suppress(TransferError):
+        await notify_done(
+            str(params.get("remote_host") or "127.0.0.1"),
+            int(str(params.get("remote_port") or 0)),
+            engine_id=str(params.get("remote_engine_id")),
+            request_id=str(params.get("remote_request_id")),
+            wait_s=server.spec.handshake_timeout_s,
+        )

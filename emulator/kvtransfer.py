@@ -9,7 +9,10 @@ channel ``remote_port``).
 
 * vLLM (pull): the decode sends ``{"op": "read", engine_id, request_id, block_ids}``; the server
   answers with the content of those block ids *as they are now* (stale ids give other content),
-  then treats the read as the completion notification and frees the request's held blocks.
+  then treats the read as the completion notification and frees the request's held blocks. A
+  decode that computes the prompt itself (prompt logprobs: vLLM's ``skip_reading_prefix_cache``)
+  reads nothing and only notifies (``{"op": "notify", ...}``, NIXL's notify-only path of a full
+  local hit): the held blocks are freed without a transfer.
 * SGLang (rendezvous on the room): the decode sends ``{"op": "wait_room", room}``; the server
   answers when the prefill of that room has produced its KV (``offer``). A room whose prefill was
   rejected is never offered: the decode waits for its own timeout, as on SGLang 0.5.23. A room
@@ -183,6 +186,8 @@ class KvServer:
             op = header.get("op")
             if op == "read":
                 await self._serve_read(header, writer)
+            elif op == "notify":
+                await self._serve_notify(header, writer)
             elif op == "wait_room":
                 await self._serve_room(header, reader, writer)
             else:
@@ -266,6 +271,19 @@ class KvServer:
                 held.expiry.cancel()
             self._release(held.blocks)
 
+    async def _serve_notify(self, header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        if header.get("engine_id") != self.engine_id:
+            await send_msg(
+                writer, {"ok": False, "kind": "handshake", "error": "handshake_failed: unknown engine id"}
+            )
+            return
+        held = self.held.pop(str(header.get("request_id")), None)
+        if held is not None:
+            if held.expiry is not None:
+                held.expiry.cancel()
+            self._release(held.blocks)
+        await send_msg(writer, {"ok": True, "count": 0})
+
     async def _serve_room(
         self, header: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
@@ -343,6 +361,15 @@ async def pull_blocks(
     if not reply.get("ok"):
         raise TransferError(str(reply.get("kind", "failed")), str(reply.get("error", "transfer failed")))
     return unpack_blocks(payload, int(reply["count"]))
+
+
+async def notify_done(host: str, port: int, *, engine_id: str, request_id: str, wait_s: float) -> None:
+    """vLLM decode: tell the prefill it needs none of its blocks (they are freed there)."""
+    reply, _ = await _request(
+        host, port, {"op": "notify", "engine_id": engine_id, "request_id": request_id}, wait_s
+    )
+    if not reply.get("ok"):
+        raise TransferError(str(reply.get("kind", "failed")), str(reply.get("error", "notify failed")))
 
 
 async def wait_room(host: str, port: int, room: int, wait_s: float | None) -> list[bytes]:

@@ -44,7 +44,8 @@ def logprob_ask(body: dict[str, Any], chat: bool) -> LogprobAsk | None:
     return LogprobAsk(chat, top)
 
 
-def _alternatives(prev: int, tok: int, top: int) -> list[tuple[int, float]]:
+def alternatives(prev: int, tok: int, top: int) -> list[tuple[int, float]]:
+    """The `top` most likely tokens after `prev` where `tok` came, best first (`tok` itself)."""
     lp = model.prompt_logprob(prev, tok)
     out = [(tok, lp)]
     for alt in model.ALPHABET_IDS:
@@ -63,7 +64,7 @@ def logprobs(ask: LogprobAsk, tokens: list[int], prev: int, offset: int = 0) -> 
         content = []
         for tok in tokens:
             text = tokenizer.token_text(tok)
-            alts = _alternatives(prev, tok, ask.top)
+            alts = alternatives(prev, tok, ask.top)
             content.append(
                 {
                     "token": text,
@@ -86,7 +87,7 @@ def logprobs(ask: LogprobAsk, tokens: list[int], prev: int, offset: int = 0) -> 
         text = tokenizer.token_text(tok)
         texts.append(text)
         lps.append(model.prompt_logprob(prev, tok))
-        tops.append({tokenizer.token_text(t): lp for t, lp in _alternatives(prev, tok, max(1, ask.top))})
+        tops.append({tokenizer.token_text(t): lp for t, lp in alternatives(prev, tok, max(1, ask.top))})
         offsets.append(offset)
         offset += len(text)
         prev = tok

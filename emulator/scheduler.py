@@ -170,8 +170,9 @@ class Engine:
                 f"{self.pool.num_blocks * self.block_size} (max_total_num_tokens)"
             )
 
-    async def admit(self, seq: Seq) -> None:
-        """Reserve KV blocks for prompt + max_new, reusing the cached prefix. Waits when full."""
+    async def admit(self, seq: Seq, *, read_cache: bool = True) -> None:
+        """Reserve KV blocks for prompt + max_new, reusing the cached prefix (unless not
+        `read_cache`: a request scoring its prompt computes all of it). Waits when full."""
         if self.dead:
             raise EngineDead()
         bs = self.block_size
@@ -179,7 +180,7 @@ class Engine:
         seq.hashes = model.chain_hashes(seq.prompt, bs)
         n_prompt = len(seq.hashes)
         total = model.num_blocks(len(seq.prompt) + seq.max_new, bs)
-        max_cached = (len(seq.prompt) - 1) // bs
+        max_cached = (len(seq.prompt) - 1) // bs if read_cache else 0
         self.waiting += 1
         try:
             while True:

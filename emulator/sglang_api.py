@@ -8,6 +8,11 @@ P/D the samples of one prompt share a room; a room transfers once (``emulator.kv
 the other samples' decodes wait for KV that never comes (sglang PRs #26486, #30723): with
 ``n > 1`` in P/D, real SGLang 0.5.23 hangs, and so does this. Batches (``n == 1``) pair up.
 Sample ``j`` is seeded ``seed + j``: greedy samples are equal, seeded ones differ reproducibly.
+
+Completions' ``echo`` (:mod:`emulator.echo`): the prompt's text leads each choice's text; with a
+non-zero ``logprobs`` (``logprob_start_len = 0``) the prompt is computed without its cached prefix
+and its logprobs lead the choice's, except on a P/D decode, which never computed the prompt: its
+choice logprobs cover only the output, as on the real engine. ``max_tokens`` must be positive.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from aiohttp import web
 
 from emulator import model, tokenizer
 from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_response, sse, start_sse, track
+from emulator.echo import NO_ECHO, Echo, echo, echoed
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, admit_and_compute, env_float, sglang_fetch_kv, tokens
 from emulator.kvtransfer import TransferError
-from emulator.logprobs import logprob_ask, logprobs
+from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_sglang
 from emulator.scheduler import Aborted, EngineDead, Seq, TooLarge
 from emulator.stops import Stopper, StopSpec, stop_spec
@@ -46,6 +52,7 @@ class Item(msgspec.Struct):
     logprob: bool = False
     top_n: int = 0
     stop: StopSpec | None = None
+    read_cache: bool = True  # False: the prompt's logprobs are asked (logprob_start_len 0)
 
 
 class Result(msgspec.Struct):
@@ -82,6 +89,18 @@ def _error_openai(status: int, message: str, typ: str | None = None) -> web.Resp
     return json_response(
         {"object": "error", "message": message, "type": typ, "param": None, "code": status}, status
     )
+
+
+def _max_tokens_error(value: int) -> web.Response:
+    """SGLang's CompletionRequest validator (a pydantic error turned into a 400)."""
+    err = {
+        "type": "value_error",
+        "loc": ("body", "max_tokens"),
+        "msg": "Value error, max_tokens must be positive",
+        "input": value,
+        "ctx": {"error": ValueError("max_tokens must be positive")},
+    }
+    return _error_openai(400, f"1 validation error:\n  {err} {[err]}", "Bad Request")
 
 
 def _listify(v: Any, n: int) -> list[Any]:
@@ -158,14 +177,15 @@ class SglangApi:
         seq = Seq(item.rid, item.prompt, item.max_new, item.sample_seed)
         out: list[int] = []
         res = Result(out, None, 0, len(item.prompt), seq.t_received, 0.0)
-        pd = item.room is not None and item.bhost != FAKE_BOOTSTRAP_HOST and s.role != "both"
-        mode = s.role if pd else "both"
+        mode = self.mode(item)
         self.seqs[item.rid] = seq
         keep_blocks = False
         try:
             if mode == "prefill":
                 truncated = "silent_truncation" in hit
-                await admit_and_compute(s, seq, truncate_to=1 if truncated else None)
+                await admit_and_compute(
+                    s, seq, truncate_to=1 if truncated else None, read_cache=item.read_cache
+                )
                 res.cached_tokens = seq.cached_tokens
                 fault = next(
                     (
@@ -218,7 +238,7 @@ class SglangApi:
                     ) from None
                 res.finish = {"type": "length", "length": 0}
                 return res
-            await engine.admit(seq)
+            await engine.admit(seq, read_cache=item.read_cache or mode == "decode")
             res.cached_tokens = seq.cached_tokens
             if mode == "decode":
                 assert item.bhost is not None and item.bport is not None and item.room is not None
@@ -308,6 +328,17 @@ class SglangApi:
             self.seqs.pop(item.rid, None)
             if not keep_blocks:
                 engine.release(seq)
+
+    def mode(self, item: Item) -> str:
+        """How this server serves `item`: "prefill" or "decode" in P/D, else "both"."""
+        s = self.s
+        pd = item.room is not None and item.bhost != FAKE_BOOTSTRAP_HOST and s.role != "both"
+        return s.role if pd else "both"
+
+    def echo(self, item: Item, ask: LogprobAsk | None, scored: bool) -> Echo:
+        """A completion's echo of `item`'s prompt; its logprobs only where the prompt was computed
+        (a P/D decode has no input logprobs)."""
+        return echo(item.prompt, ask, show_text=True, scored=scored and self.mode(item) != "decode")
 
     def _release_after(self, fut: asyncio.Future[bool], blocks: list[int]) -> None:
         def done(_: object) -> None:
@@ -667,6 +698,8 @@ def setup(s: EmulatorServer) -> None:
                 else:
                     prompts = [tokenizer.encode(str(x)) for x in p]
                 mt = body.get("max_tokens", 16)
+                if isinstance(mt, int) and mt <= 0:
+                    return _max_tokens_error(mt)
             max_new = int(mt) if mt is not None else max(1, s.max_model_len - len(prompts[0]))
             try:
                 n = _num_samples(body.get("n"))
@@ -685,6 +718,11 @@ def setup(s: EmulatorServer) -> None:
                     f"Please set stream=false when using {field}=true.",
                 )
             items = make_items(body, prompts, max_new, _sampling(body), n, stop)
+            echo_on = not chat and bool(body.get("echo"))
+            scored = echo_on and bool(body.get("logprobs"))  # SGLang: logprob_start_len = 0
+            for it in items:
+                it.read_cache = not scored
+            echoes = [api.echo(it, ask, scored) if echo_on else NO_ECHO for it in items]
             bad = check(items, _error_openai, request)
             if bad is not None:
                 return bad
@@ -705,8 +743,12 @@ def setup(s: EmulatorServer) -> None:
                 for i, res in enumerate(results):
                     text = res.text
                     lps = None
+                    ec = echoes[i]
                     if ask is not None:
-                        lps = logprobs(ask, res.shown_ids, items[i].prompt[-1] if items[i].prompt else 0)
+                        prev = items[i].prompt[-1] if items[i].prompt else 0
+                        lps = logprobs(ask, res.shown_ids, prev, ec.offset)
+                    if ec is not NO_ECHO:
+                        text, lps = echoed(ec, text, lps)
                     choice: dict[str, Any]
                     if chat:
                         choice = {
@@ -768,6 +810,7 @@ def setup(s: EmulatorServer) -> None:
             async def run(idx: int, it: Item) -> Result:
                 sent = [0]
                 first_sent = [False]
+                ec = [echoes[idx]]  # until the first chunk of this choice has carried it
                 if chat:
                     await resp.write(
                         chunk(
@@ -789,7 +832,10 @@ def setup(s: EmulatorServer) -> None:
                     lp = None
                     if ask is not None:
                         prev = out[start - 1] if start else (it.prompt[-1] if it.prompt else 0)
-                        lp = logprobs(ask, list(new), prev, start)
+                        lp = logprobs(ask, list(new), prev, echoes[idx].offset + start)
+                    if ec[0] is not NO_ECHO:
+                        text, lp = echoed(ec[0], text, lp)
+                        ec[0] = NO_ECHO
                     if chat:
                         await resp.write(
                             chunk(
@@ -842,10 +888,11 @@ def setup(s: EmulatorServer) -> None:
                         )
                     )
                 else:
+                    text, lp = echoed(ec[0], "", None)  # no earlier chunk: this one echoes
                     last_choice: dict[str, Any] = {
                         "index": idx,
-                        "text": "",
-                        "logprobs": None,
+                        "text": text,
+                        "logprobs": lp,
                         "finish_reason": finish_str(res),
                         "matched_stop": res.matched,
                     }

@@ -2,6 +2,11 @@
 
 Batches of prompts and ``n > 1`` are served locally (:func:`run_multi` inside :func:`setup`), never
 handed off: choice ``k = prompt_index * n + sample_index``, sample ``j`` seeded ``seed + j``.
+
+Completions' ``echo`` and the prompt logprobs (``echo`` with ``logprobs``, ``prompt_logprobs``)
+are shaped by :mod:`emulator.echo`. A request computing prompt logprobs reads no cached prefix
+(vLLM's ``skip_reading_prefix_cache``): on a P/D decode it ignores the prefill's KV, computes the
+whole prompt itself and only notifies the prefill, which frees the blocks it held.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from aiohttp import web
 
 from emulator import model, tokenizer
 from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_response, sse, start_sse, track
+from emulator.echo import NO_ECHO, Echo, echo, echoed, vllm_prompt_logprobs, vllm_prompt_logprobs_k
 from emulator.faults import Fault
-from emulator.flows import MidStreamFault, tokens, vllm_pull_kv
+from emulator.flows import MidStreamFault, tokens, vllm_pull_kv, vllm_skip_remote_kv
 from emulator.kvtransfer import Held, TransferError
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_vllm
@@ -36,17 +42,27 @@ class HandoffError(Exception):
 
 
 def _release(
-    out: list[int], shown: int, last: bool, stopper: Stopper | None, ask: LogprobAsk | None, prompt: list[int]
+    out: list[int],
+    shown: int,
+    last: bool,
+    stopper: Stopper | None,
+    ask: LogprobAsk | None,
+    prompt: list[int],
+    ec: Echo = NO_ECHO,
+    first: bool = False,
 ) -> tuple[int, list[int], str, dict[str, Any] | None]:
     """What a stream shows after its newest token: (tokens shown from now on, the new ones,
-    their text, their logprobs). A possible stop string's start stays held back."""
+    their text, their logprobs). A possible stop string's start stays held back. A choice's
+    first chunk carries its echo (`first`; echo without generation: the echo alone)."""
     now = stopper.shown(len(out), last) if stopper is not None else len(out)
     new = out[shown:now]
     text = "".join(tokenizer.token_text(t) for t in new)
     lp = None
     if ask is not None and new:
         before = out[shown - 1] if shown else (prompt[-1] if prompt else 0)
-        lp = logprobs(ask, new, before, shown)
+        lp = logprobs(ask, new, before, ec.offset + shown)
+    if first and ec is not NO_ECHO:
+        return (now, new, *echoed(ec, text, lp))
     return now, new, text, lp
 
 
@@ -178,6 +194,14 @@ def setup(s: EmulatorServer) -> None:
                 engine.counters.completed += 1
             return resp
 
+    def echo_of(prompt: list[int], body: dict[str, Any], chat: bool, ask: LogprobAsk | None) -> Echo:
+        """A completion's echo: the prompt's text (none when it answers token ids) and, with
+        `logprobs`, the prompt's logprobs; `max_tokens` 0 echoes without generation."""
+        if chat or not body.get("echo"):
+            return NO_ECHO
+        only = body.get("max_tokens") == 0
+        return echo(prompt, ask, show_text=not body.get("return_token_ids"), scored=True, only=only)
+
     def max_new_for(prompt: list[int], body: dict[str, Any]) -> int:
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         room = max_len - len(prompt)
@@ -231,6 +255,16 @@ def setup(s: EmulatorServer) -> None:
             stop = stop_spec(body, "include_stop_str_in_output")
         except ValueError as e:
             return _error(400, str(e))
+        try:
+            plp_k = vllm_prompt_logprobs_k(body, chat, ask)
+        except ValueError as e:
+            return _error(400, str(e), param="prompt_logprobs")
+        # echo without generation: vLLM generates one token and drops it
+        limits = (
+            {**body, "max_tokens": 1}
+            if not chat and body.get("echo") and body.get("max_tokens") == 0
+            else body
+        )
         if n_samples < 1:
             return _error(400, f"n must be at least 1, got {n_samples}.", param="n")
         temperature = body.get("temperature")
@@ -239,16 +273,18 @@ def setup(s: EmulatorServer) -> None:
             return _error(400, f"n must be 1 when using greedy sampling, got {n_samples}.")
         if len(prompts) > 1 or n_samples > 1:
             for pr in prompts:
-                bad = check_length(pr, body)
+                bad = check_length(pr, limits)
                 if bad is not None:
                     return bad
-            return await run_multi(request, body, chat, hit, prompts, n_samples, ask, stop)
+            return await run_multi(request, body, chat, hit, prompts, n_samples, ask, stop, plp_k, limits)
         prompt = prompts[0]
         n_prompt = len(prompt)
-        bad = check_length(prompt, body)
+        bad = check_length(prompt, limits)
         if bad is not None:
             return bad
-        max_new = max_new_for(prompt, body)
+        max_new = max_new_for(prompt, limits)
+        ec = echo_of(prompt, body, chat, ask)
+        scoring = plp_k is not None  # prompt logprobs: no cached prefix, no remote KV is read
         xrid = request.headers.get("X-Request-Id")
         base = xrid if xrid else secrets.token_hex(8)
         oid = ("chatcmpl-" if chat else "cmpl-") + base
@@ -267,8 +303,11 @@ def setup(s: EmulatorServer) -> None:
         held = False
         resp: web.StreamResponse | None = None
         try:
-            await engine.admit(seq)
-            if remote_prefill:
+            await engine.admit(seq, read_cache=not scoring)
+            if remote_prefill and scoring:
+                await vllm_skip_remote_kv(s, ktp)
+                await engine.prefill(seq)
+            elif remote_prefill:
                 groups = ktp.get("remote_block_ids")
                 ids = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], list) else []
                 if len(ids) < seq.n_prompt_blocks:
@@ -306,7 +345,7 @@ def setup(s: EmulatorServer) -> None:
                     stopped = stopper is not None and stopper.feed(tok)
                     last = stopped or len(out) == n
                     if resp is not None:
-                        now, new, text, lp = _release(out, shown, last, stopper, ask, prompt)
+                        now, new, text, lp = _release(out, shown, last, stopper, ask, prompt, ec, first)
                         if chat and first:
                             await resp.write(
                                 sse(
@@ -328,7 +367,7 @@ def setup(s: EmulatorServer) -> None:
                                     }
                                 )
                             )
-                        if new or (last and not chat):
+                        if new or (last and not chat) or (first and ec is not NO_ECHO):
                             choice = _token_choice(
                                 0, chat, text, lp, new, last, stopper, shown, prompt, return_ids
                             )
@@ -460,7 +499,10 @@ def setup(s: EmulatorServer) -> None:
             return resp
         shown_ids = out[: stopper.shown(len(out), True)] if stopper is not None else out
         text = tokenizer.decode(shown_ids)
-        lps = logprobs(ask, shown_ids, prompt[-1] if prompt else 0) if ask is not None else None
+        lps = logprobs(ask, shown_ids, prompt[-1] if prompt else 0, ec.offset) if ask is not None else None
+        if ec is not NO_ECHO:
+            text, lps = echoed(ec, text, lps)
+        prompt_lps = vllm_prompt_logprobs(prompt, plp_k) if plp_k is not None else None
         if chat:
             obj: dict[str, Any] = {
                 "id": oid,
@@ -490,7 +532,7 @@ def setup(s: EmulatorServer) -> None:
                 "service_tier": None,
                 "system_fingerprint": s.fingerprint,
                 "usage": usage(n_prompt, ct, cached, False),
-                "prompt_logprobs": None,
+                "prompt_logprobs": prompt_lps,
                 "prompt_token_ids": prompt if return_ids else None,
                 "prompt_text": None,
                 "kv_transfer_params": params_out,
@@ -511,7 +553,7 @@ def setup(s: EmulatorServer) -> None:
                         "finish_reason": _finish(stopper),
                         "stop_reason": _stop_reason(stopper),
                         "token_ids": out if return_ids else None,
-                        "prompt_logprobs": None,
+                        "prompt_logprobs": prompt_lps,
                         "prompt_token_ids": prompt if return_ids else None,
                         "routed_experts": None,
                     }
@@ -534,10 +576,13 @@ def setup(s: EmulatorServer) -> None:
         n: int,
         ask: LogprobAsk | None,
         stop: StopSpec | None,
+        plp_k: int | None,
+        limits: dict[str, Any],
     ) -> web.StreamResponse:
         """A batch of prompts and/or ``n > 1`` samples, served locally (the gateway sends these to
         one worker without ``kv_transfer_params``). Choice ``k = prompt_index * n + sample_index``;
-        sample ``j`` is a child request seeded ``seed + j`` (vLLM's ``ParentRequest``)."""
+        sample ``j`` is a child request seeded ``seed + j`` (vLLM's ``ParentRequest``). `limits`
+        is the body as its lengths count (echo without generation: one token)."""
         xrid = request.headers.get("X-Request-Id")
         oid = ("chatcmpl-" if chat else "cmpl-") + (xrid if xrid else secrets.token_hex(8))
         model_name = body.get("model") or served
@@ -549,7 +594,7 @@ def setup(s: EmulatorServer) -> None:
         base_seed = sample_seed(body)
         children: list[tuple[int, Seq]] = []
         for i, prompt in enumerate(prompts):
-            max_new = max_new_for(prompt, body)
+            max_new = max_new_for(prompt, limits)
             try:
                 engine.check_fits(len(prompt), max_new)
             except TooLarge as e:
@@ -559,6 +604,7 @@ def setup(s: EmulatorServer) -> None:
                 rid = parent if n == 1 else f"{j}_{parent}"
                 children.append((max_new, Seq(rid, prompt, max_new, model.sample_seed(base_seed, j))))
         outs: list[list[int]] = [[] for _ in children]
+        echoes = [echo_of(seq.prompt, body, chat, ask) for _, seq in children]
         finish: list[str] = ["length"] * len(children)
         stoppers = [Stopper(stop) if stop is not None else None for _ in children]
         resp: web.StreamResponse | None = None
@@ -587,8 +633,9 @@ def setup(s: EmulatorServer) -> None:
         async def child(k: int, max_new: int, seq: Seq) -> None:
             seqs[seq.rid] = seq
             out = outs[k]
+            ec = echoes[k]
             try:
-                await engine.admit(seq)
+                await engine.admit(seq, read_cache=plp_k is None)
                 await engine.prefill(seq)
                 stopper = stoppers[k]
                 shown = 0
@@ -601,8 +648,11 @@ def setup(s: EmulatorServer) -> None:
                             finish[k] = "stop"
                         last = stopped or len(out) == max_new
                         if resp is not None:
-                            now, new, text, lp = _release(out, shown, last, stopper, ask, seq.prompt)
-                            if new or (last and not chat):
+                            first = len(out) == 1
+                            now, new, text, lp = _release(
+                                out, shown, last, stopper, ask, seq.prompt, ec, first
+                            )
+                            if new or (last and not chat) or (first and ec is not NO_ECHO):
                                 choice = _token_choice(
                                     k, chat, text, lp, new, last, stopper, shown, seq.prompt, return_ids
                                 )
@@ -671,14 +721,18 @@ def setup(s: EmulatorServer) -> None:
             stopper = stoppers[k]
             out = outs[k]
             shown_ids = out[: stopper.shown(len(out), True)] if stopper is not None else out
-            lps = logprobs(ask, shown_ids, seq.prompt[-1] if seq.prompt else 0) if ask is not None else None
+            ec = echoes[k]
+            prev = seq.prompt[-1] if seq.prompt else 0
+            lps = logprobs(ask, shown_ids, prev, ec.offset) if ask is not None else None
+            text, lps = echoed(ec, tokenizer.decode(shown_ids), lps)
+            prompt_lps = vllm_prompt_logprobs(seq.prompt, plp_k) if plp_k is not None else None
             if chat:
                 choices.append(
                     {
                         "index": k,
                         "message": {
                             "role": "assistant",
-                            "content": tokenizer.decode(shown_ids),
+                            "content": text,
                             "refusal": None,
                             "annotations": None,
                             "audio": None,
@@ -697,12 +751,12 @@ def setup(s: EmulatorServer) -> None:
                 choices.append(
                     {
                         "index": k,
-                        "text": tokenizer.decode(shown_ids),
+                        "text": text,
                         "logprobs": lps,
                         "finish_reason": finish[k],
                         "stop_reason": _stop_reason(stopper),
                         "token_ids": out if return_ids else None,
-                        "prompt_logprobs": None,
+                        "prompt_logprobs": prompt_lps,
                         "prompt_token_ids": seq.prompt if return_ids else None,
                         "routed_experts": None,
                     }
@@ -718,7 +772,7 @@ def setup(s: EmulatorServer) -> None:
             "usage": usage(pt, ct, cached, False),
         }
         if chat:
-            obj["prompt_logprobs"] = None
+            obj["prompt_logprobs"] = vllm_prompt_logprobs(prompts[0], plp_k) if plp_k is not None else None
             obj["prompt_token_ids"] = prompts[0] if return_ids else None
             obj["prompt_text"] = None
         obj |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}

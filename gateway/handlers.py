@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
+from urllib.parse import unquote
 
 import msgspec
 
@@ -16,6 +17,7 @@ from gateway.errors import (
     BadRequest,
     ErrorCode,
     GatewayError,
+    ModelNotFound,
     NotFound,
     Unavailable,
     error_body,
@@ -118,6 +120,12 @@ class Handlers:
             if out is not None:
                 await out
             return
+        if req.path.startswith("/v1/models/"):
+            if req.method not in ("GET", "HEAD"):
+                return self._error(
+                    res, BadRequest("use GET", status=405, code=ErrorCode.METHOD_NOT_ALLOWED), None
+                )
+            return self.model(req, res)
         if self.admin is not None and req.path.startswith("/admin/"):
             await self.admin(req, res)
             return
@@ -209,18 +217,25 @@ class Handlers:
 
     def models(self, req: HttpRequest, res: HttpResponder) -> None:
         snap = self.registry.snapshot()
-        cards = []
-        for m in snap.models():
-            limits = [w.context_length for w in snap.workers if w.model == m and w.context_length]
-            cards.append(
-                ModelCard(
-                    id=m,
-                    created=self.started,
-                    max_model_len=min(limits) if limits else None,
-                    routes=_routes(snap, m),
-                )
-            )
+        cards = [self._card(snap, m) for m in snap.models()]
         res.send(200, [JSON], _encoder.encode(ModelList(data=cards)))
+
+    def model(self, req: HttpRequest, res: HttpResponder) -> None:
+        """`GET /v1/models/{id}` (the openai client's `models.retrieve`); ids may hold slashes."""
+        name = unquote(req.path[len("/v1/models/") :])
+        snap = self.registry.snapshot()
+        if name not in snap.models():
+            return self._error(res, ModelNotFound(f"the model {name!r} does not exist", param="model"), None)
+        res.send(200, [JSON], _encoder.encode(self._card(snap, name)))
+
+    def _card(self, snap: ClusterSnapshot, model: str) -> ModelCard:
+        limits = [w.context_length for w in snap.workers if w.model == model and w.context_length]
+        return ModelCard(
+            id=model,
+            created=self.started,
+            max_model_len=min(limits) if limits else None,
+            routes=_routes(snap, model),
+        )
 
     def metrics_page(self, req: HttpRequest, res: HttpResponder) -> None:
         res.send(200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")], self.metrics.render())

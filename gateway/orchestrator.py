@@ -333,6 +333,10 @@ class Orchestrator:
         unable = self.registry.not_serving(req.route)
         if unable:
             excl = excl | unable
+        if req.local_prefill is not None:
+            alone = self.registry.decodes_not_alone()
+            if alone:
+                excl = excl | alone
         suspects = self.registry.suspect_pairs()
         if suspects and (req.stream or not _verifiable(req)):
             plan = self.policy.plan(view, snap, excl | suspects)
@@ -382,6 +386,19 @@ class Orchestrator:
                     f"{req.path} (SGLang's native route); use /v1/completions or /v1/chat/completions",
                     param="model",
                 )
+            if req.local_prefill is not None and mine:
+                alone = self.registry.decodes_not_alone()
+                if all(
+                    w.role is not Role.COLOCATED and (w.role is Role.PREFILL or w.id in alone) for w in mine
+                ):
+                    raise BadRequest(
+                        f"{req.local_prefill.why}, which model {req.model!r} cannot answer: it is "
+                        "served only by SGLang prefill/decode pairs, and only the prefill computes "
+                        "the prompt (the decode's answer would lack it); use /generate with "
+                        "return_logprob and logprob_start_len, or serve the model on a colocated "
+                        "worker too",
+                        param=req.local_prefill.param,
+                    )
             raise NoWorker(plan.reason, retry_after_s=1.0)
         chosen = (plan.worker,) if isinstance(plan, Colocated) else (plan.prefill, plan.decode)
         if req.max_id >= 0:

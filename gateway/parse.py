@@ -48,6 +48,8 @@ class _Fields(msgspec.Struct):
     sampling_params: _SamplingParams | list[_SamplingParams] | None = None  # a list: one per prompt
     return_logprob: bool | None = None
     logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent
+    echo: bool | None = None
+    prompt_logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent (vLLM's extension)
     rid: msgspec.Raw = msgspec.Raw()  # empty: absent
     user: str | None = None
     session_id: str | None = None
@@ -73,6 +75,7 @@ class ParsedRequest:
         "has_owned_fields",
         "include_usage",
         "is_batch",
+        "local_prefill",
         "max_id",
         "max_tokens",
         "model",
@@ -117,6 +120,9 @@ class ParsedRequest:
         self.max_tokens: int | None = explicit
         self.n = n
         self.greedy = greedy
+        self.local_prefill = (
+            _local_prefill(route, f, explicit) if f.echo or f.prompt_logprobs or explicit == 0 else None
+        )
 
     @property
     def accounting_max_tokens(self) -> int:
@@ -172,12 +178,47 @@ def parse_request(
         raise BadRequest(f"invalid prompt: {e}", param=_prompt_param(route)) from None
     if req.max_tokens is not None:
         if req.max_tokens < 1 and route is not RouteKind.GENERATE:
-            raise BadRequest("'max_tokens' must be at least 1", param="max_tokens")
+            if not (req.max_tokens == 0 and f.echo and route is RouteKind.COMPLETIONS):
+                raise BadRequest(
+                    "'max_tokens' must be at least 1 (0 only with 'echo': the prompt alone)",
+                    param="max_tokens",
+                )
         if max_tokens_cap is not None and req.max_tokens > max_tokens_cap:
             raise BadRequest(f"'max_tokens' must be at most {max_tokens_cap}", param="max_tokens")
     if not 1 <= req.n <= max_n:
         raise BadRequest(f"'n' must be between 1 and {max_n}", param="n")
     return req
+
+
+def _given(raw: msgspec.Raw) -> bool:
+    return bool(raw) and bytes(raw) not in (b"null", b"false")
+
+
+class LocalPrefill(msgspec.Struct, frozen=True):
+    """Why an answer needs the prompt computed by the engine that answers it."""
+
+    param: str  # the request parameter that asks for it
+    why: str
+
+
+_ECHO_LOGPROBS = LocalPrefill("echo", "'echo' with 'logprobs' asks for the prompt's logprobs")
+_PROMPT_LOGPROBS = LocalPrefill("prompt_logprobs", "'prompt_logprobs' asks for the prompt's logprobs")
+_PROMPT_ONLY = LocalPrefill("max_tokens", "'max_tokens' 0 asks for the prompt alone")
+
+
+def _local_prefill(route: RouteKind, f: _Fields, max_tokens: int | None) -> LocalPrefill | None:
+    """Does the answer need the prompt computed by the engine that answers (so that a P/D
+    decode, which is handed the prompt's KV instead, may lack it)? None for most requests. On
+    `/generate` the prefill's prompt logprobs are merged into the decode's answer instead."""
+    if route is RouteKind.GENERATE:
+        return None
+    if f.echo and _given(f.logprobs):
+        return _ECHO_LOGPROBS
+    if _given(f.prompt_logprobs):
+        return _PROMPT_LOGPROBS
+    if max_tokens == 0:
+        return _PROMPT_ONLY
+    return None
 
 
 def _per_prompt(sps: list[_SamplingParams], batch: int, is_batch: bool) -> tuple[int | None, int, bool]:

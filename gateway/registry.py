@@ -154,6 +154,7 @@ class Registry:
         self._models: tuple[str, ...] | None = None  # cached until membership or info changes
         # per route: the workers whose engine does not answer it (cached like _models)
         self._not_serving: dict[RouteKind, frozenset[str]] = {}
+        self._not_alone: frozenset[str] | None = None  # decode workers that cannot answer alone
         self._snap_version = -1
         self._snap_seq = 0
         self._snap = ClusterSnapshot(version=0, workers=())
@@ -203,6 +204,7 @@ class Registry:
         self._version += 1
         self._models = None
         self._not_serving = {}
+        self._not_alone = None
 
     def not_serving(self, route: RouteKind) -> frozenset[str]:
         """Ids of the workers whose engine has no such route (SGLang's /generate on a vLLM
@@ -211,6 +213,18 @@ class Registry:
         if out is None:
             ids = [w.id for w in self._workers.values() if route not in w.adapter.routes]
             out = self._not_serving[route] = frozenset(ids) if ids else _NO_PAIRS
+        return out
+
+    def decodes_not_alone(self) -> frozenset[str]:
+        """Ids of the decode workers that cannot answer a request by themselves (SGLang's): they
+        must not be planned for a request whose answer needs the prompt computed where it is
+        answered (`ParsedRequest.local_prefill`). Cached like `not_serving`."""
+        out = self._not_alone
+        if out is None:
+            ids = [
+                w.id for w in self._workers.values() if w.role is Role.DECODE and not w.adapter.decode_alone
+            ]
+            out = self._not_alone = frozenset(ids) if ids else _NO_PAIRS
         return out
 
     def models(self) -> tuple[str, ...]:

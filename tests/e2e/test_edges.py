@@ -7,7 +7,7 @@ import random
 from typing import Any
 
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from tests.e2e._support import KINDS, Kind, Lane, _text, call
 
@@ -90,3 +90,82 @@ def test_chat_max_completion_tokens(lane: Lane, gateway: OpenAI, reference: Open
     assert got.choices[0].message.content == want.choices[0].message.content
     assert got.usage is not None and want.usage is not None
     assert got.usage.completion_tokens == want.usage.completion_tokens == 9
+
+
+def _scored(client: OpenAI, model: str, prompt: str, **kw: Any) -> Any:
+    return client.completions.create(model=model, prompt=prompt, temperature=0, echo=True, **kw).choices[0]
+
+
+def test_echo_with_logprobs_scores_the_prompt_or_is_refused(
+    lane: Lane, gateway: OpenAI, reference: OpenAI
+) -> None:
+    """`echo` + `logprobs` asks for the prompt's logprobs (lm-eval's loglikelihood request). A
+    P/D decode is handed the prompt's KV instead of computing it, so the gateway serves the
+    request on vLLM's decode alone (its answer must be the single server's), and refuses it
+    with a 400 naming `echo` where only an SGLang pair could serve it (SGLang's decode answer
+    would lack the prompt's logprobs)."""
+    prompt = _text(random.Random("echo-logprobs"), 20)
+    if lane.engine == "sglang":
+        with pytest.raises(BadRequestError) as ei:
+            _scored(gateway, lane.model, prompt, max_tokens=4, logprobs=1)
+        body = ei.value.body
+        assert isinstance(body, dict) and body["param"] == "echo", body
+        _sglang_decode_lacks_the_prompt_logprobs(lane, reference, prompt)
+        return
+    for base in (lane.reference, lane.decode):  # the CPU build compiles its logprobs path once
+        _scored(lane.client(base, timeout=600), lane.model, "warm up", max_tokens=1, logprobs=1)
+    got = _scored(gateway, lane.model, prompt, max_tokens=4, logprobs=1)
+    want = _scored(reference, lane.model, prompt, max_tokens=4, logprobs=1)
+    assert got.text == want.text and got.text.startswith(prompt)
+    assert got.logprobs is not None and want.logprobs is not None
+    assert got.logprobs.tokens == want.logprobs.tokens and len(got.logprobs.tokens) > 4
+    assert got.logprobs.token_logprobs[0] is None
+    for g, w in zip(got.logprobs.token_logprobs[1:], want.logprobs.token_logprobs[1:], strict=True):
+        assert abs(g - w) < 1e-3
+    # the prompt alone: max_tokens 0 with echo
+    only = _scored(gateway, lane.model, prompt, max_tokens=0, logprobs=1)
+    assert only.text == _scored(reference, lane.model, prompt, max_tokens=0, logprobs=1).text == prompt
+
+
+def _sglang_decode_lacks_the_prompt_logprobs(lane: Lane, reference: OpenAI, prompt: str) -> None:
+    """Why the gateway refuses: the pair, asked directly (prefill and decode at once, one
+    bootstrap room), answers echo + logprobs with fewer logprob entries than the single server,
+    which scores the prompt."""
+    import json
+    import os
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlsplit
+
+    bootstrap = os.environ.get("E2E_BOOTSTRAP_PORT")
+    assert bootstrap, "the lane did not export E2E_BOOTSTRAP_PORT"
+    body = {
+        "model": lane.model,
+        "prompt": prompt,
+        "max_tokens": 4,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 1,
+        "bootstrap_host": urlsplit(lane.prefill).hostname,
+        "bootstrap_port": int(bootstrap),
+        "bootstrap_room": random.Random("echo-room").randrange(1 << 62),
+    }
+
+    def post(base: str) -> Any:
+        req = urllib.request.Request(
+            base + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    with ThreadPoolExecutor(2) as ex:
+        fut_p, fut_d = ex.submit(post, lane.prefill), ex.submit(post, lane.decode)
+        fut_p.result()
+        decoded = fut_d.result()
+    want = _scored(reference, lane.model, prompt, max_tokens=4, logprobs=1)
+    assert want.logprobs is not None and len(want.logprobs.tokens) > 4
+    got = decoded["choices"][0]
+    assert got["text"] == want.text  # the text is echoed in full ...
+    assert len((got.get("logprobs") or {}).get("tokens") or []) < len(
+        want.logprobs.tokens
+    )  # ... its scores are not

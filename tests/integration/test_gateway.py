@@ -149,6 +149,28 @@ async def test_colocated_worker_and_models_listing(cluster: Cluster) -> None:
         assert "pdgw_requests_total" in text and "pdgw_worker_inflight" in text
 
 
+async def test_openai_client_models_list_and_retrieve(cluster: Cluster) -> None:
+    """`models.retrieve` is `GET /v1/models/{id}`: the same card as the listing, or a 404 in
+    OpenAI's shape naming the model (ids may hold slashes and escapes)."""
+    client = AsyncOpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        listed = {m.id: m for m in (await client.models.list()).data}
+        assert set(listed) == {"m-sglang", "m-vllm", "m-colocated"}
+        for name in listed:
+            got = await client.models.retrieve(name)
+            assert got.id == name and got.object == "model"
+            assert got.model_dump() == listed[name].model_dump()
+        with pytest.raises(NotFoundError) as ei:
+            await client.models.retrieve("org/no-such-model")
+        err = ei.value.body
+        assert isinstance(err, dict) and err["code"] == "model_not_found" and err["param"] == "model"
+        assert "'org/no-such-model'" in err["message"]
+    finally:
+        await client.close()
+    s, _, raw = await post(cluster.url + "/v1/models/m-vllm", {})
+    assert s == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("model", ["m-sglang", "m-vllm", "m-colocated"])
 async def test_openai_client_chat_and_completions(cluster: Cluster, model: str, stream: bool) -> None:
