@@ -73,6 +73,7 @@ class SampleMerger:
         self.usage: list[dict[str, Any] | None] = [None] * req.n
         self._tail: list[bytes] = [b""] * req.n
         self._usage_event: dict[str, Any] | None = None  # a usage chunk's other fields (id, model...)
+        self._stream_ids: tuple[Any, Any] | None = None  # (id, created) of the first event: all carry them
         self.first_byte_at = 0.0
 
     def sink(self, j: int, task: asyncio.Task[None]) -> SampleSink:
@@ -154,6 +155,12 @@ class SampleMerger:
         if self.generate:
             ev["index"] = ev.get("index", 0) * self.n + j
             return True
+        # one stream, one id: every chunk carries the first event's id and created, whichever
+        # sample it comes from (each sample's engine named its own)
+        if self._stream_ids is None:
+            self._stream_ids = (ev.get("id"), ev.get("created"))
+        elif "id" in ev:
+            ev["id"], ev["created"] = self._stream_ids
         usage = ev.get("usage")
         if usage is not None:
             self.usage[j] = usage

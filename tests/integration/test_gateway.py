@@ -288,7 +288,9 @@ async def test_sglang_pd_n_samples_split_and_merged(
         assert _usage(raw, stream) == _usage(ref, stream)
     if stream:
         assert sse_events(raw).count("[DONE]") == 1 and sse_events(raw)[-1] == "[DONE]"
-        if route != "/generate":
+        if route != "/generate":  # one stream, one id (each sample's engine named its own)
+            events = [e for e in sse_events(raw) if e != "[DONE]"]
+            assert len({(e["id"], e["created"]) for e in events}) == 1
             finishes = {
                 c["index"]: c["finish_reason"]
                 for e in sse_events(raw)
