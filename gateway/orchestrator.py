@@ -333,7 +333,7 @@ class Orchestrator:
         unable = self.registry.not_serving(req.route)
         if unable:
             excl = excl | unable
-        if req.local_prefill is not None:
+        if req.local_prefill is not None and req.local_prefill.all_engines:
             alone = self.registry.decodes_not_alone()
             if alone:
                 excl = excl | alone
@@ -386,7 +386,7 @@ class Orchestrator:
                     f"{req.path} (SGLang's native route); use /v1/completions or /v1/chat/completions",
                     param="model",
                 )
-            if req.local_prefill is not None and mine:
+            if req.local_prefill is not None and req.local_prefill.all_engines and mine:
                 alone = self.registry.decodes_not_alone()
                 if all(
                     w.role is not Role.COLOCATED and (w.role is Role.PREFILL or w.id in alone) for w in mine

@@ -199,9 +199,15 @@ class LocalPrefill(msgspec.Struct, frozen=True):
 
     param: str  # the request parameter that asks for it
     why: str
+    # every engine answers it with the prompt's logprobs (echo with logprobs > 0), so a decode
+    # that cannot compute the prompt itself (SGLang's) would answer without them; otherwise only
+    # vLLM acts on it (its decode would compute the prompt again: `logprobs` 0 with echo,
+    # `prompt_logprobs`, `max_tokens` 0) and SGLang ignores or refuses it by itself
+    all_engines: bool = False
 
 
-_ECHO_LOGPROBS = LocalPrefill("echo", "'echo' with 'logprobs' asks for the prompt's logprobs")
+_ECHO_LOGPROBS = LocalPrefill("echo", "'echo' with 'logprobs' asks for the prompt's logprobs", True)
+_ECHO_LOGPROBS_0 = LocalPrefill("echo", "'echo' with 'logprobs' 0 asks vLLM for the prompt's logprobs")
 _PROMPT_LOGPROBS = LocalPrefill("prompt_logprobs", "'prompt_logprobs' asks for the prompt's logprobs")
 _PROMPT_ONLY = LocalPrefill("max_tokens", "'max_tokens' 0 asks for the prompt alone")
 
@@ -213,7 +219,7 @@ def _local_prefill(route: RouteKind, f: _Fields, max_tokens: int | None) -> Loca
     if route is RouteKind.GENERATE:
         return None
     if f.echo and _given(f.logprobs):
-        return _ECHO_LOGPROBS
+        return _ECHO_LOGPROBS if bytes(f.logprobs) not in (b"0", b"0.0") else _ECHO_LOGPROBS_0
     if _given(f.prompt_logprobs):
         return _PROMPT_LOGPROBS
     if max_tokens == 0:

@@ -2,9 +2,10 @@
 and vLLM's `prompt_logprobs` (the prompt's logprobs), `echo` with `max_tokens` 0 (the prompt
 alone). A P/D decode is handed the prompt's KV instead of computing it: vLLM's decode then
 ignores the KV and computes the prompt again (the prefill's work is wasted), and SGLang's
-decode answers without the prompt's logprobs. So the gateway serves them on the vLLM decode
-alone, or on a colocated worker, and refuses them with a clear 400 where only an SGLang pair
-could serve them. Plain `echo` still goes through P/D and equals the colocated answer."""
+decode answers echo + logprobs > 0 without the prompt's logprobs. So the gateway serves them on
+vLLM's decode alone, sends SGLang's echo + logprobs > 0 to a colocated worker or refuses it with
+a clear 400 where only an SGLang pair could serve it, and lets through SGLang's pair what SGLang
+itself ignores or refuses. Plain `echo` goes through P/D and equals the colocated answer."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ async def test_plain_echo_goes_through_pd_and_equals_colocated(
 
 SCORING = [
     pytest.param({"echo": True, "logprobs": 1}, id="echo+logprobs"),
+    pytest.param({"echo": True, "logprobs": 0}, id="echo+logprobs0"),
     pytest.param({"prompt_logprobs": 1}, id="prompt_logprobs"),
     pytest.param({"echo": True, "max_tokens": 0}, id="echo+max_tokens0"),
 ]
@@ -94,6 +96,7 @@ SCORING = [
 async def test_vllm_prompt_scoring_is_served_by_the_decode_alone(
     cluster: Cluster, extra: dict[str, Any], stream: bool
 ) -> None:
+    """vLLM scores the prompt for all of these (`logprobs` 0 included): its decode serves them."""
     body = completion("m-vllm", stream, **extra)
     before = plans(cluster, "m-vllm")
     s, _, raw = await post(cluster.url + "/v1/completions", body)
@@ -115,36 +118,42 @@ async def test_vllm_prompt_scoring_is_served_by_the_decode_alone(
         assert got[2] is not None and got[2][0] is None and len(got[2]) > 1
 
 
-@pytest.mark.parametrize("extra", SCORING)
-async def test_sglang_pairs_alone_refuse_prompt_scoring_with_a_clear_400(
-    cluster: Cluster, extra: dict[str, Any]
-) -> None:
-    s, _, raw = await post(cluster.url + "/v1/completions", completion("m-sglang", **extra))
+async def test_sglang_pairs_alone_refuse_echo_with_logprobs_with_a_clear_400(cluster: Cluster) -> None:
+    s, _, raw = await post(cluster.url + "/v1/completions", completion("m-sglang", echo=True, logprobs=1))
     assert s == 400, raw
     err = json.loads(raw)["error"]
-    param = (
-        "echo" if "logprobs" in extra else "prompt_logprobs" if "prompt_logprobs" in extra else "max_tokens"
-    )
-    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert err["param"] == "echo" and err["type"] == "invalid_request_error", err
     assert "SGLang prefill/decode pairs" in err["message"] and "/generate" in err["message"]
 
 
-@pytest.mark.parametrize("extra", SCORING)
-async def test_sglang_prompt_scoring_goes_to_a_colocated_worker_when_there_is_one(
-    both: Cluster, extra: dict[str, Any]
+@pytest.mark.parametrize("extra", SCORING[1:])
+async def test_what_sglang_does_not_score_still_goes_through_its_pair(
+    cluster: Cluster, extra: dict[str, Any]
 ) -> None:
-    if "prompt_logprobs" in extra:
-        pytest.skip("prompt_logprobs is vLLM's extension")
+    """SGLang scores the prompt only for echo with logprobs > 0; it ignores `prompt_logprobs`
+    and refuses `max_tokens` 0 itself: those go through the pair like any request, and the
+    answer (or the engine's own 400) is the colocated server's."""
     body = completion("m-sglang", **extra)
+    before = plans(cluster, "m-sglang")
+    s, _, raw = await post(cluster.url + "/v1/completions", body)
+    rs, _, ref = await post(cluster.reference["m-sglang"].url + "/v1/completions", body)
+    assert s == rs, raw
+    if extra.get("max_tokens") == 0:
+        assert s == 400 and b"max_tokens must be positive" in raw, raw
+        return
+    assert s == 200 and grew(before, plans(cluster, "m-sglang")) == {"disaggregated"}, raw
+    assert answer(raw, False) == answer(ref, False)
+
+
+async def test_sglang_echo_with_logprobs_goes_to_a_colocated_worker_when_there_is_one(both: Cluster) -> None:
+    body = completion("m-sglang", echo=True, logprobs=2)
     before = plans(both, "m-sglang")
     s, _, raw = await post(both.url + "/v1/completions", body)
-    rs, _, ref = await post(both.reference["m-sglang"].url + "/v1/completions", body)
-    if extra.get("max_tokens") == 0:  # SGLang refuses max_tokens 0 itself: the colocated worker's 400
-        assert s == rs == 400 and b"max_tokens must be positive" in raw, raw
-    else:
-        assert s == 200, raw
-        assert grew(before, plans(both, "m-sglang")) == {"colocated"}
-        assert answer(raw, False) == answer(ref, False)
+    assert s == 200, raw
+    assert grew(before, plans(both, "m-sglang")) == {"colocated"}
+    _, _, ref = await post(both.reference["m-sglang"].url + "/v1/completions", body)
+    got = answer(raw, False)
+    assert got == answer(ref, False) and got[1][0][1] is None and len(got[1]) > 6
     # and plain requests still prefer the pair
     before = plans(both, "m-sglang")
     s, _, raw = await post(both.url + "/v1/completions", completion("m-sglang", echo=True))
