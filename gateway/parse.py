@@ -218,7 +218,7 @@ def _local_prefill(route: RouteKind, f: _Fields, max_tokens: int | None) -> Loca
     `/generate` the prefill's prompt logprobs are merged into the decode's answer instead."""
     if route is RouteKind.GENERATE:
         return None
-    if f.echo and _given(f.logprobs):
+    if f.echo and _given(f.logprobs) and route is RouteKind.COMPLETIONS:  # (chat's echo: the last message)
         return _ECHO_LOGPROBS if bytes(f.logprobs) not in (b"0", b"0.0") else _ECHO_LOGPROBS_0
     if _given(f.prompt_logprobs):
         return _PROMPT_LOGPROBS

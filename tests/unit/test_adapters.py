@@ -385,3 +385,36 @@ def test_generate_sampling_params_per_prompt_are_read_for_accounting() -> None:
     assert (req.max_tokens, req.greedy) == (3, False)  # the largest given limit; one entry samples
     req = parsed(RouteKind.GENERATE, {"text": ["a", "b"], "sampling_params": [{"n": 3}, {"n": 3}]})
     assert (req.max_tokens, req.n, req.accounting_max_tokens) == (None, 3, 128)
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "want"),
+    [
+        (RouteKind.COMPLETIONS, {}, None),
+        (RouteKind.COMPLETIONS, {"echo": True}, None),
+        (RouteKind.COMPLETIONS, {"logprobs": 2}, None),
+        (RouteKind.COMPLETIONS, {"echo": True, "logprobs": None}, None),
+        (RouteKind.COMPLETIONS, {"echo": True, "logprobs": 2}, ("echo", True)),
+        (RouteKind.COMPLETIONS, {"echo": True, "logprobs": 0}, ("echo", False)),
+        (RouteKind.COMPLETIONS, {"prompt_logprobs": 1}, ("prompt_logprobs", False)),
+        (RouteKind.COMPLETIONS, {"prompt_logprobs": None}, None),
+        (RouteKind.COMPLETIONS, {"echo": True, "max_tokens": 0}, ("max_tokens", False)),
+        (RouteKind.CHAT, {"echo": True, "logprobs": True}, None),  # chat's echo repeats the last message
+        (RouteKind.CHAT, {"prompt_logprobs": 0}, ("prompt_logprobs", False)),
+        (RouteKind.GENERATE, {"return_logprob": True, "logprob_start_len": 0}, None),  # merged instead
+    ],
+)
+def test_what_needs_the_prompt_computed_where_it_is_answered(
+    route: RouteKind, extra: dict[str, Any], want: tuple[str, bool] | None
+) -> None:
+    if route is RouteKind.COMPLETIONS:
+        body: dict[str, Any] = {"model": "m", "prompt": "hi", "max_tokens": 3, **extra}
+    elif route is RouteKind.CHAT:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+    else:
+        body = {"model": "m", "text": "hi", **extra}
+    req = parsed(route, body)
+    lp = req.local_prefill
+    assert (None if lp is None else (lp.param, lp.all_engines)) == want
+    assert ADAPTERS[Engine.VLLM].supports_pd(req) == (want is None)
+    assert ADAPTERS[Engine.SGLANG].supports_pd(req)  # kept off SGLang decodes before planning
