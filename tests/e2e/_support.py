@@ -233,6 +233,14 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
+def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> bytes:
+    """POST a JSON body straight to a server of the lane (no gateway, no openai client)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:  # only 127.0.0.1 URLs from the lane
+        data: bytes = r.read()
+        return data
+
+
 def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:  # only 127.0.0.1 URLs from the lane

@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
-import urllib.request
 from typing import Any
 
 import pytest
 
-from tests.e2e._support import Lane, unique_prompt
+from tests.e2e._support import Lane, post_json, unique_prompt
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -25,11 +24,7 @@ def _sglang_only(lane: Lane) -> None:
 
 
 def generate(base: str, body: dict[str, Any]) -> Any:
-    req = urllib.request.Request(
-        base + "/generate", json.dumps(body).encode(), {"content-type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as r:  # only 127.0.0.1 URLs from the lane
-        raw = r.read()
+    raw = post_json(base + "/generate", body)
     if not body.get("stream"):
         return json.loads(raw)
     events = []
@@ -139,11 +134,8 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_engines(lane: L
     lane's gateway knows the model's vocabulary (`--vocab-size`) and answers 400 instead."""
     vocab = int(os.environ["E2E_VOCAB_SIZE"])
     body = {"input_ids": [1, 45, vocab + 7], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
-    req = urllib.request.Request(
-        lane.gateway + "/generate", json.dumps(body).encode(), {"content-type": "application/json"}
-    )
     with pytest.raises(urllib.error.HTTPError) as ei:
-        urllib.request.urlopen(req, timeout=30)  # only 127.0.0.1 URLs from the lane
+        post_json(lane.gateway + "/generate", body, timeout=30)
     assert ei.value.code == 400
     assert "out of vocabulary" in json.loads(ei.value.read())["error"]["message"]
     # the engines are still up and serve the next request P/D
