@@ -46,6 +46,7 @@ from gateway.errors import (
     Conflict,
     ErrorCode,
     GatewayError,
+    MethodNotAllowed,
     NotFound,
     Unauthorized,
 )
@@ -291,9 +292,7 @@ class Admin:
 
 
 def _method(method: str, allowed: str) -> GatewayError:
-    return BadRequest(
-        f"method {method} not allowed here (use {allowed})", status=405, code=ErrorCode.METHOD_NOT_ALLOWED
-    )
+    return MethodNotAllowed(method, allowed)
 
 
 def _query(query: str) -> dict[str, list[str]]:

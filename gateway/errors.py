@@ -14,6 +14,7 @@ class ErrorCode(enum.StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     NO_WORKER = "no_worker_available"
     OVERLOADED = "overloaded"
@@ -86,6 +87,25 @@ class BadRequest(GatewayError):
     status = 400
     code = ErrorCode.INVALID_REQUEST
     type = "invalid_request_error"
+
+
+class MethodNotAllowed(BadRequest):
+    """405 with the `Allow` header HTTP asks for."""
+
+    status = 405
+    code = ErrorCode.METHOD_NOT_ALLOWED
+
+    def __init__(self, method: str, allowed: str) -> None:
+        super().__init__(f"method {method} not allowed here (use {allowed})")
+        self.allowed = allowed
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"allow", self.allowed.encode())]
+
+
+class UnsupportedMediaType(BadRequest):
+    status = 415
+    code = ErrorCode.UNSUPPORTED_MEDIA_TYPE
 
 
 class NotFound(GatewayError):

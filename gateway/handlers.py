@@ -17,9 +17,11 @@ from gateway.errors import (
     BadRequest,
     ErrorCode,
     GatewayError,
+    MethodNotAllowed,
     ModelNotFound,
     NotFound,
     Unavailable,
+    UnsupportedMediaType,
     error_body,
     sse_error_event,
 )
@@ -105,26 +107,20 @@ class Handlers:
         route = self._post.get(req.path)
         if route is not None:
             if req.method != "POST":
-                return self._error(
-                    res, BadRequest("use POST", status=405, code=ErrorCode.METHOD_NOT_ALLOWED), None
-                )
+                return self._error(res, MethodNotAllowed(req.method, "POST"), None)
             await self.generate(route, req, res)
             return
         get = self._get.get(req.path)
         if get is not None:
             if req.method not in ("GET", "HEAD"):
-                return self._error(
-                    res, BadRequest("use GET", status=405, code=ErrorCode.METHOD_NOT_ALLOWED), None
-                )
+                return self._error(res, MethodNotAllowed(req.method, "GET, HEAD"), None)
             out = get(req, res)
             if out is not None:
                 await out
             return
         if req.path.startswith("/v1/models/"):
             if req.method not in ("GET", "HEAD"):
-                return self._error(
-                    res, BadRequest("use GET", status=405, code=ErrorCode.METHOD_NOT_ALLOWED), None
-                )
+                return self._error(res, MethodNotAllowed(req.method, "GET, HEAD"), None)
             return self.model(req, res)
         if self.admin is not None and req.path.startswith("/admin/"):
             await self.admin(req, res)
@@ -144,6 +140,12 @@ class Handlers:
             if ctype is not None and b"json" not in ctype.lower():
                 raise BadRequest(
                     f"unsupported content-type {ctype.decode(errors='replace')!r}; send application/json"
+                )
+            coding = req.header(b"content-encoding")
+            if coding is not None and coding.strip().lower() not in (b"", b"identity"):
+                raise UnsupportedMediaType(
+                    f"unsupported content-encoding {coding.decode(errors='replace')!r}; send the JSON "
+                    "body uncompressed"
                 )
             models = self.registry.models()
             parsed = parse_request(

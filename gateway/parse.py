@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from adapters._body import splice
 from gateway.errors import BadRequest
 from policies.snapshot import RouteKind
 
@@ -62,10 +63,12 @@ class _Fields(msgspec.Struct):
 
 _decoder = msgspec.json.Decoder(_Fields)
 _any_decoder = msgspec.json.Decoder()
+_model_encoder = msgspec.json.Encoder()
 
 
 class ParsedRequest:
-    """A client request after parsing. `body` is the client's bytes, untouched."""
+    """A client request after parsing. `body` is the client's bytes, untouched (but for the
+    served model's name where the client named none)."""
 
     __slots__ = (
         "batch",
@@ -157,13 +160,15 @@ def parse_request(
     except msgspec.DecodeError as e:
         raise BadRequest(f"request body is not valid JSON: {e}", code=None) from None
     model = f.model
-    if route is not RouteKind.GENERATE:
-        if not model:
-            raise BadRequest("missing required parameter: 'model'", param="model")
-    elif not model:
+    if not model:
+        # as the engines do (vLLM: its served model; SGLang: "default"), where one model is served
         if default_model is None:
-            raise BadRequest("missing 'model' and more than one model is served", param="model")
+            raise BadRequest(
+                "missing required parameter: 'model' (more than one model is served)", param="model"
+            )
         model = default_model
+        if route is not RouteKind.GENERATE:  # (SGLang's /generate takes no `model` field)
+            body = splice(body, b'"model":' + _model_encoder.encode(model))
     if route is RouteKind.CHAT and not f.messages:
         raise BadRequest("missing required parameter: 'messages'", param="messages")
     if route is RouteKind.COMPLETIONS and not f.prompt:

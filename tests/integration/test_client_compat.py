@@ -1,0 +1,149 @@
+"""What clients send that the engines accept, and what HTTP asks of the answers.
+
+- No `model`: vLLM answers with its served model and SGLang with its own default, so clients
+  written against one engine often leave it out. Where the gateway serves one model it does the
+  same (and names that model to the engine); where it serves several it is a 400 saying so.
+- 405 answers carry `Allow`; a compressed request body is a 415 naming its encoding (the engines
+  do not take one either), not a confusing "not UTF-8" or JSON error.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from gateway.config import AdminConfig
+from tests.integration.conftest import Cluster, build_cluster, stop_cluster
+from tests.integration.test_gateway import post, sse_events
+
+TOKEN = "compat-admin-token"
+OTHERS = {"m-sglang": ("vllm-p", "vllm-d", "col"), "m-vllm": ("sgl-p", "sgl-d", "col")}
+
+
+@pytest.fixture
+async def admin_cluster() -> AsyncIterator[Cluster]:
+    c = await build_cluster(admin=AdminConfig(token=TOKEN))
+    try:
+        yield c
+    finally:
+        await stop_cluster(c)
+
+
+async def keep_only(c: Cluster, model: str) -> None:
+    """Remove every worker of the other models through the admin API."""
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+        for wid in OTHERS[model]:
+            async with s.delete(f"{c.url}/admin/workers/{wid}") as r:
+                assert r.status == 200, await r.text()
+        async with s.get(c.url + "/v1/models") as r:
+            assert [m["id"] for m in (await r.json())["data"]] == [model]
+
+
+def text_of(raw: bytes, stream: bool, chat: bool) -> str:
+    objs = [json.loads(raw)] if not stream else [e for e in sse_events(raw) if e != "[DONE]"]
+    out = ""
+    for o in objs:
+        for ch in o.get("choices", []):
+            if chat:
+                out += (ch.get("delta") if stream else ch["message"]).get("content") or ""
+            else:
+                out += ch.get("text") or ""
+    return out
+
+
+async def test_missing_model_is_a_400_where_several_are_served(cluster: Cluster) -> None:
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 3}}),
+    ):
+        s, _, raw = await post(cluster.url + path, body)
+        err = json.loads(raw)["error"]
+        assert s == 400 and err["param"] == "model", (path, raw)
+        assert "more than one model is served" in err["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("model", ["m-sglang", "m-vllm"])
+async def test_missing_model_means_the_one_served(admin_cluster: Cluster, model: str, stream: bool) -> None:
+    """Through the P/D pair, without `model`, the answer equals the one with it, token for token,
+    and names the served model as the engine would."""
+    c = admin_cluster
+    await keep_only(c, model)
+    bodies: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Say something"}], "max_tokens": 8},
+        ),
+    ]
+    for path, body in bodies:
+        body = {**body, "temperature": 0, "stream": stream}
+        s1, _, named = await post(c.url + path, {**body, "model": model})
+        s2, _, unnamed = await post(c.url + path, body)
+        assert s1 == s2 == 200, (path, unnamed)
+        chat = path.endswith("chat/completions")
+        assert text_of(unnamed, stream, chat) == text_of(named, stream, chat) != ""
+        first = json.loads(unnamed) if not stream else sse_events(unnamed)[0]
+        assert first["model"] == model, first
+    if model == "m-sglang":
+        s, _, raw = await post(c.url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+        assert s == 200 and json.loads(raw)["meta_info"]["completion_tokens"] == 4, raw
+    # and the official client, which always sends `model`, is unaffected
+    client = AsyncOpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        r = await client.completions.create(model=model, prompt="abc", max_tokens=3, temperature=0)
+        assert r.choices[0].text
+    finally:
+        await client.close()
+
+
+async def test_method_not_allowed_names_the_allowed_methods(admin_cluster: Cluster) -> None:
+    c = admin_cluster
+    async with aiohttp.ClientSession() as s:
+        for method, path, allow in (
+            ("GET", "/v1/completions", "POST"),
+            ("PUT", "/v1/chat/completions", "POST"),
+            ("POST", "/v1/models", "GET, HEAD"),
+            ("DELETE", "/v1/models/m-vllm", "GET, HEAD"),
+            ("PUT", "/admin/workers", "GET, POST"),
+        ):
+            async with s.request(method, c.url + path, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                body = await r.json()
+                assert r.status == 405, (method, path, body)
+                assert r.headers.get("Allow") == allow, (method, path, dict(r.headers))
+                assert body["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br"])
+async def test_compressed_request_body_is_a_415(cluster: Cluster, coding: str) -> None:
+    raw = json.dumps({"model": "m-vllm", "prompt": "hi", "max_tokens": 3}).encode()
+    data = gzip.compress(raw) if coding == "gzip" else raw
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            cluster.url + "/v1/completions",
+            data=data,
+            headers={"Content-Type": "application/json", "Content-Encoding": coding},
+        ) as r,
+    ):
+        body = await r.json()
+    assert r.status == 415, body
+    err = body["error"]
+    assert err["code"] == "unsupported_media_type" and coding in err["message"], err
+    # identity is no encoding at all
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            cluster.url + "/v1/completions",
+            data=raw,
+            headers={"Content-Type": "application/json", "Content-Encoding": "identity"},
+        ) as r,
+    ):
+        assert r.status == 200, await r.text()
