@@ -23,6 +23,7 @@ from adapters import _body
 from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
+from gateway.errors import BadRequest
 from gateway.guards import Summary
 from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, RouteKind, WorkerLoad
@@ -91,6 +92,8 @@ class VLLMAdapter:
 
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
         fields = req.decode_dict()
+        if "stream_options" in fields or "min_tokens" in fields:
+            _check_what_the_prefill_is_not_sent(req, fields)
         set_: dict[str, bytes] = {
             "stream": b"false",
             "max_tokens": b"1",
@@ -230,3 +233,30 @@ def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | N
                 f"(block size {block_size}: {max(need)} expected)"
             )
     return None
+
+
+def _check_what_the_prefill_is_not_sent(req: ParsedRequest, fields: dict[str, msgspec.Raw]) -> None:
+    """The prefill goes without `stream_options` and `min_tokens` (with `max_tokens` 1 it would
+    refuse them), so what vLLM checks of them only the decode would see: after the prefill's
+    work, its KV blocks held for a decode that never reads them until their lease ends. The same
+    checks here, before either leg, in vLLM's words (0.33: `validate_stream_options` in
+    entrypoints/openai/*/protocol.py, `SamplingParams._verify_args`)."""
+    raw = fields.get("stream_options")
+    if raw is not None and msgspec.json.decode(raw) and not req.fields.stream:
+        raise BadRequest(
+            "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+            param="stream_options",
+        )
+    raw = fields.get("min_tokens")
+    if raw is None:
+        return
+    n = msgspec.json.decode(raw)
+    if not isinstance(n, int) or isinstance(n, bool):
+        return  # pydantic's coercions of other types are the decode's to judge
+    if n < 0:
+        raise BadRequest(f"min_tokens must be greater than or equal to 0, got {n}.", param="min_tokens")
+    if req.max_tokens is not None and n > req.max_tokens:
+        raise BadRequest(
+            f"min_tokens must be less than or equal to max_tokens={req.max_tokens}, got {n}.",
+            param="min_tokens",
+        )

@@ -35,6 +35,7 @@ from emulator.flows import MidStreamFault, admit_and_compute, env_float, sglang_
 from emulator.kvtransfer import TransferError
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_sglang
+from emulator.sampling_checks import sglang_generate_refusal, sglang_openai_refusal
 from emulator.scheduler import Aborted, EngineDead, Seq, TooLarge
 from emulator.stops import Stopper, StopSpec, stop_spec
 
@@ -514,9 +515,32 @@ def setup(s: EmulatorServer) -> None:
                 )
         return items
 
+    def refusal(items: list[Item], refused: list[str | None], n: int) -> tuple[str, bool] | None:
+        """The tokenizer manager's refusal of a request, as ``(message, from verify)``: request
+        after request, its length checks (``_validate_one_request``), then its sampling params'
+        ``verify`` (`refused`, one per prompt: item ``k`` is prompt ``k // n``'s)."""
+        for k, it in enumerate(items):
+            msg = api.validate(len(it.prompt), it.max_new)
+            if msg is not None:
+                return msg, False
+            if (msg := refused[k // n]) is not None:
+                return msg, True
+        return None
+
     def check(
-        items: list[Item], error: Callable[[int, str], web.Response], request: web.Request
+        items: list[Item],
+        error: Callable[[int, str], web.Response],
+        request: web.Request,
+        refused: list[str | None],
+        n: int,
     ) -> web.Response | None:
+        bad = refusal(items, refused, n)
+        if bad is not None:
+            return error(400, bad[0])
+        crash_on_bad_ids(items, request)
+        return None
+
+    def crash_on_bad_ids(items: list[Item], request: web.Request) -> None:
         for it in items:
             if it.prompt and (min(it.prompt) < 0 or max(it.prompt) >= tokenizer.VOCAB_SIZE):
                 # SGLang 0.5.23 does not check prompt ids: the scheduler's embedding lookup raises,
@@ -524,10 +548,6 @@ def setup(s: EmulatorServer) -> None:
                 # request gets no answer
                 s.fatal()
                 crash(request)
-            msg = api.validate(len(it.prompt), it.max_new)
-            if msg is not None:
-                return error(400, msg)
-        return None
 
     async def run_nonstream(request: web.Request, items: list[Item], hit: dict[str, Fault]) -> list[Result]:
         tasks = [asyncio.ensure_future(api.execute(it, hit, None)) for it in items]
@@ -596,9 +616,30 @@ def setup(s: EmulatorServer) -> None:
             batch = batch or n > 1  # SGLang turns a single prompt with n > 1 into a batch
             max_new = [_max_new(sp) for sp in sps]
             items = make_items(body, prompts, max_new, [_sampling(sp) for sp in sps], n, stops)
-            bad = check(items, _error_generate, request)
+            bad = refusal(items, [sglang_generate_refusal(sp) for sp in sps], n)
             if bad is not None:
-                return bad
+                why, verify = bad
+                if verify and body.get("stream"):
+                    # the ValueError comes out of the stream's generator: 200, an error event
+                    # (http_server.py serve_generate_request)
+                    resp = await start_sse(request)
+                    await resp.write(
+                        sse(
+                            {
+                                "error": {
+                                    "message": why,
+                                    "type": "invalid_request_error",
+                                    "code": 400,
+                                    "retryable": False,
+                                }
+                            }
+                        )
+                    )
+                    await resp.write(DONE)
+                    await resp.write_eof()
+                    return resp
+                return _error_generate(400, why)
+            crash_on_bad_ids(items, request)
             if s.role == "prefill":
                 for it in items:
                     msg = api.scheduler_reject(len(it.prompt))
@@ -723,7 +764,8 @@ def setup(s: EmulatorServer) -> None:
             for it in items:
                 it.read_cache = not scored
             echoes = [api.echo(it, ask, scored) if echo_on else NO_ECHO for it in items]
-            bad = check(items, _error_openai, request)
+            # stream or not, a 400 before any event (the stream's first chunk is awaited first)
+            bad = check(items, _error_openai, request, [sglang_openai_refusal(body, chat)] * len(prompts), n)
             if bad is not None:
                 return bad
             if s.role == "prefill" and "silent_truncation" not in hit:

@@ -12,6 +12,7 @@ whole prompt itself and only notifies the prefill, which frees the blocks it hel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import secrets
 import time
@@ -28,6 +29,7 @@ from emulator.flows import MidStreamFault, tokens, vllm_pull_kv, vllm_skip_remot
 from emulator.kvtransfer import Held, TransferError
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_vllm
+from emulator.sampling_checks import vllm_refusal
 from emulator.scheduler import Aborted, EngineDead, Seq, TooLarge
 from emulator.stops import Stopper, StopSpec, stop_spec
 
@@ -194,6 +196,25 @@ def setup(s: EmulatorServer) -> None:
                 engine.counters.completed += 1
             return resp
 
+    notices: set[asyncio.Task[None]] = set()
+
+    def reject_remote_prefill(body: dict[str, Any]) -> None:
+        """A decode refusing a request before admission still frees the prefill's blocks held
+        for it: vLLM 0.32 submits it pre-aborted (``_with_kv_transfer_rejection_cleanup``,
+        entrypoints/generate/base/serving.py; NIXL ``request_finished`` then notifies the
+        prefill). Sent in the background: the refusal does not wait for it."""
+        ktp = body.get("kv_transfer_params")
+        if not isinstance(ktp, dict) or not ktp.get("do_remote_prefill") or s.role == "prefill":
+            return
+
+        async def notify() -> None:
+            with contextlib.suppress(Exception):  # vLLM only logs a failed notification
+                await vllm_skip_remote_kv(s, ktp)
+
+        task = asyncio.ensure_future(notify())
+        notices.add(task)
+        task.add_done_callback(notices.discard)
+
     def echo_of(prompt: list[int], body: dict[str, Any], chat: bool, ask: LogprobAsk | None) -> Echo:
         """A completion's echo: the prompt's text (none when it answers token ids) and, with
         `logprobs`, the prompt's logprobs; `max_tokens` 0 echoes without generation."""
@@ -232,6 +253,14 @@ def setup(s: EmulatorServer) -> None:
     async def run(
         request: web.Request, body: dict[str, Any], chat: bool, hit: dict[str, Fault]
     ) -> web.StreamResponse:
+        if body.get("stream_options") and not body.get("stream"):
+            # the request model's validate_stream_options (entrypoints/openai/completion/protocol.py,
+            # chat_completion/protocol.py): refused while parsing, so no KV cleanup either
+            return _error(
+                400,
+                "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
+                param="stream_options",
+            )
         if chat:
             prompts = [tokenizer.encode_chat(body.get("messages") or [])]
         else:
@@ -267,21 +296,24 @@ def setup(s: EmulatorServer) -> None:
         )
         if n_samples < 1:
             return _error(400, f"n must be at least 1, got {n_samples}.", param="n")
+        # the renderer's prompt checks, then SamplingParams' (per prompt): _verify_args, then
+        # _verify_greedy_sampling
+        for pr in prompts:
+            bad = check_length(pr, limits)
+            if bad is not None:
+                return bad
+        refused = vllm_refusal(body, [max_new_for(pr, limits) for pr in prompts])
+        if refused is not None:
+            reject_remote_prefill(body)
+            return _error(400, refused[0], param=refused[1])
         temperature = body.get("temperature")
         if n_samples > 1 and isinstance(temperature, int | float) and temperature < 1e-5:
             # vLLM 0.32 SamplingParams._verify_greedy_sampling (seen on the real engine)
             return _error(400, f"n must be 1 when using greedy sampling, got {n_samples}.")
         if len(prompts) > 1 or n_samples > 1:
-            for pr in prompts:
-                bad = check_length(pr, limits)
-                if bad is not None:
-                    return bad
             return await run_multi(request, body, chat, hit, prompts, n_samples, ask, stop, plp_k, limits)
         prompt = prompts[0]
         n_prompt = len(prompt)
-        bad = check_length(prompt, limits)
-        if bad is not None:
-            return bad
         max_new = max_new_for(prompt, limits)
         ec = echo_of(prompt, body, chat, ask)
         scoring = plp_k is not None  # prompt logprobs: no cached prefix, no remote KV is read

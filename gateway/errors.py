@@ -189,10 +189,18 @@ class KVIntegrityError(UpstreamFailure):
     code = ErrorCode.KV_INTEGRITY
 
 
-class _EngineError(msgspec.Struct):
-    """The shapes engines use: OpenAI's nested one, SGLang's flat one, or vLLM's."""
+class _EngineErrorDetail(msgspec.Struct):
+    message: str
+    type: str | None = None  # absent in SGLang's native answers ({"error": {"message": ...}})
+    param: str | None = None
+    code: str | int | None = None
 
-    error: ErrorDetail | str | None = None
+
+class _EngineError(msgspec.Struct):
+    """The shapes engines use: OpenAI's nested one (SGLang's /generate: the message alone),
+    SGLang's flat one on its OpenAI routes, or vLLM's."""
+
+    error: _EngineErrorDetail | str | None = None
     message: str | None = None
     type: str | None = None
     param: str | None = None
@@ -229,7 +237,7 @@ def _engine_message(body: bytes) -> tuple[str, str | None, str | int | None]:
     except (msgspec.DecodeError, msgspec.ValidationError):
         text = body.decode("utf-8", "replace").strip()[:2000]
         return text or "the engine rejected the request", None, None
-    if isinstance(e.error, ErrorDetail):
+    if isinstance(e.error, _EngineErrorDetail):
         return e.error.message, e.error.param, e.error.code
     msg = e.message or (e.error if isinstance(e.error, str) else None) or e.detail
     return msg or "the engine rejected the request", e.param, e.code

@@ -519,8 +519,13 @@ class Orchestrator:
                     self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
                     verdict = p.adapter.judge_prefill(req, ctx, status, prefill_out)
                     if not verdict.ok:
-                        # the decode was already waiting for this KV: refusing it is the guard's catch
-                        raise self._prefill_refused(p, d, verdict, ctx.request_id, 200)
+                        # the decode, sent the same body, is waiting for this KV: it is aborted
+                        # below. The guard's catch, unless the decode refused the request too
+                        # (the request's fault) or the prefill failed (5xx: an upstream error)
+                        caught = status == 200 or (
+                            status < 500 and not await _refused_too(decode_task, _AGREEMENT_S)
+                        )
+                        raise self._prefill_refused(p, d, verdict, ctx.request_id, caught)
                     ok_p = in_handoff = True
                     a.phase = Phase.HANDOFF
                     guard = self._decode_guard(req, ctx, p.adapter, prefill_out)
@@ -703,7 +708,7 @@ class Orchestrator:
             verdict = p.adapter.judge_prefill(req, ctx, status, out)
             if not verdict.ok:
                 ok_p = not verdict.retryable  # a 4xx verdict is the request's fault
-                raise self._prefill_refused(p, d, verdict, ctx.request_id, status)
+                raise self._prefill_refused(p, d, verdict, ctx.request_id, status == 200)
             ok_p = True
         finally:
             self.registry.release(p, tokens)
@@ -1096,11 +1101,11 @@ class Orchestrator:
         return KVIntegrityError(f"KV integrity check failed: {why}", phase="decode", worker=w.id)
 
     def _prefill_refused(
-        self, p: Worker, d: Worker, v: PrefillVerdict, request_id: str, status: int
+        self, p: Worker, d: Worker, v: PrefillVerdict, request_id: str, caught: bool
     ) -> GatewayError:
         """The error for a prefill answer that is no basis for a decode (counted as a guard hit
-        when the engine said 200 but its answer was unsound)."""
-        if status == 200:
+        when `caught`: it kept a broken handoff from the client)."""
+        if caught:
             self._guard_failed(
                 Guard.PREFILL_VERDICT, "before_first_byte", request_id, v.reason, prefill=p.id, decode=d.id
             )
@@ -1177,6 +1182,31 @@ def _verifiable(req: ParsedRequest) -> bool:
     """Can this request's answer be checked against a short colocated re-run before its clean
     end is sent? (Greedy, one answer; a stream's tokens flow meanwhile, only its end is held.)"""
     return req.greedy and req.n == 1 and not req.is_batch
+
+
+# How long a refused SGLang prefill waits for its decode's answer to the same body: a decode
+# that refuses it too (within this) makes it the request's fault, not a guard's catch.
+_AGREEMENT_S = 0.25
+
+
+async def _refused_too(decode: asyncio.Future[UpstreamResponse], within_s: float) -> bool:
+    """Whether the decode refused the request as well, waiting up to `within_s` for it: a 4xx,
+    or a stream that is one error event (SGLang's /generate refuses a streamed request so)."""
+    end = time.monotonic() + within_s
+    if not decode.done():
+        await asyncio.wait((decode,), timeout=within_s)
+    if not decode.done() or decode.cancelled() or decode.exception() is not None:
+        return False
+    resp = decode.result()
+    if 400 <= resp.status < 500:
+        return True
+    if resp.status != 200 or not (resp.header(b"content-type") or b"").startswith(b"text/event-stream"):
+        return False
+    try:  # (the caller aborts this leg whatever it holds)
+        body = await asyncio.wait_for(resp.read(), max(0.0, end - time.monotonic()))
+    except (TimeoutError, UpstreamConnectError, UpstreamProtocolError):
+        return False
+    return body.lstrip().startswith(b'data: {"error"')
 
 
 def _blame(plan: Colocated | Disaggregated | Reject, e: UpstreamFailure) -> set[str]:

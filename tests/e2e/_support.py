@@ -241,6 +241,14 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> bytes:
         return data
 
 
+def post_status(url: str, body: dict[str, Any], timeout: float = 120.0) -> tuple[int, bytes]:
+    """`post_json` that returns an error answer (status, body) instead of raising."""
+    try:
+        return 200, post_json(url, body, timeout)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
 def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:  # only 127.0.0.1 URLs from the lane

@@ -13,7 +13,18 @@ from urllib.parse import urlsplit
 import pytest
 from openai import BadRequestError, OpenAI
 
-from tests.e2e._support import KINDS, Kind, Lane, _text, call, post_json
+from tests.e2e._support import (
+    KINDS,
+    Kind,
+    Lane,
+    _text,
+    call,
+    metric,
+    post_json,
+    post_status,
+    scrape,
+    wait_idle,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -161,3 +172,50 @@ def _sglang_decode_lacks_the_prompt_logprobs(lane: Lane, reference: OpenAI, prom
     got = decoded["choices"][0]
     scored = (got.get("logprobs") or {}).get("tokens") or []
     assert got["text"] == want.text and len(scored) < len(want.logprobs.tokens)  # echoed, not scored
+
+
+INVALID_PARAMETERS: list[dict[str, Any]] = [
+    {"temperature": -1.0},
+    {"top_p": 1.5},
+    {"top_k": -5},
+    {"presence_penalty": 3.0},
+    {"min_tokens": 9},  # more than max_tokens (4)
+    {"min_tokens": -1},
+    {"stream_options": {"include_usage": True}},  # without stream
+]
+
+
+def _message(raw: bytes) -> str:
+    body = json.loads(raw)
+    err = body.get("error")
+    return str(err.get("message") if isinstance(err, dict) else body.get("message") or err)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_invalid_parameters_get_the_engines_own_answer(lane: Lane, kind: Kind) -> None:
+    """A request the engine refuses is refused through the gateway with the same status and the
+    engine's own message (in OpenAI's shape), and leaves nothing running on the pair: no SGLang
+    bootstrap room waiting for KV, no vLLM decode. vLLM's prefill is not sent `stream_options`
+    or `min_tokens`: the gateway checks those itself, in vLLM's words, before either leg."""
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    prompt: dict[str, Any] = (
+        {"messages": [{"role": "user", "content": "Say something"}]} if kind == "chat" else {"prompt": "Once"}
+    )
+    refused = 0
+    hits = metric(scrape(lane.gateway), "pdgw_guard_failures_total")
+    for extra in INVALID_PARAMETERS:
+        body = {"model": lane.model, "max_tokens": 4, "temperature": 0, **prompt, **extra}
+        want_status, want = post_status(lane.reference + path, body)
+        got_status, got = post_status(lane.gateway + path, body)
+        assert got_status == want_status, (extra, got_status, got[:300], want_status, want[:300])
+        if want_status != 200:
+            refused += 1
+            assert _message(got) == _message(want), (extra, got[:300], want[:300])
+            assert set(json.loads(got)["error"]) == {"message", "type", "param", "code"}, got[:300]
+    assert refused >= 3, "the engine took (nearly) every invalid request: the test proves nothing"
+    # the request's fault, not a broken handoff the guards caught
+    assert metric(scrape(lane.gateway), "pdgw_guard_failures_total") == hits
+    left = wait_idle(lane.engine, [lane.prefill, lane.decode], within_s=15)
+    assert all(v == 0 for r in left.values() for v in r.values()), left
+    ok_status, ok = post_status(lane.gateway + path, {"model": lane.model, "max_tokens": 4, **prompt})
+    assert ok_status == 200, ok[:300]

@@ -191,8 +191,10 @@ def test_a_broken_handoff_never_reaches_a_client_or_an_engine(
             f"{mode}: delivered other tokens than the reference"
         )
     assert guarded.proxy.hits == hits + 1, "the fault was not injected"
-    if lane.engine == "vllm":
-        # the engine said 200 but its params were unsound: the verdict refused them
+    if lane.engine == "vllm" or mode == "reject":
+        # vLLM: the engine said 200 but its params were unsound: the verdict refused them.
+        # SGLang: the prefill refused what its decode took (it would wait for KV): the guard's
+        # catch, unlike a request both refuse (test_edges.py's invalid parameters)
         assert guarded.guard_hits("prefill_verdict") == verdicts + 1
     _decode_is_sound(lane)
     _clean_pd_request(lane, guarded, kind)  # the pair still works, with P/D

@@ -25,7 +25,8 @@ def body(stream: bool = False, **extra: Any) -> dict[str, Any]:
 async def test_echo_text(emu: Factory, http: aiohttp.ClientSession, stream: bool) -> None:
     v = await emu("vllm", "both")
     _, plain = await post(http, v.url + PATH, body(stream))
-    s, raw = await post(http, v.url + PATH, body(stream, echo=True, stream_options={"include_usage": True}))
+    usage_opt = {"stream_options": {"include_usage": True}} if stream else {}  # vLLM: stream only
+    s, raw = await post(http, v.url + PATH, body(stream, echo=True, **usage_opt))
     assert s == 200, raw
     got, want = choices(raw, stream)[0], choices(plain, stream)[0]
     assert got["text"] == PROMPT + want["text"] and len(want["text"]) == 6
@@ -87,7 +88,8 @@ async def test_echo_with_logprobs_scores_the_prompt(
 async def test_echo_without_generation(emu: Factory, http: aiohttp.ClientSession, stream: bool) -> None:
     v = await emu("vllm", "both")
     prompt = encode(PROMPT)
-    b = body(stream, echo=True, max_tokens=0, logprobs=1, stream_options={"include_usage": True})
+    usage_opt = {"stream_options": {"include_usage": True}} if stream else {}  # vLLM: stream only
+    b = body(stream, echo=True, max_tokens=0, logprobs=1, **usage_opt)
     s, raw = await post(http, v.url + PATH, b)
     assert s == 200, raw
     got = choices(raw, stream)[0]

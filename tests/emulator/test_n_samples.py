@@ -261,7 +261,7 @@ async def test_vllm_completions_batch_times_n(
             _, one = await post(
                 http,
                 v.url + "/v1/completions",
-                body | {"prompt": prompt, "n": 1, "seed": 3 + j, "stream": False},
+                body | {"prompt": prompt, "n": 1, "seed": 3 + j, "stream": False, "stream_options": None},
             )
             assert got[2 * i + j] == texts(one, False)[0]
     u = usage_of(raw, stream)

@@ -147,3 +147,94 @@ async def test_compressed_request_body_is_a_415(cluster: Cluster, coding: str) -
         ) as r,
     ):
         assert r.status == 200, await r.text()
+
+
+VLLM_DECODE_ONLY_CHECKS = [
+    ({"stream_options": {"include_usage": True}}, "stream_options", "Stream options can only be defined"),
+    (
+        {"min_tokens": 9, "max_tokens": 4},
+        "min_tokens",
+        "min_tokens must be less than or equal to max_tokens=4, got 9.",
+    ),
+    ({"min_tokens": -1}, "min_tokens", "min_tokens must be greater than or equal to 0, got -1."),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("extra", "param", "message"), VLLM_DECODE_ONLY_CHECKS)
+async def test_vllm_refusals_only_the_decode_would_see_come_before_the_prefill(
+    cluster: Cluster, path: str, extra: dict[str, Any], param: str, message: str
+) -> None:
+    """vLLM's prefill goes without `stream_options` and `min_tokens`, so the engine's checks of
+    them would fire on the decode only, after the prefill's work and with its KV blocks held for
+    nobody. The gateway makes the same checks first: vLLM's 400, and no leg is sent."""
+    prompt: dict[str, Any] = (
+        {"prompt": "hello there"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    body = {"model": "m-vllm", "max_tokens": 6, "temperature": 0, **prompt, **extra}
+    p, d = cluster.emulators["vllm-p"], cluster.emulators["vllm-d"]
+    before = ((await p.stats())["received"], (await d.stats())["received"])
+    s, _, raw = await post(cluster.url + path, body)
+    err = json.loads(raw)["error"]
+    assert s == 400 and err["param"] == param and message in err["message"], raw
+    assert ((await p.stats())["received"], (await d.stats())["received"]) == before
+    # the engine itself says the same, in the same words (the colocated reference server)
+    s, _, raw = await post(cluster.reference["m-vllm"].url + path, body)
+    assert s == 400 and message in json.loads(raw)["error"]["message"], raw
+    # and what is allowed still goes through the pair
+    fixed = {**body, "stream": True} if param == "stream_options" else {**body, "min_tokens": 2}
+    s, _, raw = await post(cluster.url + path, fixed)
+    assert s == 200, raw
+    assert (await p.stats())["received"] == before[0] + 1
+
+
+def guard_hits(c: Cluster) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in c.gateway.metrics.render().decode().splitlines()
+        if line.startswith("pdgw_guard_failures_total{")
+    )
+
+
+SGLANG_REFUSED = [
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": -1}},
+        "temperature must be",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 4, "top_p": 3}},
+        "top_p must be in (0, 1]",
+    ),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 9}, "min_new_tokens must be in"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 5},
+        "presence_penalty",
+    ),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("path", "body", "message"), SGLANG_REFUSED)
+async def test_sglang_refusals_are_the_engines_words_and_no_guard_hit(
+    cluster: Cluster, path: str, body: dict[str, Any], message: str, stream: bool
+) -> None:
+    """An SGLang pair gets the same body on both legs, so both refuse what the engine refuses:
+    the client gets the engine's message in OpenAI's shape (SGLang's /generate answers
+    `{"error": {"message"}}`, its OpenAI routes a flat object: neither may reach the client as
+    a JSON string inside the message), nothing waits in a bootstrap room, and the request's
+    fault is not counted as a guard catching a broken handoff."""
+    hits = guard_hits(cluster)
+    s, _, raw = await post(cluster.url + path, {"model": "m-sglang", "stream": stream, **body})
+    assert s == 400, raw
+    err = json.loads(raw)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert message in err["message"] and not err["message"].lstrip().startswith("{"), err
+    assert guard_hits(cluster) == hits
+    for name in ("sgl-p", "sgl-d"):
+        st = await cluster.emulators[name].stats()
+        assert st["in_flight"] == 0 and st["pending_rooms"] == 0, (name, st)
