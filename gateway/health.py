@@ -127,6 +127,8 @@ class HealthChecker:
         while True:
             await asyncio.sleep(self.settings.interval_s)
             await self.probe_all()
+            for w in list(self.registry.workers()):
+                w.pool.prune()  # idle upstream connections past their reuse window
 
     async def run_scrapes(self) -> None:
         while True:

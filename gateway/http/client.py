@@ -639,6 +639,23 @@ class UpstreamPool:
             return conn
         return None
 
+    def prune(self) -> int:
+        """Close the idle connections that would not be reused (idle past `idle_timeout_s`, or
+        closed by the engine): after a burst they would hold sockets, here and on the engine,
+        until the engine's own keep-alive timeout. Returns how many were dropped."""
+        idle = self._idle
+        if not idle or self._loop is None:
+            return 0
+        cutoff = self._loop.time() - self.idle_timeout_s
+        keep = [c for c in idle if not c._closed and c._idle_since >= cutoff]
+        dropped = len(idle) - len(keep)
+        if dropped:
+            for c in idle:
+                if not c._closed and c._idle_since < cutoff:
+                    c.abort()
+            idle[:] = keep  # oldest first, as before
+        return dropped
+
     def _put(self, conn: _UpstreamConnection) -> None:
         idle = self._idle
         if len(idle) >= self.max_idle:

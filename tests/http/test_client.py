@@ -402,3 +402,34 @@ async def test_relay_client_disconnect_aborts_upstream(upstream: HttpServer) -> 
     await asyncio.sleep(0.1)
     assert upstream.active_requests == 0 and pool.in_use == 0 and proxy_srv.active_requests == 0
     await proxy_srv.close()
+
+
+async def test_prune_closes_idle_connections_past_their_reuse_window(upstream: HttpServer) -> None:
+    """After a burst, idle connections that would never be reused are closed on the next prune
+    (the gateway's probe loop), not kept until the engine's own keep-alive timeout."""
+    pool = UpstreamPool("127.0.0.1", upstream.port, idle_timeout_s=0.2)
+    responses = await asyncio.gather(*(pool.request("GET", "/echo", [], None) for _ in range(8)))
+    for r in responses:
+        assert await r.read() == b"empty"
+        r.release()
+    assert pool.idle == 8 and upstream.connections == 8
+    assert pool.prune() == 0  # still young: kept for reuse
+    await asyncio.sleep(0.3)
+    r = await pool.request("GET", "/echo", [], None)  # one fresh connection, in use
+    assert pool.prune() == 0  # (the request above found all idle ones too old and dropped them)
+    await r.read()
+    r.release()
+    assert pool.idle == 1
+    for _ in range(50):
+        if upstream.connections == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert upstream.connections == 1
+    await asyncio.sleep(0.3)
+    assert pool.prune() == 1 and pool.idle == 0
+    for _ in range(50):
+        if upstream.connections == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert upstream.connections == 0
+    await pool.close()

@@ -664,3 +664,23 @@ async def test_token_ids_outside_the_vocabulary_are_a_400_and_the_engines_live(
         assert not any(e.dead for e in c.emulators.values())
     finally:
         await stop_cluster(c)
+
+
+async def test_idle_upstream_connections_are_closed_after_a_burst(cluster: Cluster) -> None:
+    """A burst opens many upstream connections; once idle past their reuse window (4 s) the
+    probe loop closes them instead of holding them until the engine's keep-alive timeout."""
+
+    async def one(i: int) -> None:
+        s, _, raw = await post(
+            cluster.url + "/v1/completions", body_for("/v1/completions", "m-vllm", f"p{i}", False)
+        )
+        assert s == 200, raw
+
+    await asyncio.gather(*(one(i) for i in range(32)))
+    pool = cluster.gateway.registry.get("vllm-d").pool
+    assert pool.idle > 2, pool
+    for _ in range(100):  # idle timeout 4 s + the probe interval (0.5 s here)
+        if pool.idle <= 1:  # (the probes themselves keep one connection warm)
+            break
+        await asyncio.sleep(0.1)
+    assert pool.idle <= 1, pool
