@@ -65,9 +65,9 @@ def _vllm_param(message: str, param: str, value: Any) -> tuple[str, str]:
 
 def vllm_refusal(body: Mapping[str, Any], max_tokens: list[int]) -> tuple[str, str | None] | None:
     """vLLM's refusal of `body`'s sampling parameters as ``(message, param)``, or None.
-    `max_tokens`: each prompt's ``max_tokens`` as the engine sets it (the request's, clamped to
-    the room its prompt leaves; echo without generation: 1). Order and messages:
-    vllm/sampling_params.py:635-702 (``max_tokens < 1`` is the emulator's length check's)."""
+    `max_tokens`: each prompt's ``max_tokens`` as the engine sets it (``get_max_tokens``,
+    entrypoints/serve/utils/api_utils.py:169-205: the request's, clamped to the room its prompt
+    leaves; echo without generation: 1). Order and messages: vllm/sampling_params.py:635-702."""
     get = body.get
     v = get("presence_penalty")
     if v is not None and (f := _as_float(v)) is not None and not -2.0 <= f <= 2.0:
@@ -99,12 +99,14 @@ def vllm_refusal(body: Mapping[str, Any], max_tokens: list[int]) -> tuple[str, s
     if v is not None and (f := _as_float(v)) is not None and not 0.0 <= f <= 1.0:
         return f"min_p must be in [0, 1], got {f}.", None  # :686
     v = get("min_tokens")
-    if v is not None and (m := _as_int(v)) is not None:
-        if m < 0:
+    m = _as_int(v) if v is not None else None
+    for mt in max_tokens:  # one SamplingParams per prompt, in order
+        if mt < 1:  # get_max_tokens leaves 0 when the prompt fills the context (or asked < 1)
+            return _vllm_param(f"max_tokens must be at least 1, got {mt}.", "max_tokens", mt)  # :688
+        if m is not None and m < 0:
             return f"min_tokens must be greater than or equal to 0, got {m}.", None  # :694
-        for mt in max_tokens:  # one SamplingParams per prompt, in order
-            if m > mt:
-                return f"min_tokens must be less than or equal to max_tokens={mt}, got {m}.", None  # :698
+        if m is not None and m > mt:
+            return f"min_tokens must be less than or equal to max_tokens={mt}, got {m}.", None  # :698
     return None
 
 

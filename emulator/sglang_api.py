@@ -515,16 +515,17 @@ def setup(s: EmulatorServer) -> None:
                 )
         return items
 
-    def refusal(items: list[Item], refused: list[str | None], n: int) -> tuple[str, bool] | None:
-        """The tokenizer manager's refusal of a request, as ``(message, from verify)``: request
-        after request, its length checks (``_validate_one_request``), then its sampling params'
-        ``verify`` (`refused`, one per prompt: item ``k`` is prompt ``k // n``'s)."""
+    def refusal(items: list[Item], refused: list[str | None], n: int) -> str | None:
+        """The tokenizer manager's refusal of a request: request after request, its length
+        checks (``_validate_one_request``, tokenizer_manager.py:1271, 1307-1379), then its
+        sampling params' ``verify`` (:1567; `refused`, one per prompt: item ``k`` is prompt
+        ``k // n``'s). Both are ValueErrors raised inside ``generate_request``'s generator."""
         for k, it in enumerate(items):
             msg = api.validate(len(it.prompt), it.max_new)
             if msg is not None:
-                return msg, False
+                return msg
             if (msg := refused[k // n]) is not None:
-                return msg, True
+                return msg
         return None
 
     def check(
@@ -536,7 +537,7 @@ def setup(s: EmulatorServer) -> None:
     ) -> web.Response | None:
         bad = refusal(items, refused, n)
         if bad is not None:
-            return error(400, bad[0])
+            return error(400, bad)
         crash_on_bad_ids(items, request)
         return None
 
@@ -616,12 +617,11 @@ def setup(s: EmulatorServer) -> None:
             batch = batch or n > 1  # SGLang turns a single prompt with n > 1 into a batch
             max_new = [_max_new(sp) for sp in sps]
             items = make_items(body, prompts, max_new, [_sampling(sp) for sp in sps], n, stops)
-            bad = refusal(items, [sglang_generate_refusal(sp) for sp in sps], n)
-            if bad is not None:
-                why, verify = bad
-                if verify and body.get("stream"):
-                    # the ValueError comes out of the stream's generator: 200, an error event
-                    # (http_server.py serve_generate_request)
+            why = refusal(items, [sglang_generate_refusal(sp) for sp in sps], n)
+            if why is not None:
+                if body.get("stream"):
+                    # the ValueError (length or sampling params) comes out of the stream's
+                    # generator: 200, an error event, [DONE] (http_server.py:949-975)
                     resp = await start_sse(request)
                     await resp.write(
                         sse(

@@ -223,31 +223,78 @@ def setup(s: EmulatorServer) -> None:
         only = body.get("max_tokens") == 0
         return echo(prompt, ask, show_text=not body.get("return_token_ids"), scored=True, only=only)
 
-    def max_new_for(prompt: list[int], body: dict[str, Any]) -> int:
-        mt = body.get("max_completion_tokens", body.get("max_tokens"))
-        room = max_len - len(prompt)
-        return min(int(mt), room) if mt is not None else room
+    def out_limit(body: dict[str, Any], chat: bool) -> tuple[str, int | None]:
+        """The request's output-token limit as vLLM reads it, with its field's name: chat's
+        ``max_completion_tokens`` when set, else ``max_tokens`` (chat_completion/protocol.py:
+        658-663, chat_completion/serving.py:343-347); completions have ``max_tokens`` only, 16
+        when absent (completion/protocol.py:63)."""
+        if chat:
+            mct = body.get("max_completion_tokens")
+            if mct is not None:
+                return "max_completion_tokens", int(mct)
+            mt = body.get("max_tokens")
+        else:
+            mt = body.get("max_tokens", 16)
+        return "max_tokens", None if mt is None else int(mt)
 
-    def check_length(prompt: list[int], body: dict[str, Any]) -> web.Response | None:
+    def max_new_for(prompt: list[int], body: dict[str, Any], chat: bool) -> int:
+        """``get_max_tokens`` (entrypoints/serve/utils/api_utils.py:169-205): the request's
+        limit clamped to the room its prompt leaves, the whole room when it sets none. Not
+        refused here: a result below 1 is ``SamplingParams``' refusal (``vllm_refusal``)."""
+        mt = out_limit(body, chat)[1]
+        room = max_len - len(prompt)
+        return room if mt is None else min(mt, room)
+
+    def check_output_limit(body: dict[str, Any], chat: bool) -> web.Response | None:
+        """``TokenizeParams.__post_init__`` (renderers/params.py:256-268), run when the renderer
+        builds its params (``build_tok_params``), before any prompt is tokenized."""
+        param, mt = out_limit(body, chat)
+        mt = mt or 0  # build_tok_params: ``max_output_tokens=... or 0``
+        if mt > max_len:
+            return _error(
+                400,
+                f"{param}={mt} cannot be greater than max_model_len={max_len}. Please request fewer "
+                f"output tokens. (parameter={param}, value={mt})",
+                param=param,
+            )
+        return None
+
+    def check_length(prompt: list[int], text: bool) -> web.Response | None:
         if prompt and (min(prompt) < 0 or max(prompt) >= tokenizer.VOCAB_SIZE):
             # vLLM's renderer validates prompt token ids (VLLMValidationError -> 400)
             bad = min(prompt) if min(prompt) < 0 else max(prompt)
             return _error(400, f"Token id {bad} is out of vocabulary")
         n_prompt = len(prompt)
         if n_prompt > max_len:
+            # TokenizeParams._token_len_check (renderers/params.py:515-535). A text prompt (chat's
+            # too: its template renders text) is tokenized with max_length = max_model_len + 1
+            # (get_encode_kwargs, :351-376), so it counts at most that many; the qualifier
+            # follows the count alone.
+            count = min(n_prompt, max_len + 1) if text else n_prompt
+            qualifier = "at least " if count == max_len + 1 else ""
             return _error(
                 400,
-                f"This model's maximum context length is {max_len} tokens. However, your prompt contains {n_prompt} "
-                "input tokens, which exceeds this limit even without any output tokens. Please reduce the length of "
-                f"the input prompt. (parameter=input_tokens, value={n_prompt})",
+                f"This model's maximum context length is {max_len} tokens. However, your prompt contains "
+                f"{qualifier}{count} input tokens, which exceeds this limit even without any output tokens. "
+                f"Please reduce the length of the input prompt. (parameter=input_tokens, value={count})",
                 param="input_tokens",
             )
-        if max_new_for(prompt, body) <= 0:
-            mt = body.get("max_completion_tokens", body.get("max_tokens"))
-            return _error(
-                400,
-                f"This model's maximum context length is {max_len} tokens. However, you requested {n_prompt + (int(mt) if mt else 0)} tokens.",
-            )
+        return None
+
+    def engine_refusal(prompts: list[list[int]]) -> str | None:
+        """The engine's own prompt check (v1/engine/input_processor.py:557-601): a prompt that
+        fills the context leaves no room for the one token ``SamplingParams`` asks at least.
+        Reached only by an echo without generation (its ``max_tokens`` is 1 whatever the room,
+        completion/protocol.py:377,395): any other such prompt got ``max_tokens`` 0 and was
+        refused by ``SamplingParams``."""
+        for pr in prompts:
+            if len(pr) == max_len:
+                return (
+                    f"The decoder prompt (length {max_len}) plus the number of requested output tokens "
+                    f"(at least 1) is longer than the maximum model length of {max_len}. Make sure that "
+                    "`max_model_len` is no smaller than the number of text tokens (prompt + requested "
+                    "output tokens)."
+                )
         return None
 
     async def run(
@@ -261,16 +308,18 @@ def setup(s: EmulatorServer) -> None:
                 "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
                 param="stream_options",
             )
+        texts = [True]  # per prompt: text (tokenized here), not token ids
         if chat:
             prompts = [tokenizer.encode_chat(body.get("messages") or [])]
         else:
             p = body.get("prompt", "")
             if isinstance(p, list) and p and isinstance(p[0], int):
-                prompts = [[int(x) for x in p]]
+                prompts, texts = [[int(x) for x in p]], [False]
             elif isinstance(p, list) and p:
                 prompts = [
                     [int(t) for t in x] if isinstance(x, list) else tokenizer.encode(str(x)) for x in p
                 ]
+                texts = [not isinstance(x, list) for x in p]
             elif isinstance(p, list):
                 prompts = [tokenizer.encode("")]
             else:
@@ -289,20 +338,23 @@ def setup(s: EmulatorServer) -> None:
         except ValueError as e:
             return _error(400, str(e), param="prompt_logprobs")
         # echo without generation: vLLM generates one token and drops it
-        limits = (
-            {**body, "max_tokens": 1}
-            if not chat and body.get("echo") and body.get("max_tokens") == 0
-            else body
-        )
+        echo_only = not chat and bool(body.get("echo")) and body.get("max_tokens") == 0
+        limits = {**body, "max_tokens": 1} if echo_only else body
         if n_samples < 1:
             return _error(400, f"n must be at least 1, got {n_samples}.", param="n")
-        # the renderer's prompt checks, then SamplingParams' (per prompt): _verify_args, then
-        # _verify_greedy_sampling
-        for pr in prompts:
-            bad = check_length(pr, limits)
-            if bad is not None:
-                return bad
-        refused = vllm_refusal(body, [max_new_for(pr, limits) for pr in prompts])
+        # the renderer's checks (its params, then each prompt), then SamplingParams' (per
+        # prompt): _verify_args, then _verify_greedy_sampling; then the engine's prompt check.
+        # Each one raised inside create_*: the KV connector is told (reject_remote_prefill).
+        bad = check_output_limit(body, chat)
+        for pr, is_text in zip(prompts, texts, strict=True):
+            if bad is None:
+                bad = check_length(pr, is_text)
+        if bad is not None:
+            reject_remote_prefill(body)
+            return bad
+        # SamplingParams.max_tokens: get_max_tokens' value, 1 for an echo without generation
+        # (completion/protocol.py:395)
+        refused = vllm_refusal(body, [1 if echo_only else max_new_for(pr, body, chat) for pr in prompts])
         if refused is not None:
             reject_remote_prefill(body)
             return _error(400, refused[0], param=refused[1])
@@ -310,11 +362,23 @@ def setup(s: EmulatorServer) -> None:
         if n_samples > 1 and isinstance(temperature, int | float) and temperature < 1e-5:
             # vLLM 0.32 SamplingParams._verify_greedy_sampling (seen on the real engine)
             return _error(400, f"n must be 1 when using greedy sampling, got {n_samples}.")
+        if (why := engine_refusal(prompts)) is not None:
+            # raised by the engine's generate() when the response's generator first reads it: a
+            # 400 (the app's exception handler), or when streaming a 200 with one error event
+            # (completion/serving.py:497-503)
+            if not body.get("stream"):
+                reject_remote_prefill(body)
+                return _error(400, why)
+            failed = await start_sse(request)
+            await failed.write(sse(_error_dict(400, why)))
+            await failed.write(DONE)
+            await failed.write_eof()
+            return failed
         if len(prompts) > 1 or n_samples > 1:
             return await run_multi(request, body, chat, hit, prompts, n_samples, ask, stop, plp_k, limits)
         prompt = prompts[0]
         n_prompt = len(prompt)
-        max_new = max_new_for(prompt, limits)
+        max_new = max_new_for(prompt, limits, chat)
         ec = echo_of(prompt, body, chat, ask)
         scoring = plp_k is not None  # prompt logprobs: no cached prefix, no remote KV is read
         xrid = request.headers.get("X-Request-Id")
@@ -626,7 +690,7 @@ def setup(s: EmulatorServer) -> None:
         base_seed = sample_seed(body)
         children: list[tuple[int, Seq]] = []
         for i, prompt in enumerate(prompts):
-            max_new = max_new_for(prompt, limits)
+            max_new = max_new_for(prompt, limits, chat)
             try:
                 engine.check_fits(len(prompt), max_new)
             except TooLarge as e:

@@ -99,9 +99,13 @@ async def test_echo_without_generation(emu: Factory, http: aiohttp.ClientSession
     usage = json.loads(raw)["usage"] if not stream else json.loads(raw.split("data: ")[-2])["usage"]
     # vLLM generates one token and drops it; the usage still counts it
     assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == 1
-    # without echo max_tokens 0 stays a 400
+    # without echo max_tokens 0 stays a 400: SamplingParams' (vllm/sampling_params.py:688)
     s, raw = await post(http, v.url + PATH, body(stream, max_tokens=0))
-    assert s == 400 and "maximum context length" in json.loads(raw)["error"]["message"]
+    err = json.loads(raw)["error"]
+    assert (
+        s == 400 and err["message"] == "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+    )
+    assert err["param"] == "max_tokens"
 
 
 async def test_prompt_logprobs_shape(emu: Factory, http: aiohttp.ClientSession) -> None:

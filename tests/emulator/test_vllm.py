@@ -169,7 +169,8 @@ async def test_get_endpoints(emu: Factory, http: aiohttp.ClientSession) -> None:
     assert st == 400
     assert json.loads(text) == {
         "error": {
-            "message": "This model's maximum context length is 512 tokens. However, your prompt contains 601 input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value=601)",
+            # a text prompt is tokenized to at most max_model_len + 1 tokens (renderers/params.py)
+            "message": "This model's maximum context length is 512 tokens. However, your prompt contains at least 513 input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value=513)",
             "type": "BadRequestError",
             "param": "input_tokens",
             "code": 400,
