@@ -25,7 +25,7 @@ left alone here.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _INT64_MIN = -(2**63)
@@ -112,19 +112,18 @@ def vllm_refusal(body: Mapping[str, Any], max_tokens: list[int]) -> tuple[str, s
 
 # -------------------------------------------------------------------------------------- SGLang
 def _sglang_verify(
-    temperature: Any,
-    top_p: Any,
-    top_k: Any,
-    min_p: Any,
-    frequency_penalty: Any,
-    presence_penalty: Any,
-    repetition_penalty: Any,
-    min_new_tokens: Any,
-    max_new_tokens: Any,
-    sampling_seed: Any,
+    get: Callable[[str], Any],
+    number: Callable[[Any], int | float | None],
+    integer: Callable[[Any], int | None],
+    min_new_tokens: int | None,
+    max_new_tokens: int | None,
+    sampling_seed: int | None,
 ) -> str | None:
     """SGLang's ``SamplingParams.__post_init__`` defaults and greedy mapping, then ``verify``'s
-    range checks in its order (sglang/srt/sampling/sampling_params.py:191-250, 252-312)."""
+    range checks in its order (sglang/srt/sampling/sampling_params.py:191-250, 252-312). The
+    parameters every route names alike are read through `get` with the route's own view of a
+    value (`number`, `integer`); the three whose names differ come read."""
+    temperature, top_p, top_k = number(get("temperature")), number(get("top_p")), integer(get("top_k"))
     t = 1.0 if temperature is None else temperature
     k = -1 if top_k is None else top_k
     if 0 <= t < _SGLANG_SAMPLING_EPS:  # :245 greedy
@@ -136,17 +135,21 @@ def _sglang_verify(
     p = 1.0 if top_p is None else top_p
     if not 0.0 < p <= 1.0:
         return f"top_p must be in (0, 1], got {p}."  # :259
+    min_p = number(get("min_p"))
     mp = 0.0 if min_p is None else min_p
     if not 0.0 <= mp <= 1.0:
         return f"min_p must be in [0, 1], got {mp}."  # :261
     if k < 1 or k == -1:
         return f"top_k must be -1 (disable) or at least 1, got {k}."  # :263
+    frequency_penalty = number(get("frequency_penalty"))
     fp = 0.0 if frequency_penalty is None else frequency_penalty
     if not -2.0 <= fp <= 2.0:
         return f"frequency_penalty must be in [-2, 2], got {fp}."  # :267
+    presence_penalty = number(get("presence_penalty"))
     pp = 0.0 if presence_penalty is None else presence_penalty
     if not -2.0 <= pp <= 2.0:
         return f"presence_penalty must be in [-2, 2], got {pp}."  # :271
+    repetition_penalty = number(get("repetition_penalty"))
     rp = 1.0 if repetition_penalty is None else repetition_penalty
     if not 0.0 < rp <= 2.0:
         return f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rp}."  # :275
@@ -163,33 +166,11 @@ def _sglang_verify(
     return None
 
 
-_SGLANG_GENERATE_KEYS = frozenset(
-    (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "min_new_tokens",
-        "max_new_tokens",
-        "sampling_seed",
-    )
+_SGLANG_COMMON_KEYS = frozenset(
+    ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 )
-_SGLANG_OPENAI_KEYS = frozenset(
-    (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "min_tokens",
-        "seed",
-    )
-)
+_SGLANG_GENERATE_KEYS = _SGLANG_COMMON_KEYS | {"min_new_tokens", "max_new_tokens", "sampling_seed"}
+_SGLANG_OPENAI_KEYS = _SGLANG_COMMON_KEYS | {"min_tokens", "seed"}
 _SGLANG_CHAT_KEYS = _SGLANG_OPENAI_KEYS | {"max_tokens", "max_completion_tokens"}
 
 
@@ -199,13 +180,9 @@ def sglang_generate_refusal(sp: Mapping[str, Any]) -> str | None:
         return None  # the defaults (max_new_tokens 128) pass
     get = sp.get
     return _sglang_verify(
-        _number(get("temperature")),
-        _number(get("top_p")),
-        _integer(get("top_k")),
-        _number(get("min_p")),
-        _number(get("frequency_penalty")),
-        _number(get("presence_penalty")),
-        _number(get("repetition_penalty")),
+        get,
+        _number,
+        _integer,
         _integer(get("min_new_tokens")),
         _integer(get("max_new_tokens", 128)),  # SamplingParams' default; an explicit null stays
         _integer(get("sampling_seed")),
@@ -223,15 +200,4 @@ def sglang_openai_refusal(body: Mapping[str, Any], chat: bool) -> str | None:
         mt = _as_int(get("max_completion_tokens") or get("max_tokens"))
     else:
         mt = _as_int(get("max_tokens", 16))  # <= 0 is refused by its pydantic validator first
-    return _sglang_verify(
-        _as_float(get("temperature")),
-        _as_float(get("top_p")),
-        _as_int(get("top_k")),
-        _as_float(get("min_p")),
-        _as_float(get("frequency_penalty")),
-        _as_float(get("presence_penalty")),
-        _as_float(get("repetition_penalty")),
-        _as_int(get("min_tokens")),
-        mt,
-        _as_int(get("seed")),
-    )
+    return _sglang_verify(get, _as_float, _as_int, _as_int(get("min_tokens")), mt, _as_int(get("seed")))

@@ -14,6 +14,7 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from tests.e2e._support import (
+    GENERATED_TOKENS,
     KINDS,
     Kind,
     Lane,
@@ -203,6 +204,7 @@ def test_invalid_parameters_get_the_engines_own_answer(lane: Lane, kind: Kind) -
     )
     refused = 0
     hits = metric(scrape(lane.gateway), "pdgw_guard_failures_total")
+    prefilled = metric(scrape(lane.prefill), GENERATED_TOKENS["vllm"]) if lane.engine == "vllm" else 0.0
     for extra in INVALID_PARAMETERS:
         body = {"model": lane.model, "max_tokens": 4, "temperature": 0, **prompt, **extra}
         want_status, want = post_status(lane.reference + path, body)
@@ -215,6 +217,8 @@ def test_invalid_parameters_get_the_engines_own_answer(lane: Lane, kind: Kind) -
     assert refused >= 3, "the engine took (nearly) every invalid request: the test proves nothing"
     # the request's fault, not a broken handoff the guards caught
     assert metric(scrape(lane.gateway), "pdgw_guard_failures_total") == hits
+    if lane.engine == "vllm":  # nothing was prefilled for a request the decode would refuse
+        assert metric(scrape(lane.prefill), GENERATED_TOKENS["vllm"]) == prefilled
     left = wait_idle(lane.engine, [lane.prefill, lane.decode], within_s=15)
     assert all(v == 0 for r in left.values() for v in r.values()), left
     ok_status, ok = post_status(lane.gateway + path, {"model": lane.model, "max_tokens": 4, **prompt})

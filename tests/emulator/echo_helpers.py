@@ -50,3 +50,8 @@ def shifted(lp: dict[str, Any], by: int) -> dict[str, Any]:
 
 def encode(text: str) -> list[int]:
     return tokenizer.encode(text)
+
+
+def completion_body(stream: bool = False, **extra: Any) -> dict[str, Any]:
+    """A greedy 6-token /v1/completions body; `extra` (the `prompt` too) on top."""
+    return {"model": "m", "max_tokens": 6, "temperature": 0, "stream": stream} | extra

@@ -3,6 +3,7 @@ decode never computed the prompt and so answers without the prompt's logprobs.""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -10,15 +11,21 @@ import aiohttp
 import pytest
 
 from tests.emulator.conftest import Factory
-from tests.emulator.echo_helpers import check_offsets, choices, encode, prompt_scores, shifted
+from tests.emulator.echo_helpers import (
+    check_offsets,
+    choices,
+    completion_body,
+    encode,
+    prompt_scores,
+    shifted,
+)
 from tests.emulator.test_sglang import pd, pd_pair, post
 
 PROMPT = "Hello world, the quick brown fox"
 PATH = "/v1/completions"
 
 
-def body(stream: bool = False, **extra: Any) -> dict[str, Any]:
-    return {"model": "m", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": stream} | extra
+body = functools.partial(completion_body, prompt=PROMPT)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
