@@ -61,6 +61,7 @@ class Gateway:
                     connect_s=t.connect_s,
                     prefill_s=t.prefill_s,
                     handoff_s=t.handoff_s,
+                    per_token_s=t.per_token_s,
                     idle_s=t.idle_s,
                     total_s=t.total_s,
                 ),

@@ -75,9 +75,15 @@ class CircuitBreaker:
             return True
         return False
 
-    def record(self, ok: bool) -> bool:
-        """Record one outcome; True when the state changed."""
+    def record(self, ok: bool | None) -> bool:
+        """Record one outcome; True when the state changed. None: the request ended without a
+        verdict on this worker (another leg failed first): nothing is counted, and a half-open
+        trial slot is freed for the next request."""
         before = self.state
+        if ok is None:
+            if self.state is BreakerState.HALF_OPEN:
+                self._trial = False
+            return False
         if ok:
             self._failures = 0
             if self.state is BreakerState.HALF_OPEN:

@@ -151,6 +151,9 @@ class TimeoutsConfig(_Section, frozen=True):
     idle_s: float = 60.0  # longest silence inside a stream
     total_s: float = 600.0  # whole request
     probe_s: float = 5.0  # one health/info probe
+    # added per token a non-streamed answer may generate to prefill_s (colocated) or handoff_s
+    # (P/D): its headers come with its last token
+    per_token_s: float = 0.25
 
     def __post_init__(self) -> None:
         values = msgspec.structs.asdict(self)

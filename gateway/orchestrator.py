@@ -71,6 +71,9 @@ class Timeouts(msgspec.Struct, frozen=True):
     connect_s: float = 2.0
     prefill_s: float = 60.0  # to the prefill's verdict (SGLang: also to the decode's headers)
     handoff_s: float = 30.0  # decode's response headers after the prefill finished
+    # a non-streamed answer's headers come with its last token: per token it may generate, this
+    # much is added to the wait for them (prefill_s colocated, handoff_s after a prefill)
+    per_token_s: float = 0.25
     idle_s: float = 60.0  # between two body chunks of a stream
     total_s: float = 600.0  # the whole request
     abort_s: float = 2.0  # an abort call to an engine
@@ -205,14 +208,15 @@ class Orchestrator:
             with wheel.after(self.settings.timeouts.total_s, task):
                 while True:
                     attempt_no += 1
-                    if attempt_no > 1:
-                        a = _Attempt(echo, task, wheel)
                     plan = self._plan(view, req, exclude)
                     if last_error is not None:
                         rung = _rung(plan)
                         if rung is None or rung not in self.settings.ladder:
                             raise self._out_of_rungs(last_error)
                         self.metrics.child(self.metrics.fallbacks, rung).inc()
+                        # after the rung check: a request that fails for good keeps its last
+                        # attempt's plan and phase in its metrics and log line
+                        a = _Attempt(echo, task, wheel)
                     if not isinstance(plan, Reject):
                         self.policy.observe(routed_event(view, plan))
                     try:
@@ -460,13 +464,17 @@ class Orchestrator:
         self.registry.acquire(w, tokens)
         resp: UpstreamResponse | None = None
         ok = client_fault = False
+        a.phase = Phase.PREFILL
+        wait_s = self._head_budget(req, w, self.settings.timeouts.prefill_s)
         try:
             try:
-                with a.wheel.after(self.settings.timeouts.prefill_s, a.task):
+                with a.wheel.after(wait_s, a.task):
                     resp = await w.pool.request("POST", req.path, _for(w, headers), body)
             except TimeoutError:
                 raise UpstreamTimeout(
-                    f"worker {w.id} sent no response headers in time", phase="first_byte", worker=w.id
+                    f"worker {w.id} sent no response headers within {wait_s:g}s",
+                    phase="first_byte",
+                    worker=w.id,
                 ) from None
             await self._relay(resp, w, req, res, a, phase="colocated")
             ok = True
@@ -507,9 +515,11 @@ class Orchestrator:
         decode_task = d.pool.start("POST", req.path, _for(d, headers), dbody)
         resp: UpstreamResponse | None = None
         guard: _DecodeGuard | None = None
-        ok_p = ok_d = suspect_pair = client_fault = False
+        ok_p = ok_d = client_fault = False
         t0 = time.monotonic()
         in_handoff = False
+        culprit: str | None = None
+        wait_s = t.handoff_s
         try:
             try:
                 # One timer for both phases (rescheduled at the verdict) instead of one each.
@@ -530,7 +540,8 @@ class Orchestrator:
                     a.phase = Phase.HANDOFF
                     guard = self._decode_guard(req, ctx, p.adapter, prefill_out)
                     if not decode_task.done():
-                        deadline.reschedule(a.wheel.loop.time() + t.handoff_s)
+                        wait_s = self._head_budget(req, d, t.handoff_s)
+                        deadline.reschedule(a.wheel.loop.time() + wait_s)
                     try:
                         resp = await decode_task
                     except (UpstreamConnectError, UpstreamProtocolError) as e:
@@ -543,8 +554,7 @@ class Orchestrator:
                         worker=p.id,
                     ) from None
                 raise UpstreamTimeout(
-                    f"decode {d.id} sent no response headers within {t.handoff_s:g}s of the "
-                    "prefill's verdict",
+                    f"decode {d.id} sent no response headers within {wait_s:g}s of the prefill's verdict",
                     phase="handoff",
                     worker=d.id,
                 ) from None
@@ -561,9 +571,7 @@ class Orchestrator:
             )
             ok_d = True
         except UpstreamFailure as e:
-            # a failed integrity check, or a decode that answered with a transfer failure: the
-            # handoff, not the decode worker, is suspect
-            suspect_pair = isinstance(e, KVIntegrityError) or (e.answered and e.phase == "decode")
+            culprit = _culprit(e, concurrent=True)
             raise
         except GatewayError as e:
             client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the workers'
@@ -584,8 +592,10 @@ class Orchestrator:
             self.registry.release(p, view.prompt_tokens)
             self.registry.release(d, tokens)
             gone = res.closed or client_fault
-            self.registry.record(p, ok_p or gone)
-            self.registry.record(d, ok_d or gone or not ok_p or suspect_pair)
+            # each worker is judged only on what it did: a leg cut short by the other's failure,
+            # or a handoff that failed between them, is no verdict on it (the pair breaker counts)
+            self.registry.record(p, True if ok_p or gone else (False if culprit == p.id else None))
+            self.registry.record(d, True if ok_d or gone else (False if culprit == d.id else None))
             if pair.record(ok_d or gone):
                 self.registry.changed()
 
@@ -718,16 +728,18 @@ class Orchestrator:
         self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
         dbody = d.adapter.decode_body(req, ctx, verdict)
         resp: UpstreamResponse | None = None
-        ok_d = suspect_pair = client_fault = False
+        ok_d = client_fault = False
+        culprit: str | None = None
         self.registry.acquire(d, tokens)
         guard = self._decode_guard(req, ctx, p.adapter, out)
+        wait_s = self._head_budget(req, d, t.handoff_s)
         try:
             try:
-                with a.wheel.after(t.handoff_s, a.task):
+                with a.wheel.after(wait_s, a.task):
                     resp = await d.pool.request("POST", req.path, _for(d, headers), dbody)
             except TimeoutError:
                 raise UpstreamTimeout(
-                    f"decode {d.id} sent no response headers within {t.handoff_s:g}s",
+                    f"decode {d.id} sent no response headers within {wait_s:g}s",
                     phase="handoff",
                     worker=d.id,
                 ) from None
@@ -737,9 +749,7 @@ class Orchestrator:
             await self._relay(resp, d, req, res, a, phase="decode", guard=guard)
             ok_d = True
         except UpstreamFailure as e:
-            # a failed integrity check, or a decode that answered with a transfer failure: the
-            # handoff, not the decode worker, is suspect
-            suspect_pair = isinstance(e, KVIntegrityError) or (e.answered and e.phase == "decode")
+            culprit = _culprit(e, concurrent=False)
             raise
         except GatewayError as e:
             client_fault = not e.retryable
@@ -750,9 +760,23 @@ class Orchestrator:
             if not ok_d:
                 self._abort_leg(d, resp, req, ctx.request_id)
             self.registry.release(d, tokens)
-            self.registry.record(d, ok_d or res.closed or suspect_pair or client_fault)
+            # a suspect handoff is no verdict on the decode (the pair breaker counts it)
+            gone = res.closed or client_fault
+            self.registry.record(d, True if ok_d or gone else (False if culprit == d.id else None))
             if pair.record(ok_d or res.closed or client_fault):
                 self.registry.changed()
+
+    def _head_budget(self, req: ParsedRequest, w: Worker, first_byte_s: float) -> float:
+        """How long to wait for a worker's response headers. A stream's come with its first
+        token: `first_byte_s`. A non-streamed answer's come with its last token, so it also gets
+        `per_token_s` for each token it may generate (its max_tokens, else the worker's context
+        length); the request's total deadline bounds both."""
+        if req.stream:
+            return first_byte_s
+        limit = req.max_tokens
+        if limit is None:
+            limit = w.info.context_length or req.accounting_max_tokens
+        return first_byte_s + self.settings.timeouts.per_token_s * limit
 
     # -- I/O helpers -----------------------------------------------------------------------------
 
@@ -1207,6 +1231,19 @@ async def _refused_too(decode: asyncio.Future[UpstreamResponse], within_s: float
     except (TimeoutError, UpstreamConnectError, UpstreamProtocolError):
         return False
     return body.lstrip().startswith(b'data: {"error"')
+
+
+def _culprit(e: UpstreamFailure, *, concurrent: bool) -> str | None:
+    """The worker a failed handoff is held against in its breaker, or None when the failure is
+    of the handoff between the two (the pair breaker counts it): a failed integrity check, a
+    decode that answered with a failure (a KV transfer that failed looks so), and, where both
+    legs run at once (SGLang), a prefill with no verdict in time (it may be waiting for a decode
+    that does not take its KV)."""
+    if isinstance(e, KVIntegrityError) or (e.answered and e.phase == "decode"):
+        return None
+    if concurrent and isinstance(e, UpstreamTimeout) and e.phase == "prefill":
+        return None
+    return e.worker
 
 
 def _blame(plan: Colocated | Disaggregated | Reject, e: UpstreamFailure) -> set[str]:

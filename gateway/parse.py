@@ -159,6 +159,8 @@ def parse_request(
         raise BadRequest(f"invalid request: {e}", param=_param_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"request body is not valid JSON: {e}", code=None) from None
+    except RecursionError:  # msgspec's decoder recurses once per level of nesting
+        raise BadRequest("request body is nested too deeply to be decoded", code=None) from None
     model = f.model
     if not model:
         # as the engines do (vLLM: its served model; SGLang: "default"), where one model is served

@@ -328,7 +328,9 @@ class Registry:
         """Workers at their in-flight cap (the KV-transfer cliff under concurrency, sglang #9266)."""
         return self._full
 
-    def record(self, w: Worker, ok: bool) -> None:
+    def record(self, w: Worker, ok: bool | None) -> None:
+        """One request's outcome on `w`: True, False, or None for no verdict (see
+        CircuitBreaker.record)."""
         b = w.breaker
         trial = b.state is BreakerState.HALF_OPEN  # a trial ended: the next may go
         if b.record(ok) or trial:

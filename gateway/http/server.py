@@ -39,6 +39,9 @@ _METHODS: dict[bytes, str] = {
     m: m.decode() for m in (b"GET", b"POST", b"PUT", b"DELETE", b"HEAD", b"OPTIONS", b"PATCH")
 }
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# after an error answered before its request was read to the end (413, 431...): how long the rest
+# of what the client sends is read and dropped, so that it reads the answer, not a reset
+_LINGER_S = 2.0
 _LAST_CHUNK = b"0\r\n\r\n"
 _SMALL = 16 * 1024  # below this, header+body / chunk framing+data are joined into one write
 
@@ -335,6 +338,7 @@ class _HttpConnection(asyncio.Protocol):
         "_client",
         "_closed",
         "_content_length",
+        "_continue_due",
         "_cur",
         "_drain_waiters",
         "_expect",
@@ -355,6 +359,7 @@ class _HttpConnection(asyncio.Protocol):
         "_server",
         "_stop_parsing",
         "_task",
+        "_te",
         "_transport",
         "_url",
         "_write_paused",
@@ -375,6 +380,8 @@ class _HttpConnection(asyncio.Protocol):
         self._in_headers = False
         self._content_length: bytes | None = None
         self._expect: bytes | None = None
+        self._continue_due = False  # a 100 Continue held back while a response was in flight
+        self._te: bytes | None = None
         self._body_parts: list[bytes] = []
         self._body_len = 0
         self._cur: HttpRequest | None = None
@@ -484,6 +491,8 @@ class _HttpConnection(asyncio.Protocol):
         self._headers = []
         self._content_length = None
         self._expect = None
+        self._continue_due = False
+        self._te = None
         self._body_parts = []
         self._body_len = 0
         self._idle_t0 = 0.0
@@ -504,6 +513,8 @@ class _HttpConnection(asyncio.Protocol):
             self._content_length = value
         elif name == b"expect":
             self._expect = value
+        elif name == b"transfer-encoding":
+            self._te = value if self._te is None else self._te + b"," + value
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -533,6 +544,18 @@ class _HttpConnection(asyncio.Protocol):
             path = (u.path or b"/").decode("latin-1")
             query = (u.query or b"").decode("latin-1")
         version = parser.get_http_version()
+        if version[0] > "1":
+            raise _RequestError(
+                505, f"HTTP/{version} is not supported; use HTTP/1.1.", "http_version_not_supported"
+            )
+        te = self._te
+        if te is not None and te.strip().lower() != b"chunked":
+            # the parser frames `gzip, chunked` as chunked and would hand on the coded bytes
+            raise _RequestError(
+                501,
+                f"Unsupported transfer coding {te.decode('latin-1')!r}; only chunked is accepted.",
+                "not_implemented",
+            )
         keep_alive = parser.should_keep_alive()
         if self._server._draining:
             keep_alive = False
@@ -550,9 +573,14 @@ class _HttpConnection(asyncio.Protocol):
         if expect is not None:
             if expect.lower() != b"100-continue":
                 raise _RequestError(417, "Unsupported Expect header.", "expectation_failed")
-            # Only when nothing is in flight: a 100 must not interleave with another response.
-            if version == "1.1" and self._task is None and not self._queue:
-                self._transport.write(_CONTINUE)
+            # Not inside another response: while one is being written (or requests wait before
+            # this one) the 100 is held back and sent when they are done (`_next`).
+            if version == "1.1":
+                resp = self._responder
+                if not self._queue and (self._task is None or (resp is not None and resp._finished)):
+                    self._transport.write(_CONTINUE)
+                else:
+                    self._continue_due = True
         self._cur = HttpRequest(method, path, query, self._headers, b"", self._client, version, keep_alive)
 
     def on_body(self, body: bytes) -> None:
@@ -565,6 +593,7 @@ class _HttpConnection(asyncio.Protocol):
         req = self._cur
         assert req is not None
         self._cur = None
+        self._continue_due = False
         parts = self._body_parts
         if parts:
             req.body = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -637,6 +666,9 @@ class _HttpConnection(asyncio.Protocol):
                 self._write_error(item)
             else:
                 self._dispatch(item)
+        elif self._continue_due:  # the request after is waiting for its 100 to send its body
+            self._continue_due = False
+            self._transport.write(_CONTINUE)
         elif self._cur is None and not self._in_headers:
             if self._server._draining:
                 self._transport.close()
@@ -649,7 +681,27 @@ class _HttpConnection(asyncio.Protocol):
             b"%scontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
             % (_status_line(err.status), len(body), body)
         )
-        self._transport.close()
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """Close after an error answer. The request may not have been read to its end (a 413 or
+        431 while the client is still sending): closing with unread bytes makes the kernel send a
+        reset, which can destroy the answer before the client reads it. So the write side is shut
+        once the answer is out, and what the client still sends is read and dropped until it
+        closes or `_LINGER_S` has passed (RFC 9112 section 9.6)."""
+        t = self._transport
+        try:
+            if not t.can_write_eof():
+                t.close()
+                return
+            t.write_eof()
+        except (OSError, RuntimeError):
+            t.close()
+            return
+        if self._reading_paused:
+            self._reading_paused = False
+            t.resume_reading()
+        self._loop.call_later(_LINGER_S, t.close)
 
     def _fail(self, err: _Err) -> None:
         """A protocol-level error: answer it after what is in flight, then close."""

@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from gateway.config import LimitsConfig, RetriesConfig, TimeoutsConfig
+from gateway.config import BreakerConfig, LimitsConfig, RetriesConfig, TimeoutsConfig
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
 
 FAST = TimeoutsConfig(connect_s=0.5, prefill_s=1.0, handoff_s=1.0, idle_s=0.5, total_s=5.0)
@@ -69,6 +69,10 @@ async def test_hung_prefill_is_a_prefill_timeout_and_leaves_nothing_running(
         err = json.loads(raw)["error"]
         assert "prefill" in err["message"] and err["code"] == "upstream_timeout"
     assert await settled(c, (prefill, decode)) == {prefill: 0, decode: 0}
+    if model == "m-sglang":  # a request that failed for good is counted under the plan it tried
+        text = c.gateway.metrics.render().decode()
+        line = next(x for x in text.splitlines() if x.startswith("pdgw_requests_total{") and "m-sglang" in x)
+        assert 'plan="disaggregated"' in line and 'outcome="upstream_timeout"' in line, line
 
 
 @pytest.mark.parametrize(("model", "decode"), [("m-sglang", "sgl-d"), ("m-vllm", "vllm-d")])
@@ -214,5 +218,72 @@ async def test_sglang_n_samples_client_gone_mid_stream_stops_every_sample() -> N
         # every sample stopped, none ran to its 2000 tokens
         assert after["completed"] == before["completed"]
         assert after["generation_tokens_total"] - before["generation_tokens_total"] < 600
+    finally:
+        await stop_cluster(c)
+
+
+@pytest.mark.parametrize("fault", ["http_error", "health_ok_but_hung"])
+async def test_a_failing_sglang_decode_does_not_open_its_healthy_prefills_breaker(fault: str) -> None:
+    """Both SGLang legs run at once, so a decode that fails (an error at once, or hanging while
+    its prefill waits to hand over the KV) cuts its prefill short. That is no verdict on the
+    prefill: its breaker stays closed (it used to open, taking P/D away from every healthy
+    decode too), the pair's breaker counts the failures, and clients are served colocated."""
+    c = await build_cluster(
+        colocated_fallback=True,
+        timeouts=FAST,
+        retries=RetriesConfig(max_attempts=2, backoff_initial_s=0.01),
+        breaker=BreakerConfig(failure_threshold=2, open_s=60.0),
+    )
+    try:
+        await c.emulators["sgl-d"].set_faults([fault])
+        for _ in range(4):
+            status, raw, _ = await post(c.url + "/v1/completions", body("m-sglang"))
+            assert status == 200, raw  # the colocated rung
+        reg = c.gateway.registry
+        assert reg.get("sgl-p").breaker.state.value == "closed"
+        assert "sgl-p|sgl-d" in reg.open_pairs()
+        await c.emulators["sgl-d"].set_faults([])
+    finally:
+        await stop_cluster(c)
+
+
+@pytest.mark.parametrize("model", ["m-sglang", "m-vllm", "m-colocated"])
+async def test_a_long_non_streamed_answer_is_not_cut_by_the_first_byte_deadlines(model: str) -> None:
+    """A non-streamed answer's headers come with its last token. Its wait is the phase's
+    deadline plus `per_token_s` per token it may generate, so a generation longer than
+    `handoff_s` (P/D) or `prefill_s` (colocated) is served, not failed with a 503 after being
+    run to the end up to three times; a stream of the same length was served all along."""
+    timeouts = TimeoutsConfig(prefill_s=0.5, handoff_s=0.5, idle_s=5.0, total_s=20.0, per_token_s=0.5)
+    c = await build_cluster(time_scale=1.0, timeouts=timeouts)
+    try:
+        for name in ("sgl-d", "vllm-d", "col"):
+            await c.emulators[name].set_faults(["slow,factor=40"])
+        t0 = time.monotonic()
+        status, raw, _ = await post(c.url + "/v1/completions", body(model, max_tokens=6))
+        took = time.monotonic() - t0
+        assert status == 200, raw
+        assert took > 0.5 + 0.2  # it did run past the first-byte deadline
+        got = json.loads(raw)
+        assert got["usage"]["completion_tokens"] == 6 and got["choices"][0]["finish_reason"] == "length"
+        text = c.gateway.metrics.render().decode()
+        assert "pdgw_retries_total{" not in text or 'phase="handoff"} ' not in text
+    finally:
+        await stop_cluster(c)
+
+
+async def test_a_non_streamed_answer_still_has_a_head_deadline() -> None:
+    """The allowance is per token it may generate: a decode that hangs is still cut at
+    handoff_s + per_token_s x max_tokens, long before the total deadline."""
+    timeouts = TimeoutsConfig(prefill_s=1.0, handoff_s=0.3, idle_s=5.0, total_s=20.0, per_token_s=0.1)
+    c = await build_cluster(
+        faults={"vllm-d": ["hang_before_first_byte"]},
+        timeouts=timeouts,
+        retries=RetriesConfig(max_attempts=1),
+    )
+    try:
+        status, raw, took = await post(c.url + "/v1/completions", body("m-vllm", max_tokens=4))
+        assert status == 504 and took < 5.0, raw
+        err = json.loads(raw)["error"]
+        assert err["code"] == "upstream_timeout" and "within 0.7s" in err["message"], err
     finally:
         await stop_cluster(c)

@@ -428,3 +428,85 @@ def test_stdlib_asyncio_loop() -> None:
 
     with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
         runner.run(main())
+
+
+async def test_expect_100_continue_waits_only_for_the_response_before_it() -> None:
+    """A 100 is held back only while another response is being written: sent at once when the
+    response before has ended although its handler still runs, and, for a pipelined request,
+    as soon as the requests before it are done (it used to be never, stalling the client until
+    its own timeout)."""
+
+    async def h(req: HttpRequest, resp: HttpResponder) -> None:
+        resp.send(200, JSON, req.body or b"{}")
+        if req.path == "/linger":
+            await asyncio.sleep(1.0)  # work after the answer (a handler's bookkeeping)
+
+    srv = await start_server(h, "127.0.0.1", 0)
+    try:
+        reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(b"GET /linger HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert (await read_response(reader)).status == 200
+        w.write(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 0.5)
+        assert head.startswith(b"HTTP/1.1 100 Continue")
+        w.write(b"{}")
+        assert (await read_response(reader)).status == 200
+        # pipelined behind a request still being answered: the 100 follows that answer
+        w.write(
+            b"GET /linger HTTP/1.1\r\nHost: t\r\n\r\n"
+            b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n"
+        )
+        assert (await read_response(reader)).status == 200
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2.0)
+        assert head.startswith(b"HTTP/1.1 100 Continue")
+        w.write(b"{}")
+        assert (await read_response(reader)).status == 200
+        w.close()
+    finally:
+        await srv.close()
+
+
+@pytest.mark.parametrize("te", [b"gzip, chunked", b"br,chunked", b"gzip\r\nTransfer-Encoding: chunked"])
+async def test_transfer_codings_other_than_chunked_are_501(server: HttpServer, te: bytes) -> None:
+    """The parser frames `gzip, chunked` as chunked and would pass the coded bytes on as the
+    body: RFC 9112 section 6.1, a coding the server does not understand is a 501."""
+    r, _, _ = await request(
+        server.port,
+        b"POST /raw HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: %s\r\n\r\n2\r\n{}\r\n0\r\n\r\n" % te,
+    )
+    assert r.status == 501 and _error(r)["code"] == "not_implemented"
+
+
+async def test_http_versions_above_1_are_505(server: HttpServer) -> None:
+    r, _, _ = await request(server.port, b"GET /x HTTP/2.0\r\nHost: t\r\n\r\n")
+    assert r.status == 505 and _error(r)["code"] == "http_version_not_supported"
+
+
+def _upload_past_the_limit(port: int) -> bytes:
+    """A blocking client that sends its whole (too large) body before reading, as
+    http.client does; returns what it reads."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        body = b"x" * (4 * 1024 * 1024)
+        s.sendall(b"POST /raw HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body))
+        s.sendall(body)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+async def test_a_client_still_uploading_reads_its_413_not_a_reset() -> None:
+    """After an error answered before the body was read, the server shuts its write side and
+    drops what still comes: closing with unread bytes made the kernel reset the connection,
+    and a client that sends its whole body before reading got ECONNRESET, not the 413."""
+    srv = await start_server(echo, "127.0.0.1", 0, limits=ServerLimits(max_body_bytes=1000))
+    try:
+        for _ in range(3):
+            out = await asyncio.to_thread(_upload_past_the_limit, srv.port)
+            assert out.startswith(b"HTTP/1.1 413 "), out[:200]
+            assert b'"request_too_large"' in out
+    finally:
+        await srv.close()

@@ -238,3 +238,19 @@ async def test_sglang_refusals_are_the_engines_words_and_no_guard_hit(
     for name in ("sgl-p", "sgl-d"):
         st = await cluster.emulators[name].stats()
         assert st["in_flight"] == 0 and st["pending_rooms"] == 0, (name, st)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+async def test_deeply_nested_json_is_a_400_not_a_500(cluster: Cluster, path: str) -> None:
+    """msgspec's decoder recurses per level: ~1,000 levels (2 KB) raised RecursionError, which
+    reached the client as a 500 (that the openai client retries) and a logged traceback."""
+    deep = b"[" * 3000 + b"]" * 3000
+    body = b'{"model":"m-sglang","prompt":"hi","extra":%s}' % deep
+    s, _, raw = await post(cluster.url + path, body)
+    err = json.loads(raw)["error"]
+    assert s == 400 and err["type"] == "invalid_request_error", raw
+    assert "nested too deeply" in err["message"]
+    s, _, raw = await post(
+        cluster.url + "/v1/completions", {"model": "m-sglang", "prompt": "hi", "max_tokens": 2}
+    )
+    assert s == 200, raw
