@@ -11,15 +11,30 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from emulator.faults import Fault
-from emulator.kvtransfer import TransferError, notify_done, pull_blocks, wait_room
+from emulator.kvtransfer import TransferError, abort_room, notify_done, pull_blocks, wait_room
 from emulator.scheduler import Seq
 
 if TYPE_CHECKING:
     from emulator.app import EmulatorServer
+
+
+_notices: set[asyncio.Task[None]] = set()
+
+
+def _in_background(aw: Coroutine[Any, Any, None]) -> None:
+    """Run a best-effort notification to completion even if its request is cancelled."""
+
+    async def run() -> None:
+        with contextlib.suppress(Exception):
+            await aw
+
+    task = asyncio.ensure_future(run())
+    _notices.add(task)
+    task.add_done_callback(_notices.discard)
 
 
 class MidStreamFault(Exception):
@@ -79,10 +94,20 @@ async def sglang_fetch_kv(
 
     spec = server.spec
     timeout = spec.waiting_timeout_s or env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)
-    if "transfer_stall" in hit:
-        await asyncio.sleep(timeout)
-        raise TransferError("timeout", f"Request {room} timed out after {timeout}s in KVPoll.WaitingForInput")
     key = (host, port)
+    if "transfer_stall" in hit:
+        # the KV never comes; when the decode gives up (its timeout, an abort, its client gone) it
+        # notifies the prefill rank, as SGLang's receiver does, so the prefill's room goes too
+        addr = server.rank_cache.get(key)
+        if addr is None and server.session is not None:
+            with contextlib.suppress(Exception):
+                addr = await resolve_rank(server.session, host, port)
+        try:
+            await asyncio.sleep(timeout)
+        finally:
+            if addr is not None:
+                _in_background(abort_room(addr[0], addr[1], room, spec.handshake_timeout_s))
+        raise TransferError("timeout", f"Request {room} timed out after {timeout}s in KVPoll.WaitingForInput")
     addr = server.rank_cache.get(key)
     if addr is None:
         deadline = time.monotonic() + spec.handshake_timeout_s

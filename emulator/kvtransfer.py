@@ -19,6 +19,24 @@ channel ``remote_port``).
   transfers once: a second decode request on a room already claimed (SGLang 0.5.23 gives every
   sample of an ``n > 1`` request its prompt's room) waits in ``WaitingForInput`` until its own
   timeout, and a second prefill offer on it is never taken (sglang PRs #26486, #30723).
+
+A room lives while a request uses it, and goes when that ends in any way, as SGLang's sender and
+receiver ``clear()`` their bootstrap room's entries on success, failure and abort:
+
+* the transfer ends (sent, failed, or the decode's connection lost mid-send): taken, spent;
+* the decode gives up before any prefill offered (its timeout, its abort, its client gone: the
+  connection closes, which is SGLang's decode-side abort notification; a decode that never
+  connected sends ``{"op": "abort_room", room}``): the room goes and is remembered as abandoned,
+  so that a prefill offering it later finds its transfer failed at once instead of waiting for
+  its bootstrap timeout;
+* the prefill request ends without the room taken (cancelled, aborted, a fault, its bootstrap
+  timeout): :meth:`KvServer.end_prefill` drops it (a decode waiting on it is told "aborted");
+* a room kept past its prefill request (``silent_truncation``) expires after the bootstrap timeout.
+
+vLLM's held blocks are freed by the read (or notification) of the decode, whatever the read's
+outcome, and otherwise by their lease (vLLM's abort timeout): a decode aborted before it read
+notifies the prefill, and a read that stalls (``transfer_stall``) never completes, so its blocks
+wait for the lease, as on vLLM.
 """
 
 from __future__ import annotations
@@ -85,6 +103,7 @@ class Room(msgspec.Struct):
     taken: asyncio.Future[bool]
     created: float
     claimed: bool = False  # a decode request is waiting on (or has had) this room's KV
+    expiry: asyncio.TimerHandle | None = None  # a room kept past its prefill request
 
 
 class KvServer:
@@ -112,6 +131,8 @@ class KvServer:
         self.rooms: dict[int, Room] = {}
         # rooms whose KV went to a decode: they never transfer again (bounded, oldest dropped)
         self.spent: dict[int, None] = {}
+        # rooms whose decode gave up before any prefill offered (bounded, oldest dropped)
+        self.abandoned: dict[int, None] = {}
         self.active = 0
         self.last_contents: list[bytes] = []
         self.unrecognized_reads = 0
@@ -132,6 +153,8 @@ class KvServer:
             if held.expiry is not None:
                 held.expiry.cancel()
         for room in self.rooms.values():
+            if room.expiry is not None:
+                room.expiry.cancel()
             if not room.taken.done():
                 room.taken.cancel()
 
@@ -165,19 +188,65 @@ class KvServer:
         if len(self.spent) > 65536:
             del self.spent[next(iter(self.spent))]
 
+    def _abandon(self, room: int) -> None:
+        self.abandoned[room] = None
+        if len(self.abandoned) > 65536:
+            del self.abandoned[next(iter(self.abandoned))]
+
+    def _forget(self, room: int, r: Room) -> None:
+        """Remove `r` (if it is still the registered room `room`)."""
+        if r.expiry is not None:
+            r.expiry.cancel()
+            r.expiry = None
+        if self.rooms.get(room) is r:
+            del self.rooms[room]
+
     def offer(self, room: int, contents: list[bytes], num_tokens: int, fault: str | None) -> Room:
+        if room in self.abandoned and room not in self.rooms:
+            # its decode is gone (it aborted or timed out first): the transfer fails at once
+            loop = asyncio.get_running_loop()
+            r = Room(loop.create_future(), loop.create_future(), time.monotonic(), claimed=True)
+            r.ready.set_result((contents, num_tokens, fault))
+            r.taken.set_result(False)
+            return r
         r = self.room(room)
         if not r.ready.done():
             r.ready.set_result((contents, num_tokens, fault))
         return r
 
     def drop_room(self, room: int) -> None:
-        r = self.rooms.pop(room, None)
+        r = self.rooms.get(room)
         if r is not None:
+            self._forget(room, r)
             if not r.ready.done():
                 r.ready.cancel()
             if not r.taken.done():
                 r.taken.cancel()
+
+    def end_prefill(self, room: int, offered: Room | None) -> None:
+        """The prefill request of `room` ended (any way) with `offered` its offer (None: it never
+        offered): the room goes unless it is no longer this request's (taken and spent, a later
+        request's room of the same id, or a room another prefill request offered)."""
+        r = self.rooms.get(room)
+        if r is None or (offered is not None and r is not offered):
+            return
+        if offered is None and r.ready.done():
+            return
+        self.drop_room(room)
+
+    def expire_room(self, room: int, r: Room, after_s: float) -> None:
+        """Drop `r` after `after_s` unless a decode has taken it by then."""
+        if self.rooms.get(room) is not r:
+            return
+        if r.expiry is not None:
+            r.expiry.cancel()
+
+        def expire() -> None:
+            r.expiry = None
+            if self.rooms.get(room) is r:
+                self.drop_room(room)
+
+        r.expiry = asyncio.get_running_loop().call_later(after_s, expire)
 
     # -- connection handler --------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -185,11 +254,13 @@ class KvServer:
             header, _ = await recv_msg(reader)
             op = header.get("op")
             if op == "read":
-                await self._serve_read(header, writer)
+                await self._serve_read(header, reader, writer)
             elif op == "notify":
                 await self._serve_notify(header, writer)
             elif op == "wait_room":
                 await self._serve_room(header, reader, writer)
+            elif op == "abort_room":
+                await self._serve_abort_room(header, writer)
             else:
                 await send_msg(writer, {"ok": False, "kind": "failed", "error": f"bad op {op!r}"})
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -202,15 +273,22 @@ class KvServer:
                 await writer.wait_closed()
 
     async def _send_blocks(
-        self, writer: asyncio.StreamWriter, contents: list[bytes], num_tokens: int, fault: str | None
+        self,
+        writer: asyncio.StreamWriter,
+        contents: list[bytes],
+        num_tokens: int,
+        fault: str | None,
+        gone: asyncio.Future[bytes],
     ) -> bool:
+        """Send the blocks; `gone` completes when the peer closes its connection."""
         self.active += 1
         t0 = time.monotonic()
         try:
             if fault is None and self._concurrency_fault(self.active):
                 fault = "transfer_fail"
             if fault == "transfer_stall":
-                await asyncio.Event().wait()
+                await gone  # never completes: it ends when the decode gives up
+                return False
             if fault == "transfer_fail":
                 await send_msg(
                     writer, {"ok": False, "kind": "failed", "error": "KV transfer failed (injected)"}
@@ -238,7 +316,9 @@ class KvServer:
         finally:
             self.active -= 1
 
-    async def _serve_read(self, header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+    async def _serve_read(
+        self, header: dict[str, Any], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         if header.get("engine_id") != self.engine_id:
             await send_msg(
                 writer, {"ok": False, "kind": "handshake", "error": "handshake_failed: unknown engine id"}
@@ -262,14 +342,20 @@ class KvServer:
             )
         fault = held.fault if held is not None else None
         num_tokens = int(header.get("num_tokens", len(block_ids) * 16))
-        ok = await self._send_blocks(writer, contents, num_tokens, fault)
-        if ok:
-            self.last_contents = contents
-        if held is not None and self.held.get(request_id) is held:
-            del self.held[request_id]
-            if held.expiry is not None:
-                held.expiry.cancel()
-            self._release(held.blocks)
+        gone = asyncio.ensure_future(reader.read())
+        try:
+            ok = await self._send_blocks(writer, contents, num_tokens, fault, gone)
+            if ok:
+                self.last_contents = contents
+        finally:
+            gone.cancel()
+            # the read is over, whatever its outcome (the decode then notifies the prefill), except
+            # a stalled one: it never completes, and the blocks wait for their lease
+            if held is not None and fault != "transfer_stall" and self.held.get(request_id) is held:
+                del self.held[request_id]
+                if held.expiry is not None:
+                    held.expiry.cancel()
+                self._release(held.blocks)
 
     async def _serve_notify(self, header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
         if header.get("engine_id") != self.engine_id:
@@ -295,18 +381,48 @@ class KvServer:
             await reader.read()
             return
         r.claimed = True
+        self.abandoned.pop(room_id, None)
+        gone = asyncio.ensure_future(reader.read())  # EOF: the decode gave up or went away
         try:
-            contents, num_tokens, fault = await asyncio.shield(r.ready)
-        except asyncio.CancelledError:
-            await send_msg(writer, {"ok": False, "kind": "aborted", "error": "Aborted by AbortReq."})
-            return
-        ok = await self._send_blocks(writer, contents, num_tokens, fault)
-        if ok:
-            self.last_contents = contents
-        if not r.taken.done():
-            r.taken.set_result(ok)
-        self.rooms.pop(room_id, None)
-        self._spend(room_id)
+            await asyncio.wait((gone, r.ready), return_when=asyncio.FIRST_COMPLETED)
+            if not r.ready.done():
+                # the decode timed out or was aborted before any prefill offered: SGLang's decode
+                # notifies the prefill, whose room then fails; the room goes now
+                self._forget(room_id, r)
+                self._abandon(room_id)
+                return
+            if r.ready.cancelled():  # the prefill request ended without the KV
+                self._forget(room_id, r)
+                await send_msg(writer, {"ok": False, "kind": "aborted", "error": "Aborted by AbortReq."})
+                return
+            contents, num_tokens, fault = r.ready.result()
+            ok = False
+            try:
+                ok = await self._send_blocks(writer, contents, num_tokens, fault, gone)
+                if ok:
+                    self.last_contents = contents
+            finally:
+                if not r.taken.done():
+                    r.taken.set_result(ok)
+                self._forget(room_id, r)
+                self._spend(room_id)
+        finally:
+            gone.cancel()
+
+    async def _serve_abort_room(self, header: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        """SGLang decode's abort notification for a room it never waited on (its KV wait stalled):
+        a room offered and not claimed fails; an unknown room is remembered as abandoned."""
+        room_id = int(header["room"])
+        r = self.rooms.get(room_id)
+        if r is None:
+            if room_id not in self.spent:
+                self._abandon(room_id)
+        elif not r.claimed:  # a claimed room's decode connection tells by closing
+            self._forget(room_id, r)
+            self._abandon(room_id)
+            if not r.taken.done():
+                r.taken.set_result(False)
+        await send_msg(writer, {"ok": True, "count": 0})
 
 
 async def _request(
@@ -370,6 +486,11 @@ async def notify_done(host: str, port: int, *, engine_id: str, request_id: str, 
     )
     if not reply.get("ok"):
         raise TransferError(str(reply.get("kind", "failed")), str(reply.get("error", "notify failed")))
+
+
+async def abort_room(host: str, port: int, room: int, wait_s: float) -> None:
+    """SGLang decode: tell the prefill rank that this decode request gave up on ``room``."""
+    await _request(host, port, {"op": "abort_room", "room": room}, wait_s)
 
 
 async def wait_room(host: str, port: int, room: int, wait_s: float | None) -> list[bytes]:

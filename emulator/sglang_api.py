@@ -32,7 +32,7 @@ from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_respons
 from emulator.echo import NO_ECHO, Echo, echo, echoed
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, admit_and_compute, env_float, sglang_fetch_kv, tokens
-from emulator.kvtransfer import TransferError
+from emulator.kvtransfer import Room, TransferError
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_sglang
 from emulator.sampling_checks import sglang_generate_refusal, sglang_openai_refusal
@@ -181,6 +181,7 @@ class SglangApi:
         mode = self.mode(item)
         self.seqs[item.rid] = seq
         keep_blocks = False
+        offered: Room | None = None  # prefill: this request's bootstrap room, once offered
         try:
             if mode == "prefill":
                 truncated = "silent_truncation" in hit
@@ -206,12 +207,17 @@ class SglangApi:
                     fault = "wrong_request_kv"
                 assert s.kv_server is not None and item.room is not None
                 contents = [engine.pool.content(b) for b in seq.prompt_blocks]
-                room = s.kv_server.offer(item.room, contents, len(item.prompt), fault)
+                room = offered = s.kv_server.offer(item.room, contents, len(item.prompt), fault)
+                timeout = s.spec.waiting_timeout_s or env_float(
+                    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0
+                )
                 if truncated:
-                    # SGLang #30233: the prompt is aborted, yet a 1-token KV is shipped
+                    # SGLang #30233: the prompt is aborted, yet a 1-token KV is shipped (the room
+                    # outlives the request: it goes when taken or after the bootstrap timeout)
                     keep = engine.release(seq, keep_prompt=True)
                     keep_blocks = True
                     self._release_after(room.taken, keep)
+                    s.kv_server.expire_room(item.room, room, timeout)
                     res.prompt_tokens = 1
                     msg = (
                         f"Input length ({len(item.prompt)} tokens) exceeds the maximum allowed length "
@@ -227,13 +233,10 @@ class SglangApi:
                     return res
                 async for tok in tokens(s, seq, 1, hit):
                     out.append(tok)
-                timeout = s.spec.waiting_timeout_s or env_float(
-                    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0
-                )
                 try:
-                    await asyncio.wait_for(asyncio.shield(room.taken), timeout)
+                    # abortable: /abort_request reaches a request waiting for its decode
+                    await engine.abortable(seq, asyncio.wait_for(asyncio.shield(room.taken), timeout))
                 except TimeoutError:
-                    s.kv_server.drop_room(item.room)
                     raise TransferError(
                         "timeout", f"Request {item.room} timed out after {timeout}s in KVPoll.Bootstrapping"
                     ) from None
@@ -329,6 +332,10 @@ class SglangApi:
             self.seqs.pop(item.rid, None)
             if not keep_blocks:
                 engine.release(seq)
+            if mode == "prefill" and s.kv_server is not None and item.room is not None and not keep_blocks:
+                # however the request ended (done, refused by the scheduler, aborted, cancelled,
+                # failed, a fault): its bootstrap room goes, as SGLang's sender clear()s it
+                s.kv_server.end_prefill(item.room, offered)
 
     def mode(self, item: Item) -> str:
         """How this server serves `item`: "prefill" or "decode" in P/D, else "both"."""

@@ -397,10 +397,12 @@ def setup(s: EmulatorServer) -> None:
         out: list[int] = []
         params_out: dict[str, Any] | None = None
         held = False
+        reached_prefill = False  # decode: the prefill's blocks were read or it was notified
         resp: web.StreamResponse | None = None
         try:
             await engine.admit(seq, read_cache=not scoring)
             if remote_prefill and scoring:
+                reached_prefill = True
                 await vllm_skip_remote_kv(s, ktp)
                 await engine.prefill(seq)
             elif remote_prefill:
@@ -411,6 +413,7 @@ def setup(s: EmulatorServer) -> None:
                     raise HandoffError(ENGINE_DEAD_MSG, fatal=True)
                 if stream:
                     resp = await start_sse(request)
+                reached_prefill = True
                 try:
                     contents = await engine.abortable(seq, vllm_pull_kv(s, seq, ktp, hit))
                     engine.counters.kv_transfers_ok += 1
@@ -551,6 +554,10 @@ def setup(s: EmulatorServer) -> None:
             seqs.pop(engine_rid, None)
             if not held:
                 engine.release(seq)
+            if remote_prefill and not reached_prefill and not s.dead:
+                # ended before its KV was read (aborted, cancelled, refused by the engine): vLLM's
+                # connector still notifies the prefill, which frees the blocks it holds for it
+                reject_remote_prefill(body)
         ct = len(out)
         cached = seq.cached_tokens
         model_name = body.get("model") or served
