@@ -91,3 +91,21 @@ def test_half_open_failure_reopens() -> None:
     assert not _state(reg, "w0").healthy
     time.sleep(0.06)
     assert _state(reg, "w0").healthy
+
+
+def test_an_outcome_without_a_verdict_counts_nothing_and_frees_a_half_open_trial() -> None:
+    """`record(w, None)`: the request ended without a verdict on `w` (its other leg failed
+    first). A closed breaker's failure count is neither raised nor reset; a half-open worker's
+    trial slot is freed for the next request without closing or reopening the breaker."""
+    reg, p, _, _ = _registry(open_s=0.05)
+    reg.record(p, False)
+    reg.record(p, None)
+    reg.record(p, False)  # still consecutive: None did not reset the count
+    assert p.breaker.state.value == "open"
+    time.sleep(0.06)
+    assert _state(reg, "w0").healthy
+    reg.acquire(p, 1)  # the one trial request
+    assert not _state(reg, "w0").healthy
+    reg.release(p, 1)
+    reg.record(p, None)
+    assert p.breaker.state.value == "half_open" and _state(reg, "w0").healthy  # the next may go
