@@ -1250,11 +1250,11 @@ def _blame(plan: Colocated | Disaggregated | Reject, e: UpstreamFailure) -> set[
     """Ids to exclude from the next attempt: the failed worker, or the pair when the link failed."""
     if isinstance(plan, Disaggregated):
         pair = f"{plan.prefill.id}|{plan.decode.id}"
-        if isinstance(e, KVIntegrityError) or not e.worker or (e.answered and e.phase == "decode"):
-            # a bad handoff (a decode that answered with a transfer failure is up): both workers
-            # may still serve, colocated or in another pair (vLLM: the decode prefilling itself)
-            return {pair}
-        return {pair, e.worker}
+        # a bad handoff (a decode that answered with a transfer failure is up): both workers may
+        # still serve, colocated or in another pair (vLLM: the decode prefilling itself). A
+        # prefill with no verdict is avoided by the retry all the same (it may be the one hung).
+        worker = _culprit(e, concurrent=False)
+        return {pair} if worker is None else {pair, worker}
     if isinstance(plan, Colocated):
         return {plan.worker.id}
     return set()
