@@ -16,7 +16,7 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -99,6 +99,7 @@ class EmulatorServer:
         self.on_death: Callable[[], Awaitable[None]] | None = None
         self.dead = False
         self._death_task: asyncio.Task[None] | None = None
+        self._notices: set[asyncio.Task[None]] = set()  # best-effort notifications to peers
         self.app.router.add_get("/emulator/stats", self.handle_stats)
         self.app.router.add_post("/emulator/faults", self.handle_faults)
         self.app.router.add_get("/emulator/faults", self.handle_get_faults)
@@ -190,7 +191,21 @@ class EmulatorServer:
                 },
             )
 
+    def notify_in_background(self, aw: Coroutine[Any, Any, None]) -> None:
+        """Run a best-effort notification to a peer to its end even if the request that sent
+        it is cancelled (its failure is ignored; `stop` cancels what is left)."""
+
+        async def run() -> None:
+            with contextlib.suppress(Exception):
+                await aw
+
+        task = asyncio.ensure_future(run())
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
+
     async def stop(self) -> None:
+        for task in list(self._notices):
+            task.cancel()
         await self.engine.stop()
         if self.runner is not None:
             await self.runner.cleanup()

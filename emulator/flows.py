@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncGenerator, Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
 
 from emulator.faults import Fault
 from emulator.kvtransfer import TransferError, abort_room, notify_done, pull_blocks, wait_room
@@ -20,21 +20,6 @@ from emulator.scheduler import Seq
 
 if TYPE_CHECKING:
     from emulator.app import EmulatorServer
-
-
-_notices: set[asyncio.Task[None]] = set()
-
-
-def _in_background(aw: Coroutine[Any, Any, None]) -> None:
-    """Run a best-effort notification to completion even if its request is cancelled."""
-
-    async def run() -> None:
-        with contextlib.suppress(Exception):
-            await aw
-
-    task = asyncio.ensure_future(run())
-    _notices.add(task)
-    task.add_done_callback(_notices.discard)
 
 
 class MidStreamFault(Exception):
@@ -106,7 +91,7 @@ async def sglang_fetch_kv(
             await asyncio.sleep(timeout)
         finally:
             if addr is not None:
-                _in_background(abort_room(addr[0], addr[1], room, spec.handshake_timeout_s))
+                server.notify_in_background(abort_room(addr[0], addr[1], room, spec.handshake_timeout_s))
         raise TransferError("timeout", f"Request {room} timed out after {timeout}s in KVPoll.WaitingForInput")
     addr = server.rank_cache.get(key)
     if addr is None:
