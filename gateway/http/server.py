@@ -345,6 +345,7 @@ class _HttpConnection(asyncio.Protocol):
         "_handler",
         "_hdr_bytes",
         "_headers",
+        "_hosts",
         "_idle_t0",
         "_in_headers",
         "_limits",
@@ -382,6 +383,7 @@ class _HttpConnection(asyncio.Protocol):
         self._expect: bytes | None = None
         self._continue_due = False  # a 100 Continue held back while a response was in flight
         self._te: bytes | None = None
+        self._hosts = 0
         self._body_parts: list[bytes] = []
         self._body_len = 0
         self._cur: HttpRequest | None = None
@@ -493,6 +495,7 @@ class _HttpConnection(asyncio.Protocol):
         self._expect = None
         self._continue_due = False
         self._te = None
+        self._hosts = 0
         self._body_parts = []
         self._body_len = 0
         self._idle_t0 = 0.0
@@ -515,6 +518,8 @@ class _HttpConnection(asyncio.Protocol):
             self._expect = value
         elif name == b"transfer-encoding":
             self._te = value if self._te is None else self._te + b"," + value
+        elif name == b"host":
+            self._hosts += 1
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -548,6 +553,11 @@ class _HttpConnection(asyncio.Protocol):
             raise _RequestError(
                 505, f"HTTP/{version} is not supported; use HTTP/1.1.", "http_version_not_supported"
             )
+        if self._hosts != 1 and (self._hosts or version == "1.1"):
+            # RFC 9112 3.2: exactly one Host in HTTP/1.1 (at most one in 1.0); uvicorn, nginx
+            # and Go's server answer the same 400
+            what = "Missing" if not self._hosts else "Duplicate"
+            raise _RequestError(400, f"{what} Host header.", "bad_request")
         te = self._te
         if te is not None and te.strip().lower() != b"chunked":
             # the parser frames `gzip, chunked` as chunked and would hand on the coded bytes

@@ -363,7 +363,7 @@ async def test_streaming_relay_backpressure(upstream: HttpServer) -> None:
     try:
         n = 300  # ~19 MiB through a client that does not read at first
         reader, w = await asyncio.open_connection("127.0.0.1", proxy_srv.port, limit=2**16)
-        w.write(b"GET /big-stream?%d HTTP/1.1\r\n\r\n" % n)
+        w.write(b"GET /big-stream?%d HTTP/1.1\r\nHost: t\r\n\r\n" % n)
         await asyncio.sleep(0.5)
         assert pauses, "the upstream was never paused"
         assert upstream.active_requests == 1  # its handler is blocked in drain()
@@ -372,7 +372,7 @@ async def test_streaming_relay_backpressure(upstream: HttpServer) -> None:
         await asyncio.sleep(0.05)
         assert pool.idle == 1 and pool.in_use == 0
         # relay of SSE events
-        w.write(b"GET /stream?64 HTTP/1.1\r\n\r\n")
+        w.write(b"GET /stream?64 HTTP/1.1\r\nHost: t\r\n\r\n")
         r = await read_response(reader)
         assert r.body == b"".join(b"data: %d\n\n" % i for i in range(64))
         w.close()
@@ -395,7 +395,7 @@ async def test_relay_client_disconnect_aborts_upstream(upstream: HttpServer) -> 
 
     proxy_srv = await start_server(proxy, "127.0.0.1", 0)
     reader, w = await asyncio.open_connection("127.0.0.1", proxy_srv.port)
-    w.write(b"GET / HTTP/1.1\r\n\r\n")
+    w.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
     await reader.readuntil(b"first\r\n")
     assert upstream.active_requests == 1
     w.close()

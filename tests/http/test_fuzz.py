@@ -16,10 +16,10 @@ from tests.http._util import read_response
 
 VALID = [
     b"GET / HTTP/1.1\r\nHost: a\r\n\r\n",
-    b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
-    b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n\r\nhello",
+    b"POST /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
     b"GET /a?b=c HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
-    b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\nhi",
+    b"POST / HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\nhi",
 ]
 STATUS = re.compile(rb"HTTP/1\.1 (\d\d\d) ")
 

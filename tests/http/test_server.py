@@ -86,10 +86,10 @@ async def test_post_body_and_headers(server: HttpServer) -> None:
 async def test_pipelined_in_order(server: HttpServer) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(
-        b"GET /sleep?t=0.1 HTTP/1.1\r\n\r\n"
-        b"POST /raw HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"
-        b"GET /stream?2 HTTP/1.1\r\n\r\n"
-        b"GET /last HTTP/1.1\r\n\r\n"
+        b"GET /sleep?t=0.1 HTTP/1.1\r\nHost: t\r\n\r\n"
+        b"POST /raw HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc"
+        b"GET /stream?2 HTTP/1.1\r\nHost: t\r\n\r\n"
+        b"GET /last HTTP/1.1\r\nHost: t\r\n\r\n"
     )
     r1 = await read_response(reader)
     r2 = await read_response(reader)
@@ -103,14 +103,14 @@ async def test_pipelined_in_order(server: HttpServer) -> None:
 
 
 async def test_chunked_request_body(server: HttpServer) -> None:
-    raw = b"POST /raw HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    raw = b"POST /raw HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
     r, _, w = await request(server.port, raw)
     assert r.status == 200 and r.body == b"hello world"
     w.close()
 
 
 async def test_stream_response_chunked(server: HttpServer) -> None:
-    r, _, w = await request(server.port, b"GET /stream?64 HTTP/1.1\r\n\r\n")
+    r, _, w = await request(server.port, b"GET /stream?64 HTTP/1.1\r\nHost: t\r\n\r\n")
     assert r.header(b"transfer-encoding") == b"chunked"
     assert len(r.chunks) == 64 and r.chunks[63] == b"data: 63\n\n"
     w.close()
@@ -119,12 +119,12 @@ async def test_stream_response_chunked(server: HttpServer) -> None:
 async def test_big_bodies(server: HttpServer) -> None:
     body = bytes(range(256)) * (5 * 4096)  # 5 MiB
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(b"POST /raw HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(body))
+    writer.write(b"POST /raw HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % len(body))
     writer.write(body)
     r = await read_response(reader)
     assert r.body == body
     # chunked, big
-    writer.write(b"POST /raw HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+    writer.write(b"POST /raw HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
     for i in range(0, len(body), 100_000):
         part = body[i : i + 100_000]
         writer.write(b"%x\r\n%b\r\n" % (len(part), part))
@@ -136,7 +136,7 @@ async def test_big_bodies(server: HttpServer) -> None:
 
 async def test_head_request(server: HttpServer) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-    writer.write(b"HEAD /raw HTTP/1.1\r\n\r\nGET /after HTTP/1.1\r\n\r\n")
+    writer.write(b"HEAD /raw HTTP/1.1\r\nHost: t\r\n\r\nGET /after HTTP/1.1\r\nHost: t\r\n\r\n")
     r = await read_response(reader, head=True)
     assert r.status == 200 and r.header(b"content-length") == b"0"
     r = await read_response(reader)
@@ -157,22 +157,33 @@ async def test_limits_413_431() -> None:
         echo, "127.0.0.1", 0, limits=ServerLimits(max_body_bytes=1000, max_header_bytes=2000)
     )
     try:
-        r, reader, w = await request(srv.port, b"POST /raw HTTP/1.1\r\nContent-Length: 1001\r\n\r\n")
+        r, reader, w = await request(
+            srv.port, b"POST /raw HTTP/1.1\r\nHost: t\r\nContent-Length: 1001\r\n\r\n"
+        )
         assert r.status == 413 and r.header(b"connection") == b"close"
         assert _error(r)["code"] == "request_too_large"
         assert await is_closed(reader)
         # chunked body growing past the limit
-        raw = b"POST /raw HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + b"200\r\n" + b"x" * 512 + b"\r\n"
+        raw = (
+            b"POST /raw HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"200\r\n"
+            + b"x" * 512
+            + b"\r\n"
+        )
         r, reader, w = await request(srv.port, raw * 1 + (b"200\r\n" + b"x" * 512 + b"\r\n") * 2)
         assert r.status == 413
         # many headers
-        raw = b"GET / HTTP/1.1\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 50) for i in range(60)) + b"\r\n"
+        raw = (
+            b"GET / HTTP/1.1\r\nHost: t\r\n"
+            + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 50) for i in range(60))
+            + b"\r\n"
+        )
         r, reader, w = await request(srv.port, raw)
         assert r.status == 431 and _error(r)["code"] == "request_header_fields_too_large"
         assert await is_closed(reader)
         # one huge header, sent in pieces (never completes)
         reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
-        w.write(b"GET / HTTP/1.1\r\nX-Big: ")
+        w.write(b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: ")
         await asyncio.sleep(0.02)
         for _ in range(5):  # 2500 bytes of one unfinished header
             w.write(b"v" * 500)
@@ -181,7 +192,7 @@ async def test_limits_413_431() -> None:
         assert r.status == 431
         # fine at the limit
         r, reader, w = await request(
-            srv.port, b"POST /raw HTTP/1.1\r\nContent-Length: 1000\r\n\r\n" + b"y" * 1000
+            srv.port, b"POST /raw HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"y" * 1000
         )
         assert r.status == 200 and len(r.body) == 1000
         w.close()
@@ -195,14 +206,14 @@ async def test_read_timeout_408_and_keepalive_timeout() -> None:
     )
     try:
         reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
-        w.write(b"POST /raw HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+        w.write(b"POST /raw HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nabc")
         t0 = asyncio.get_running_loop().time()
         r = await asyncio.wait_for(read_response(reader), 3)
         assert r.status == 408 and _error(r)["code"] == "request_timeout"
         assert asyncio.get_running_loop().time() - t0 < 1.5
         assert await is_closed(reader)
         # idle keep-alive connection is closed
-        r, reader, w = await request(srv.port, b"GET / HTTP/1.1\r\n\r\n")
+        r, reader, w = await request(srv.port, b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
         assert r.status == 200
         assert await is_closed(reader, 3)
     finally:
@@ -213,10 +224,10 @@ async def test_read_timeout_408_and_keepalive_timeout() -> None:
     "raw",
     [
         b"GARBAGE\r\n\r\n",
-        b"GET / HTTP/1.1\r\nContent-Length: abc\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: t\r\nContent-Length: abc\r\n\r\n",
         b"GET / HTTP/9.9\r\n\r\n",
-        b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-        b"GET / HTTP/1.1\r\nBad Header\r\n\r\n",
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"GET / HTTP/1.1\r\nHost: t\r\nBad Header\r\n\r\n",
     ],
 )
 async def test_malformed_400_and_close(server: HttpServer, raw: bytes) -> None:
@@ -226,9 +237,30 @@ async def test_malformed_400_and_close(server: HttpServer, raw: bytes) -> None:
     assert await is_closed(reader)
 
 
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", "Missing Host header."),
+        (b"GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n", "Duplicate Host header."),
+        (b"GET / HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n", "Duplicate Host header."),
+    ],
+)
+async def test_an_http_1_1_request_needs_exactly_one_host(
+    server: HttpServer, raw: bytes, message: str
+) -> None:
+    r, reader, _w = await request(server.port, raw)
+    assert r.status == 400 and _error(r) == {
+        "message": message,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "bad_request",
+    }
+    assert await is_closed(reader)
+
+
 async def test_malformed_after_pipelined_request(server: HttpServer) -> None:
     reader, w = await asyncio.open_connection("127.0.0.1", server.port)
-    w.write(b"GET /sleep?t=0.05 HTTP/1.1\r\n\r\nNOT HTTP\r\n\r\n")
+    w.write(b"GET /sleep?t=0.05 HTTP/1.1\r\nHost: t\r\n\r\nNOT HTTP\r\n\r\n")
     r1 = await read_response(reader)
     r2 = await read_response(reader)
     assert r1.status == 200 and r2.status == 400
@@ -237,7 +269,7 @@ async def test_malformed_after_pipelined_request(server: HttpServer) -> None:
 
 async def test_expect_100_continue(server: HttpServer) -> None:
     reader, w = await asyncio.open_connection("127.0.0.1", server.port)
-    w.write(b"POST /raw HTTP/1.1\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
+    w.write(b"POST /raw HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n")
     line = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
     assert line.startswith(b"HTTP/1.1 100 Continue")
     w.write(b"data")
@@ -247,7 +279,7 @@ async def test_expect_100_continue(server: HttpServer) -> None:
     srv = await start_server(echo, "127.0.0.1", 0, limits=ServerLimits(max_body_bytes=10))
     try:
         r, _, _ = await request(
-            srv.port, b"POST /raw HTTP/1.1\r\nContent-Length: 11\r\nExpect: 100-continue\r\n\r\n"
+            srv.port, b"POST /raw HTTP/1.1\r\nHost: t\r\nContent-Length: 11\r\nExpect: 100-continue\r\n\r\n"
         )
         assert r.status == 413
     finally:
@@ -268,7 +300,7 @@ async def test_http10_close_and_keepalive(server: HttpServer) -> None:
     r = await read_response(reader)
     assert r.body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
     # Connection: close on 1.1
-    r, reader, w = await request(server.port, b"GET /a HTTP/1.1\r\nConnection: close\r\n\r\n")
+    r, reader, w = await request(server.port, b"GET /a HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
     assert r.header(b"connection") == b"close" and await is_closed(reader)
 
 
@@ -287,7 +319,7 @@ async def test_client_disconnect_cancels_handler() -> None:
     srv = await start_server(h, "127.0.0.1", 0)
     try:
         _reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
-        w.write(b"GET / HTTP/1.1\r\n\r\n")
+        w.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
         await asyncio.wait_for(started.wait(), 2)
         assert srv.active_requests == 1
         w.close()
@@ -299,17 +331,17 @@ async def test_client_disconnect_cancels_handler() -> None:
 
 
 async def test_handler_errors(server: HttpServer) -> None:
-    r, reader, w = await request(server.port, b"GET /boom HTTP/1.1\r\n\r\n")
+    r, reader, w = await request(server.port, b"GET /boom HTTP/1.1\r\nHost: t\r\n\r\n")
     assert r.status == 500
     assert json.loads(r.body)["error"]["type"] == "server_error"
     reader, w = await asyncio.open_connection("127.0.0.1", server.port)
-    w.write(b"GET /boom-late HTTP/1.1\r\n\r\n")
+    w.write(b"GET /boom-late HTTP/1.1\r\nHost: t\r\n\r\n")
     raw = b""
     with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
         raw = await reader.readuntil(b"0\r\n\r\n")
     assert b"partial" not in raw or not raw.endswith(b"0\r\n\r\n")
     # the server still works
-    r, _, w = await request(server.port, b"GET /ok HTTP/1.1\r\n\r\n")
+    r, _, w = await request(server.port, b"GET /ok HTTP/1.1\r\nHost: t\r\n\r\n")
     assert r.status == 200
 
 
@@ -319,7 +351,7 @@ async def test_no_response_is_500() -> None:
 
     srv = await start_server(h, "127.0.0.1", 0)
     try:
-        r, _, _ = await request(srv.port, b"GET / HTTP/1.1\r\n\r\n")
+        r, _, _ = await request(srv.port, b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
         assert r.status == 500
     finally:
         await srv.close()
@@ -342,7 +374,7 @@ async def test_backpressure_drain_and_flow_listeners() -> None:
     srv = await start_server(h, "127.0.0.1", 0)
     try:
         reader, w = await asyncio.open_connection("127.0.0.1", srv.port, limit=2**16)
-        w.write(b"GET / HTTP/1.1\r\n\r\n")
+        w.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
         await asyncio.sleep(0.3)  # the client does not read: the server must pause
         assert events and events[0] == "pause"
         assert not done.is_set()
@@ -364,9 +396,9 @@ async def test_graceful_shutdown() -> None:
 
     srv = await start_server(h, "127.0.0.1", 0)
     # one idle keep-alive connection and one in flight
-    r, idle_reader, _ = await request(srv.port, b"GET /fast HTTP/1.1\r\n\r\n")
+    r, idle_reader, _ = await request(srv.port, b"GET /fast HTTP/1.1\r\nHost: t\r\n\r\n")
     reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
-    w.write(b"GET /slow HTTP/1.1\r\n\r\n")
+    w.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
     await asyncio.sleep(0.05)
     srv.stop_accepting()
     assert await is_closed(idle_reader)
@@ -392,7 +424,7 @@ async def test_close_cancels_handlers() -> None:
 
     srv = await start_server(h, "127.0.0.1", 0)
     reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
-    w.write(b"GET / HTTP/1.1\r\n\r\n")
+    w.write(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
     await asyncio.sleep(0.05)
     await asyncio.wait_for(srv.close(), 3)
     assert cancelled.is_set()
@@ -404,7 +436,7 @@ async def test_reuse_port() -> None:
     b = await start_server(echo, "127.0.0.1", a.port, reuse_port=True)
     try:
         assert a.port == b.port
-        r, _, _ = await request(a.port, b"GET / HTTP/1.1\r\n\r\n")
+        r, _, _ = await request(a.port, b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
         assert r.status == 200
     finally:
         await a.close()
@@ -417,9 +449,9 @@ def test_stdlib_asyncio_loop() -> None:
     async def main() -> None:
         srv = await start_server(echo, "127.0.0.1", 0)
         try:
-            r, reader, w = await request(srv.port, b"GET /stream?5 HTTP/1.1\r\n\r\n")
+            r, reader, w = await request(srv.port, b"GET /stream?5 HTTP/1.1\r\nHost: t\r\n\r\n")
             assert len(r.chunks) == 5
-            w.write(b"POST /raw HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc")
+            w.write(b"POST /raw HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc")
             r = await read_response(reader)
             assert r.body == b"abc"
             w.close()
