@@ -311,6 +311,8 @@ class Registry:
     def acquire(self, w: Worker, tokens: int) -> None:
         w.inflight += 1
         w.inflight_tokens += tokens
+        if self._workers.get(w.id) is not w:
+            return  # removed (or replaced under its id) since it was planned: not in snapshots
         if w.breaker.on_dispatch():  # the one trial request: the snapshot shows it unusable
             self.changed()
         self._moved.add(w)
@@ -320,6 +322,10 @@ class Registry:
     def release(self, w: Worker, tokens: int) -> None:
         w.inflight -= 1
         w.inflight_tokens -= tokens
+        if self._workers.get(w.id) is not w:
+            # removed while this request ran (admin remove does not cut requests): it has no
+            # place in snapshots any more, and a worker added since under its id is another one
+            return
         self._moved.add(w)
         if self._full and w.inflight < self.inflight_cap:
             self._full.discard(w.id)
@@ -332,6 +338,9 @@ class Registry:
         """One request's outcome on `w`: True, False, or None for no verdict (see
         CircuitBreaker.record)."""
         b = w.breaker
+        if self._workers.get(w.id) is not w:
+            b.record(ok)  # removed while the request ran: its own breaker only
+            return
         trial = b.state is BreakerState.HALF_OPEN  # a trial ended: the next may go
         if b.record(ok) or trial:
             if b.state is BreakerState.OPEN:

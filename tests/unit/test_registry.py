@@ -109,3 +109,35 @@ def test_an_outcome_without_a_verdict_counts_nothing_and_frees_a_half_open_trial
     reg.release(p, 1)
     reg.record(p, None)
     assert p.breaker.state.value == "half_open" and _state(reg, "w0").healthy  # the next may go
+
+
+def test_a_worker_removed_while_its_requests_run_leaves_snapshots_whole() -> None:
+    """Admin remove does not cut requests in flight: their release and outcome arrive after the
+    worker has left. They must not reach snapshots (a KeyError there failed every request), nor a
+    new worker added since under the same id."""
+    import asyncio
+
+    reg, p, d, _ = _registry()
+    reg.acquire(p, 100)
+    reg.acquire(d, 100)
+    reg.snapshot()
+    asyncio.run(reg.remove("w0"))
+    assert reg.snapshot().get("w0") is None
+    reg.release(p, 100)
+    snap = reg.snapshot()
+    assert snap.get("w0") is None and _state(reg, "w1").inflight == 1
+    reg.record(p, False)
+    reg.record(p, False)  # its own breaker opens; the registry does not track it any more
+    assert reg.snapshot() is snap
+    again = Worker("w0", "http://127.0.0.1:9000", Role.PREFILL, Engine.SGLANG, model="m")
+    again.healthy = True
+    reg.add(again)
+    reg.acquire(again, 7)
+    reg.snapshot()
+    asyncio.run(reg.remove("w0"))
+    reg.add(p2 := Worker("w0", "http://127.0.0.1:9000", Role.PREFILL, Engine.SGLANG, model="m"))
+    p2.healthy = True
+    reg.snapshot()
+    reg.release(again, 7)  # the replaced worker's release: not the new one's count
+    assert (_state(reg, "w0").inflight, _state(reg, "w0").inflight_tokens) == (0, 0)
+    assert _state(reg, "w0").healthy
