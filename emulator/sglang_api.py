@@ -33,6 +33,7 @@ from emulator.echo import NO_ECHO, Echo, echo, echoed
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, admit_and_compute, env_float, sglang_fetch_kv, tokens
 from emulator.kvtransfer import Room, TransferError
+from emulator.lax import coerce_openai
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_sglang
 from emulator.sampling_checks import sglang_generate_refusal, sglang_openai_refusal
@@ -731,6 +732,7 @@ def setup(s: EmulatorServer) -> None:
 
     async def openai(request: web.Request, chat: bool) -> web.StreamResponse:
         async def body_fn(body: dict[str, Any], hit: dict[str, Fault]) -> web.StreamResponse:
+            coerce_openai(body, chat)
             req_model = body.get("model") or model_path
             if chat:
                 prompts = [tokenizer.encode_chat(body.get("messages") or [])]

@@ -27,6 +27,7 @@ from emulator.echo import NO_ECHO, Echo, echo, echoed, vllm_prompt_logprobs, vll
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, tokens, vllm_pull_kv, vllm_skip_remote_kv
 from emulator.kvtransfer import Held, TransferError
+from emulator.lax import coerce_openai
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_vllm
 from emulator.sampling_checks import vllm_refusal
@@ -175,6 +176,7 @@ def setup(s: EmulatorServer) -> None:
                     raise ValueError("body must be a JSON object")
             except (msgspec.DecodeError, ValueError) as e:
                 return _error(400, f"Invalid request: {e}")
+            coerce_openai(body, chat)
             hit = s.faults.draw()
             early = await s.apply_entry_faults(hit, lambda st, msg: _error(st, msg))
             if early is not None:

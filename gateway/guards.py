@@ -13,8 +13,9 @@ Four checks, each on by default except shadow verification, each with its own me
    `kv_transfer_params` present, naming this request, covering the prompt's tokens with enough
    blocks. Always on: without it a handoff is not safe at all.
 3. `decode_consistency` — the decode's reported prompt tokens equal the prefill's; a
-   `finish_reason` of "length" only when the token budget (or the context) was really used up
-   (sglang #33507: an aborted transfer ends with "length" after one token); for greedy
+   `finish_reason` of "length" after a single token only when the token budget (or the
+   context) was really used up (sglang #33507: an aborted transfer ends with "length" after
+   one token; a "length" later than that is an engine's own cap, see `_EARLY_LENGTH_TOKENS`); for greedy
    requests the decode's first token agrees with the token the prefill sampled.
 4. `shadow` — a sampled share of greedy requests is re-run colocated for a few tokens and
    compared (see `Orchestrator._shadow`).
@@ -112,9 +113,9 @@ def check_decode(
         at_context = (
             context_length is not None
             and decode.prompt_tokens is not None
-            and decode.prompt_tokens + used >= context_length
+            and decode.prompt_tokens + used >= context_length - _CLAMP_SLACK
         )
-        if used < max_tokens and not at_context:
+        if used <= _EARLY_LENGTH_TOKENS and used < max_tokens and not at_context:
             return (
                 f"decode finished with 'length' after {used} of {max_tokens} tokens "
                 "(an aborted KV transfer looks like this)"
@@ -135,6 +136,16 @@ def check_decode(
                     f"{prefill.first_text!r} on a greedy request"
                 )
     return None
+
+
+# An aborted transfer (sglang #33507) ends with "length" after the one token the prefill sampled.
+# A later "length" below max_tokens is an engine's own cap, which a direct client sees too: SGLang's
+# scheduler clamps max_new_tokens to its request limit (the context, or a smaller KV pool) less
+# the prompt less 1, and SGLANG_MAX_NEW_TOKENS_LIMIT or vLLM's `--override-generation-config
+# max_new_tokens` cap every request. Those are not failures and must not be retried as such.
+_EARLY_LENGTH_TOKENS = 1
+# SGLang's clamp stops 2 tokens short of the context (max_req_len = context - 1, less 1)
+_CLAMP_SLACK = 2
 
 
 def _comparable(text: str) -> bool:

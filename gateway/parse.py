@@ -61,7 +61,9 @@ class _Fields(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw()  # empty: absent
 
 
-_decoder = msgspec.json.Decoder(_Fields)
+# Lax, as the engines' pydantic models are: `"5"` and `5.0` are 5, `"false"` and 0 are false
+# (a fractional count or a number for a string field is still refused, by both).
+_decoder = msgspec.json.Decoder(_Fields, strict=False)
 _any_decoder = msgspec.json.Decoder()
 _model_encoder = msgspec.json.Encoder()
 
@@ -110,8 +112,13 @@ class ParsedRequest:
             route, f
         )
         sp = f.sampling_params
-        if route is not RouteKind.GENERATE:
+        if route is RouteKind.CHAT:
             explicit = f.max_completion_tokens if f.max_completion_tokens is not None else f.max_tokens
+            n = 1 if f.n is None else f.n
+            greedy = f.temperature == 0 or f.top_k == 1
+        elif route is RouteKind.COMPLETIONS:
+            # the legacy route has no `max_completion_tokens`: both engines ignore it there
+            explicit = f.max_tokens
             n = 1 if f.n is None else f.n
             greedy = f.temperature == 0 or f.top_k == 1
         elif isinstance(sp, list):

@@ -254,3 +254,60 @@ async def test_deeply_nested_json_is_a_400_not_a_500(cluster: Cluster, path: str
         cluster.url + "/v1/completions", {"model": "m-sglang", "prompt": "hi", "max_tokens": 2}
     )
     assert s == 200, raw
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("model", ["m-sglang", "m-vllm"])
+async def test_max_completion_tokens_is_ignored_on_completions_as_the_engines_do(
+    cluster: Cluster, model: str, stream: bool
+) -> None:
+    """The legacy completions route has no `max_completion_tokens` (OpenAI's, SGLang's and vLLM's
+    request models): the engines generate `max_tokens`, 16 by default. The gateway read it as the
+    limit, so the decode's 16 tokens ending in "length" looked like an aborted KV transfer: a 503
+    (SGLang) or a needless colocated fallback with the pair marked suspect (vLLM)."""
+    hits = guard_hits(cluster)
+    body = {"model": model, "prompt": "once upon a time", "max_completion_tokens": 30, "temperature": 0}
+    body["stream"] = stream
+    s, _, got = await post(cluster.url + "/v1/completions", body)
+    assert s == 200, got
+    s, _, want = await post(cluster.reference[model].url + "/v1/completions", body)
+    assert s == 200, want
+    assert text_of(got, stream, chat=False) == text_of(want, stream, chat=False) != ""
+    if not stream:
+        assert json.loads(got)["usage"]["completion_tokens"] == 16
+    assert guard_hits(cluster) == hits
+    assert not cluster.gateway.registry.suspect_pairs()
+    # nor is a value the chat route would refuse a reason to refuse this one
+    s, _, got = await post(cluster.url + "/v1/completions", {**body, "max_completion_tokens": 0})
+    assert s == 200 and text_of(got, stream, chat=False) == text_of(want, stream, chat=False), got
+
+
+LAX = [
+    ({"max_tokens": "5"}, 5),
+    ({"max_tokens": 5.0}, 5),
+    ({"n": 1.0, "max_tokens": 4}, 4),
+    ({"stream": "false", "max_tokens": 3}, 3),
+    ({"stream": 0, "max_tokens": 3}, 3),
+    ({"temperature": "0", "max_tokens": 6}, 6),
+    ({"echo": "false", "max_tokens": 2}, 2),
+]
+
+
+@pytest.mark.parametrize(("extra", "tokens"), LAX)
+@pytest.mark.parametrize("model", ["m-sglang", "m-vllm"])
+async def test_values_the_engines_coerce_are_read_as_they_read_them(
+    cluster: Cluster, model: str, extra: dict[str, Any], tokens: int
+) -> None:
+    """Both engines validate with pydantic in lax mode: `"5"` and `5.0` are 5, `"false"` and 0
+    are false. The gateway refused them (400) where the engines serve them, and must read them
+    as the engines do (a `stream` of "false" is not a stream)."""
+    body = {"model": model, "prompt": "hello there", "temperature": 0, **extra}
+    s, h, got = await post(cluster.url + "/v1/completions", body)
+    assert s == 200 and h["content-type"].startswith("application/json"), got
+    s, _, want = await post(cluster.reference[model].url + "/v1/completions", body)
+    assert s == 200, want
+    assert text_of(got, False, chat=False) == text_of(want, False, chat=False)
+    assert json.loads(got)["usage"]["completion_tokens"] == tokens
+    # what neither engine coerces is still refused: a fractional count
+    s, _, raw = await post(cluster.url + "/v1/completions", {**body, "max_tokens": 5.5})
+    assert s == 400 and json.loads(raw)["error"]["param"] == "max_tokens", raw

@@ -52,6 +52,15 @@ def test_decode_checks() -> None:
     assert "after 1 of 6" in (check_decode(p, early, max_tokens=6, context_length=100, greedy=False) or "")
     at_ctx = Summary(prompt_tokens=95, completion_tokens=5, finish_reason="length")
     assert check_decode(Summary(), at_ctx, max_tokens=20, context_length=100, greedy=False) is None
+    # engines' own caps are no failure: SGLang's clamp 2 tokens short of the context (here after
+    # one token), an operator's limit on new tokens (SGLANG_MAX_NEW_TOKENS_LIMIT, vLLM's
+    # generation-config override) far below max_tokens
+    clamped = Summary(prompt_tokens=97, completion_tokens=1, finish_reason="length")
+    assert check_decode(Summary(), clamped, max_tokens=20, context_length=100, greedy=False) is None
+    capped = Summary(prompt_tokens=27, completion_tokens=16, finish_reason="length")
+    assert check_decode(p, capped, max_tokens=30, context_length=100, greedy=False) is None
+    short_of_clamp = Summary(prompt_tokens=96, completion_tokens=1, finish_reason="length")
+    assert check_decode(Summary(), short_of_clamp, max_tokens=20, context_length=100, greedy=False)
     other = Summary(prompt_tokens=27, first_token_id=9)
     assert "first token" in (check_decode(p, other, max_tokens=6, context_length=None, greedy=True) or "")
     assert check_decode(p, other, max_tokens=6, context_length=None, greedy=False) is None
