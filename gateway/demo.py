@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import msgspec
 
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
+from emulator.tokenizer import VOCAB_SIZE
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, ListenConfig, WorkerConfig
 from gateway.logging import configure
@@ -93,6 +94,9 @@ async def start_cluster(
                 engine=engine,
                 id=name,
                 bootstrap_port=h.bootstrap_port if engine is Engine.SGLANG and role is Role.PREFILL else None,
+                # the emulator's tokenizer: a prompt id beyond it would kill an emulated SGLang
+                # worker for good, as it kills the real one (a 400 from the gateway instead)
+                vocab_size=VOCAB_SIZE,
             )
         )
     return handles, workers
