@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import math
 import time
 from collections.abc import Callable
@@ -173,12 +174,7 @@ class Admin:
     # -- operations --------------------------------------------------------------------------
 
     async def add(self, req: HttpRequest) -> tuple[int, Any]:
-        try:
-            wc = msgspec.json.decode(req.body, type=WorkerConfig)
-        except msgspec.ValidationError as e:
-            raise BadRequest(f"invalid worker: {e}") from None
-        except (msgspec.DecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"invalid JSON: {e}", code=ErrorCode.INVALID_JSON) from None
+        wc = _decode_worker(req.body)
         if wc.api_key_env is not None and wc.api_key_env not in self.allowed_key_envs:
             raise BadRequest(
                 "api_key_env may only name a variable that a configured worker already uses",
@@ -218,6 +214,7 @@ class Admin:
             if not added:  # refused, or the admin client went away during the probe
                 self.health.forget(wid)
                 await w.pool.close()
+        self.health.check_models()  # warns if a model can no longer be served (or now can)
         log.info(
             "admin.worker_added",
             worker=wid,
@@ -277,6 +274,7 @@ class Admin:
         left = w.inflight
         await self.registry.remove(w.id)
         self.health.forget(w.id)
+        self.health.check_models()
         await w.pool.close()  # idle connections now; those in use when their request ends
         waited = round(time.monotonic() - t0, 3)
         log.info("admin.worker_removed", worker=w.id, drained=left == 0, inflight=left, waited_s=waited)
@@ -289,6 +287,27 @@ class Admin:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+
+
+def _decode_worker(body: bytes) -> WorkerConfig:
+    """The worker to add, checked like a [[workers]] entry; BadRequest says what is wrong."""
+    try:
+        return msgspec.json.decode(body, type=WorkerConfig)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"invalid worker: {e}") from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        bad_json = BadRequest(f"invalid JSON: {e}", code=ErrorCode.INVALID_JSON)
+    # JSON has no infinity or NaN, yet clients write them (Python's json.dumps(1e400) is
+    # `Infinity`): when that is all that is wrong, the value is what to report
+    try:
+        loose = json.loads(body)
+    except ValueError:
+        raise bad_json from None
+    try:
+        msgspec.convert(loose, WorkerConfig)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"invalid worker: {e}") from None
+    raise bad_json
 
 
 def _method(method: str, allowed: str) -> GatewayError:

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import os
 import signal
+import socket
 from collections.abc import Mapping
 
 from gateway.admin import Admin
@@ -26,6 +27,11 @@ from gateway.registry import BreakerSettings, Registry, Worker
 from policies.build import build_policy
 
 log = get_logger("pd_gateway")
+
+
+class ListenError(Exception):
+    """The gateway cannot listen on `listen.host`:`listen.port` (the port is taken, the host does
+    not resolve or is not this machine's). `Gateway.start` finds out before probing any worker."""
 
 
 class Gateway:
@@ -164,19 +170,31 @@ class Gateway:
         return f"http://{self.cfg.listen.host}:{self.port}"
 
     async def start(self) -> None:
-        """Probe every worker once (bounded by the probe timeout), then listen."""
-        await self.health.probe_all()
-        lim = self.cfg.limits
-        self.server = await start_server(
-            self.handlers,
-            self.cfg.listen.host,
-            self.cfg.listen.port,
-            limits=ServerLimits(
+        """Bind the listening address (ListenError if it cannot be had), probe every worker once
+        (bounded by the probe timeout), then listen."""
+        host, port = self.cfg.listen.host, self.cfg.listen.port
+        socks = await _bind(host, port)
+        try:
+            await self.health.probe_all()
+            lim = self.cfg.limits
+            limits = ServerLimits(
                 max_body_bytes=lim.max_body_bytes,
                 max_header_bytes=lim.max_header_bytes,
                 read_timeout_s=lim.read_timeout_s,
-            ),
-        )
+            )
+            if len(socks) == 1:
+                self.server = await start_server(self.handlers, host, port, limits=limits, sock=socks[0])
+            else:  # several addresses (e.g. "localhost"): the server binds them all again
+                for sock in socks:
+                    sock.close()
+                try:
+                    self.server = await start_server(self.handlers, host, port, limits=limits)
+                except OSError as e:
+                    raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        except BaseException:
+            for sock in socks:
+                sock.close()
+            raise
         self._tasks = [
             asyncio.create_task(self.health.run_probes(), name="health-probes"),
             asyncio.create_task(self.health.run_scrapes(), name="metric-scrapes"),
@@ -241,6 +259,38 @@ class Gateway:
             if not idle.done():
                 idle.cancel()
         return idle.done() and not idle.cancelled() and idle.result()
+
+
+async def _bind(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound (not yet listening: connections are refused until the server starts) to
+    every address `host` resolves to, with the options asyncio's create_server sets."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(
+            host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError as e:  # socket.gaierror
+        raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.setblocking(False)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    if not socks:
+        raise ListenError(f"cannot listen on {host}:{port}: no address")
+    return socks
 
 
 async def run_forever(gw: Gateway, grace_s: float = 10.0) -> None:

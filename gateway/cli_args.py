@@ -14,6 +14,7 @@ error reads like a file error.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -192,6 +193,11 @@ def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     if args.min_prefill_tokens is not None:
         section("decider")["min_prefill_tokens"] = args.min_prefill_tokens
     if args.request_timeout_s is not None:
+        if not (args.request_timeout_s > 0 and math.isfinite(args.request_timeout_s)):
+            # checked here: below it would be copied into the phase limits and named after them
+            raise ConfigError(
+                f"--request-timeout-s must be a positive number of seconds, got {args.request_timeout_s!r}"
+            )
         timeouts = section("timeouts")
         timeouts["total_s"] = args.request_timeout_s
         # a shorter whole-request limit lowers the phase limits above it instead of failing

@@ -88,9 +88,27 @@ class WorkerConfig(_Section, frozen=True):
     tls_verify: bool = True  # false: no certificate check at all (a test setup, never production)
 
     def __post_init__(self) -> None:
-        parts = urlsplit(self.url)
+        try:
+            parts = urlsplit(self.url)
+        except ValueError as e:  # "Invalid IPv6 URL"
+            raise ValueError(f"worker url {self.url!r}: {e}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"worker url {self.url!r} must be http(s)://host[:port]")
+        # the gateway adds the API paths itself: anything after host[:port] would be dropped
+        extra = [
+            what
+            for what, present in (
+                (f"a path ({parts.path})", parts.path not in ("", "/")),
+                ("a query", "?" in self.url),
+                ("a fragment", "#" in self.url),
+                ("user info", "@" in parts.netloc),
+            )
+            if present
+        ]
+        if extra:
+            raise ValueError(
+                f"worker url {self.url!r} must be http(s)://host[:port], without {' or '.join(extra)}"
+            )
         if parts.scheme == "http" and (self.tls_ca_file is not None or not self.tls_verify):
             raise ValueError(f"worker {self.url}: tls_ca_file / tls_verify apply only to https:// workers")
         try:
@@ -150,7 +168,6 @@ class TimeoutsConfig(_Section, frozen=True):
     handoff_s: float = 30.0  # KV handoff: prefill done -> decode's first byte
     idle_s: float = 60.0  # longest silence inside a stream
     total_s: float = 600.0  # whole request
-    probe_s: float = 5.0  # one health/info probe
     # added per token a non-streamed answer may generate to prefill_s (colocated) or handoff_s
     # (P/D): its headers come with its last token
     per_token_s: float = 0.25
@@ -204,7 +221,7 @@ class BreakerConfig(_Section, frozen=True):
 
 class HealthConfig(_Section, frozen=True):
     interval_s: float = 5.0  # between probes of one worker
-    timeout_s: float = 3.0  # one probe
+    timeout_s: float = 3.0  # each probe request: /health, each info endpoint, a load report
     failure_threshold: int = 3  # failed probes before unhealthy
     success_threshold: int = 1  # good probes before healthy again
     scrape_interval_s: float = 2.0  # the engines' load reports (SGLang /v1/loads, else /metrics)
@@ -364,11 +381,19 @@ class GatewayConfig(_Section, frozen=True):
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>[^`]*)`(?: - at `(?P<path>[^`]*)`)?$")
 
 
+# settings that were removed, with what to use instead (named in the "unknown field" error)
+_REMOVED = {
+    ("$.timeouts", "probe_s"): "removed: a probe request is bounded by health.timeout_s",
+}
+
+
 def _message(e: msgspec.ValidationError) -> str:
     text = str(e)
     m = _UNKNOWN.match(text)
     if m:
-        return f"unknown field `{m['key']}` at `{m['path'] or '$'}`"
+        path = m["path"] or "$"
+        hint = _REMOVED.get((path, m["key"]))
+        return f"unknown field `{m['key']}` at `{path}`" + (f" ({hint})" if hint else "")
     return text
 
 

@@ -1,29 +1,40 @@
 """Active health checks and metric scrapes: background tasks that update the registry.
 
 A worker becomes healthy after `success_threshold` good probes in a row and unhealthy after
-`failure_threshold` bad ones. A probe is the adapter's health endpoint; once healthy, the
-worker's info endpoints (model, context length, SGLang's input limit and bootstrap port) are
-read, again every `info_every` probes. Metrics are scraped on their own interval and parsed by
-the adapter into a `WorkerLoad`. Request outcomes (passive detection) act through the breakers.
+`failure_threshold` bad ones. A probe is the adapter's health endpoint, each request of it bounded
+by `timeout_s`; when it answers, the worker's info endpoints (model, context length, SGLang's input
+limit and bootstrap port) are read if the worker is not healthy yet or failed a probe since its
+last good one (it may have restarted with another model or context length: what it says now
+replaces what it said before it became usable again), and otherwise every `info_every` probes.
+Metrics are scraped on their own interval and parsed by the adapter into a `WorkerLoad`. Request
+outcomes (passive detection) act through the breakers.
+
+After each round of probes (and after the admin API adds or removes a worker) the worker set is
+checked for models it can never serve, whatever their health (an SGLang decode without an SGLang
+prefill of its model and no colocated worker): each such model is logged once, as a warning that
+says what is missing (`unservable_models`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 
 import msgspec
 
+from adapters import ProbeInfo
 from gateway.http.errors import UpstreamError
 from gateway.logging import get_logger
 from gateway.registry import Registry, Worker
+from policies.snapshot import Engine, Role
 
 log = get_logger("pd_gateway.health")
 
 
 class HealthSettings(msgspec.Struct, frozen=True):
     interval_s: float = 5.0
-    timeout_s: float = 3.0
+    timeout_s: float = 3.0  # each probe request (/health, each info endpoint, a load report)
     failure_threshold: int = 3
     success_threshold: int = 1
     scrape_interval_s: float = 2.0
@@ -47,6 +58,7 @@ class HealthChecker:
         self.registry = registry
         self.settings = settings or HealthSettings()
         self._rounds: dict[str, int] = {}
+        self._unservable: dict[str | None, str] = {}  # what was last warned about
 
     def forget(self, worker_id: str) -> None:
         """Drop what is kept about a removed worker."""
@@ -62,9 +74,14 @@ class HealthChecker:
             ok, reason = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         n = self._rounds.get(w.id, 0)
         self._rounds[w.id] = n + 1
-        if ok and (w.info.model is None or n % s.info_every == 0):
-            ok = await self._read_info(w)
-            reason = "info endpoints failed"
+        if ok:
+            # Not healthy yet (never probed, or down until now), or a probe failed since the last
+            # good one: the server may have restarted serving another model or context length,
+            # so what it says now replaces what is known before it is usable again.
+            fresh = not w.healthy or w.probe_failures > 0
+            if fresh or w.info.model is None or n % s.info_every == 0:
+                ok = await self._read_info(w, fresh=fresh)
+                reason = "info endpoints failed"
         was = w.healthy
         if ok:
             w.probe_failures = 0
@@ -81,8 +98,10 @@ class HealthChecker:
             self.registry.changed()
         return ok
 
-    async def _read_info(self, w: Worker) -> bool:
-        info = w.info
+    async def _read_info(self, w: Worker, *, fresh: bool = False) -> bool:
+        """Read the info endpoints into `w.info`: folded into what is known, or with `fresh`,
+        replacing it (nothing said before a restart is kept). True when the model is known."""
+        info = ProbeInfo() if fresh else w.info
         for path in w.adapter.info_paths:
             try:
                 status, body = await _get(w, path, self.settings.timeout_s)
@@ -95,6 +114,8 @@ class HealthChecker:
                 info = w.adapter.parse_info(path, body, info)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
+        if fresh and info.model is None:
+            info = w.info  # it did not say which model it serves now: keep what was known
         if info != w.info:
             w.info = info
             self.registry.changed()
@@ -122,6 +143,24 @@ class HealthChecker:
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in list(self.registry.workers())))
+        self.check_models()
+
+    def check_models(self) -> None:
+        """Warn once about each model the workers can never serve (see `unservable_models`),
+        and note when one becomes servable. Cheap: a pass over the workers per model."""
+        now = unservable_models(self.registry.workers())
+        for model, missing in now.items():
+            if self._unservable.get(model) != missing:
+                log.warning(
+                    "cluster.model_unservable",
+                    model=model if model is not None else "(not known yet)",
+                    missing=missing,
+                    detail=f"every request for {_model_text(model)} is a 503 until there is one",
+                )
+        for model in self._unservable.keys() - now.keys():
+            if model is not None:
+                log.info("cluster.model_servable", model=model)
+        self._unservable = now
 
     async def run_probes(self) -> None:
         while True:
@@ -134,3 +173,48 @@ class HealthChecker:
         while True:
             await asyncio.gather(*(self.scrape(w) for w in list(self.registry.workers()) if w.healthy))
             await asyncio.sleep(self.settings.scrape_interval_s)
+
+
+def _model_text(model: str | None) -> str:
+    return f"model {model!r}" if model is not None else "any model"
+
+
+def unservable_models(workers: Iterable[Worker]) -> dict[str | None, str]:
+    """The models these workers can never serve, healthy or not, each with what is missing.
+
+    Planning (policies/pd.py) serves a model on a colocated worker, a P/D pair (a prefill and a
+    decode of the same engine) or a vLLM decode prefilling itself; an SGLang decode cannot answer
+    alone and a prefill never does. A worker whose model is not known yet (never probed) may
+    serve any model, as in planning. When no worker's model is known, the set is checked as a
+    whole: the key is then None ("any model")."""
+    ws = list(workers)
+    models = {w.model for w in ws if w.model is not None}
+    groups: dict[str | None, list[Worker]] = {m: [w for w in ws if w.model in (m, None)] for m in models}
+    if not models and ws:
+        groups[None] = ws
+    out: dict[str | None, str] = {}
+    for model, group in groups.items():
+        missing = _missing(group)
+        if missing is not None:
+            out[model] = missing
+    return out
+
+
+def _missing(group: list[Worker]) -> str | None:
+    """What `group` (the workers that may serve one model) lacks to serve it; None if nothing."""
+    decodes: dict[Engine, list[str]] = {}
+    prefills: dict[Engine, list[str]] = {}
+    for w in group:
+        if w.role is Role.COLOCATED or (w.role is Role.DECODE and w.engine is Engine.VLLM):
+            return None  # serves alone
+        pool = decodes if w.role is Role.DECODE else prefills
+        pool.setdefault(w.engine, []).append(w.id)
+    if decodes.keys() & prefills.keys():
+        return None  # a P/D pair
+    needs = [
+        f"a {e.value} prefill worker for the decode worker(s) {sorted(ids)}" for e, ids in decodes.items()
+    ]
+    needs += [
+        f"a {e.value} decode worker for the prefill worker(s) {sorted(ids)}" for e, ids in prefills.items()
+    ]
+    return ", or ".join([*needs, "a colocated worker"])

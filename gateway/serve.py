@@ -6,10 +6,11 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from gateway.app import Gateway, run_forever
+from gateway.app import Gateway, ListenError, run_forever
 from gateway.cli_args import parse_serve_args
 from gateway.config import ConfigError
 from gateway.logging import configure
+from policies.build import PolicyBuildError
 
 
 def install_uvloop() -> None:
@@ -34,10 +35,14 @@ def main(argv: Sequence[str]) -> int:
         return 2
     configure(cfg.log_level, cfg.log_json)
     try:
-        gw = Gateway(cfg)  # reads api_key_env / admin.token_env
-    except ConfigError as e:
+        gw = Gateway(cfg)  # reads api_key_env / admin.token_env, loads policy plugins
+    except (ConfigError, PolicyBuildError) as e:
         print(f"pd-gateway serve: {e}", file=sys.stderr)
         return 2
     install_uvloop()
-    asyncio.run(run_forever(gw, cfg.shutdown_grace_s))
+    try:
+        asyncio.run(run_forever(gw, cfg.shutdown_grace_s))
+    except ListenError as e:  # found before any worker is probed
+        print(f"pd-gateway serve: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -276,7 +276,7 @@ def test_flags_scalars_and_policies() -> None:
         (["--prefill", "http://h:1", "1", "2"], "--prefill takes URL"),
         (["--policy", "bogus"], "Invalid value 'bogus' - at `$.policy.type`"),
         (["--engine", "openai", "--decode", "http://h:1"], "openai can only be colocated"),
-        (["--request-timeout-s", "0"], "timeouts.connect_s must be a positive number"),
+        (["--request-timeout-s", "0"], "--request-timeout-s must be a positive number"),
         (["--decode", "http://h:1", "--decode", "http://h:1"], "duplicate worker"),
     ],
 )
