@@ -36,9 +36,13 @@ def rewrite(
 _USAGE_ON = b'"stream_options":{"include_usage":true}'
 
 
-def ask_stream_usage(body: bytes) -> bytes:
-    """`body` (a streamed OpenAI-route request) asking for the usage chunk at the stream's end,
-    other `stream_options` kept."""
+def ask_stream_usage(body: bytes, *, keep_continuous: bool) -> bytes:
+    """`body` (a streamed OpenAI-route request whose client did not ask for usage) asking for the
+    usage chunk at the stream's end, its other `stream_options` kept. `continuous_usage_stats`
+    is kept where the engine honours it without `include_usage` (SGLang: per-chunk usage either
+    way), and dropped where `include_usage` is what turns it on (vLLM: `include_continuous_usage
+    = include_usage and continuous_usage_stats`): asking for the end's usage must not make the
+    engine add a usage to every chunk the client would not have had."""
     if b'"stream_options"' not in body:  # the usual case: no decode
         return splice(body, _USAGE_ON)
     fields: dict[str, msgspec.Raw] = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
@@ -48,6 +52,8 @@ def ask_stream_usage(body: bytes) -> bytes:
     opts = msgspec.json.decode(raw)
     opts = dict(opts) if isinstance(opts, dict) else {}
     opts["include_usage"] = True
+    if not keep_continuous:
+        opts.pop("continuous_usage_stats", None)
     return rewrite(fields, set_={"stream_options": encoder.encode(opts)})
 
 

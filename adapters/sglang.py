@@ -7,12 +7,31 @@ the rendezvous key. A scalar room in a batch of n is read by the engine as room+
 response is the client's; the prefill's is read to the end and judged: a prefill that fails or
 aborts (SGLang answers 200 with an abort event on streams) means the decode will wait for KV that
 never comes (300 s by default), so the orchestrator aborts it.
+
+Request names (`rid`): SGLang 0.5.23 refuses a second in-flight request with a rid it already
+holds ("Duplicate request ID detected", tokenizer_manager.py:3834-3836), and its scheduler aborts
+every request whose rid *starts with* an aborted one (scheduler.py:5677, 5688 and the P/D queues
+after them: `req.rid.startswith(recv_req.rid)`), whether the abort is an `/abort_request` or the
+server's own reaction to a closed connection (`_release_req_states_on_failure`). The rid the
+gateway sends is therefore never the client's X-Request-Id (clients reuse ids; "a" would abort
+"ab"): it is `<16 hex digits unique to this upstream request>-<request id>`, the request id kept
+for correlation in the engine's logs. Rids of equal-width unique parts can only be prefixes of
+each other when those parts are equal, i.e. for the two legs of one handoff, which go to
+different servers. The unique part is the handoff's bootstrap room (random, 63 bits, already
+unique per handoff: the engines pair legs by it) on P/D legs, a process-wide sequence started at
+a random point on colocated requests. Batches and `n > 1` get no rid (SGLang names each item
+with its own uuid4 hex; a scalar rid would become `rid_0`, `rid_1`, ..., `rid_10`: prefixes of
+each other). A client's own `rid` field gets the same unique part in front (`_client_rid`): passed
+as sent, "7" would abort every request whose unique part starts with 7.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import os
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from typing import ClassVar
 from urllib.parse import urlsplit
 
@@ -27,6 +46,27 @@ from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, RouteKind, WorkerLoad
 
 _OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+# The unique part of colocated requests' rids: 16 hex digits of a sequence that starts at a random
+# point per process (several gateways in front of one server do not meet).
+_sequence = itertools.count(int.from_bytes(os.urandom(8), "big"))
+_MASK = (1 << 64) - 1
+# What the task serving a request last sent as the rid under each request id: (the unique part,
+# `"rid":"<unique>-<request id>"` as sent) for the gateway's rids, the name itself for a client's.
+# An attempt's legs are built, and aborted, in the task that serves it: `abort_call` names what
+# was sent, and a handoff's decode leg reuses its prefill leg's. Per task, so two requests that
+# share an X-Request-Id never see each other's, and it goes with the task.
+_sent: ContextVar[dict[str, tuple[int, bytes] | str] | None] = ContextVar(
+    "pd_gateway_sglang_rids", default=None
+)
+
+
+def _sent_here() -> dict[str, tuple[int, bytes] | str]:
+    sent = _sent.get()
+    if sent is None:
+        sent = {}
+        _sent.set(sent)
+    return sent
 
 
 class _FinishReason(msgspec.Struct):
@@ -95,37 +135,80 @@ class SGLangAdapter:
 
     # -- bodies ---------------------------------------------------------------------------
 
-    def _rid_pair(self, req: ParsedRequest, request_id: str) -> bytes:
-        # A rid lets the gateway abort the request by name (/abort_request). Batches would need a
-        # list of rids; closing the connection aborts those.
-        if req.fields.rid or req.is_batch or req.n > 1:
+    def _rid_pair(self, req: ParsedRequest, request_id: str, unique: int) -> bytes:
+        """`"rid":"<unique, 16 hex>-<request id>"`: the name the gateway aborts the request by
+        (/abort_request), unique per upstream request and never a prefix of another's (see the
+        module's docstring); b"" for batches and n > 1, which SGLang names item by item itself
+        (closing the connection aborts them)."""
+        if req.is_batch or req.n > 1:
             return b""
-        return b'"rid":' + _body.encoder.encode(request_id)
+        sent = _sent_here()
+        last = sent.get(request_id)
+        if last.__class__ is tuple and last[0] == unique:  # the decode leg of the prefill leg just built
+            return last[1]
+        pair = b'"rid":"%016x-' % (unique & _MASK) + _body.encoder.encode(request_id)[1:]
+        sent[request_id] = (unique, pair)
+        return pair
+
+    def _client_rid(self, req: ParsedRequest, request_id: str, unique: int) -> bytes | None:
+        """The client's own `rid` (a string, or one per batch item) with the unique part in front,
+        as JSON; None to send it as it came (not a name SGLang takes: it refuses it itself).
+        The client's name stays readable in the engine's logs and answers, but two clients, or a
+        retry of this request, never hand the engine the same rid or one that extends another."""
+        try:
+            v = msgspec.json.decode(req.fields.rid)
+        except msgspec.DecodeError:
+            return None
+        head = f"{unique & _MASK:016x}-"
+        if isinstance(v, str):
+            if not (req.is_batch or req.n > 1):  # a batch's items are named rid_0, rid_1, ...
+                _sent_here()[request_id] = head + v
+            return _body.encoder.encode(head + v)
+        if isinstance(v, list) and all(isinstance(x, str) for x in v):
+            return _body.encoder.encode([head + x for x in v])
+        return None
 
     def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
+        unique = next(_sequence)
+        if req.fields.rid:
+            named = self._client_rid(req, request_id, unique)
+            set_ = {"rid": named} if named is not None else None
+            return _body.rewrite(req.decode_dict(), drop=_OWNED, set_=set_)
+        rid = self._rid_pair(req, request_id, unique)
         if req.has_owned_fields:
             fields = req.decode_dict()
-            return _body.splice(_body.rewrite(fields, drop=_OWNED), self._rid_pair(req, request_id))
-        return _body.splice(req.body, self._rid_pair(req, request_id))
+            return _body.splice(_body.rewrite(fields, drop=_OWNED), rid)
+        return _body.splice(req.body, rid)
 
     def _pd_body(self, req: ParsedRequest, ctx: HandoffCtx, *, prefill: bool = False) -> bytes:
         extra = _bootstrap_prefix(ctx.prefill.url, ctx.prefill.bootstrap_port) + b"%d" % ctx.room
-        rid = self._rid_pair(req, ctx.request_id)
-        if rid:
-            extra += b"," + rid
+        # Both legs of the handoff get the same rid, its unique part the handoff's room (they go
+        # to different servers; a retry has another room).
+        set_: dict[str, bytes] | None = None
+        if req.fields.rid:
+            named = self._client_rid(req, ctx.request_id, ctx.room)
+            if named is not None:
+                set_ = {"rid": named}
+        else:
+            rid = self._rid_pair(req, ctx.request_id, ctx.room)
+            if rid:
+                extra += b"," + rid
         if prefill and req.stream:
             # The prefill's answer is read whole and judged, never relayed: asking for it whole
             # gives one JSON document with the sampled token instead of SSE, and an over-long
             # prompt comes back as a 400 rather than a 200 with an abort event.
             fields = req.decode_dict()
-            return _body.splice(
-                _body.rewrite(fields, drop=(*_OWNED, "stream_options"), set_={"stream": b"false"}), extra
-            )
-        if req.has_owned_fields:
-            body = _body.splice(_body.rewrite(req.decode_dict(), drop=_OWNED), extra)
+            set_ = {**(set_ or {}), "stream": b"false"}
+            return _body.splice(_body.rewrite(fields, drop=(*_OWNED, "stream_options"), set_=set_), extra)
+        if req.has_owned_fields or set_ is not None:
+            body = _body.splice(_body.rewrite(req.decode_dict(), drop=_OWNED, set_=set_), extra)
         else:
             body = _body.splice(req.body, extra)
-        return _body.ask_stream_usage(body) if ctx.stream_usage and not prefill else body
+        if ctx.stream_usage and not prefill:
+            # SGLang sends continuous_usage_stats' per-chunk usage whether or not include_usage
+            # is set: forcing it on adds only the final usage chunk, which is dropped
+            return _body.ask_stream_usage(body, keep_continuous=True)
+        return body
 
     def summarize(self, req: ParsedRequest, payloads: Iterable[bytes]) -> Summary:
         if req.route is RouteKind.GENERATE:
@@ -201,18 +284,17 @@ class SGLangAdapter:
         return _SSELogprobMerge(metas)
 
     def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
-        rid: str | None = request_id
-        if req.fields.rid:
-            try:
-                v = msgspec.json.decode(req.fields.rid)
-            except msgspec.DecodeError:
-                v = None
-            rid = v if isinstance(v, str) else None
-        elif req.is_batch or req.n > 1:
-            rid = None
-        if rid is None:
+        """`/abort_request` naming the rid this task last sent under `request_id` (the failed
+        attempt's legs'); None where none was sent (closing the connection is then the abort)."""
+        if req.is_batch or req.n > 1:
             return None
-        return "/abort_request", _body.encoder.encode({"rid": rid})
+        sent = _sent.get()
+        name = sent.get(request_id) if sent is not None else None
+        if name is None:
+            return None
+        if isinstance(name, tuple):
+            return "/abort_request", b"{" + name[1] + b"}"
+        return "/abort_request", _body.encoder.encode({"rid": name})
 
     # -- load and info ----------------------------------------------------------------------
 

@@ -113,7 +113,9 @@ class VLLMAdapter:
         if req.fields.kv_transfer_params:
             base = _body.rewrite(req.decode_dict(), drop=("kv_transfer_params",))
         if ctx.stream_usage:
-            base = _body.ask_stream_usage(base)
+            # vLLM's per-chunk usage needs include_usage too: forcing it on would add one to
+            # every chunk of a client that asked for continuous_usage_stats alone
+            base = _body.ask_stream_usage(base, keep_continuous=False)
         if params is None:
             return base
         return _body.splice(base, b'"kv_transfer_params":' + bytes(params))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -148,6 +149,9 @@ class SglangApi:
         self.max_req_input_len = min(self.context_length - 1, server.max_total_tokens - 1) - 5
         self.pending: dict[str, asyncio.Task[Any]] = {}
         self.seqs: dict[str, Seq] = {}
+        # the rids requests hold, from their intake to the end of their answer (the tokenizer
+        # manager's rid_to_state): a second request naming one is refused, an abort must name one
+        self.held: set[str] = set()
 
     # ------------------------------------------------------------------ validation
     def validate(self, n_input: int, max_new: int) -> str | None:
@@ -355,12 +359,58 @@ class SglangApi:
 
         fut.add_done_callback(done)
 
-    def abort(self, rid: str) -> bool:
-        seq = self.seqs.get(rid)
-        if seq is None:
+    def hold(self, items: list[Item], held: list[str]) -> str | None:
+        """Take the items' rids for this request (into `held`, released when its answer ends),
+        or SGLang's refusal: rids repeated within the request (``_validate_rid_uniqueness``,
+        io_struct.py:390-397), then a rid another request in flight holds
+        (``_init_req_state``, tokenizer_manager.py:3832-3836). Both are ValueErrors inside
+        ``generate_request``, before the length and sampling checks."""
+        rids = [it.rid for it in items]
+        if len(set(rids)) != len(rids):
+            counts = Counter(rids)
+            return f"Duplicate request IDs detected within the request: {[r for r, c in counts.items() if c > 1]}"
+        for rid in rids:
+            if rid in self.held:
+                return f"Duplicate request ID detected: {rid}"
+        self.held.update(rids)
+        held.extend(rids)
+        return None
+
+    def release(self, held: list[str]) -> None:
+        self.held.difference_update(held)
+
+    def abort(self, rid: str, spare: frozenset[str] = frozenset()) -> bool:
+        """SGLang's ``abort_request(rid)``: ignored unless a request in flight holds exactly that
+        rid (tokenizer_manager.py:2241-2253); then the scheduler aborts every request whose rid
+        *starts with* it (scheduler.py:5677, 5688 and its P/D queues: ``startswith``)."""
+        if not rid or rid not in self.held:
             return False
-        self.engine.abort_seq(seq)
-        return True
+        hit = False
+        for name, seq in list(self.seqs.items()):
+            if name.startswith(rid) and name not in spare:
+                self.engine.abort_seq(seq)
+                hit = True
+        return hit
+
+    def client_gone(self, held: list[str]) -> None:
+        """A request's client went away: SGLang aborts each of its rids
+        (``_release_req_states_on_failure``, tokenizer_manager.py:3850-3866), by prefix, so
+        others' requests whose rids extend one of them go too. (Its own are being cancelled.)"""
+        spare = frozenset(held)
+        for rid in held:
+            self.abort(rid, spare)
+
+    def abort_later(self, rids: list[str]) -> None:
+        """A streamed ``/generate`` answer's background task: 2 s after the answer, each of its
+        rids that a request still holds is aborted (``create_abort_task``,
+        tokenizer_manager.py:2427-2438; http_server.py:977-981) -- a later request that reuses
+        the rid, or the one whose rid a refused duplicate named."""
+        if rids:
+            asyncio.get_running_loop().call_later(2.0, self._abort_each, tuple(rids))
+
+    def _abort_each(self, rids: tuple[str, ...]) -> None:
+        for rid in rids:
+            self.abort(rid)
 
     # ------------------------------------------------------------------ formatting
     def meta(self, item: Item, res: Result, final: bool, n_out: int) -> dict[str, Any]:
@@ -487,6 +537,7 @@ def setup(s: EmulatorServer) -> None:
         sample_seed: int | list[int | None] | None,
         n: int = 1,
         stop: StopSpec | list[StopSpec | None] | None = None,
+        batch: bool = False,
     ) -> list[Item]:
         """One item per (prompt, sample), prompt-major: item ``k = prompt_index * n + sample_index``
         (SGLang's parallel-sampling expansion). `max_new` and `sample_seed` are one for all
@@ -496,6 +547,8 @@ def setup(s: EmulatorServer) -> None:
         on SGLang 0.5.23 (``_handle_batch_request`` copies ``obj[i]`` for each sample)."""
         num = len(prompts) * n
         rid = body.get("rid")
+        if isinstance(rid, str) and batch and n == 1:
+            rid = [f"{rid}_{i}" for i in range(num)]  # io_struct.py _normalize_rid: rid_0, rid_1, ...
         rids = _listify(rid, len(prompts)) if rid is not None and n == 1 else [None] * num
         hosts = _per_sample(body.get("bootstrap_host"), n)
         ports = _per_sample(body.get("bootstrap_port"), n)
@@ -570,7 +623,7 @@ def setup(s: EmulatorServer) -> None:
     async def guarded(
         request: web.Request,
         error: Callable[[int, str], web.Response],
-        body_fn: Callable[[dict[str, Any], dict[str, Fault]], Awaitable[web.StreamResponse]],
+        body_fn: Callable[[dict[str, Any], dict[str, Fault], list[str]], Awaitable[web.StreamResponse]],
     ) -> web.StreamResponse:
         with track(s):
             if s.dead:
@@ -584,8 +637,9 @@ def setup(s: EmulatorServer) -> None:
             if early is not None:
                 engine.counters.errors += 1
                 return early
+            held: list[str] = []  # the rids this request holds (SglangApi.hold)
             try:
-                resp = await body_fn(body, hit)
+                resp = await body_fn(body, hit, held)
             except MidStreamFault as e:
                 if e.kind == "crash_mid_stream":
                     crash(request)
@@ -593,7 +647,13 @@ def setup(s: EmulatorServer) -> None:
                 raise
             except asyncio.CancelledError:
                 engine.counters.aborted += 1
+                api.client_gone(held)
                 raise
+            except ConnectionResetError:  # written to a client already gone
+                api.client_gone(held)
+                raise
+            finally:
+                api.release(held)
             if resp.status >= 400:
                 engine.counters.errors += 1
             else:
@@ -602,7 +662,16 @@ def setup(s: EmulatorServer) -> None:
 
     # ------------------------------------------------------------------ /generate
     async def generate(request: web.Request) -> web.StreamResponse:
-        async def body_fn(body: dict[str, Any], hit: dict[str, Fault]) -> web.StreamResponse:
+        async def body_fn(body: dict[str, Any], hit: dict[str, Fault], held: list[str]) -> web.StreamResponse:
+            named: list[str] = []
+            resp = await answer(body, hit, held, named)
+            if body.get("stream"):
+                api.abort_later(named)  # a StreamingResponse's background task, refusals included
+            return resp
+
+        async def answer(
+            body: dict[str, Any], hit: dict[str, Fault], held: list[str], named: list[str]
+        ) -> web.StreamResponse:
             batch = False
             if body.get("input_ids") is not None:
                 ids = body["input_ids"]
@@ -624,12 +693,15 @@ def setup(s: EmulatorServer) -> None:
                 return _error_generate(400, str(e))
             batch = batch or n > 1  # SGLang turns a single prompt with n > 1 into a batch
             max_new = [_max_new(sp) for sp in sps]
-            items = make_items(body, prompts, max_new, [_sampling(sp) for sp in sps], n, stops)
-            why = refusal(items, [sglang_generate_refusal(sp) for sp in sps], n)
+            items = make_items(body, prompts, max_new, [_sampling(sp) for sp in sps], n, stops, batch)
+            named.extend(it.rid for it in items)
+            why = api.hold(items, held)
+            if why is None:
+                why = refusal(items, [sglang_generate_refusal(sp) for sp in sps], n)
             if why is not None:
                 if body.get("stream"):
-                    # the ValueError (length or sampling params) comes out of the stream's
-                    # generator: 200, an error event, [DONE] (http_server.py:949-975)
+                    # the ValueError (a duplicate rid, length or sampling params) comes out of
+                    # the stream's generator: 200, an error event, [DONE] (http_server.py:949-975)
                     resp = await start_sse(request)
                     await resp.write(
                         sse(
@@ -731,7 +803,7 @@ def setup(s: EmulatorServer) -> None:
         return str(res.finish.get("type"))
 
     async def openai(request: web.Request, chat: bool) -> web.StreamResponse:
-        async def body_fn(body: dict[str, Any], hit: dict[str, Fault]) -> web.StreamResponse:
+        async def body_fn(body: dict[str, Any], hit: dict[str, Fault], held: list[str]) -> web.StreamResponse:
             coerce_openai(body, chat)
             req_model = body.get("model") or model_path
             if chat:
@@ -767,7 +839,10 @@ def setup(s: EmulatorServer) -> None:
                     f"{field} is not supported with streaming{where}. "
                     f"Please set stream=false when using {field}=true.",
                 )
-            items = make_items(body, prompts, max_new, _sampling(body), n, stop)
+            items = make_items(body, prompts, max_new, _sampling(body), n, stop, len(prompts) > 1 or n > 1)
+            dup = api.hold(items, held)  # stream or not, a 400: the first chunk is awaited first
+            if dup is not None:
+                return _error_openai(400, dup)
             echo_on = not chat and bool(body.get("echo"))
             scored = echo_on and bool(body.get("logprobs"))  # SGLang: logprob_start_len = 0
             for it in items:
@@ -843,10 +918,13 @@ def setup(s: EmulatorServer) -> None:
                     }
                 )
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            # SGLang's should_include_usage (entrypoints/openai/utils.py:250-264): per-chunk usage
+            # whenever continuous_usage_stats is set, include_usage or not (vLLM needs both)
+            continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
             chunk_name = "chat.completion.chunk" if chat else "text_completion"
             resp = await start_sse(request)
 
-            def chunk(choice: dict[str, Any]) -> bytes:
+            def chunk(choice: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
                 c: dict[str, Any] = {
                     "id": oid,
                     "object": chunk_name,
@@ -854,9 +932,13 @@ def setup(s: EmulatorServer) -> None:
                     "model": req_model,
                     "choices": [choice],
                 }
-                if not chat:
-                    c["usage"] = None
+                if not chat or usage is not None:  # chat chunks omit a null usage (omit_defaults)
+                    c["usage"] = usage
                 return sse(c)
+
+            def so_far(it: Item, completion: int) -> dict[str, Any] | None:
+                """A content chunk's usage with continuous_usage_stats (the counts so far)."""
+                return openai_usage(len(it.prompt), completion) if continuous else None
 
             async def run(idx: int, it: Item) -> Result:
                 sent = [0]
@@ -896,7 +978,8 @@ def setup(s: EmulatorServer) -> None:
                                     "logprobs": lp,
                                     "finish_reason": None,
                                     "matched_stop": None,
-                                }
+                                },
+                                so_far(it, len(out)),
                             )
                         )
                     else:
@@ -912,7 +995,7 @@ def setup(s: EmulatorServer) -> None:
                             if not first_sent[0]:
                                 c["prompt_token_ids"] = list(it.prompt)
                                 first_sent[0] = True
-                        await resp.write(chunk(c))
+                        await resp.write(chunk(c, so_far(it, len(out))))
 
                 res = await api.execute(it, hit, on_token)
                 if res.error_status:
@@ -949,7 +1032,7 @@ def setup(s: EmulatorServer) -> None:
                     }
                     if want_ids:
                         last_choice["token_ids"] = []
-                    await resp.write(chunk(last_choice))
+                    await resp.write(chunk(last_choice, so_far(it, len(res.output_ids))))
                 return res
 
             results = await asyncio.gather(*(run(i, it) for i, it in enumerate(items)))
@@ -1104,10 +1187,10 @@ def setup(s: EmulatorServer) -> None:
     async def h_abort(request: web.Request) -> web.Response:
         body = await read_json(request)
         if body.get("abort_all"):
-            for rid in list(api.seqs):
-                api.abort(rid)
+            for seq in list(api.seqs.values()):
+                engine.abort_seq(seq)
         else:
-            api.abort(str(body.get("rid", "")))
+            api.abort(str(body.get("rid") or ""))  # by prefix, as the scheduler does
         return web.Response(status=200)
 
     async def h_flush(request: web.Request) -> web.Response:

@@ -133,6 +133,26 @@ def setup(s: EmulatorServer) -> None:
     seqs: dict[str, Seq] = {}
     last_params: list[dict[str, Any]] = []
 
+    def running_usage(pt: int, ct: int, chat: bool) -> dict[str, Any]:
+        """A chunk's usage with `stream_options.continuous_usage_stats` (and `include_usage`:
+        vLLM's should_include_usage, entrypoints/serve/utils/api_utils.py:289-301), the counts so
+        far, as `UsageInfo(...).model_dump_json(exclude_unset=True)` writes them (chat also sets
+        completion_tokens_details, to null)."""
+        u: dict[str, Any] = {"prompt_tokens": pt, "total_tokens": pt + ct, "completion_tokens": ct}
+        if chat:
+            u["completion_tokens_details"] = None
+        return u
+
+    def terminal_stamp(include_usage: bool) -> dict[str, Any]:
+        """A stream's terminal chunks (those with a finish_reason) carry the system fingerprint
+        when no usage chunk follows to carry it (completion/serving.py:425-432,
+        chat_completion/serving.py:803-811)."""
+        return {} if include_usage else {"system_fingerprint": s.fingerprint}
+
+    def continuous_usage(body: dict[str, Any]) -> bool:
+        opts = body.get("stream_options") or {}
+        return bool(opts.get("include_usage")) and bool(opts.get("continuous_usage_stats"))
+
     def usage(pt: int, ct: int, cached: int, stream: bool) -> dict[str, Any]:
         u: dict[str, Any] = {"prompt_tokens": pt, "total_tokens": pt + ct, "completion_tokens": ct}
         u["prompt_tokens_details"] = {"cached_tokens": cached}
@@ -396,6 +416,8 @@ def setup(s: EmulatorServer) -> None:
         created = int(time.time())
         return_ids = bool(body.get("return_token_ids"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        continuous = continuous_usage(body)
+        stamp = terminal_stamp(include_usage)
         out: list[int] = []
         params_out: dict[str, Any] | None = None
         held = False
@@ -466,6 +488,7 @@ def setup(s: EmulatorServer) -> None:
                                         "prompt_token_ids": prompt if return_ids else None,
                                         "prompt_text": None,
                                     }
+                                    | ({"usage": running_usage(n_prompt, 0, chat)} if continuous else {})
                                 )
                             )
                         if new or (last and not chat) or (first and ec is not NO_ECHO):
@@ -481,6 +504,12 @@ def setup(s: EmulatorServer) -> None:
                                         "model": body.get("model") or served,
                                         "choices": [choice],
                                     }
+                                    | (stamp if last and not chat else {})
+                                    | (
+                                        {"usage": running_usage(n_prompt, len(out), chat)}
+                                        if continuous
+                                        else {}
+                                    )
                                 )
                             )
                             shown = now
@@ -583,6 +612,8 @@ def setup(s: EmulatorServer) -> None:
                                 }
                             ],
                         }
+                        | stamp
+                        | ({"usage": running_usage(n_prompt, ct, True)} if continuous else {})
                     )
                 )
             if include_usage:
@@ -695,6 +726,8 @@ def setup(s: EmulatorServer) -> None:
         obj_name = "chat.completion.chunk" if chat else "text_completion"
         return_ids = bool(body.get("return_token_ids"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        continuous = continuous_usage(body)
+        stamp = terminal_stamp(include_usage)
         stream = bool(body.get("stream"))
         base_seed = sample_seed(body)
         children: list[tuple[int, Seq]] = []
@@ -732,6 +765,7 @@ def setup(s: EmulatorServer) -> None:
                             },
                             prompt_token_ids=prompts[0] if return_ids else None,
                             prompt_text=None,
+                            **({"usage": running_usage(len(prompts[0]), 0, True)} if continuous else {}),
                         )
                     )
 
@@ -761,7 +795,12 @@ def setup(s: EmulatorServer) -> None:
                                 choice = _token_choice(
                                     k, chat, text, lp, new, last, stopper, shown, seq.prompt, return_ids
                                 )
-                                await resp.write(chunk(choice))
+                                extra = (stamp if last and not chat else {}) | (
+                                    {"usage": running_usage(len(seq.prompt), len(out), chat)}
+                                    if continuous
+                                    else {}
+                                )
+                                await resp.write(chunk(choice, **extra))
                                 shown = now
                         if stopped:
                             break
@@ -783,7 +822,9 @@ def setup(s: EmulatorServer) -> None:
                             "finish_reason": finish[k],
                             "stop_reason": _stop_reason(stoppers[k]),
                             "token_ids": None,
-                        }
+                        },
+                        **stamp,
+                        **({"usage": running_usage(len(seq.prompt), len(out), True)} if continuous else {}),
                     )
                 )
 

@@ -27,6 +27,7 @@ from gateway.errors import (
 )
 from gateway.http.server import HttpRequest, HttpResponder
 from gateway.ids import IdGenerator
+from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
 from gateway.parse import parse_request
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from gateway.admin import Admin
 
 JSON = (b"content-type", b"application/json")
+# the orchestrator's access log: one `request.done` line per request, these for those answered here
+log = get_logger("pd_gateway.request")
 _VALID_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 _encoder = msgspec.json.Encoder()
 
@@ -80,6 +83,7 @@ class Handlers:
         self.admission = admission or Admission(1 << 30, 0, 1.0)
         self._count_tokens = self.admission.max_tokens is not None
         self.admin = admin  # None: /admin/* is 404
+        self._log_done = info_enabled(log)  # as the orchestrator: built only when it is written
         # generation requests in flight: their responder and handler task (for shutdown)
         self._live: dict[HttpResponder, asyncio.Task[None] | None] = {}
         self.started = int(time.time())
@@ -107,25 +111,25 @@ class Handlers:
         route = self._post.get(req.path)
         if route is not None:
             if req.method != "POST":
-                return self._error(res, MethodNotAllowed(req.method, "POST"), None)
+                return self._refuse(req, res, MethodNotAllowed(req.method, "POST"), route=route)
             await self.generate(route, req, res)
             return
         get = self._get.get(req.path)
         if get is not None:
             if req.method not in ("GET", "HEAD"):
-                return self._error(res, MethodNotAllowed(req.method, "GET, HEAD"), None)
+                return self._refuse(req, res, MethodNotAllowed(req.method, "GET, HEAD"))
             out = get(req, res)
             if out is not None:
                 await out
             return
         if req.path.startswith("/v1/models/"):
             if req.method not in ("GET", "HEAD"):
-                return self._error(res, MethodNotAllowed(req.method, "GET, HEAD"), None)
+                return self._refuse(req, res, MethodNotAllowed(req.method, "GET, HEAD"))
             return self.model(req, res)
         if self.admin is not None and req.path.startswith("/admin/"):
             await self.admin(req, res)
             return
-        self._error(res, NotFound(f"no route for {req.method} {req.path}"), None)
+        self._refuse(req, res, NotFound(f"no route for {req.method} {req.path}"))
 
     def _error(self, res: HttpResponder, e: GatewayError, request_id: str | None) -> None:
         headers = e.headers()
@@ -133,7 +137,61 @@ class Handlers:
             headers.append((b"x-request-id", request_id.encode()))
         res.send(e.status, headers, e.body())
 
+    def _refuse(
+        self,
+        req: HttpRequest,
+        res: HttpResponder,
+        e: GatewayError,
+        *,
+        route: RouteKind | None = None,
+        model: str | None = None,
+    ) -> None:
+        """An error answered here outside a generation request's own path (a wrong method, an
+        unknown path or model id), logged like the requests the orchestrator serves."""
+        self._error(res, e, None)
+        if self._log_done:
+            self._log_early(req, route, self._client_id(req), model, e, None, "route")
+
+    def _client_id(self, req: HttpRequest) -> str | None:
+        """The client's valid request id, if it sent one (no id is made up for these)."""
+        for name in self.id_headers:
+            v = req.header(name)
+            if v is not None and _VALID_ID.match(v):
+                return v.decode()
+        return None
+
+    def _log_early(
+        self,
+        req: HttpRequest,
+        route: RouteKind | None,
+        request_id: str | None,
+        model: str | None,
+        e: GatewayError | None,
+        started: float | None,
+        stage: str,
+    ) -> None:
+        """The access log line of a request answered before the orchestrator (which writes the
+        others' at the end of `Orchestrator.serve`): the same event and level, its fields where
+        they apply (no plan, no attempt), the error's code as the outcome (None: the client went
+        away), what was refused (`param`: a field's name, never its value) and where (`stage`:
+        route, request, admission). No prompt text."""
+        log.info(
+            "request.done",
+            request_id=request_id,
+            model=model[:200] if model is not None else None,
+            route=route.value if route is not None else None,
+            path=None if route is not None else req.path[:200],
+            plan="none",
+            attempts=0,
+            stage=stage,
+            outcome=e.code.value if e is not None else "client_gone",
+            status=e.status if e is not None else None,
+            param=e.param if e is not None else None,
+            duration_ms=round((time.monotonic() - started) * 1000, 3) if started is not None else 0.0,
+        )
+
     async def generate(self, route: RouteKind, req: HttpRequest, res: HttpResponder) -> None:
+        started = time.monotonic()
         request_id = self.request_id(req)
         ctype = req.header(b"content-type")
         try:
@@ -158,7 +216,10 @@ class Handlers:
             )
         except GatewayError as e:
             self.metrics.child(self.metrics.requests, route.value, "", "none", e.code.value).inc()
-            return self._error(res, e, request_id)
+            self._error(res, e, request_id)
+            if self._log_done:
+                self._log_early(req, route, request_id, None, e, started, "request")
+            return
         adm = self.admission
         client = self.client_key(req)
         tokens = 0
@@ -172,7 +233,14 @@ class Handlers:
             # the model label only for a served model: client-chosen names would grow the series
             model = parsed.model if parsed.model in models else ""
             self.metrics.child(self.metrics.requests, route.value, model, "none", e.code.value).inc()
-            return self._error(res, e, request_id)
+            self._error(res, e, request_id)
+            if self._log_done:
+                self._log_early(req, route, request_id, parsed.model, e, started, "admission")
+            return
+        except asyncio.CancelledError:  # the client went away while queued
+            if self._log_done:
+                self._log_early(req, route, request_id, parsed.model, None, started, "admission")
+            raise
         live = self._live
         live[res] = res.task if res.task is not None else asyncio.current_task()
         try:
@@ -227,7 +295,8 @@ class Handlers:
         name = unquote(req.path[len("/v1/models/") :])
         snap = self.registry.snapshot()
         if name not in snap.models():
-            return self._error(res, ModelNotFound(f"the model {name!r} does not exist", param="model"), None)
+            e = ModelNotFound(f"the model {name!r} does not exist", param="model")
+            return self._refuse(req, res, e, model=name)
         res.send(200, [JSON], _encoder.encode(self._card(snap, name)))
 
     def _card(self, snap: ClusterSnapshot, model: str) -> ModelCard:

@@ -58,6 +58,7 @@ def _payloads(events: bytes) -> list[bytes]:
 class _UsageChunk(msgspec.Struct):
     choices: list[msgspec.Raw] = []
     usage: msgspec.Raw = msgspec.Raw(b"null")
+    system_fingerprint: msgspec.Raw = msgspec.Raw()  # empty: absent
 
 
 _usage_chunk = msgspec.json.Decoder(_UsageChunk)
@@ -65,8 +66,12 @@ _usage_chunk = msgspec.json.Decoder(_UsageChunk)
 
 def _without_usage_chunk(events: bytes) -> bytes:
     """Whole events less the usage-only one (`"choices": []` and a usage), for a client that
-    did not ask for it."""
+    did not ask for it. What the engine would then have sent instead: vLLM stamps its system
+    fingerprint on the stream's terminal chunks (those with a finish reason) when no usage chunk
+    follows to carry it (completion/serving.py:425-432, chat_completion/serving.py:803-811), so
+    the dropped chunk's fingerprint moves onto them."""
     out = []
+    fingerprint = b""
     for event in events.split(_SEP):
         if b'"usage"' in event and event.startswith(b"data:"):
             try:
@@ -74,8 +79,15 @@ def _without_usage_chunk(events: bytes) -> bytes:
             except msgspec.DecodeError:
                 ev = None
             if ev is not None and not ev.choices and bytes(ev.usage) != b"null":
+                fingerprint = bytes(ev.system_fingerprint)
                 continue
         out.append(event)
+    if fingerprint and fingerprint != b"null":
+        for i, event in enumerate(out):
+            if _FINISH[0] in event and b'"system_fingerprint"' not in event:
+                end = event.rfind(b"}")
+                if event.startswith(b"data:") and end > 0:
+                    out[i] = event[:end] + b',"system_fingerprint":' + fingerprint + event[end:]
     return _SEP.join(out)
 
 

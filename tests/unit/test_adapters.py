@@ -74,7 +74,9 @@ def test_sglang_bodies_match_what_the_real_pd_pair_was_sent(name: str) -> None:
     c = ctx(Engine.SGLANG, room=sent["bootstrap_room"], bootstrap_port=sent["bootstrap_port"])
     for leg, body in (("prefill", SGL.prefill_body(req, c)), ("decode", SGL.decode_body(req, c, None))):
         got = json.loads(body)
-        assert got.pop("rid") == "req-1"  # ours, so that /abort_request can name the request
+        # ours, so that /abort_request can name the request: unique (the room in 16 hex digits)
+        # first, so no rid extends another's (SGLang aborts by prefix), then the request id
+        assert got.pop("rid") == f"{sent['bootstrap_room']:016x}-req-1"
         want = dict(sent)
         if leg == "prefill" and want.get("stream"):
             want["stream"] = False  # the prefill's answer is judged whole, never relayed
@@ -347,7 +349,13 @@ def test_vllm_params_of_another_request_are_refused() -> None:
 
 @pytest.mark.parametrize("engine", [Engine.SGLANG, Engine.VLLM])
 @pytest.mark.parametrize(
-    "options", [None, {"include_usage": False}, {"include_usage": False, "continuous_usage_stats": False}]
+    "options",
+    [
+        None,
+        {"include_usage": False},
+        {"include_usage": False, "continuous_usage_stats": False},
+        {"continuous_usage_stats": True},
+    ],
 )
 def test_decode_asks_for_stream_usage_only_when_the_gateway_needs_it(
     engine: Engine, options: dict[str, Any] | None
@@ -370,7 +378,11 @@ def test_decode_asks_for_stream_usage_only_when_the_gateway_needs_it(
         verdict = a.judge_prefill(req, plain, 200, json.dumps(prefill).encode())
         assert verdict.ok, verdict
     sent = json.loads(a.decode_body(req, asked, verdict))
-    assert sent["stream_options"] == {**(options or {}), "include_usage": True}
+    want = {**(options or {}), "include_usage": True}
+    if engine is Engine.VLLM:
+        # vLLM adds per-chunk usage when include_usage is on too: the client asked for none
+        want.pop("continuous_usage_stats", None)
+    assert sent["stream_options"] == want
     assert sent["prompt"] == "hi" and sent["stream"] is True
     untouched = json.loads(a.decode_body(req, plain, verdict))
     assert untouched.get("stream_options") == options
