@@ -31,7 +31,6 @@ import functools
 import itertools
 import os
 from collections.abc import Callable, Iterable
-from contextvars import ContextVar
 from typing import ClassVar
 from urllib.parse import urlsplit
 
@@ -51,21 +50,17 @@ _OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # point per process (several gateways in front of one server do not meet).
 _sequence = itertools.count(int.from_bytes(os.urandom(8), "big"))
 _MASK = (1 << 64) - 1
-# What the task serving a request last sent as the rid under each request id: (the unique part,
-# `"rid":"<unique>-<request id>"` as sent) for the gateway's rids, the name itself for a client's.
-# An attempt's legs are built, and aborted, in the task that serves it: `abort_call` names what
-# was sent, and a handoff's decode leg reuses its prefill leg's. Per task, so two requests that
-# share an X-Request-Id never see each other's, and it goes with the task.
-_sent: ContextVar[dict[str, tuple[int, bytes] | str] | None] = ContextVar(
-    "pd_gateway_sglang_rids", default=None
-)
 
 
-def _sent_here() -> dict[str, tuple[int, bytes] | str]:
-    sent = _sent.get()
+def _sent_here(req: ParsedRequest) -> dict[str, tuple[int, bytes] | str]:
+    """What was last sent to an engine as the rid of this client request, per request id (a
+    split request's samples have their own): (the unique part, `"rid":"<unique>-<request id>"`
+    as sent) for the gateway's rids, the name itself for a client's. `abort_call` names what was
+    sent, and a handoff's decode leg reuses its prefill leg's. Kept on the request itself, so two
+    requests that share an X-Request-Id never see each other's."""
+    sent = req.engine_rids
     if sent is None:
-        sent = {}
-        _sent.set(sent)
+        sent = req.engine_rids = {}
     return sent
 
 
@@ -142,7 +137,7 @@ class SGLangAdapter:
         (closing the connection aborts them)."""
         if req.is_batch or req.n > 1:
             return b""
-        sent = _sent_here()
+        sent = _sent_here(req)
         last = sent.get(request_id)
         if last.__class__ is tuple and last[0] == unique:  # the decode leg of the prefill leg just built
             return last[1]
@@ -162,7 +157,7 @@ class SGLangAdapter:
         head = f"{unique & _MASK:016x}-"
         if isinstance(v, str):
             if not (req.is_batch or req.n > 1):  # a batch's items are named rid_0, rid_1, ...
-                _sent_here()[request_id] = head + v
+                _sent_here(req)[request_id] = head + v
             return _body.encoder.encode(head + v)
         if isinstance(v, list) and all(isinstance(x, str) for x in v):
             return _body.encoder.encode([head + x for x in v])
@@ -284,11 +279,11 @@ class SGLangAdapter:
         return _SSELogprobMerge(metas)
 
     def abort_call(self, req: ParsedRequest, request_id: str) -> tuple[str, bytes] | None:
-        """`/abort_request` naming the rid this task last sent under `request_id` (the failed
+        """`/abort_request` naming the rid last sent for this request under `request_id` (the failed
         attempt's legs'); None where none was sent (closing the connection is then the abort)."""
         if req.is_batch or req.n > 1:
             return None
-        sent = _sent.get()
+        sent = req.engine_rids
         name = sent.get(request_id) if sent is not None else None
         if name is None:
             return None

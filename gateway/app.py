@@ -183,7 +183,10 @@ class Gateway:
                 read_timeout_s=lim.read_timeout_s,
             )
             if len(socks) == 1:
-                self.server = await start_server(self.handlers, host, port, limits=limits, sock=socks[0])
+                try:
+                    self.server = await start_server(self.handlers, host, port, limits=limits, sock=socks[0])
+                except OSError as e:  # listen() itself: the port was taken since the bind
+                    raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
             else:  # several addresses (e.g. "localhost"): the server binds them all again
                 for sock in socks:
                     sock.close()

@@ -101,11 +101,7 @@ class Handlers:
         }
 
     def request_id(self, req: HttpRequest) -> str:
-        for name in self.id_headers:
-            v = req.header(name)
-            if v is not None and _VALID_ID.match(v):
-                return v.decode()
-        return self.ids.next()
+        return self._client_id(req) or self.ids.next()
 
     async def __call__(self, req: HttpRequest, res: HttpResponder) -> None:
         route = self._post.get(req.path)

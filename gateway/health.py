@@ -101,7 +101,8 @@ class HealthChecker:
     async def _read_info(self, w: Worker, *, fresh: bool = False) -> bool:
         """Read the info endpoints into `w.info`: folded into what is known, or with `fresh`,
         replacing it (nothing said before a restart is kept). True when the model is known."""
-        info = ProbeInfo() if fresh else w.info
+        answers: list[tuple[str, bytes]] = []
+        whole = True  # every info endpoint answered and was understood
         for path in w.adapter.info_paths:
             try:
                 status, body = await _get(w, path, self.settings.timeout_s)
@@ -109,12 +110,20 @@ class HealthChecker:
                 return False
             if status != 200:
                 # /server_info is SGLang-only; a missing optional endpoint is not a failure
+                whole = False
                 continue
+            answers.append((path, body))
+        anew, folded = ProbeInfo(), w.info
+        for path, body in answers:
             try:
-                info = w.adapter.parse_info(path, body, info)
+                anew = w.adapter.parse_info(path, body, anew)
+                folded = w.adapter.parse_info(path, body, folded)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-        if fresh and info.model is None:
+                whole = False
+        # Afresh only from a whole answer that names a model: a part missing this time (an
+        # endpoint failing once) must not wipe what is known (context length, bootstrap port...).
+        info = anew if fresh and whole and anew.model is not None else folded
+        if info.model is None:
             info = w.info  # it did not say which model it serves now: keep what was known
         if info != w.info:
             w.info = info
@@ -205,7 +214,7 @@ def _missing(group: list[Worker]) -> str | None:
     decodes: dict[Engine, list[str]] = {}
     prefills: dict[Engine, list[str]] = {}
     for w in group:
-        if w.role is Role.COLOCATED or (w.role is Role.DECODE and w.engine is Engine.VLLM):
+        if w.role is Role.COLOCATED or (w.role is Role.DECODE and w.adapter.decode_alone):
             return None  # serves alone
         pool = decodes if w.role is Role.DECODE else prefills
         pool.setdefault(w.engine, []).append(w.id)

@@ -624,7 +624,7 @@ class Orchestrator:
             attempts.append(sa)
             sink = merger.sink(j, task)
             ctx = HandoffCtx(
-                request_id=f"{request_id}-{j}",  # SGLang's rid: unique per sample
+                request_id=f"{request_id}-{j}",  # each sample's own, in logs and engine rids
                 prefill=plan.prefill,
                 decode=plan.decode,
                 room=new_room(self.rng),

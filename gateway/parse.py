@@ -61,8 +61,9 @@ class _Fields(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw()  # empty: absent
 
 
-# Lax, as the engines' pydantic models are: `"5"` and `5.0` are 5, `"false"` and 0 are false
-# (a fractional count or a number for a string field is still refused, by both).
+# Lax (msgspec's mode, close to the engines' pydantic lax mode): `"5"` and `5.0` are 5, `"false"`
+# and 0 are false; a fractional count or a number for a string field is still refused, by both.
+# msgspec takes fewer words for booleans (no "yes"/"on": a 400 here where an engine would take it).
 _decoder = msgspec.json.Decoder(_Fields, strict=False)
 _any_decoder = msgspec.json.Decoder()
 _model_encoder = msgspec.json.Encoder()
@@ -75,6 +76,7 @@ class ParsedRequest:
     __slots__ = (
         "batch",
         "body",
+        "engine_rids",
         "fields",
         "greedy",
         "has_owned_fields",
@@ -99,6 +101,8 @@ class ParsedRequest:
         self.body = body
         self.fields = f
         self.model = model
+        # the names an adapter gave this request's upstream requests (SGLang's rids), to abort them by
+        self.engine_rids: dict[str, tuple[int, bytes] | str] | None = None
         self.stream = bool(f.stream)
         self.include_usage = bool(f.stream_options and f.stream_options.include_usage)
         self.return_logprob = bool(f.return_logprob)
@@ -112,13 +116,11 @@ class ParsedRequest:
             route, f
         )
         sp = f.sampling_params
-        if route is RouteKind.CHAT:
-            explicit = f.max_completion_tokens if f.max_completion_tokens is not None else f.max_tokens
-            n = 1 if f.n is None else f.n
-            greedy = f.temperature == 0 or f.top_k == 1
-        elif route is RouteKind.COMPLETIONS:
-            # the legacy route has no `max_completion_tokens`: both engines ignore it there
+        if route is not RouteKind.GENERATE:
             explicit = f.max_tokens
+            # chat's newer name wins; the legacy completions route has none (the engines ignore it)
+            if route is RouteKind.CHAT and f.max_completion_tokens is not None:
+                explicit = f.max_completion_tokens
             n = 1 if f.n is None else f.n
             greedy = f.temperature == 0 or f.top_k == 1
         elif isinstance(sp, list):

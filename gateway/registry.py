@@ -179,6 +179,7 @@ class Registry:
         w = self._workers.pop(worker_id)
         self._open.discard(w)
         self._moved.discard(w)
+        self._full.discard(worker_id)
         for key in [k for k in self._pair_breakers if worker_id in k.split("|")]:
             del self._pair_breakers[key]
         for key in [k for k in self._suspect_until if worker_id in k.split("|")]:
@@ -281,7 +282,11 @@ class Registry:
         key = f"{prefill_id}|{decode_id}"
         b = self._pair_breakers.get(key)
         if b is None:
-            b = self._pair_breakers[key] = self._breaker.new()
+            b = self._breaker.new()
+            # not kept for a pair whose worker was removed while the request ran (a worker added
+            # again under its id must not inherit it)
+            if prefill_id in self._workers and decode_id in self._workers:
+                self._pair_breakers[key] = b
         return b
 
     def open_pairs(self) -> frozenset[str]:
@@ -295,7 +300,7 @@ class Registry:
     def mark_suspect(self, pair_id: str, window_s: float) -> None:
         """A handoff on this pair failed a KV-integrity check: suspect it for `window_s` (renewed
         by each new failure). Suspect pairs get their answers verified before delivery."""
-        if window_s > 0:
+        if window_s > 0 and all(wid in self._workers for wid in pair_id.split("|")):
             self._suspect_until[pair_id] = time.monotonic() + window_s
 
     def suspect_pairs(self) -> frozenset[str]:

@@ -289,3 +289,49 @@ async def test_start_still_listens_where_configured() -> None:
     finally:
         await gw.stop(grace_s=1.0)
         await emu.stop()
+
+
+async def test_a_partial_info_answer_after_a_failed_probe_keeps_what_is_known() -> None:
+    """After a failed probe the info is read afresh, but only a whole answer replaces it: an
+    SGLang server whose /server_info fails that once keeps its known input limit (the length
+    preflight would be off for it until the next periodic read)."""
+    from aiohttp import web
+
+    up = {"health": True, "server_info": True}
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200 if up["health"] else 503)
+
+    async def models_(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": 4096}]}
+        )
+
+    async def server_info(_: web.Request) -> web.Response:
+        if not up["server_info"]:
+            return web.Response(status=500)
+        return web.json_response({"context_length": 4096, "max_req_input_len": 1000})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models_)
+    app.router.add_get("/server_info", server_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    wc = WorkerConfig(url=f"http://127.0.0.1:{port}", role=Role.COLOCATED, engine=Engine.SGLANG, id="s")
+    gw = Gateway(config(wc, failure_threshold=3))
+    await gw.start()
+    try:
+        w = gw.registry.get("s")
+        assert (w.model, w.info.context_length, w.info.max_input_len) == ("m", 4096, 1000)
+        up["health"] = False
+        assert not await gw.health.probe(w)
+        up["health"], up["server_info"] = True, False
+        assert await gw.health.probe(w)
+        assert (w.model, w.info.context_length, w.info.max_input_len) == ("m", 4096, 1000)
+    finally:
+        await gw.stop(grace_s=1.0)
+        await runner.cleanup()

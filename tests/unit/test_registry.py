@@ -141,3 +141,26 @@ def test_a_worker_removed_while_its_requests_run_leaves_snapshots_whole() -> Non
     reg.release(again, 7)  # the replaced worker's release: not the new one's count
     assert (_state(reg, "w0").inflight, _state(reg, "w0").inflight_tokens) == (0, 0)
     assert _state(reg, "w0").healthy
+
+
+def test_a_worker_removed_at_its_cap_or_under_suspicion_leaves_nothing_to_its_successor() -> None:
+    import asyncio
+
+    reg = Registry(BreakerSettings(failure_threshold=1, success_threshold=1, open_s=30.0), inflight_cap=1)
+    p = Worker("p", "http://127.0.0.1:9200", Role.PREFILL, Engine.SGLANG, model="m")
+    d = Worker("d", "http://127.0.0.1:9201", Role.DECODE, Engine.SGLANG, model="m")
+    for w in (p, d):
+        w.healthy = True
+        reg.add(w)
+    reg.acquire(p, 1)  # at its cap
+    assert reg.full() == {"p"}
+    asyncio.run(reg.remove("p"))
+    reg.release(p, 1)
+    # what its last request reports after it left: a failed pair, a KV-integrity suspicion
+    reg.pair_breaker("p", "d").record(False)
+    reg.mark_suspect("p|d", 60.0)
+    again = Worker("p", "http://127.0.0.1:9200", Role.PREFILL, Engine.SGLANG, model="m")
+    again.healthy = True
+    reg.add(again)
+    assert reg.full() == set()
+    assert reg.open_pairs() == frozenset() and reg.suspect_pairs() == frozenset()
