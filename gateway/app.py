@@ -182,18 +182,14 @@ class Gateway:
                 max_header_bytes=lim.max_header_bytes,
                 read_timeout_s=lim.read_timeout_s,
             )
-            if len(socks) == 1:
-                try:
-                    self.server = await start_server(self.handlers, host, port, limits=limits, sock=socks[0])
-                except OSError as e:  # listen() itself: the port was taken since the bind
-                    raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-            else:  # several addresses (e.g. "localhost"): the server binds them all again
-                for sock in socks:
-                    sock.close()
-                try:
-                    self.server = await start_server(self.handlers, host, port, limits=limits)
-                except OSError as e:
-                    raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            sock = socks[0] if len(socks) == 1 else None
+            if sock is None:  # several addresses (e.g. "localhost"): the server binds them all again
+                for s in socks:
+                    s.close()
+            try:
+                self.server = await start_server(self.handlers, host, port, limits=limits, sock=sock)
+            except OSError as e:  # listen() itself (the port was taken since the bind), or a bind
+                raise _listen_error(host, port, e) from None
         except BaseException:
             for sock in socks:
                 sock.close()
@@ -264,6 +260,10 @@ class Gateway:
         return idle.done() and not idle.cancelled() and idle.result()
 
 
+def _listen_error(host: str, port: int, e: OSError) -> ListenError:
+    return ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}")
+
+
 async def _bind(host: str, port: int) -> list[socket.socket]:
     """Sockets bound (not yet listening: connections are refused until the server starts) to
     every address `host` resolves to, with the options asyncio's create_server sets."""
@@ -273,7 +273,7 @@ async def _bind(host: str, port: int) -> list[socket.socket]:
             host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except OSError as e:  # socket.gaierror
-        raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise _listen_error(host, port, e) from None
     socks: list[socket.socket] = []
     try:
         for family, kind, proto, _, addr in dict.fromkeys(infos):
@@ -286,7 +286,7 @@ async def _bind(host: str, port: int) -> list[socket.socket]:
             try:
                 sock.bind(addr)
             except OSError as e:
-                raise ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+                raise _listen_error(host, port, e) from None
     except BaseException:
         for sock in socks:
             sock.close()

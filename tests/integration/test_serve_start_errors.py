@@ -15,27 +15,27 @@ import pytest
 BIN = Path(sys.executable).parent / "pd-gateway"
 
 
-@pytest.fixture
-def silent_worker() -> Iterator[str]:
-    """A worker that accepts connections and never answers: probing it takes the whole timeout."""
+def _listening() -> Iterator[int]:
+    """A port held by a socket that accepts connections (the kernel's backlog) and never answers."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     s.listen(16)
     try:
-        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+        yield s.getsockname()[1]
     finally:
         s.close()
 
 
 @pytest.fixture
+def silent_worker() -> Iterator[str]:
+    """A worker that accepts connections and never answers: probing it takes the whole timeout."""
+    for port in _listening():
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
 def busy_port() -> Iterator[int]:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(1)
-    try:
-        yield s.getsockname()[1]
-    finally:
-        s.close()
+    yield from _listening()
 
 
 def serve(args: list[str], timeout: float = 60.0) -> tuple[int, str, float]:
