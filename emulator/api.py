@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from emulator.bootstrap import url_host
 from emulator.profiles import DEFAULT_PROFILE
 
 
@@ -144,7 +145,7 @@ class EmulatorProcess:
         self.port = spec.port
         self.bootstrap_port = spec.bootstrap_port
         self.kv_port = spec.kv_port
-        self.url = f"{'https' if spec.ssl_certfile else 'http'}://{spec.host}:{spec.port}"
+        self.url = f"{'https' if spec.ssl_certfile else 'http'}://{url_host(spec.host)}:{spec.port}"
 
     @property
     def pid(self) -> int:

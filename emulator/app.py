@@ -24,7 +24,7 @@ import msgspec
 from aiohttp import web
 
 from emulator import timing
-from emulator.bootstrap import BootstrapServer, register_rank
+from emulator.bootstrap import BootstrapServer, register_rank, url_host
 from emulator.faults import Fault, FaultSet, FaultSpecError
 from emulator.kvevents import KvEventPublisher
 from emulator.kvtransfer import KvServer
@@ -116,7 +116,7 @@ class EmulatorServer:
     @property
     def url(self) -> str:
         scheme = "https" if self.spec.ssl_certfile else "http"
-        return f"{scheme}://{self.spec.host}:{self.port}"
+        return f"{scheme}://{url_host(self.spec.host)}:{self.port}"
 
     @property
     def kv_scale(self) -> int:
@@ -169,7 +169,7 @@ class EmulatorServer:
             self.bootstrap_port = await self.bootstrap.start(spec.host, port)
             await register_rank(
                 self.session,
-                f"{spec.host}:{self.bootstrap_port}",
+                f"{url_host(spec.host)}:{self.bootstrap_port}",
                 {
                     "role": "Prefill",
                     "attn_tp_size": 1,

@@ -94,6 +94,11 @@ class BootstrapServer:
         return _json(info)
 
 
+def url_host(host: str) -> str:
+    """A host as it is written in a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 async def register_rank(session: aiohttp.ClientSession, bootstrap: str, info: dict[str, Any]) -> None:
     async with session.put(f"http://{bootstrap}/route", data=msgspec.json.encode(info)) as resp:
         resp.raise_for_status()
@@ -101,7 +106,7 @@ async def register_rank(session: aiohttp.ClientSession, bootstrap: str, info: di
 
 async def resolve_rank(session: aiohttp.ClientSession, host: str, port: int) -> tuple[str, int]:
     """The decode's handshake: layout, then rank 0's address (what the decode then talks to)."""
-    base = f"http://{host}:{port}/route"
+    base = f"http://{url_host(host)}:{port}/route"
     timeout = aiohttp.ClientTimeout(total=2.0)
     layout_q = dict.fromkeys(_QUERY_KEYS, "-1")
     async with session.get(base, params=layout_q, timeout=timeout) as resp:

@@ -42,6 +42,7 @@ import msgspec
 
 from gateway.admission import Admission
 from gateway.config import ConfigError, WorkerConfig
+from gateway.endpoints import same_server
 from gateway.errors import (
     BadRequest,
     Conflict,
@@ -111,7 +112,7 @@ class Admin:
         self.unstarted: Callable[[], list[HttpResponder]] = list
         # set by the gateway: the (host, port) it listens on, to refuse a worker that is itself
         self.own_address: Callable[[], tuple[str, int] | None] = lambda: None
-        self._adding: dict[str, str] = {}  # id -> url of workers being probed
+        self._adding: dict[str, Worker] = {}  # workers being probed, by id
         self._removing: dict[str, asyncio.Task[dict[str, Any]]] = {}
 
     # -- entry -------------------------------------------------------------------------------
@@ -191,14 +192,23 @@ class Admin:
             await w.pool.close()
             raise BadRequest(f"{w.url} is this gateway itself (a request loop)", param="url")
         taken = [o.id for o in self.registry.workers() if o.url == w.url]
-        taken += [i for i, u in self._adding.items() if u == w.url]
+        taken += [i for i, o in self._adding.items() if o.url == w.url]
         if taken:
             await w.pool.close()
             raise Conflict(f"worker {taken[0]!r} already has url {w.url}", param="url")
         require = _flag(req.query, "require_healthy", True)
-        self._adding[wid] = w.url  # reserved while it is probed
+        others = [*self.registry.workers(), *self._adding.values()]
+        self._adding[wid] = w  # reserved while it is resolved and probed
         added = False
         try:
+            twin = await same_server(w, others)
+            if twin is not None:
+                other, (addr, port) = twin
+                raise Conflict(
+                    f"worker {other.id!r} ({other.url}) is the same server as {w.url} "
+                    f"(both reach {addr} port {port})",
+                    param="url",
+                )
             healthy = await self.health.probe(w)
             if not healthy and require:
                 raise BadRequest(

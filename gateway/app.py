@@ -14,7 +14,8 @@ from collections.abc import Mapping
 
 from gateway.admin import Admin
 from gateway.admission import Admission
-from gateway.config import GatewayConfig, WorkerConfig
+from gateway.config import ConfigError, GatewayConfig, WorkerConfig
+from gateway.endpoints import first_duplicate
 from gateway.guards import GuardSettings
 from gateway.handlers import Handlers
 from gateway.health import HealthChecker, HealthSettings
@@ -23,7 +24,7 @@ from gateway.http.server import HttpServer, start_server
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
-from gateway.registry import BreakerSettings, Registry, Worker
+from gateway.registry import BreakerSettings, Registry, Worker, url_host
 from policies.build import build_policy
 
 log = get_logger("pd_gateway")
@@ -167,14 +168,22 @@ class Gateway:
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.listen.host}:{self.port}"
+        return f"http://{url_host(self.cfg.listen.host)}:{self.port}"
 
     async def start(self) -> None:
-        """Bind the listening address (ListenError if it cannot be had), probe every worker once
-        (bounded by the probe timeout), then listen."""
+        """Bind the listening address (ListenError if it cannot be had), refuse two workers that
+        are one server under two names (ConfigError), probe every worker once (bounded by the
+        probe timeout), then listen."""
         host, port = self.cfg.listen.host, self.cfg.listen.port
         socks = await _bind(host, port)
         try:
+            twins = await first_duplicate(self.registry.workers())
+            if twins is not None:
+                a, b, (addr, aport) = twins
+                raise ConfigError(
+                    f"workers {a.id!r} and {b.id!r} are one server (both reach {addr} port {aport}); "
+                    "list each server once"
+                )
             await self.health.probe_all()
             lim = self.cfg.limits
             limits = ServerLimits(

@@ -136,6 +136,15 @@ class WorkerConfig(_Section, frozen=True):
     def worker_id(self) -> str:
         return self.id or self.name or self.url.rstrip("/")
 
+    @property
+    def endpoint(self) -> str:
+        """The URL as the gateway connects to it: scheme and host in lower case, the port
+        explicit (`HTTP://Host` and `http://host:80/` are one worker)."""
+        parts = urlsplit(self.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host = parts.hostname or ""
+        return f"{parts.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
     def tls_context(self) -> ssl.SSLContext | None:
         """The SSL context for an https:// worker (None for http://); ConfigError if its CA
         bundle cannot be read."""
@@ -358,9 +367,9 @@ class GatewayConfig(_Section, frozen=True):
         for w in self.workers:
             if w.worker_id in ids:
                 raise ValueError(f"duplicate worker id {w.worker_id!r}")
-            url = w.url.rstrip("/")
+            url = w.endpoint
             if url in urls:
-                raise ValueError(f"duplicate worker url {w.url!r}")
+                raise ValueError(f"duplicate worker url {w.url!r} (as {url})")
             ids.add(w.worker_id)
             urls.add(url)
         for h in self.request_id_headers:

@@ -8,7 +8,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 import msgspec
 
@@ -273,9 +273,12 @@ class Handlers:
         res.send(200, [JSON], b'{"status":"ok"}')
 
     def readiness(self, req: HttpRequest, res: HttpResponder) -> None:
+        """200 when every model (or every one named by `?model=`, repeatable: a load balancer
+        in front of one model's traffic) has a usable route right now; 503 otherwise."""
         snap = self.registry.snapshot()
+        asked = parse_qs(req.query).get("model") if req.query else None
         models: dict[str, list[str]] = {}
-        for m in snap.models():
+        for m in asked or snap.models():
             models[m] = _routes(snap, m)
         ready = bool(models) and all(models.values())
         body = _encoder.encode({"ready": ready, "models": models})

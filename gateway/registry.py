@@ -34,6 +34,11 @@ class BreakerSettings(msgspec.Struct, frozen=True):
         return CircuitBreaker(self.failure_threshold, self.success_threshold, self.open_s)
 
 
+def url_host(host: str) -> str:
+    """A host as it is written in a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 class Worker:
     """Mutable runtime state of one worker. Only the registry's owner mutates it."""
 
@@ -90,8 +95,8 @@ class Worker:
             tls = None
         port = parts.port or (443 if tls is not None else 80)
         self.id = id
-        self.url = f"{parts.scheme}://{parts.hostname}:{port}"
         self.host = parts.hostname or "127.0.0.1"
+        self.url = f"{parts.scheme}://{url_host(self.host)}:{port}"
         self.port = port
         self.role = role
         self.engine = engine

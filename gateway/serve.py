@@ -42,7 +42,7 @@ def main(argv: Sequence[str]) -> int:
     install_uvloop()
     try:
         asyncio.run(run_forever(gw, cfg.shutdown_grace_s))
-    except ListenError as e:  # found before any worker is probed
+    except (ListenError, ConfigError) as e:  # found before any worker is probed
         print(f"pd-gateway serve: {e}", file=sys.stderr)
         return 2
     return 0

@@ -142,6 +142,10 @@ def test_toml_round_trip(cfg: GatewayConfig, tmp_path: Path) -> None:
             '[[workers]]\nurl = "http://a:1"\nrole = "decode"\n[[workers]]\nurl = "http://a:1/"\nrole = "prefill"\nid = "x"\n',
             "duplicate worker url",
         ),
+        (  # one server however its URL is spelled: scheme and host case, the default port
+            '[[workers]]\nurl = "HTTP://A:80"\nrole = "decode"\n[[workers]]\nurl = "http://a"\nrole = "prefill"\n',
+            "duplicate worker url 'http://a' (as http://a:80)",
+        ),
         (
             '[[workers]]\nurl = "http://a:1"\nrole = "decode"\nid = "x"\n[[workers]]\nurl = "http://b:1"\nrole = "decode"\nname = "x"\n',
             "duplicate worker id 'x'",

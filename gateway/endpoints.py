@@ -1,0 +1,65 @@
+"""Which workers are the same server under different names (`localhost` and `127.0.0.1`, a DNS
+name and its address): found by resolving each worker's host, so that one server is not
+registered twice (it would get twice its share of the traffic and be counted as two)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+RESOLVE_TIMEOUT_S = 2.0
+
+
+class HasAddress(Protocol):
+    @property
+    def id(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+
+
+W = TypeVar("W", bound=HasAddress)
+
+
+async def addresses(host: str, port: int, timeout_s: float = RESOLVE_TIMEOUT_S) -> frozenset[tuple[str, int]]:
+    """The (address, port) pairs `host`:`port` resolves to; empty when it does not resolve (in
+    time): an unresolvable worker is the health checker's business, not a duplicate."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(timeout_s):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, TimeoutError, UnicodeError):
+        return frozenset()
+    return frozenset((str(info[4][0]), int(info[4][1])) for info in infos)
+
+
+async def same_server(new: HasAddress, others: Iterable[W]) -> tuple[W, tuple[str, int]] | None:
+    """The first of `others` that resolves to an address `new` resolves to, and that address."""
+    mine = await addresses(new.host, new.port)
+    if not mine:
+        return None
+    for o in others:
+        if o.port != new.port:
+            continue
+        shared = mine & await addresses(o.host, o.port)
+        if shared:
+            return o, min(shared)
+    return None
+
+
+async def first_duplicate(workers: Iterable[W]) -> tuple[W, W, tuple[str, int]] | None:
+    """Two workers that resolve to a common address (the first such pair), or None."""
+    items = list(workers)
+    resolved = await asyncio.gather(*(addresses(w.host, w.port) for w in items))
+    seen: dict[tuple[str, int], W] = {}
+    for w, addrs in zip(items, resolved, strict=True):
+        for addr in sorted(addrs):
+            other = seen.get(addr)
+            if other is not None and other is not w:
+                return other, w, addr
+        for addr in addrs:
+            seen.setdefault(addr, w)
+    return None
