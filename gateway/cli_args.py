@@ -93,7 +93,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="disaggregate only when at least this many prompt tokens are uncached (default 0: always)",
+        help="disaggregate only prompts of at least this many tokens (less any the policy knows to be cached "
+        "on the decode: the built-in policies assume none); default 0: always",
     )
 
     k = p.add_argument_group("limits")

@@ -32,7 +32,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
 from gateway.parse import parse_request
 from gateway.registry import Registry
-from policies.snapshot import ClusterSnapshot, Role, RouteKind
+from policies.snapshot import ClusterSnapshot, Engine, Role, RouteKind
 
 if TYPE_CHECKING:
     from gateway.admin import Admin
@@ -322,6 +322,8 @@ def _routes(snap: ClusterSnapshot, model: str) -> list[str]:
             out.append(f"disaggregated:{engine.value}")
         if col:
             out.append(f"colocated:{engine.value}")
+        elif dec and not pre and engine is Engine.VLLM:
+            out.append(f"decode_self_prefill:{engine.value}")  # the planner's last resort (policies/pd.py)
     return out
 
 

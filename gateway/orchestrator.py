@@ -516,6 +516,7 @@ class Orchestrator:
         resp: UpstreamResponse | None = None
         guard: _DecodeGuard | None = None
         ok_p = ok_d = client_fault = False
+        p_held = True  # the prefill counts as in flight until its answer is in, not the decode's end
         t0 = time.monotonic()
         in_handoff = False
         culprit: str | None = None
@@ -525,6 +526,8 @@ class Orchestrator:
                 # One timer for both phases (rescheduled at the verdict) instead of one each.
                 with a.wheel.after(t.prefill_s, a.task) as deadline:
                     status, prefill_out = await self._await_prefill(prefill_task, decode_task, p, d)
+                    p_held = False
+                    self.registry.release(p, view.prompt_tokens)
                     a.prefill_done_at = time.monotonic()
                     self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
                     verdict = p.adapter.judge_prefill(req, ctx, status, prefill_out)
@@ -589,7 +592,8 @@ class Orchestrator:
                 if not ok_p:
                     self._abort_leg(p, None, req, ctx.request_id)
                 self._abort_leg(d, resp, req, ctx.request_id)
-            self.registry.release(p, view.prompt_tokens)
+            if p_held:
+                self.registry.release(p, view.prompt_tokens)
             self.registry.release(d, tokens)
             gone = res.closed or client_fault
             # each worker is judged only on what it did: a leg cut short by the other's failure,
@@ -621,6 +625,7 @@ class Orchestrator:
         async def one(j: int, sreq: ParsedRequest) -> None:
             task: asyncio.Task[None] = asyncio.current_task()  # type: ignore[assignment]
             sa = _Attempt(a.echo, task, a.wheel)
+            sa.plan_kind, sa.prefill, sa.decode = a.plan_kind, a.prefill, a.decode  # its metrics' labels
             attempts.append(sa)
             sink = merger.sink(j, task)
             ctx = HandoffCtx(

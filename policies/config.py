@@ -14,6 +14,7 @@ config into a `Policy` with an exhaustive `match`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,8 +43,9 @@ class _LoadCfg(_Cfg, frozen=True):
 
     def __post_init__(self) -> None:
         for name in ("inflight_weight", "inflight_tokens_weight", "waiting_weight", "running_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:  # nan passes `< 0`; inf makes every load nan
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
 
 class LeastLoadCfg(_LoadCfg, tag="least_load", frozen=True):

@@ -55,7 +55,11 @@ def make_plugin_policy(
     name: str, options: dict[str, object], loader: Callable[[str], PolicyFactory]
 ) -> Policy:
     """Build a plugin's policy and check that it has the `Policy` shape."""
-    policy = loader(name)(dict(options))
+    factory = loader(name)
+    try:
+        policy = factory(dict(options))
+    except Exception as e:  # a factory refusing its options (e.g. msgspec.convert's errors)
+        raise PluginError(f"policy plugin {name!r} refused its options: {type(e).__name__}: {e}") from e
     if not isinstance(policy, Policy):
         raise PluginError(f"policy plugin {name!r} returned {type(policy).__name__}, which is not a Policy")
     return policy

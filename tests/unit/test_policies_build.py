@@ -49,7 +49,10 @@ def test_parse_policy(raw: str | dict[str, object], expect: PolicyCfg) -> None:
     [
         ("roundrobin", "Invalid value 'roundrobin' - at `$.type`"),
         ({"type": "least_load", "waiting_weigt": 1}, "unknown field `waiting_weigt`"),
-        ({"type": "least_load", "waiting_weight": -1}, "waiting_weight must be >= 0"),
+        ({"type": "least_load", "waiting_weight": -1}, "waiting_weight must be a finite number >= 0, got -1"),
+        # nan passed `< 0` and made every load nan (least_load then always took the first worker)
+        ({"type": "least_load", "waiting_weight": float("nan")}, "waiting_weight must be a finite number"),
+        ({"type": "power_of_two", "running_weight": float("inf")}, "running_weight must be a finite number"),
         ({"type": "plugin"}, "missing required field `name`"),
     ],
 )
@@ -134,11 +137,23 @@ class PlanOnly:
         pass
 
 
+class Strict(PlanOnly):
+    """A factory that checks its options as the docs advise (msgspec.convert, unknown fields
+    forbidden)."""
+
+    class Options(msgspec.Struct, forbid_unknown_fields=True):
+        knob: int = 1
+
+    def __init__(self, options: dict[str, object]) -> None:
+        self.options = msgspec.convert(options, Strict.Options)
+
+
 def loader(name: str) -> PolicyFactory:
     table: dict[str, PolicyFactory] = {
         "first": FirstColocated,
         "plan-only": lambda options: PlanOnly(),
         "not-a-policy": lambda options: object(),  # type: ignore[dict-item,return-value]
+        "strict": Strict,
     }
     if name not in table:
         raise PluginError(f"unknown policy plugin {name!r}")
@@ -166,6 +181,12 @@ def test_plugin_as_role_selector() -> None:
         (PluginCfg(name="nope"), None, "unknown policy plugin 'nope'"),
         (PluginCfg(name="not-a-policy"), None, "not a Policy"),
         (RoundRobinCfg(), PluginCfg(name="plan-only"), "cannot be combined"),
+        # a factory's own exception (here a typo in an option) was a traceback out of `serve`
+        (
+            PluginCfg(name="strict", options={"knbo": 2}),
+            None,
+            r"policy plugin 'strict' refused its options: ValidationError: Object contains unknown field `knbo`",
+        ),
     ],
 )
 def test_plugin_errors(cfg: PolicyCfg, decode: PolicyCfg | None, message: str) -> None:
