@@ -36,10 +36,10 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from adapters import _body
 from adapters._summary import summarize_generate, summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
+from gateway import jsonbytes as _body
 from gateway.guards import Summary
 from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, RouteKind, WorkerLoad

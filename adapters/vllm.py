@@ -19,10 +19,10 @@ from typing import ClassVar
 
 import msgspec
 
-from adapters import _body
 from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
+from gateway import jsonbytes as _body
 from gateway.errors import BadRequest
 from gateway.guards import Summary
 from gateway.parse import ParsedRequest

@@ -23,8 +23,6 @@ from typing import Any
 import msgspec
 
 from adapters import EngineAdapter, HandoffCtx, HandoffMode, PrefillVerdict
-from adapters._body import iter_sse_data
-from adapters._body import rewrite as _body_rewrite
 from gateway.deadlines import DeadlineWheel
 from gateway.errors import (
     BadRequest,
@@ -44,6 +42,8 @@ from gateway.http.client import UpstreamResponse
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.http.server import HttpResponder, Responder
 from gateway.ids import new_room
+from gateway.jsonbytes import iter_sse_data
+from gateway.jsonbytes import rewrite as _body_rewrite
 from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.parse import ParsedRequest
@@ -433,7 +433,7 @@ class Orchestrator:
             return
         a.plan_kind, a.prefill, a.decode = "disaggregated", p.id, d.id
         a.phase = Phase.PREFILL
-        if req.n > 1 and d.adapter.splits_samples:
+        if (req.n > 1 or req.is_batch) and d.adapter.splits_samples:
             await self._split_samples(p, d, plan, req, request_id, res, headers, view, a)
             return
         ctx = HandoffCtx(
@@ -463,7 +463,7 @@ class Orchestrator:
         body = w.adapter.colocated_body(req, request_id)
         self.registry.acquire(w, tokens)
         resp: UpstreamResponse | None = None
-        ok = client_fault = False
+        ok = client_fault = cancelled = False
         a.phase = Phase.PREFILL
         wait_s = self._head_budget(req, w, self.settings.timeouts.prefill_s)
         try:
@@ -483,11 +483,14 @@ class Orchestrator:
         except GatewayError as e:
             client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the worker's
             raise
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             if not ok:
                 self._abort_leg(w, resp, req, request_id)
             self.registry.release(w, tokens)
-            self.registry.record(w, ok or res.closed or client_fault)
+            self.registry.record(w, _judged(ok, True, client_fault, res.closed or cancelled))
 
     async def _concurrent(
         self,
@@ -511,11 +514,13 @@ class Orchestrator:
         pair = self.registry.pair_breaker(p.id, d.id)
         # Futures, not Tasks: on pooled connections both requests are written right here and
         # resolved from the connections' callbacks.
-        prefill_task = p.pool.fetch("POST", req.path, _for(p, headers), pbody)
-        decode_task = d.pool.start("POST", req.path, _for(d, headers), dbody)
+        # never re-sent by the pool: each leg names a bootstrap room, used once (a copy of a leg
+        # the engine already took would wait for KV that never comes); a retry gets a new room
+        prefill_task = p.pool.fetch("POST", req.path, _for(p, headers), pbody, replay=False)
+        decode_task = d.pool.start("POST", req.path, _for(d, headers), dbody, replay=False)
         resp: UpstreamResponse | None = None
         guard: _DecodeGuard | None = None
-        ok_p = ok_d = client_fault = False
+        ok_p = ok_d = client_fault = cancelled = False
         p_held = True  # the prefill counts as in flight until its answer is in, not the decode's end
         t0 = time.monotonic()
         in_handoff = False
@@ -552,7 +557,8 @@ class Orchestrator:
             except TimeoutError:
                 if not in_handoff:
                     raise UpstreamTimeout(
-                        f"prefill {p.id} gave no verdict within {t.prefill_s:g}s",
+                        f"prefill {p.id} gave no verdict within {t.prefill_s:g}s (an SGLang prefill "
+                        f"answers once its KV reached decode {d.id}: either may be the one stuck)",
                         phase="prefill",
                         worker=p.id,
                     ) from None
@@ -579,6 +585,9 @@ class Orchestrator:
         except GatewayError as e:
             client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the workers'
             raise
+        except asyncio.CancelledError:
+            cancelled = True  # the client went away, a deadline, or a sibling sample failed
+            raise
         finally:
             if guard is not None:
                 guard.drop_verification()
@@ -595,12 +604,13 @@ class Orchestrator:
             if p_held:
                 self.registry.release(p, view.prompt_tokens)
             self.registry.release(d, tokens)
-            gone = res.closed or client_fault
             # each worker is judged only on what it did: a leg cut short by the other's failure,
-            # or a handoff that failed between them, is no verdict on it (the pair breaker counts)
-            self.registry.record(p, True if ok_p or gone else (False if culprit == p.id else None))
-            self.registry.record(d, True if ok_d or gone else (False if culprit == d.id else None))
-            if pair.record(ok_d or gone):
+            # or a handoff that failed between them, is no verdict on it (the pair breaker counts);
+            # a request that ended without a verdict (the client left) counts for no one
+            unjudged = res.closed or cancelled
+            self.registry.record(p, _judged(ok_p, culprit == p.id, client_fault, unjudged))
+            self.registry.record(d, _judged(ok_d, culprit == d.id, client_fault, unjudged))
+            if pair.record(_judged(ok_d, True, client_fault, unjudged)):
                 self.registry.changed()
 
     async def _split_samples(
@@ -615,11 +625,13 @@ class Orchestrator:
         view: RequestView,
         a: _Attempt,
     ) -> None:
-        """`n > 1` on an engine whose P/D cannot pair several samples (SGLang): one handoff per
-        sample, each in its own task with its own room, deadlines and guards, merged into one
-        answer (gateway/samples.py). The first failure cancels the other samples."""
+        """`n > 1` or a batch on an engine whose P/D cannot pair several samples (SGLang): one
+        handoff per prompt and sample, each in its own task with its own room, deadlines and
+        guards, merged into one answer (gateway/samples.py). The first failure cancels the
+        other units."""
         merger = SampleMerger(req, res)
-        tokens = view.prompt_tokens + view.max_tokens // req.n
+        units = merger.units
+        tokens = view.prompt_tokens // req.batch + view.max_tokens // units
         attempts: list[_Attempt] = []
 
         async def one(j: int, sreq: ParsedRequest) -> None:
@@ -637,7 +649,7 @@ class Orchestrator:
             )
             await self._concurrent(p, d, ctx, sreq, sink, headers, view, tokens, sa)
 
-        tasks = [asyncio.ensure_future(one(j, sample_request(req, j))) for j in range(req.n)]
+        tasks = [asyncio.ensure_future(one(k, sample_request(req, k))) for k in range(units)]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -710,7 +722,7 @@ class Orchestrator:
         pair = self.registry.pair_breaker(p.id, d.id)
         pbody = p.adapter.prefill_body(req, ctx)
         t0 = time.monotonic()
-        ok_p = False
+        ok_p = cancelled = False
         self.registry.acquire(p, tokens)
         try:
             try:
@@ -725,9 +737,12 @@ class Orchestrator:
                 ok_p = not verdict.retryable  # a 4xx verdict is the request's fault
                 raise self._prefill_refused(p, d, verdict, ctx.request_id, status == 200)
             ok_p = True
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             self.registry.release(p, tokens)
-            self.registry.record(p, ok_p or res.closed)
+            self.registry.record(p, _judged(ok_p, True, False, res.closed or cancelled))
         a.prefill_done_at = time.monotonic()
         a.phase = Phase.HANDOFF
         self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
@@ -759,6 +774,9 @@ class Orchestrator:
         except GatewayError as e:
             client_fault = not e.retryable
             raise
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             if guard is not None:
                 guard.drop_verification()
@@ -766,9 +784,9 @@ class Orchestrator:
                 self._abort_leg(d, resp, req, ctx.request_id)
             self.registry.release(d, tokens)
             # a suspect handoff is no verdict on the decode (the pair breaker counts it)
-            gone = res.closed or client_fault
-            self.registry.record(d, True if ok_d or gone else (False if culprit == d.id else None))
-            if pair.record(ok_d or res.closed or client_fault):
+            unjudged = res.closed or cancelled
+            self.registry.record(d, _judged(ok_d, culprit == d.id, client_fault, unjudged))
+            if pair.record(_judged(ok_d, True, client_fault, unjudged)):
                 self.registry.changed()
 
     def _head_budget(self, req: ParsedRequest, w: Worker, first_byte_s: float) -> float:
@@ -1138,6 +1156,15 @@ class Orchestrator:
             self._guard_failed(
                 Guard.PREFILL_VERDICT, "before_first_byte", request_id, v.reason, prefill=p.id, decode=d.id
             )
+            if not v.retryable:
+                # the prefill refused what its decode took (sglang #30233: a prefill whose limit is
+                # lower than the decode's): the prefill's fault, not the request's; the next rung
+                # (another pair, a colocated worker) may serve it
+                return PrefillFailed(
+                    f"prefill {p.id} refused what decode {d.id} accepted: {v.reason}",
+                    phase="prefill",
+                    worker=p.id,
+                )
         return _prefill_error(p, v)
 
     def _guard_failed(self, guard: Guard, stage: str, request_id: str, why: str, **kw: object) -> None:
@@ -1236,6 +1263,18 @@ async def _refused_too(decode: asyncio.Future[UpstreamResponse], within_s: float
     except (TimeoutError, UpstreamConnectError, UpstreamProtocolError):
         return False
     return body.lstrip().startswith(b'data: {"error"')
+
+
+def _judged(ok: bool, blamed: bool, client_fault: bool, unjudged: bool) -> bool | None:
+    """A breaker's verdict on one leg: True when it did its part (or refused the request for the
+    request's own fault), False when the failure is its, None when there is no verdict on it (the
+    client went away or the request was cancelled: that says nothing of a worker, and counting
+    it as a success closed half-open breakers on hung workers; or another leg failed first)."""
+    if ok or client_fault:
+        return True
+    if unjudged:
+        return None
+    return False if blamed else None
 
 
 def _culprit(e: UpstreamFailure, *, concurrent: bool) -> str | None:

@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
-from adapters._body import splice
 from gateway.errors import BadRequest
+from gateway.jsonbytes import splice
 from policies.snapshot import RouteKind
 
 # Accounting defaults when the client gives no limit (engines differ; these only weigh load).

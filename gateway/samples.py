@@ -1,4 +1,4 @@
-"""`n > 1` as n requests of one sample each, merged back into one answer.
+"""`n > 1` and batches as requests of one prompt and one sample each, merged back into one answer.
 
 Why: SGLang 0.5.23 in P/D gives every sample of an `n > 1` request its prompt's bootstrap room
 (`_handle_batch_request` copies element i for each sample), a room transfers KV once, and the
@@ -9,6 +9,12 @@ when a seed is given, so seeded samples differ and are reproducible), each a ful
 its own guards, and merges the answers as the engine would have: choice (or `/generate` output)
 `k = prompt_index * n + j`, completion tokens summed, prompt tokens counted once per prompt, one
 usage chunk and one `[DONE]` at the end of a stream.
+
+Batches are split the same way, one request per prompt (and per sample): a batch sent whole
+is one engine request with one answer per prompt, which the decode-consistency guard cannot
+check one by one, so a broken handoff of any prompt would reach the client as a 200 (a probe
+saw 51 of 240 batch answers wrong under faults). Each unit `k = prompt_index * n + j` is a
+single-prompt, single-sample handoff with its own guards.
 
 `SampleSink` stands in for the client's responder in each sub-request's relay; `SampleMerger`
 writes to the real one. Streams are merged event by event as they come (each event decoded, its
@@ -41,11 +47,58 @@ def _one_sample(params: dict[str, Any], seed_key: str, j: int) -> dict[str, Any]
     return out
 
 
-def sample_request(req: ParsedRequest, j: int) -> ParsedRequest:
-    """Sample `j` of `req` as a request of its own (n = 1). A client's `rid` is dropped: the
-    samples are n engine requests, each named by the gateway."""
+# `/generate` fields that a batch gives per prompt (SGLang's GenerateReqInput): a list with one
+# entry per prompt is cut to the prompt's entry; anything else is shared as sent
+_PER_PROMPT = (
+    "text",
+    "input_ids",
+    "input_embeds",
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "token_ids_logprob",
+    "return_text_in_logprobs",
+    "lora_path",
+    "lora_id",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "custom_logit_processor",
+    "return_hidden_states",
+)
+
+
+def _prompt_of(req: ParsedRequest, fields: dict[str, Any], i: int) -> None:
+    """Cut a batch's fields down to prompt `i`'s, in place."""
+    if req.route is not RouteKind.GENERATE:
+        fields["prompt"] = fields["prompt"][i]
+        return
+    for key in _PER_PROMPT:
+        v = fields.get(key)
+        if not isinstance(v, list) or len(v) != req.batch:
+            continue
+        if key in ("token_ids_logprob", "image_data", "video_data", "audio_data") and not all(
+            isinstance(x, list) or x is None for x in v
+        ):
+            continue  # one prompt's list (ids, items), shared by every prompt
+        fields[key] = v[i]
+
+
+def unit_count(req: ParsedRequest) -> int:
+    """How many single-prompt, single-sample requests `req` is split into."""
+    return req.batch * req.n if req.is_batch else req.n
+
+
+def sample_request(req: ParsedRequest, k: int) -> ParsedRequest:
+    """Unit `k = prompt_index * n + j` of `req` as a request of its own: one prompt of a batch,
+    sample `j` (n = 1). A client's `rid` is dropped: the units are engine requests each named by
+    the gateway."""
     fields: dict[str, Any] = _decode.decode(req.body)
     fields.pop("rid", None)
+    i, j = divmod(k, req.n)
+    if req.is_batch:
+        _prompt_of(req, fields, i)
     if req.route is RouteKind.GENERATE:
         sp = fields.get("sampling_params")
         if isinstance(sp, list):  # one per batch element
@@ -67,11 +120,12 @@ class SampleMerger:
     def __init__(self, req: ParsedRequest, res: Responder) -> None:
         self.res = res
         self.n = req.n
+        self.units = unit_count(req)
         self.generate = req.route is RouteKind.GENERATE
-        self.bodies: list[bytes | None] = [None] * req.n
+        self.bodies: list[bytes | None] = [None] * self.units
         self.headers: Sequence[tuple[bytes, bytes]] = ()  # a sample's answer headers (type, id)
-        self.usage: list[dict[str, Any] | None] = [None] * req.n
-        self._tail: list[bytes] = [b""] * req.n
+        self.usage: list[dict[str, Any] | None] = [None] * self.units
+        self._tail: list[bytes] = [b""] * self.units
         self._usage_event: dict[str, Any] | None = None  # a usage chunk's other fields (id, model...)
         self._stream_ids: tuple[Any, Any] | None = None  # (id, created) of the first event: all carry them
         self.first_byte_at = 0.0
@@ -89,26 +143,23 @@ class SampleMerger:
         self.res.send(200, self.headers, body)
 
     def _merge_generate(self, outs: list[Any]) -> bytes:
-        per = [o if isinstance(o, list) else [o] for o in outs]
         merged: list[Any] = []
-        for i in range(len(per[0])):
-            for j in range(self.n):
-                item = per[j][i]
-                if isinstance(item, dict) and "index" in item:
-                    item["index"] = i * self.n + j
-                merged.append(item)
+        for k, o in enumerate(outs):
+            item = o[0] if isinstance(o, list) and len(o) == 1 else o
+            if isinstance(item, dict) and "index" in item:
+                item["index"] = k
+            merged.append(item)
         return _encode(merged)
 
     def _merge_openai(self, outs: list[Any]) -> bytes:
         first = outs[0]
         choices: list[Any] = []
-        for j, o in enumerate(outs):
+        for k, o in enumerate(outs):
             for c in o.get("choices") or ():
-                c["index"] = c.get("index", 0) * self.n + j
+                c["index"] = k
                 choices.append(c)
-        choices.sort(key=lambda c: c["index"])
         first["choices"] = choices
-        usage = _sum_usage([o.get("usage") for o in outs])
+        usage = _sum_usage([o.get("usage") for o in outs], self.n)
         if usage is not None:
             first["usage"] = usage
         return _encode(first)
@@ -153,7 +204,7 @@ class SampleMerger:
         """Sample j's event as the merged stream's; False to drop it (a usage-only chunk, summed
         into the one at the end)."""
         if self.generate:
-            ev["index"] = ev.get("index", 0) * self.n + j
+            ev["index"] = j
             return True
         # one stream, one id: every chunk carries the first event's id and created, whichever
         # sample it comes from (each sample's engine named its own)
@@ -171,14 +222,14 @@ class SampleMerger:
                 self._usage_event = {k: v for k, v in ev.items() if k not in ("choices", "usage")}
             return usage is None
         for c in choices:
-            c["index"] = c.get("index", 0) * self.n + j
+            c["index"] = j
         return True
 
     def end_stream(self) -> None:
         """Every sample's stream ended: the summed usage (when the samples sent theirs) and one
         [DONE]."""
         out: list[bytes] = []
-        usage = _sum_usage(self.usage)
+        usage = _sum_usage(self.usage, self.n)
         if usage is not None:
             ev = dict(self._usage_event or {})
             ev["choices"] = []
@@ -189,15 +240,20 @@ class SampleMerger:
         self.res.end()
 
 
-def _sum_usage(usages: list[Any]) -> dict[str, Any] | None:
-    """Usage of n single-sample answers as one: prompt tokens once, completion tokens summed."""
+def _sum_usage(usages: list[Any], n: int) -> dict[str, Any] | None:
+    """Usage of the units' answers as one, as the engine counts a batch with `n` samples:
+    each prompt's tokens once (from its first sample), completion tokens summed."""
     present = [u for u in usages if isinstance(u, dict)]
     if not present:
         return None
     out = dict(present[0])
     completion = sum(int(u.get("completion_tokens") or 0) for u in present)
+    prompt = sum(
+        int(u.get("prompt_tokens") or 0) for k, u in enumerate(usages) if k % n == 0 and isinstance(u, dict)
+    )
+    out["prompt_tokens"] = prompt
     out["completion_tokens"] = completion
-    out["total_tokens"] = int(out.get("prompt_tokens") or 0) + completion
+    out["total_tokens"] = prompt + completion
     return out
 
 

@@ -51,7 +51,18 @@ class _Call(asyncio.Future[Any]):
     whole body (``fetch()``), resolved from the connection's callbacks, with no Task unless a new
     connection must be made. Cancelling it before it is done aborts the connection."""
 
-    __slots__ = ("_conn", "_data", "_extra", "_fresh", "_head_req", "_pool", "_resp", "_task", "_whole")
+    __slots__ = (
+        "_conn",
+        "_data",
+        "_extra",
+        "_fresh",
+        "_head_req",
+        "_pool",
+        "_replay",
+        "_resp",
+        "_task",
+        "_whole",
+    )
 
     def __init__(
         self,
@@ -61,6 +72,7 @@ class _Call(asyncio.Future[Any]):
         extra: bytes | None,
         head_req: bool,
         whole: bool,
+        replay: bool,
     ) -> None:
         super().__init__(loop=loop)
         self._pool = pool
@@ -69,6 +81,7 @@ class _Call(asyncio.Future[Any]):
         self._head_req = head_req
         self._whole = whole
         self._fresh = False  # sent on a connection made for it (no retry when it dies)
+        self._replay = replay  # may be sent again when a reused connection dies before answering
         self._conn: _UpstreamConnection | None = None
         self._resp: UpstreamResponse | None = None  # fetch(): the response whose body is read
         self._task: asyncio.Task[None] | None = None  # connecting
@@ -736,12 +749,21 @@ class UpstreamPool:
         path: str | bytes,
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes | None = None,
+        *,
+        replay: bool = True,
     ) -> asyncio.Future[UpstreamResponse]:
         """``request()`` without a coroutine: the request is written now when an idle pooled
         connection is at hand (a Task connects otherwise); the future resolves when the status
         line and headers are in, with the same errors as ``request()``. Cancelling it before then
-        aborts the connection; once it holds a response, the caller owns it (release/abort)."""
-        return self._start(method, path, headers, body, False)
+        aborts the connection; once it holds a response, the caller owns it (release/abort).
+
+        ``replay=False``: a reused connection that closes before any response byte fails the
+        call (UpstreamProtocolError) instead of sending it again on a fresh one. Such a close is
+        either a keep-alive connection the server had just dropped (it never saw the request) or
+        a server that took the request and then dropped the connection; only the caller knows
+        whether a second copy is harmless (an SGLang P/D leg is not: its bootstrap room is
+        used once, and a copy of a leg the engine already saw waits for KV that never comes)."""
+        return self._start(method, path, headers, body, False, replay)
 
     def fetch(
         self,
@@ -749,11 +771,13 @@ class UpstreamPool:
         path: str | bytes,
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes | None = None,
+        *,
+        replay: bool = True,
     ) -> asyncio.Future[tuple[int, bytes]]:
         """Like ``start()``, but the future resolves with ``(status, whole body)`` once the body
         is in (the connection is then back in the pool); UpstreamProtocolError if the connection
         drops mid-body. Cancelling it before then aborts the connection."""
-        return self._start(method, path, headers, body, True)
+        return self._start(method, path, headers, body, True, replay)
 
     def _start(
         self,
@@ -762,13 +786,14 @@ class UpstreamPool:
         headers: Sequence[tuple[bytes, bytes]],
         body: bytes | None,
         whole: bool,
+        replay: bool,
     ) -> _Call:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         data = self._head(method, path, headers, body)
         extra = body if body is not None and len(body) > _JOIN_BODY_MAX else None
-        call = _Call(loop, self, data, extra, method == "HEAD", whole)
+        call = _Call(loop, self, data, extra, method == "HEAD", whole, replay)
         if self._closed:
             call.set_exception(UpstreamConnectError(f"pool for {self.host}:{self.port} is closed"))
             return call
@@ -804,11 +829,12 @@ class UpstreamPool:
         """``call``'s connection closed before any byte of the response."""
         if call.done():
             return
-        if call._fresh:
+        if call._fresh or not call._replay:
+            which = "a fresh" if call._fresh else "a reused"
             self._failed(
                 call,
                 UpstreamProtocolError(
-                    f"upstream {self.host}:{self.port} closed a fresh connection before responding ({why})"
+                    f"upstream {self.host}:{self.port} closed {which} connection before responding ({why})"
                 ),
             )
             return

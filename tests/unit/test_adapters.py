@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from adapters import ADAPTERS, HandoffCtx, ProbeInfo
-from adapters._body import iter_sse_data, splice
 from adapters.prom import sum_metrics
 from adapters.sglang import merge_input_logprobs
+from gateway.jsonbytes import iter_sse_data, splice
 from gateway.parse import parse_request
 from policies.snapshot import Engine, Role, RouteKind, WorkerState
 

@@ -1,4 +1,5 @@
-"""`n > 1` split into one-sample requests and merged back (gateway/samples.py)."""
+"""`n > 1` and batches split into one-prompt, one-sample requests and merged back
+(gateway/samples.py)."""
 
 from __future__ import annotations
 
@@ -82,20 +83,53 @@ def test_a_sample_is_the_request_with_n_1_its_own_seed_and_no_client_rid() -> No
     assert "seed" not in json.loads(sample_request(unseeded, 1).body)
 
 
+def test_a_batch_unit_is_one_prompt_and_one_sample() -> None:
+    req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "n": 2, "seed": 1})
+    bodies = [json.loads(sample_request(req, k).body) for k in range(4)]
+    assert [(b["prompt"], b["n"], b["seed"]) for b in bodies] == [
+        ("a", 1, 1),
+        ("a", 1, 2),
+        ("b", 1, 1),
+        ("b", 1, 2),
+    ]
+    ids = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": [[1, 2], [3]]})
+    assert [json.loads(sample_request(ids, k).body)["prompt"] for k in range(2)] == [[1, 2], [3]]
+    assert not sample_request(ids, 1).is_batch and sample_request(ids, 1).prompt_units == 1
+    gen = parsed(
+        RouteKind.GENERATE,
+        {
+            "text": ["x", "y"],
+            "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 5}],
+            "logprob_start_len": [0, 2],
+            "token_ids_logprob": [4, 5],  # one prompt's ids: shared
+            "rid": ["r1", "r2"],
+        },
+    )
+    units = [json.loads(sample_request(gen, k).body) for k in range(2)]
+    assert units[1] == {
+        "text": "y",
+        "sampling_params": {"max_new_tokens": 5, "n": 1},
+        "logprob_start_len": 2,
+        "token_ids_logprob": [4, 5],
+    }
+    assert units[0]["text"] == "x" and units[0]["sampling_params"]["max_new_tokens"] == 3
+
+
 def test_whole_answers_merge_like_the_engine() -> None:
     req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "n": 2})
     out = Recorder()
     m = SampleMerger(req, out)
     loop = asyncio.new_event_loop()
     try:
-        for j in range(2):
+        for k in range(4):  # unit k = prompt i, sample j: one choice each
+            i, j = divmod(k, 2)
             answer = {
-                "id": f"cmpl-{j}",
+                "id": f"cmpl-{k}",
                 "object": "text_completion",
-                "choices": [{"index": i, "text": f"p{i}s{j}", "finish_reason": "length"} for i in range(2)],
-                "usage": {"prompt_tokens": 4, "completion_tokens": 6, "total_tokens": 10},
+                "choices": [{"index": 0, "text": f"p{i}s{j}", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
             }
-            m.sink(j, loop.create_future()).send(
+            m.sink(k, loop.create_future()).send(
                 200, [(b"content-type", b"application/json")], json.dumps(answer).encode()
             )  # type: ignore[arg-type]
     finally:

@@ -1,4 +1,4 @@
-"""Byte-level JSON body edits shared by the adapters: splice keys in without re-encoding the rest."""
+"""Byte-level JSON body edits (the gateway's and the adapters'): splice keys in without re-encoding the rest."""
 
 from __future__ import annotations
 
