@@ -1,10 +1,15 @@
 """Which workers are the same server under different names (`localhost` and `127.0.0.1`, a DNS
 name and its address): found by resolving each worker's host, so that one server is not
-registered twice (it would get twice its share of the traffic and be counted as two)."""
+registered twice (it would get twice its share of the traffic and be counted as two).
+
+Two DNS names that resolve to one address are not taken for one server: name-based virtual
+hosts, an ingress or a CDN serve several behind one address and tell them apart by the Host
+header and SNI, which the gateway sends. One of the two must be an address or `localhost`."""
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 from collections.abc import Iterable
 from typing import Protocol, TypeVar
@@ -22,6 +27,21 @@ class HasAddress(Protocol):
 
 
 W = TypeVar("W", bound=HasAddress)
+
+
+def _literal(host: str) -> bool:
+    """An address, or `localhost`: a name that cannot stand for a virtual host."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _comparable(a: HasAddress, b: HasAddress) -> bool:
+    return a.port == b.port and (_literal(a.host) or _literal(b.host))
 
 
 async def addresses(host: str, port: int, timeout_s: float = RESOLVE_TIMEOUT_S) -> frozenset[tuple[str, int]]:
@@ -42,7 +62,7 @@ async def same_server(new: HasAddress, others: Iterable[W]) -> tuple[W, tuple[st
     if not mine:
         return None
     for o in others:
-        if o.port != new.port:
+        if not _comparable(new, o):
             continue
         shared = mine & await addresses(o.host, o.port)
         if shared:
@@ -54,12 +74,12 @@ async def first_duplicate(workers: Iterable[W]) -> tuple[W, W, tuple[str, int]] 
     """Two workers that resolve to a common address (the first such pair), or None."""
     items = list(workers)
     resolved = await asyncio.gather(*(addresses(w.host, w.port) for w in items))
-    seen: dict[tuple[str, int], W] = {}
+    seen: dict[tuple[str, int], list[W]] = {}
     for w, addrs in zip(items, resolved, strict=True):
         for addr in sorted(addrs):
-            other = seen.get(addr)
-            if other is not None and other is not w:
-                return other, w, addr
+            for other in seen.get(addr, ()):
+                if _comparable(other, w):
+                    return other, w, addr
         for addr in addrs:
-            seen.setdefault(addr, w)
+            seen.setdefault(addr, []).append(w)
     return None

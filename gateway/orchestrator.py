@@ -120,6 +120,7 @@ class _Attempt:
     """One attempt's state machine position and what it learned, for logging and metrics."""
 
     __slots__ = (
+        "cut",
         "decode",
         "echo",
         "first_byte_at",
@@ -135,6 +136,7 @@ class _Attempt:
     def __init__(self, echo: tuple[bytes, bytes], task: asyncio.Task[None], wheel: DeadlineWheel) -> None:
         self.task = task  # the request's handler task: what a deadline cancels
         self.wheel = wheel
+        self.cut = False  # a split unit cancelled because a sibling failed: no verdict on its workers
         self.phase = Phase.PLANNED
         self.echo = echo  # the x-request-id header echoed to the client
         self.plan_kind = "none"
@@ -463,7 +465,7 @@ class Orchestrator:
         body = w.adapter.colocated_body(req, request_id)
         self.registry.acquire(w, tokens)
         resp: UpstreamResponse | None = None
-        ok = client_fault = cancelled = False
+        ok = client_fault = False
         a.phase = Phase.PREFILL
         wait_s = self._head_budget(req, w, self.settings.timeouts.prefill_s)
         try:
@@ -483,14 +485,11 @@ class Orchestrator:
         except GatewayError as e:
             client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the worker's
             raise
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
         finally:
             if not ok:
                 self._abort_leg(w, resp, req, request_id)
             self.registry.release(w, tokens)
-            self.registry.record(w, _judged(ok, True, client_fault, res.closed or cancelled))
+            self.registry.record(w, _judged(ok, True, client_fault, res.closed or a.cut))
 
     async def _concurrent(
         self,
@@ -520,7 +519,7 @@ class Orchestrator:
         decode_task = d.pool.start("POST", req.path, _for(d, headers), dbody, replay=False)
         resp: UpstreamResponse | None = None
         guard: _DecodeGuard | None = None
-        ok_p = ok_d = client_fault = cancelled = False
+        ok_p = ok_d = client_fault = False
         p_held = True  # the prefill counts as in flight until its answer is in, not the decode's end
         t0 = time.monotonic()
         in_handoff = False
@@ -540,10 +539,13 @@ class Orchestrator:
                         # the decode, sent the same body, is waiting for this KV: it is aborted
                         # below. The guard's catch, unless the decode refused the request too
                         # (the request's fault) or the prefill failed (5xx: an upstream error)
-                        caught = status == 200 or (
-                            status < 500 and not await _refused_too(decode_task, _AGREEMENT_S)
+                        took = (
+                            status != 200
+                            and status < 500
+                            and not await _refused_too(decode_task, _AGREEMENT_S)
                         )
-                        raise self._prefill_refused(p, d, verdict, ctx.request_id, caught)
+                        caught = status == 200 or took
+                        raise self._prefill_refused(p, d, verdict, ctx.request_id, caught, decode_took=took)
                     ok_p = in_handoff = True
                     a.phase = Phase.HANDOFF
                     guard = self._decode_guard(req, ctx, p.adapter, prefill_out)
@@ -585,9 +587,6 @@ class Orchestrator:
         except GatewayError as e:
             client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the workers'
             raise
-        except asyncio.CancelledError:
-            cancelled = True  # the client went away, a deadline, or a sibling sample failed
-            raise
         finally:
             if guard is not None:
                 guard.drop_verification()
@@ -607,7 +606,7 @@ class Orchestrator:
             # each worker is judged only on what it did: a leg cut short by the other's failure,
             # or a handoff that failed between them, is no verdict on it (the pair breaker counts);
             # a request that ended without a verdict (the client left) counts for no one
-            unjudged = res.closed or cancelled
+            unjudged = res.closed or a.cut
             self.registry.record(p, _judged(ok_p, culprit == p.id, client_fault, unjudged))
             self.registry.record(d, _judged(ok_d, culprit == d.id, client_fault, unjudged))
             if pair.record(_judged(ok_d, True, client_fault, unjudged)):
@@ -630,8 +629,6 @@ class Orchestrator:
         guards, merged into one answer (gateway/samples.py). The first failure cancels the
         other units."""
         merger = SampleMerger(req, res)
-        units = merger.units
-        tokens = view.prompt_tokens // req.batch + view.max_tokens // units
         attempts: list[_Attempt] = []
 
         async def one(j: int, sreq: ParsedRequest) -> None:
@@ -640,19 +637,25 @@ class Orchestrator:
             sa.plan_kind, sa.prefill, sa.decode = a.plan_kind, a.prefill, a.decode  # its metrics' labels
             attempts.append(sa)
             sink = merger.sink(j, task)
+            uid = f"{request_id}-{j}"  # each unit's own, in logs and engine rids
+            uview = self.view(sreq, uid)  # its own prompt and budget, in the workers' accounting
             ctx = HandoffCtx(
-                request_id=f"{request_id}-{j}",  # each sample's own, in logs and engine rids
+                request_id=uid,
                 prefill=plan.prefill,
                 decode=plan.decode,
                 room=new_room(self.rng),
                 stream_usage=self._stream_usage(sreq),
             )
-            await self._concurrent(p, d, ctx, sreq, sink, headers, view, tokens, sa)
+            tokens = uview.prompt_tokens + uview.max_tokens
+            await self._concurrent(p, d, ctx, sreq, sink, headers, uview, tokens, sa)
 
-        tasks = [asyncio.ensure_future(one(k, sample_request(req, k))) for k in range(units)]
+        body = msgspec.json.decode(req.body)
+        tasks = [asyncio.ensure_future(one(k, sample_request(req, k, body))) for k in range(merger.units)]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
+            for sa in attempts:
+                sa.cut = True  # cancelled for a sibling's failure (or with the request): no verdict
             for t in tasks:
                 t.cancel()
             raise
@@ -722,7 +725,7 @@ class Orchestrator:
         pair = self.registry.pair_breaker(p.id, d.id)
         pbody = p.adapter.prefill_body(req, ctx)
         t0 = time.monotonic()
-        ok_p = cancelled = False
+        ok_p = False
         self.registry.acquire(p, tokens)
         try:
             try:
@@ -737,12 +740,9 @@ class Orchestrator:
                 ok_p = not verdict.retryable  # a 4xx verdict is the request's fault
                 raise self._prefill_refused(p, d, verdict, ctx.request_id, status == 200)
             ok_p = True
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
         finally:
             self.registry.release(p, tokens)
-            self.registry.record(p, _judged(ok_p, True, False, res.closed or cancelled))
+            self.registry.record(p, _judged(ok_p, True, False, res.closed or a.cut))
         a.prefill_done_at = time.monotonic()
         a.phase = Phase.HANDOFF
         self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
@@ -774,9 +774,6 @@ class Orchestrator:
         except GatewayError as e:
             client_fault = not e.retryable
             raise
-        except asyncio.CancelledError:
-            cancelled = True
-            raise
         finally:
             if guard is not None:
                 guard.drop_verification()
@@ -784,7 +781,7 @@ class Orchestrator:
                 self._abort_leg(d, resp, req, ctx.request_id)
             self.registry.release(d, tokens)
             # a suspect handoff is no verdict on the decode (the pair breaker counts it)
-            unjudged = res.closed or cancelled
+            unjudged = res.closed or a.cut
             self.registry.record(d, _judged(ok_d, culprit == d.id, client_fault, unjudged))
             if pair.record(_judged(ok_d, True, client_fault, unjudged)):
                 self.registry.changed()
@@ -1148,22 +1145,30 @@ class Orchestrator:
         return KVIntegrityError(f"KV integrity check failed: {why}", phase="decode", worker=w.id)
 
     def _prefill_refused(
-        self, p: Worker, d: Worker, v: PrefillVerdict, request_id: str, caught: bool
+        self,
+        p: Worker,
+        d: Worker,
+        v: PrefillVerdict,
+        request_id: str,
+        caught: bool,
+        decode_took: bool = False,
     ) -> GatewayError:
         """The error for a prefill answer that is no basis for a decode (counted as a guard hit
-        when `caught`: it kept a broken handoff from the client)."""
+        when `caught`: it kept a broken handoff from the client). `decode_took`: the prefill
+        refused (4xx) what its decode did not refuse."""
         if caught:
             self._guard_failed(
                 Guard.PREFILL_VERDICT, "before_first_byte", request_id, v.reason, prefill=p.id, decode=d.id
             )
-            if not v.retryable:
-                # the prefill refused what its decode took (sglang #30233: a prefill whose limit is
-                # lower than the decode's): the prefill's fault, not the request's; the next rung
-                # (another pair, a colocated worker) may serve it
+            if decode_took and not v.retryable:
+                # sglang #30233 (a prefill whose limit is below its decode's): not the request's
+                # fault, so the next rung (another pair, a colocated worker) may serve it; no
+                # verdict on the prefill (worker None: the pair is avoided), since a request can
+                # provoke this
                 return PrefillFailed(
                     f"prefill {p.id} refused what decode {d.id} accepted: {v.reason}",
                     phase="prefill",
-                    worker=p.id,
+                    worker=None,
                 )
         return _prefill_error(p, v)
 
@@ -1268,8 +1273,9 @@ async def _refused_too(decode: asyncio.Future[UpstreamResponse], within_s: float
 def _judged(ok: bool, blamed: bool, client_fault: bool, unjudged: bool) -> bool | None:
     """A breaker's verdict on one leg: True when it did its part (or refused the request for the
     request's own fault), False when the failure is its, None when there is no verdict on it (the
-    client went away or the request was cancelled: that says nothing of a worker, and counting
-    it as a success closed half-open breakers on hung workers; or another leg failed first)."""
+    client went away, or a sibling unit of a split request failed: that says nothing of a worker,
+    and counting it as a success closed half-open breakers on hung workers; or another leg failed
+    first). A request's own deadline is still a verdict."""
     if ok or client_fault:
         return True
     if unjudged:

@@ -54,7 +54,6 @@ _PER_PROMPT = (
     "input_ids",
     "input_embeds",
     "sampling_params",
-    "return_logprob",
     "logprob_start_len",
     "top_logprobs_num",
     "token_ids_logprob",
@@ -78,10 +77,8 @@ def _prompt_of(req: ParsedRequest, fields: dict[str, Any], i: int) -> None:
         v = fields.get(key)
         if not isinstance(v, list) or len(v) != req.batch:
             continue
-        if key in ("token_ids_logprob", "image_data", "video_data", "audio_data") and not all(
-            isinstance(x, list) or x is None for x in v
-        ):
-            continue  # one prompt's list (ids, items), shared by every prompt
+        if key == "token_ids_logprob" and not all(isinstance(x, list) or x is None for x in v):
+            continue  # one list of ids, shared by every prompt
         fields[key] = v[i]
 
 
@@ -90,11 +87,11 @@ def unit_count(req: ParsedRequest) -> int:
     return req.batch * req.n if req.is_batch else req.n
 
 
-def sample_request(req: ParsedRequest, k: int) -> ParsedRequest:
+def sample_request(req: ParsedRequest, k: int, body: dict[str, Any] | None = None) -> ParsedRequest:
     """Unit `k = prompt_index * n + j` of `req` as a request of its own: one prompt of a batch,
     sample `j` (n = 1). A client's `rid` is dropped: the units are engine requests each named by
-    the gateway."""
-    fields: dict[str, Any] = _decode.decode(req.body)
+    the gateway. `body`: `req.body` decoded (once for all units; not changed here)."""
+    fields: dict[str, Any] = dict(body) if body is not None else _decode.decode(req.body)
     fields.pop("rid", None)
     i, j = divmod(k, req.n)
     if req.is_batch:
