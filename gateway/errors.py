@@ -168,12 +168,22 @@ class UpstreamFailure(GatewayError):
     retryable = True
 
     def __init__(
-        self, message: str, *, phase: str, worker: str | None = None, answered: bool = False, **kw: object
+        self,
+        message: str,
+        *,
+        phase: str,
+        worker: str | None = None,
+        answered: bool = False,
+        instead: GatewayError | None = None,
+        **kw: object,
     ) -> None:
         super().__init__(message, **kw)  # type: ignore[arg-type]
         self.phase = phase
         self.worker = worker
         self.answered = answered  # the engine itself answered with the failure: it is up
+        # what the client is told when no other attempt serves the request (e.g. an engine's
+        # own refusal, which another route might not have made)
+        self.instead = instead
 
 
 class UpstreamTimeout(UpstreamFailure):

@@ -256,6 +256,8 @@ class Orchestrator:
             outcome = "timeout"
             self._fail(res, UpstreamTimeout("the request exceeded its total deadline", phase="total"))
         except GatewayError as e:
+            if isinstance(e, UpstreamFailure) and e.instead is not None:
+                e = e.instead
             outcome = e.code.value
             self._fail(res, e)
         except asyncio.CancelledError:
@@ -319,7 +321,10 @@ class Orchestrator:
         )
 
     def _out_of_rungs(self, last: UpstreamFailure) -> GatewayError:
-        """No rung left: shed with 503 + Retry-After naming what failed, or the failure itself."""
+        """No rung left: shed with 503 + Retry-After naming what failed, or the failure itself
+        (or what it says the client should be told instead)."""
+        if last.instead is not None:
+            return last.instead
         if "shed" not in self.settings.ladder:
             return last
         self.metrics.child(self.metrics.fallbacks, "shed").inc()
@@ -1169,6 +1174,7 @@ class Orchestrator:
                     f"prefill {p.id} refused what decode {d.id} accepted: {v.reason}",
                     phase="prefill",
                     worker=None,
+                    instead=_prefill_error(p, v),  # no other route: the engine's own answer
                 )
         return _prefill_error(p, v)
 
