@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from gateway.admin import Admin
 from gateway.admission import Admission
 from gateway.config import ConfigError, GatewayConfig, WorkerConfig
-from gateway.endpoints import first_duplicate
+from gateway.endpoints import first_duplicate, url_host
 from gateway.guards import GuardSettings
 from gateway.handlers import Handlers
 from gateway.health import HealthChecker, HealthSettings
@@ -24,7 +24,7 @@ from gateway.http.server import HttpServer, start_server
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
-from gateway.registry import BreakerSettings, Registry, Worker, url_host
+from gateway.registry import BreakerSettings, Registry, Worker
 from policies.build import build_policy
 
 log = get_logger("pd_gateway")

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from gateway.endpoints import canonical_url
 from policies.config import DeciderCfg, PolicyCfg, RoundRobinCfg, policy_shorthand
 from policies.snapshot import Engine, Role
 
@@ -141,9 +142,9 @@ class WorkerConfig(_Section, frozen=True):
         """The URL as the gateway connects to it: scheme and host in lower case, the port
         explicit (`HTTP://Host` and `http://host:80/` are one worker)."""
         parts = urlsplit(self.url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        host = parts.hostname or ""
-        return f"{parts.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+        return canonical_url(
+            parts.scheme, parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+        )
 
     def tls_context(self) -> ssl.SSLContext | None:
         """The SSL context for an https:// worker (None for http://); ConfigError if its CA

@@ -29,6 +29,16 @@ class HasAddress(Protocol):
 W = TypeVar("W", bound=HasAddress)
 
 
+def url_host(host: str) -> str:
+    """A host as it is written in a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
+def canonical_url(scheme: str, host: str, port: int) -> str:
+    """A worker's URL as the gateway keys and shows it: `scheme://host:port`, port explicit."""
+    return f"{scheme}://{url_host(host)}:{port}"
+
+
 def _literal(host: str) -> bool:
     """An address, or `localhost`: a name that cannot stand for a virtual host."""
     if host.lower() == "localhost":

@@ -16,6 +16,7 @@ import msgspec
 
 from adapters import ADAPTERS, EngineAdapter, ProbeInfo
 from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.endpoints import canonical_url
 from gateway.http.client import UpstreamPool
 from policies.snapshot import ClusterSnapshot, Engine, Role, RouteKind, WorkerLoad, WorkerState
 
@@ -32,11 +33,6 @@ class BreakerSettings(msgspec.Struct, frozen=True):
 
     def new(self) -> CircuitBreaker:
         return CircuitBreaker(self.failure_threshold, self.success_threshold, self.open_s)
-
-
-def url_host(host: str) -> str:
-    """A host as it is written in a URL: an IPv6 address in brackets."""
-    return f"[{host}]" if ":" in host else host
 
 
 class Worker:
@@ -96,7 +92,7 @@ class Worker:
         port = parts.port or (443 if tls is not None else 80)
         self.id = id
         self.host = parts.hostname or "127.0.0.1"
-        self.url = f"{parts.scheme}://{url_host(self.host)}:{port}"
+        self.url = canonical_url(parts.scheme, self.host, port)
         self.port = port
         self.role = role
         self.engine = engine

@@ -97,13 +97,8 @@ def sample_request(req: ParsedRequest, k: int, body: dict[str, Any] | None = Non
     if req.is_batch:
         _prompt_of(req, fields, i)
     if req.route is RouteKind.GENERATE:
-        sp = fields.get("sampling_params")
-        if isinstance(sp, list):  # one per batch element
-            fields["sampling_params"] = [
-                _one_sample(x if isinstance(x, dict) else {}, "sampling_seed", j) for x in sp
-            ]
-        else:
-            fields["sampling_params"] = _one_sample(sp if isinstance(sp, dict) else {}, "sampling_seed", j)
+        sp = fields.get("sampling_params")  # one object: a batch's list was cut to its prompt's
+        fields["sampling_params"] = _one_sample(sp if isinstance(sp, dict) else {}, "sampling_seed", j)
     else:
         fields = _one_sample(fields, "seed", j)
     return parse_request(
