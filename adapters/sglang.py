@@ -45,6 +45,8 @@ from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, RouteKind, WorkerLoad
 
 _OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+# with the gateway's own rid: a client's `"rid": null` (parsed as no rid) goes too
+_OWNED_RID = (*_OWNED, "rid")
 
 # The unique part of colocated requests' rids: 16 hex digits of a sequence that starts at a random
 # point per process (several gateways in front of one server do not meet).
@@ -172,7 +174,7 @@ class SGLangAdapter:
         rid = self._rid_pair(req, request_id, unique)
         if req.has_owned_fields:
             fields = req.decode_dict()
-            return _body.splice(_body.rewrite(fields, drop=_OWNED), rid)
+            return _body.splice(_body.rewrite(fields, drop=_OWNED_RID), rid)
         return _body.splice(req.body, rid)
 
     def _pd_body(self, req: ParsedRequest, ctx: HandoffCtx, *, prefill: bool = False) -> bytes:
@@ -180,7 +182,9 @@ class SGLangAdapter:
         # Both legs of the handoff get the same rid, its unique part the handoff's room (they go
         # to different servers; a retry has another room).
         set_: dict[str, bytes] | None = None
+        drop: tuple[str, ...] = _OWNED_RID
         if req.fields.rid:
+            drop = _OWNED  # a rid the gateway cannot rename goes as sent (the engine judges it)
             named = self._client_rid(req, ctx.request_id, ctx.room)
             if named is not None:
                 set_ = {"rid": named}
@@ -194,9 +198,9 @@ class SGLangAdapter:
             # prompt comes back as a 400 rather than a 200 with an abort event.
             fields = req.decode_dict()
             set_ = {**(set_ or {}), "stream": b"false"}
-            return _body.splice(_body.rewrite(fields, drop=(*_OWNED, "stream_options"), set_=set_), extra)
+            return _body.splice(_body.rewrite(fields, drop=(*drop, "stream_options"), set_=set_), extra)
         if req.has_owned_fields or set_ is not None:
-            body = _body.splice(_body.rewrite(req.decode_dict(), drop=_OWNED, set_=set_), extra)
+            body = _body.splice(_body.rewrite(req.decode_dict(), drop=drop, set_=set_), extra)
         else:
             body = _body.splice(req.body, extra)
         if ctx.stream_usage and not prefill:

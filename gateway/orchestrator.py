@@ -922,8 +922,9 @@ class Orchestrator:
             if not timed_out or (task is not None and task.cancelling()):
                 raise  # the client went away or an outer deadline expired: not ours
             resp.abort()
+            where = "mid-stream" if resp.reads else "after its response headers"
             raise UpstreamTimeout(
-                f"worker {w.id} sent nothing for {idle:g}s mid-stream", phase="idle", worker=w.id
+                f"worker {w.id} sent nothing for {idle:g}s {where}", phase="idle", worker=w.id
             ) from None
         except UpstreamProtocolError as e:
             raise UpstreamFailure(f"worker {w.id} broke the stream: {e}", phase=phase, worker=w.id) from None

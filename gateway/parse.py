@@ -67,6 +67,7 @@ class _Fields(msgspec.Struct):
 _decoder = msgspec.json.Decoder(_Fields, strict=False)
 _any_decoder = msgspec.json.Decoder()
 _model_encoder = msgspec.json.Encoder()
+_NULL = msgspec.Raw(b"null")
 
 
 class ParsedRequest:
@@ -106,8 +107,14 @@ class ParsedRequest:
         self.stream = bool(f.stream)
         self.include_usage = bool(f.stream_options and f.stream_options.include_usage)
         self.return_logprob = bool(f.return_logprob)
+        if f.rid == _NULL:  # `"rid": null` is SGLang's "no name": the gateway names it, as if absent
+            f.rid = msgspec.Raw()
+            self.has_owned_fields = True  # the null is dropped from the body, the gateway's rid put in
+        else:
+            self.has_owned_fields = False
         self.has_owned_fields = (
-            bool(f.bootstrap_host)
+            self.has_owned_fields
+            or bool(f.bootstrap_host)
             or bool(f.bootstrap_port)
             or bool(f.bootstrap_room)
             or bool(f.kv_transfer_params)

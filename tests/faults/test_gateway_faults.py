@@ -99,6 +99,21 @@ async def test_stalled_stream_hits_the_idle_deadline(fast_cluster: Cluster, mode
     assert (await settled(c, (decode,)))[decode] == 0
 
 
+async def test_a_stream_stalled_before_its_first_event_is_no_mid_stream_stall() -> None:
+    """vLLM's decode waiting for KV that never comes has sent its headers, not one event: the
+    client gets a 504 that says so (it was never sent a byte), not a "mid-stream" stall."""
+    c = await build_cluster(timeouts=FAST, retries=RetriesConfig(max_attempts=1))
+    try:
+        await c.emulators["vllm-p"].set_faults(["transfer_stall"])
+        status, raw, _ = await post(c.url + "/v1/completions", body("m-vllm", stream=True))
+        assert status == 504, raw
+        err = json.loads(raw)["error"]
+        assert err["code"] == "upstream_timeout" and "after its response headers" in err["message"], err
+        assert (await settled(c, ("vllm-d",)))["vllm-d"] == 0
+    finally:
+        await stop_cluster(c)
+
+
 @pytest.mark.parametrize(
     ("model", "prefill", "decode"), [("m-sglang", "sgl-p", "sgl-d"), ("m-vllm", "vllm-p", "vllm-d")]
 )

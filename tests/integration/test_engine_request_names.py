@@ -169,3 +169,27 @@ async def test_the_rids_sent_are_prefix_free_and_the_abort_names_the_attempt_s()
         b = _req(body)
         assert "rid" not in json.loads(sgl.prefill_body(b, _ctx(5, "r")))
         assert sgl.abort_call(b, "r") is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_null_rid_is_no_name_and_the_gateway_names_the_request(stream: bool) -> None:
+    """`"rid": null` is SGLang's "no name" (the engine makes one up, which the gateway could not
+    abort by): the gateway names such a request as if the field were absent, on every leg, and
+    sends no second `rid` key."""
+    sgl = ADAPTERS[Engine.SGLANG]
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 2}, "rid": None, "stream": stream}
+    for make in (
+        lambda r, ctx: sgl.prefill_body(r, ctx),
+        lambda r, ctx: sgl.decode_body(r, ctx, None),
+        lambda r, ctx: sgl.colocated_body(r, ctx.request_id),
+    ):
+        req = _req(body)
+        ctx = _ctx(random.getrandbits(63), "nul-1")
+        sent = make(req, ctx)
+        assert sent.count(b'"rid"') == 1, sent
+        name = json.loads(sent)["rid"]
+        assert isinstance(name, str) and name.endswith("-nul-1"), sent
+        assert sgl.abort_call(req, "nul-1") == (
+            "/abort_request",
+            json.dumps({"rid": name}, separators=(",", ":")).encode(),
+        )
