@@ -93,8 +93,10 @@ def vllm_prompt_logprobs(prompt: list[int], k: int) -> list[dict[str, Any] | Non
 
 def vllm_prompt_logprobs_k(body: dict[str, Any], chat: bool, ask: LogprobAsk | None) -> int | None:
     """How many prompt logprob alternatives a vLLM request computes, or None (none computed).
-    `prompt_logprobs` when given, else `logprobs` when a completion echoes. ValueError (with
-    vLLM's message) for a value it refuses."""
+    `prompt_logprobs` when given, else, with `echo`, a completion's `logprobs` or a chat's
+    `top_logprobs` (0 by default: ``ChatCompletionRequest.to_sampling_params``,
+    chat_completion/protocol.py:742-744, so a chat echo always scores its prompt and reads no
+    cached prefix). ValueError (with vLLM's message) for a value it refuses."""
     k = body.get("prompt_logprobs")
     if k is not None:
         if isinstance(k, bool) or not isinstance(k, int):
@@ -108,6 +110,33 @@ def vllm_prompt_logprobs_k(body: dict[str, Any], chat: bool, ask: LogprobAsk | N
                 f"Requested prompt logprobs of {k}, which is greater than max allowed: {MAX_LOGPROBS}"
             )
         return k
-    if not chat and body.get("echo") and ask is not None:
-        return ask.top
-    return None
+    if not body.get("echo"):
+        return None
+    if chat:
+        top = body.get("top_logprobs", 0)  # checked with `logprobs` (logprob_ask)
+        return top if isinstance(top, int) and not isinstance(top, bool) else None
+    return ask.top if ask is not None else None
+
+
+def vllm_chat_echo(body: dict[str, Any]) -> str:
+    """What vLLM's chat `echo` puts before each choice's content: the last message's content when
+    that message has the answer's role (the response role, "assistant"; with
+    `add_generation_prompt` false the last message's own role: ``get_chat_request_role``,
+    chat_completion/serving.py:433-436), else nothing (serving.py:1132-1145; a stream sends it
+    in a chunk of its own after the role chunks, :591-624). Text parts of a list content are
+    joined with newlines, as vLLM's conversation parser joins them (renderers/chat_utils.py:1883)."""
+    messages = body.get("messages")
+    if not body.get("echo") or not isinstance(messages, list) or not messages:
+        return ""
+    last = messages[-1]
+    if not isinstance(last, dict):
+        return ""
+    role = "assistant" if body.get("add_generation_prompt", True) else last.get("role")
+    if last.get("role") != role:
+        return ""
+    content = last.get("content")
+    if isinstance(content, list):
+        return "\n".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return content if isinstance(content, str) else ""

@@ -33,6 +33,9 @@ receiver ``clear()`` their bootstrap room's entries on success, failure and abor
   timeout): :meth:`KvServer.end_prefill` drops it (a decode waiting on it is told "aborted");
 * a room kept past its prefill request (``silent_truncation``) expires after the bootstrap timeout.
 
+A room whose KV never reached its decode (its decode gave up, or the send failed) carries a
+:class:`RoomFailure`: the prefill's request ends with SGLang's 500 abort, not a 200.
+
 vLLM's held blocks are freed by the read (or notification) of the decode, whatever the read's
 outcome, and otherwise by their lease (vLLM's abort timeout): a decode aborted before it read
 notifies the prefill, and a read that stalls (``transfer_stall``) never completes, so its blocks
@@ -60,7 +63,9 @@ _dec = msgspec.msgpack.Decoder()
 class TransferError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
-        self.kind = kind  # "connect", "handshake", "range", "failed", "lost", "timeout", "aborted"
+        # "connect", "handshake", "range", "failed", "lost", "timeout", "aborted"; a prefill's
+        # failed room: "bootstrap" or "transfer" (the stage its request failed in)
+        self.kind = kind
 
 
 async def send_msg(writer: asyncio.StreamWriter, header: dict[str, Any], payload: bytes = b"") -> None:
@@ -96,6 +101,20 @@ class Held(msgspec.Struct):
     expiry: asyncio.TimerHandle | None = None
 
 
+# the prefill's KVTransferError reason when its decode aborted (the abort notification records
+# no reason on the prefill: CommonKVSender.failure_exception, disaggregation/common/conn.py:2446-2456)
+PEER_ABORTED = "Failed due to an unknown reason from another rank"
+
+
+class RoomFailure(msgspec.Struct, frozen=True):
+    """Why a room's KV never reached its decode, as the prefill's sender sees it: its request
+    then ends with a 500 abort (SGLang's ``handle_bootstrap_failure`` /
+    ``handle_inflight_transfer_failure``, disaggregation/prefill.py:1352-1378, 1282-1310)."""
+
+    stage: str  # "bootstrap": its decode never bootstrapped it; "transfer": it failed after
+    reason: str
+
+
 class Room(msgspec.Struct):
     """SGLang: the rendezvous of one bootstrap room."""
 
@@ -104,6 +123,7 @@ class Room(msgspec.Struct):
     created: float
     claimed: bool = False  # a decode request is waiting on (or has had) this room's KV
     expiry: asyncio.TimerHandle | None = None  # a room kept past its prefill request
+    failure: RoomFailure | None = None  # set with ``taken`` False, unless the failure is silent
 
 
 class KvServer:
@@ -207,6 +227,9 @@ class KvServer:
             loop = asyncio.get_running_loop()
             r = Room(loop.create_future(), loop.create_future(), time.monotonic(), claimed=True)
             r.ready.set_result((contents, num_tokens, fault))
+            # the abort notification left the room Failed (terminal): the new request's sender
+            # polls Failed while still in the bootstrap queue
+            r.failure = RoomFailure("bootstrap", PEER_ABORTED)
             r.taken.set_result(False)
             return r
         r = self.room(room)
@@ -279,8 +302,9 @@ class KvServer:
         num_tokens: int,
         fault: str | None,
         gone: asyncio.Future[bytes],
-    ) -> bool:
-        """Send the blocks; `gone` completes when the peer closes its connection."""
+    ) -> str | None:
+        """Send the blocks; `gone` completes when the peer closes its connection. None when
+        sent, else why not (the prefill sender's failure reason)."""
         self.active += 1
         t0 = time.monotonic()
         try:
@@ -288,19 +312,16 @@ class KvServer:
                 fault = "transfer_fail"
             if fault == "transfer_stall":
                 await gone  # never completes: it ends when the decode gives up
-                return False
-            if fault == "transfer_fail":
-                await send_msg(
-                    writer, {"ok": False, "kind": "failed", "error": "KV transfer failed (injected)"}
+                return PEER_ABORTED
+            if fault in ("transfer_fail", "abort_during_transfer"):
+                kind, error = (
+                    ("failed", "KV transfer failed (injected)")
+                    if fault == "transfer_fail"
+                    else ("aborted", "prefill aborted during transfer")
                 )
+                await send_msg(writer, {"ok": False, "kind": kind, "error": error})
                 self._on_transfer(False, 0, 0.0)
-                return False
-            if fault == "abort_during_transfer":
-                await send_msg(
-                    writer, {"ok": False, "kind": "aborted", "error": "prefill aborted during transfer"}
-                )
-                self._on_transfer(False, 0, 0.0)
-                return False
+                return error
             if fault == "wrong_request_kv" and self.last_contents:
                 other = self.last_contents
                 contents = [other[i] if i < len(other) else other[-1] for i in range(len(contents))]
@@ -312,7 +333,7 @@ class KvServer:
             payload = pack_blocks(contents, self._pad_for(num_tokens))
             await send_msg(writer, {"ok": True, "count": len(contents)}, payload)
             self._on_transfer(True, len(payload), time.monotonic() - t0)
-            return True
+            return None
         finally:
             self.active -= 1
 
@@ -344,8 +365,7 @@ class KvServer:
         num_tokens = int(header.get("num_tokens", len(block_ids) * 16))
         gone = asyncio.ensure_future(reader.read())
         try:
-            ok = await self._send_blocks(writer, contents, num_tokens, fault, gone)
-            if ok:
+            if await self._send_blocks(writer, contents, num_tokens, fault, gone) is None:
                 self.last_contents = contents
         finally:
             gone.cancel()
@@ -396,14 +416,18 @@ class KvServer:
                 await send_msg(writer, {"ok": False, "kind": "aborted", "error": "Aborted by AbortReq."})
                 return
             contents, num_tokens, fault = r.ready.result()
-            ok = False
+            error: str | None = PEER_ABORTED  # unless sent: the decode's connection went mid-send
             try:
-                ok = await self._send_blocks(writer, contents, num_tokens, fault, gone)
-                if ok:
+                error = await self._send_blocks(writer, contents, num_tokens, fault, gone)
+                if error is None:
                     self.last_contents = contents
             finally:
+                # sglang #33507 (abort_during_transfer): the failure goes unseen, the prefill's
+                # request ends as if its KV were sent
+                if error is not None and fault != "abort_during_transfer":
+                    r.failure = RoomFailure("transfer", error)
                 if not r.taken.done():
-                    r.taken.set_result(ok)
+                    r.taken.set_result(error is None)
                 self._forget(room_id, r)
                 self._spend(room_id)
         finally:
@@ -421,6 +445,7 @@ class KvServer:
             self._forget(room_id, r)
             self._abandon(room_id)
             if not r.taken.done():
+                r.failure = RoomFailure("bootstrap", PEER_ABORTED)
                 r.taken.set_result(False)
         await send_msg(writer, {"ok": True, "count": 0})
 

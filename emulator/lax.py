@@ -69,3 +69,34 @@ def coerce_openai(body: dict[str, Any], chat: bool) -> None:
         for k in ("include_usage", "continuous_usage_stats"):
             if k in so:
                 so[k] = _bool(so[k])
+
+
+def openai_shape_error(body: dict[str, Any], chat: bool) -> str | None:
+    """The prompt's shape as both engines' request schemas (pydantic) check it, or None: chat
+    `messages` an array of objects with a string `role`; completions `prompt` a string, a list of
+    strings, token ids, or a list of token-id lists (a boolean is no token id). Refused while
+    the request is parsed: a 400, never an engine crash."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+        ):
+            return "1 validation error: messages: Input should be a list of message objects with a role"
+        return None
+    p = body.get("prompt")
+    if p is None or isinstance(p, str):
+        return None  # (a missing prompt is each engine's own error)
+    if isinstance(p, list) and (
+        all(isinstance(x, str) for x in p)
+        or all(_is_id(x) for x in p)
+        or all(isinstance(x, list) and all(_is_id(t) for t in x) for x in p)
+    ):
+        return None
+    return (
+        "1 validation error: prompt: Input should be a string, a list of strings, "
+        "a list of token ids or a list of token id lists"
+    )
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -92,3 +92,12 @@ def logprobs(ask: LogprobAsk, tokens: list[int], prev: int, offset: int = 0) -> 
         offset += len(text)
         prev = tok
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": texts, "top_logprobs": tops}
+
+
+def sglang_offsets(lp: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A completions `logprobs` object as SGLang answers it: `text_offset` is -1 for every token,
+    the echoed prompt's too (`to_openai_style_logprobs` appends -1, "Not supported yet":
+    entrypoints/openai/utils.py:150-151). Chat `logprobs` (no `text_offset`) pass unchanged."""
+    if lp is None or "text_offset" not in lp:
+        return lp
+    return {**lp, "text_offset": [-1] * len(lp["text_offset"])}

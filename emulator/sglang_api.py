@@ -34,8 +34,8 @@ from emulator.echo import NO_ECHO, Echo, echo, echoed
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, admit_and_compute, env_float, sglang_fetch_kv, tokens
 from emulator.kvtransfer import Room, TransferError
-from emulator.lax import coerce_openai
-from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
+from emulator.lax import coerce_openai, openai_shape_error
+from emulator.logprobs import LogprobAsk, logprob_ask, logprobs, sglang_offsets
 from emulator.metrics import render_sglang
 from emulator.sampling_checks import sglang_generate_refusal, sglang_openai_refusal
 from emulator.scheduler import Aborted, EngineDead, Seq, TooLarge
@@ -240,11 +240,15 @@ class SglangApi:
                     out.append(tok)
                 try:
                     # abortable: /abort_request reaches a request waiting for its decode
-                    await engine.abortable(seq, asyncio.wait_for(asyncio.shield(room.taken), timeout))
+                    sent = await engine.abortable(seq, asyncio.wait_for(asyncio.shield(room.taken), timeout))
                 except TimeoutError:
                     raise TransferError(
                         "timeout", f"Request {item.room} timed out after {timeout}s in KVPoll.Bootstrapping"
                     ) from None
+                if not sent and room.failure is not None:
+                    # its decode aborted or gave up (SGLang's abort notification marks the room
+                    # Failed), or the send failed: a 500 abort, not a 200
+                    raise TransferError(room.failure.stage, room.failure.reason)
                 res.finish = {"type": "length", "length": 0}
                 return res
             await engine.admit(seq, read_cache=item.read_cache or mode == "decode")
@@ -298,7 +302,6 @@ class SglangApi:
                 res.finish = {"type": "length", "length": len(out)}
             return res
         except TransferError as e:
-            engine.counters.bootstrap_failed += e.kind == "handshake"
             what = "handshake" if e.kind == "handshake" else "transfer"
             msg = (
                 f"Decode {what} failed for request rank=0 decode_req.req.rid='{item.rid}' "
@@ -306,7 +309,16 @@ class SglangApi:
                 f"KVTransferError(bootstrap_room={item.room}): {e}"
             )
             if mode == "prefill":
-                msg = f"Prefill transfer failed for request rank=0 req.rid='{item.rid}' with exception KVTransferError(bootstrap_room={item.room}): {e}"
+                # handle_bootstrap_failure (a room that never left KVPoll.Bootstrapping: timed out,
+                # or its decode aborted first) or handle_inflight_transfer_failure (after the
+                # decode bootstrapped), disaggregation/prefill.py:1352-1378, 1282-1310
+                what = "bootstrap" if e.kind in ("bootstrap", "timeout") else "transfer"
+                msg = (
+                    f"Prefill {what} failed for request rank=0 req.rid='{item.rid}' "
+                    f"req.bootstrap_room={item.room} with exception "
+                    f"KVTransferError(bootstrap_room={item.room}): {e}"
+                )
+            engine.counters.bootstrap_failed += what in ("handshake", "bootstrap")
             res.finish = {"type": "abort", "message": msg, "status_code": 500, "err_type": None}
             res.error_status, res.error_message = 500, msg
             return res
@@ -805,10 +817,14 @@ def setup(s: EmulatorServer) -> None:
     async def openai(request: web.Request, chat: bool) -> web.StreamResponse:
         async def body_fn(body: dict[str, Any], hit: dict[str, Fault], held: list[str]) -> web.StreamResponse:
             coerce_openai(body, chat)
+            if (why := openai_shape_error(body, chat)) is not None:
+                return _error_openai(400, why, "Bad Request")
             req_model = body.get("model") or model_path
             if chat:
                 prompts = [tokenizer.encode_chat(body.get("messages") or [])]
-                mt = body.get("max_completion_tokens", body.get("max_tokens"))
+                # SGLang's budget is ``max_completion_tokens or max_tokens`` (protocol.py:1214,
+                # serving_chat.py:1180): a 0 or null max_completion_tokens falls through
+                mt = body.get("max_completion_tokens") or body.get("max_tokens")
             else:
                 p = body.get("prompt", "")
                 if isinstance(p, str):
@@ -875,6 +891,7 @@ def setup(s: EmulatorServer) -> None:
                         lps = logprobs(ask, res.shown_ids, prev, ec.offset)
                     if ec is not NO_ECHO:
                         text, lps = echoed(ec, text, lps)
+                    lps = sglang_offsets(lps)
                     choice: dict[str, Any]
                     if chat:
                         choice = {
@@ -969,6 +986,7 @@ def setup(s: EmulatorServer) -> None:
                     if ec[0] is not NO_ECHO:
                         text, lp = echoed(ec[0], text, lp)
                         ec[0] = NO_ECHO
+                    lp = sglang_offsets(lp)
                     if chat:
                         await resp.write(
                             chunk(
@@ -1023,6 +1041,7 @@ def setup(s: EmulatorServer) -> None:
                     )
                 else:
                     text, lp = echoed(ec[0], "", None)  # no earlier chunk: this one echoes
+                    lp = sglang_offsets(lp)
                     last_choice: dict[str, Any] = {
                         "index": idx,
                         "text": text,

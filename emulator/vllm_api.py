@@ -23,11 +23,19 @@ from aiohttp import web
 
 from emulator import model, tokenizer
 from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_response, sse, start_sse, track
-from emulator.echo import NO_ECHO, Echo, echo, echoed, vllm_prompt_logprobs, vllm_prompt_logprobs_k
+from emulator.echo import (
+    NO_ECHO,
+    Echo,
+    echo,
+    echoed,
+    vllm_chat_echo,
+    vllm_prompt_logprobs,
+    vllm_prompt_logprobs_k,
+)
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, tokens, vllm_pull_kv, vllm_skip_remote_kv
 from emulator.kvtransfer import Held, TransferError
-from emulator.lax import coerce_openai
+from emulator.lax import coerce_openai, openai_shape_error
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_vllm
 from emulator.sampling_checks import vllm_refusal
@@ -143,6 +151,24 @@ def setup(s: EmulatorServer) -> None:
             u["completion_tokens_details"] = None
         return u
 
+    def chat_echo_chunk(
+        oid: str, created: int, model_name: str, index: int, text: str, n_prompt: int, continuous: bool
+    ) -> bytes:
+        """A chat stream's echo (``vllm_chat_echo``): a chunk of its own per choice after the role
+        chunks, no finish or logprobs (chat_completion/serving.py:591-624)."""
+        return sse(
+            {
+                "id": oid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model_name,
+                "choices": [
+                    {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+                ],
+            }
+            | ({"usage": running_usage(n_prompt, 0, True)} if continuous else {})
+        )
+
     def terminal_stamp(include_usage: bool) -> dict[str, Any]:
         """A stream's terminal chunks (those with a finish_reason) carry the system fingerprint
         when no usage chunk follows to carry it (completion/serving.py:425-432,
@@ -197,6 +223,8 @@ def setup(s: EmulatorServer) -> None:
             except (msgspec.DecodeError, ValueError) as e:
                 return _error(400, f"Invalid request: {e}")
             coerce_openai(body, chat)
+            if (why := openai_shape_error(body, chat)) is not None:
+                return _error(400, why)
             hit = s.faults.draw()
             early = await s.apply_entry_faults(hit, lambda st, msg: _error(st, msg))
             if early is not None:
@@ -402,6 +430,7 @@ def setup(s: EmulatorServer) -> None:
         n_prompt = len(prompt)
         max_new = max_new_for(prompt, limits, chat)
         ec = echo_of(prompt, body, chat, ask)
+        chat_echo = vllm_chat_echo(body) if chat else ""
         scoring = plp_k is not None  # prompt logprobs: no cached prefix, no remote KV is read
         xrid = request.headers.get("X-Request-Id")
         base = xrid if xrid else secrets.token_hex(8)
@@ -491,6 +520,18 @@ def setup(s: EmulatorServer) -> None:
                                     | ({"usage": running_usage(n_prompt, 0, chat)} if continuous else {})
                                 )
                             )
+                            if chat_echo:
+                                await resp.write(
+                                    chat_echo_chunk(
+                                        oid,
+                                        created,
+                                        body.get("model") or served,
+                                        0,
+                                        chat_echo,
+                                        n_prompt,
+                                        continuous,
+                                    )
+                                )
                         if new or (last and not chat) or (first and ec is not NO_ECHO):
                             choice = _token_choice(
                                 0, chat, text, lp, new, last, stopper, shown, prompt, return_ids
@@ -638,6 +679,7 @@ def setup(s: EmulatorServer) -> None:
         lps = logprobs(ask, shown_ids, prompt[-1] if prompt else 0, ec.offset) if ask is not None else None
         if ec is not NO_ECHO:
             text, lps = echoed(ec, text, lps)
+        text = chat_echo + text
         prompt_lps = vllm_prompt_logprobs(prompt, plp_k) if plp_k is not None else None
         if chat:
             obj: dict[str, Any] = {
@@ -743,6 +785,7 @@ def setup(s: EmulatorServer) -> None:
                 children.append((max_new, Seq(rid, prompt, max_new, model.sample_seed(base_seed, j))))
         outs: list[list[int]] = [[] for _ in children]
         echoes = [echo_of(seq.prompt, body, chat, ask) for _, seq in children]
+        chat_echo = vllm_chat_echo(body) if chat else ""
         finish: list[str] = ["length"] * len(children)
         stoppers = [Stopper(stop) if stop is not None else None for _ in children]
         resp: web.StreamResponse | None = None
@@ -767,6 +810,10 @@ def setup(s: EmulatorServer) -> None:
                             prompt_text=None,
                             **({"usage": running_usage(len(prompts[0]), 0, True)} if continuous else {}),
                         )
+                    )
+                for k in range(len(children) if chat_echo else 0):  # after all the role chunks
+                    await resp.write(
+                        chat_echo_chunk(oid, created, model_name, k, chat_echo, len(prompts[0]), continuous)
                     )
 
         async def child(k: int, max_new: int, seq: Seq) -> None:
@@ -871,6 +918,7 @@ def setup(s: EmulatorServer) -> None:
             prev = seq.prompt[-1] if seq.prompt else 0
             lps = logprobs(ask, shown_ids, prev, ec.offset) if ask is not None else None
             text, lps = echoed(ec, tokenizer.decode(shown_ids), lps)
+            text = chat_echo + text
             prompt_lps = vllm_prompt_logprobs(seq.prompt, plp_k) if plp_k is not None else None
             if chat:
                 choices.append(

@@ -12,12 +12,10 @@ import pytest
 
 from tests.emulator.conftest import Factory
 from tests.emulator.echo_helpers import (
-    check_offsets,
     choices,
     completion_body,
     encode,
     prompt_scores,
-    shifted,
 )
 from tests.emulator.test_sglang import pd, pd_pair, post
 
@@ -74,8 +72,8 @@ async def test_echo_with_logprobs_colocated(emu: Factory, http: aiohttp.ClientSe
     lp = got["logprobs"]
     assert got["text"] == PROMPT + want["text"]
     assert lp["token_logprobs"][:n] == prompt_scores(prompt) and lp["top_logprobs"][0] is None
-    check_offsets(lp)
-    assert {k: x[n:] for k, x in lp.items()} == shifted(want["logprobs"], len(PROMPT))
+    assert lp["text_offset"] == [-1] * (n + 6)  # SGLang computes no offsets
+    assert {k: x[n:] for k, x in lp.items()} == want["logprobs"]
     # `logprobs` 0 is falsy for SGLang: no prompt part
     _, raw, _ = await post(http, s.url + PATH, body(stream, echo=True, logprobs=0))
     assert len(choices(raw, stream)[0]["logprobs"]["tokens"]) == 6
@@ -112,3 +110,16 @@ async def test_max_tokens_must_be_positive(emu: Factory, http: aiohttp.ClientSes
         assert "max_tokens must be positive" in obj["message"] and obj["message"].startswith(
             "1 validation error"
         )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_text_offset_is_minus_one(emu: Factory, http: aiohttp.ClientSession, stream: bool) -> None:
+    """SGLang does not compute `text_offset`: `to_openai_style_logprobs` appends -1 for every
+    token, the prompt's (echo) and the output's (entrypoints/openai/utils.py:150-151)."""
+    s = await emu("sglang", "both")
+    for extra in ({"logprobs": 2}, {"logprobs": 1, "echo": True}):
+        st, raw, _ = await post(http, s.url + PATH, body(stream, **extra))
+        assert st == 200, raw
+        lp = choices(raw, stream)[0]["logprobs"]
+        n = len(encode(PROMPT)) + 6 if extra.get("echo") else 6
+        assert len(lp["tokens"]) == n and lp["text_offset"] == [-1] * n, lp

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.emulator.conftest import Factory
+from tests.emulator.conftest import Factory, sse_events
 from tests.emulator.echo_helpers import (
     check_offsets,
     choices,
@@ -180,3 +180,76 @@ async def test_decode_computes_the_prompt_itself(
     # nothing was pulled: the prefill was only told to free the blocks it held
     assert pstats["kv_transfers_ok"] == 0 and pstats["held_transfers"] == 0
     assert pstats["kv_blocks_used"] == 0
+
+
+CHAT = "/v1/chat/completions"
+PREFIX = "Sure, the answer is"  # a partial assistant turn that the answer continues
+
+
+def chat_body(stream: bool, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": messages, "max_tokens": 6, "temperature": 0, "stream": stream} | extra
+
+
+def chat_contents(raw: str, stream: bool) -> tuple[dict[int, str], list[dict[str, Any]]]:
+    """Each choice's content (a stream's deltas joined) and, streamed, the chunks' choices."""
+    if not stream:
+        return {c["index"]: c["message"]["content"] for c in json.loads(raw)["choices"]}, []
+    out: dict[int, str] = {}
+    seen: list[dict[str, Any]] = []
+    for e in sse_events(raw):
+        if e != "[DONE]":
+            for c in json.loads(e)["choices"]:
+                seen.append(c)
+                out[c["index"]] = out.get(c["index"], "") + (c["delta"].get("content") or "")
+    return out, seen
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_chat_echo_prepends_the_last_assistant_message(
+    emu: Factory, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    """vLLM's chat `echo` (chat_completion/serving.py:1132-1145, stream :591-624): the last
+    message's content leads each choice's when its role is the answer's ("assistant"), and a
+    stream sends it in a chunk of its own after the role chunk."""
+    v = await emu("vllm", "both")
+    msgs = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": PREFIX}]
+    _, plain = await post(http, v.url + CHAT, chat_body(stream, msgs))
+    s, raw = await post(http, v.url + CHAT, chat_body(stream, msgs, echo=True))
+    assert s == 200, raw
+    got, seen = chat_contents(raw, stream)
+    want = chat_contents(plain, stream)[0][0]
+    assert len(want) == 6 and got[0] == PREFIX + want
+    if stream:
+        assert seen[0]["delta"] == {"role": "assistant", "content": ""}
+        assert seen[1] == {"index": 0, "delta": {"content": PREFIX}, "logprobs": None, "finish_reason": None}
+    else:
+        # echo asks for the prompt's logprobs (top_logprobs, 0 by default): no cached prefix
+        obj = json.loads(raw)
+        assert (
+            obj["prompt_logprobs"][0] is None and len(obj["prompt_logprobs"]) == obj["usage"]["prompt_tokens"]
+        )
+        assert obj["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # n > 1: every choice echoes (a stream: one echo chunk per choice, after the role chunks)
+    s, raw = await post(http, v.url + CHAT, chat_body(stream, msgs, echo=True, n=2, temperature=0.5, seed=3))
+    got, seen = chat_contents(raw, stream)
+    assert s == 200 and sorted(got) == [0, 1] and all(t.startswith(PREFIX) for t in got.values()), raw
+    if stream:
+        assert [c["delta"] for c in seen[2:4]] == [{"content": PREFIX}] * 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_chat_echo_needs_the_answers_role(
+    emu: Factory, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    v = await emu("vllm", "both")
+    user = [{"role": "user", "content": "Hello there"}]
+    _, plain = await post(http, v.url + CHAT, chat_body(stream, user))
+    s, raw = await post(http, v.url + CHAT, chat_body(stream, user, echo=True))
+    assert (
+        s == 200 and chat_contents(raw, stream)[0] == chat_contents(plain, stream)[0]
+    )  # a user turn: nothing
+    # without the generation prompt the answer's role is the last message's: it echoes
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    b = chat_body(stream, parts, echo=True, add_generation_prompt=False)
+    s, raw = await post(http, v.url + CHAT, b)
+    assert s == 200 and chat_contents(raw, stream)[0][0].startswith("a\nb"), raw

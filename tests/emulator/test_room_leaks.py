@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 
 from emulator.api import EmulatorHandle
+from emulator.kvtransfer import PEER_ABORTED
 from tests.emulator.conftest import Factory
 from tests.emulator.test_vllm import PREFILL_KTP
 
@@ -118,10 +119,54 @@ async def test_decode_gone_before_prefill(emu: Factory, http: aiohttp.ClientSess
     # the decode's client gives up while the decode waits for a prefill that has not come
     await gone(http, d.url + "/generate", b, 0.3)
     await settled(http, p, d)
-    # the prefill arriving later finds its decode gone: it ends at once and holds nothing
-    st, _ = await post(http, p.url + "/generate", b, 2.0)
-    assert st == 200
+    # the prefill arriving later finds its decode gone: it ends at once, with SGLang's 500 abort
+    # (the abort notification left the room Failed: handle_bootstrap_failure), and holds nothing
+    st, text = await post(http, p.url + "/generate", {**b, "rid": "late"}, 2.0)
+    assert st == 500 and prefill_failure("bootstrap", "late", room, PEER_ABORTED) in text, text
     await settled(http, p, d)
+
+
+def prefill_failure(stage: str, rid: str, room: int, reason: str) -> str:
+    """A failed SGLang prefill's abort message (disaggregation/prefill.py:1282-1310, 1352-1378)."""
+    return (
+        f"Prefill {stage} failed for request rank=0 req.rid='{rid}' req.bootstrap_room={room} "
+        f"with exception KVTransferError(bootstrap_room={room}): {reason}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("pfault", "status", "stage", "reason"),
+    [
+        ("transfer_stall", 500, "transfer", PEER_ABORTED),  # the decode times out and aborts
+        ("transfer_fail", 500, "transfer", "KV transfer failed (injected)"),
+        ("abort_during_transfer", 200, "", ""),  # sglang #33507: the failure goes unseen
+    ],
+)
+async def test_prefill_answers_its_failed_transfer(
+    emu: Factory, http: aiohttp.ClientSession, pfault: str, status: int, stage: str, reason: str
+) -> None:
+    """A prefill whose KV never reached its decode ends with a 500 abort naming why, not a 200."""
+    p, d = await pair(emu, [pfault], waiting_timeout_s=0.3)
+    room = random.getrandbits(63)
+    b = {**BODY, **boot(p, room), "rid": "r1"}
+    (ps, ptext), (ds, _) = await asyncio.gather(
+        post(http, p.url + "/generate", b), post(http, d.url + "/generate", b)
+    )
+    assert ps == status, ptext
+    if status == 500:
+        assert ds == 500 and prefill_failure(stage, "r1", room, reason) in ptext, ptext
+    await settled(http, p, d)
+
+
+async def test_prefill_without_decode_times_out_bootstrapping(
+    emu: Factory, http: aiohttp.ClientSession
+) -> None:
+    p = await emu("sglang", "prefill", waiting_timeout_s=0.2)
+    room = random.getrandbits(63)
+    st, text = await post(http, p.url + "/generate", {**BODY, **boot(p, room), "rid": "alone"})
+    reason = f"Request {room} timed out after 0.2s in KVPoll.Bootstrapping"
+    assert st == 500 and prefill_failure("bootstrap", "alone", room, reason) in text, text
+    await settled(http, p)
 
 
 async def test_decode_aborted_while_waiting(emu: Factory, http: aiohttp.ClientSession) -> None:

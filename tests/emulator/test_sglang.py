@@ -396,3 +396,23 @@ async def test_stop_strings(emu: Factory, http: aiohttp.ClientSession) -> None:
     _, text, _ = await post(http, s.url + "/v1/completions", comp | {"logprobs": 1})
     lp = json.loads(text)["choices"][0]["logprobs"]
     assert "".join(lp["tokens"]) == full[:at]  # logprobs of the shown tokens only, as the text
+
+
+@pytest.mark.parametrize(
+    ("limits", "want"),
+    [
+        ({"max_completion_tokens": 0, "max_tokens": 3}, 3),  # 0 is falsy: max_tokens counts
+        ({"max_completion_tokens": None, "max_tokens": 4}, 4),
+        ({"max_completion_tokens": 5, "max_tokens": 3}, 5),
+    ],
+)
+async def test_chat_budget_is_max_completion_tokens_or_max_tokens(
+    emu: Factory, http: aiohttp.ClientSession, limits: dict[str, Any], want: int
+) -> None:
+    """SGLang's chat reads ``max_completion_tokens or max_tokens`` (``to_sampling_params``,
+    entrypoints/openai/protocol.py:1214; ``_validate_request``, serving_chat.py:1180)."""
+    s = await emu("sglang", "both")
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, **limits}
+    st, text, _ = await post(http, s.url + "/v1/chat/completions", body)
+    assert st == 200, text
+    assert json.loads(text)["usage"]["completion_tokens"] == want

@@ -1,0 +1,42 @@
+"""Prompt shapes the engines' request schemas refuse (vLLM's and SGLang's OpenAI routes are
+pydantic models: `messages` a list of role-tagged objects, `prompt` a string, strings, token ids
+or lists of them) are a 400 from the emulator, as from the engines, not a crash (500): a gateway
+in front would otherwise count the client's bad input against the worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.emulator.conftest import Factory
+
+BAD: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions", {"messages": [1]}),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}),
+    ("/v1/chat/completions", {"messages": "hi"}),
+    ("/v1/completions", {"prompt": [1, "a"]}),
+    ("/v1/completions", {"prompt": ["a", 1]}),
+    ("/v1/completions", {"prompt": [[1], "a"]}),
+    ("/v1/completions", {"prompt": [True, False]}),
+    ("/v1/completions", {"prompt": [["a"]]}),
+]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize(("path", "fields"), BAD)
+async def test_a_prompt_of_the_wrong_shape_is_a_400(
+    emu: Factory, http: aiohttp.ClientSession, engine: str, path: str, fields: dict[str, Any]
+) -> None:
+    h = await emu(engine, "both")
+    body = {"model": "m", "max_tokens": 2, **fields}
+    async with http.post(h.url + path, json=body) as r:
+        assert r.status == 400, await r.text()
+        got = await r.json()
+    message = got["error"]["message"] if "error" in got else got["message"]
+    assert "validation error" in message
+    async with http.post(
+        h.url + path.replace("chat/", ""), json={"model": "m", "prompt": [[1, 2], [3]]}
+    ) as r:
+        assert r.status == 200, await r.text()  # the right shapes still serve
