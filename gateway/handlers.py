@@ -202,11 +202,15 @@ class Handlers:
                     "body uncompressed"
                 )
             models = self.registry.models()
+            # a request naming no model goes to the one model served on its route (SGLang's
+            # /generate has no `model` field: behind a gateway that also serves vLLM models, its
+            # clients still reach the SGLang one)
+            serving = models if route is not RouteKind.GENERATE else self.registry.models_for(route)
             parsed = parse_request(
                 route,
                 req.path,
                 req.body,
-                default_model=models[0] if len(models) == 1 else None,
+                default_model=serving[0] if len(serving) == 1 else None,
                 max_n=self.max_n,
                 max_tokens_cap=self.max_tokens_cap,
             )

@@ -254,12 +254,12 @@ class Orchestrator:
                         await asyncio.sleep(backoff_s(attempt_no, self.settings.retries, self.rng))
         except TimeoutError:
             outcome = "timeout"
-            self._fail(res, UpstreamTimeout("the request exceeded its total deadline", phase="total"))
+            self._fail(res, UpstreamTimeout("the request exceeded its total deadline", phase="total"), echo)
         except GatewayError as e:
             if isinstance(e, UpstreamFailure) and e.instead is not None:
                 e = e.instead
             outcome = e.code.value
-            self._fail(res, e)
+            self._fail(res, e, echo)
         except asyncio.CancelledError:
             outcome = "client_gone"
             raise
@@ -363,7 +363,7 @@ class Orchestrator:
             return open_pairs
         return frozenset(failed) | open_pairs | full
 
-    def _fail(self, res: HttpResponder, e: GatewayError) -> None:
+    def _fail(self, res: HttpResponder, e: GatewayError, echo: tuple[bytes, bytes]) -> None:
         if res.closed:
             return
         if res.started:
@@ -371,7 +371,7 @@ class Orchestrator:
             res.write(sse_error_event(e.message, e.type, e.code.value))
             res.end()
         else:
-            res.send(e.status, e.headers(), e.body())
+            res.send(e.status, [*e.headers(), echo], e.body())  # errors name their request too
 
     # -- plans ---------------------------------------------------------------------------------
 

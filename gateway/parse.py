@@ -7,8 +7,6 @@ UTF-8 length, which is what the length estimate needs (see `ParsedRequest.prompt
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from gateway.errors import BadRequest
@@ -24,6 +22,12 @@ class _SamplingParams(msgspec.Struct):
     temperature: float | None = None
     top_k: int | None = None
     n: int | None = None
+
+
+class _Message(msgspec.Struct):
+    """A chat message as far as the gateway checks it (the engines check the rest)."""
+
+    role: str
 
 
 class _StreamOptions(msgspec.Struct):
@@ -65,7 +69,10 @@ class _Fields(msgspec.Struct):
 # and 0 are false; a fractional count or a number for a string field is still refused, by both.
 # msgspec takes fewer words for booleans (no "yes"/"on": a 400 here where an engine would take it).
 _decoder = msgspec.json.Decoder(_Fields, strict=False)
-_any_decoder = msgspec.json.Decoder()
+_ids_decoder = msgspec.json.Decoder(list[int])  # strict: true/false and "1" are no token ids
+_id_lists_decoder = msgspec.json.Decoder(list[list[int]])
+_texts_decoder = msgspec.json.Decoder(list[str])
+_messages_decoder = msgspec.json.Decoder(list[_Message])
 _model_encoder = msgspec.json.Encoder()
 _NULL = msgspec.Raw(b"null")
 
@@ -196,15 +203,17 @@ def parse_request(
     try:
         req = ParsedRequest(route, path, body, f, model)
     except msgspec.ValidationError as e:  # inside a prompt array (e.g. a number out of range)
-        raise BadRequest(f"invalid prompt: {e}", param=_prompt_param(route)) from None
+        raise BadRequest(f"invalid prompt: {e}", param=_prompt_param(route, f)) from None
     except (msgspec.DecodeError, UnicodeError) as e:  # e.g. invalid UTF-8 or a lone surrogate
-        raise BadRequest(f"invalid prompt: {e}", param=_prompt_param(route)) from None
+        raise BadRequest(f"invalid prompt: {e}", param=_prompt_param(route, f)) from None
     if req.max_tokens is not None:
         if req.max_tokens < 1 and route is not RouteKind.GENERATE:
             if not (req.max_tokens == 0 and f.echo and route is RouteKind.COMPLETIONS):
+                name = "max_tokens"
+                if route is RouteKind.CHAT and f.max_completion_tokens is not None:
+                    name = "max_completion_tokens"
                 raise BadRequest(
-                    "'max_tokens' must be at least 1 (0 only with 'echo': the prompt alone)",
-                    param="max_tokens",
+                    f"'{name}' must be at least 1 (0 only with 'echo': the prompt alone)", param=name
                 )
         if max_tokens_cap is not None and req.max_tokens > max_tokens_cap:
             raise BadRequest(f"'max_tokens' must be at most {max_tokens_cap}", param="max_tokens")
@@ -273,26 +282,17 @@ def _per_prompt(sps: list[_SamplingParams], batch: int, is_batch: bool) -> tuple
     return explicit, ns.pop(), greedy
 
 
-def _id_range(ids: list[Any], route: RouteKind) -> int:
-    """The largest id of a token-id prompt (-1 when its items are not all integers: the engine
-    then answers for it); a negative id is a 400."""
-    try:
-        low, high = min(ids), max(ids)
-    except TypeError:
-        return -1
-    if not isinstance(low, int) or not isinstance(high, int):
-        return -1
-    if low < 0:
-        raise BadRequest(f"Token id {low} is out of vocabulary", param=_ids_param(route))
-    return high
+def _id_range(ids: list[int], param: str) -> int:
+    """The largest id of a token-id prompt; a negative id is a 400."""
+    if min(ids) < 0:
+        raise BadRequest(f"Token id {min(ids)} is out of vocabulary", param=param)
+    return max(ids)
 
 
-def _ids_param(route: RouteKind) -> str:
-    return "input_ids" if route is RouteKind.GENERATE else "prompt"
-
-
-def _prompt_param(route: RouteKind) -> str:
-    return {RouteKind.CHAT: "messages", RouteKind.COMPLETIONS: "prompt"}.get(route, "text")
+def _prompt_param(route: RouteKind, f: _Fields) -> str:
+    if route is RouteKind.GENERATE:
+        return "text" if f.text else "input_ids"
+    return "messages" if route is RouteKind.CHAT else "prompt"
 
 
 def _param_of(msg: str) -> str | None:
@@ -308,34 +308,54 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool,
     largest token id or -1).
 
     For text the size is an upper bound of its UTF-8 bytes (the JSON length, escapes included);
-    for token ids it is their exact count. A negative token id is refused here; one too large
-    for a worker's vocabulary where the worker's vocabulary size is known (the orchestrator)."""
+    for token ids it is their exact count. The prompt's shape is checked as the engines' schemas
+    check it (a string, a list of strings, token ids, or lists of them; `/generate`'s `text` the
+    string forms, its `input_ids` the id forms; chat messages objects with a role), every item,
+    not only the first: a shape an engine refuses is the client's 400 here, never a worker's
+    fault. A negative token id is refused here; one too large for a worker's vocabulary where
+    the worker's vocabulary size is known (the orchestrator)."""
     if route is RouteKind.CHAT:
-        raw = f.messages
-        if not raw or not bytes(raw).lstrip().startswith(b"["):
+        data = bytes(f.messages)
+        try:
+            messages = _messages_decoder.decode(data)
+        except msgspec.ValidationError as e:
+            raise BadRequest(
+                f"'messages' must be an array of message objects, each with a 'role': {e}", param="messages"
+            ) from None
+        if not messages:
             raise BadRequest("'messages' must be a non-empty array", param="messages")
-        if len(raw) <= 2 or bytes(raw).replace(b" ", b"") == b"[]":
-            raise BadRequest("'messages' must be a non-empty array", param="messages")
-        return 1, False, len(raw), False, -1
-    raw = f.prompt if route is RouteKind.COMPLETIONS else (f.text if f.text else f.input_ids)
-    data = bytes(raw)
-    head = data.lstrip()[:1]
-    if head == b'"':
         return 1, False, len(data), False, -1
-    if head != b"[":
-        raise BadRequest(
-            "the prompt must be a string, a list of strings or a list of token ids", param="prompt"
-        )
-    value = _any_decoder.decode(data)
-    if not value:
-        raise BadRequest("the prompt must not be empty", param="prompt")
-    first = value[0]
-    if isinstance(first, int):  # one prompt as token ids
-        return 1, False, len(value), True, _id_range(value, route)
-    if isinstance(first, str):
-        return len(value), True, sum(len(s.encode()) for s in value if isinstance(s, str)), False, -1
-    if isinstance(first, list):
-        lists = [x for x in value if isinstance(x, list)]
-        top = max((_id_range(x, route) for x in lists if x), default=-1)
-        return len(value), True, sum(len(x) for x in lists), True, top
-    raise BadRequest("the prompt must be a string, a list of strings or a list of token ids", param="prompt")
+    if route is RouteKind.COMPLETIONS:
+        raw, param, texts, ids = f.prompt, "prompt", True, True
+    elif f.text:
+        raw, param, texts, ids = f.text, "text", True, False
+    else:
+        raw, param, texts, ids = f.input_ids, "input_ids", False, True
+    data = bytes(raw).strip()
+    head = data[:1]
+    if head == b'"' and texts:
+        return 1, False, len(data), False, -1
+    item = data[1:].lstrip()[:1]  # the first item's first byte
+    if head != b"[" or (item == b'"' and not texts) or (item != b'"' and not ids):
+        raise BadRequest(_shape_message(param, texts, ids), param=param)
+    if item == b"]":
+        raise BadRequest("the prompt must not be empty", param=param)
+    try:
+        if item == b'"':
+            strings = _texts_decoder.decode(data)
+            return len(strings), True, sum(len(x.encode()) for x in strings), False, -1
+        if item == b"[":
+            lists = _id_lists_decoder.decode(data)
+            top = max((_id_range(x, param) for x in lists if x), default=-1)
+            return len(lists), True, sum(len(x) for x in lists), True, top
+        one = _ids_decoder.decode(data)
+        return 1, False, len(one), True, _id_range(one, param)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"{_shape_message(param, texts, ids)} ({e})", param=param) from None
+
+
+def _shape_message(param: str, texts: bool, ids: bool) -> str:
+    forms = (["a string", "a list of strings"] if texts else []) + (
+        ["a list of token ids", "a list of such lists"] if ids else []
+    )
+    return f"'{param}' must be {', '.join(forms[:-1])} or {forms[-1]}"

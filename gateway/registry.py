@@ -155,6 +155,7 @@ class Registry:
         self._models: tuple[str, ...] | None = None  # cached until membership or info changes
         # per route: the workers whose engine does not answer it (cached like _models)
         self._not_serving: dict[RouteKind, frozenset[str]] = {}
+        self._route_models: dict[RouteKind, tuple[str, ...]] = {}
         self._not_alone: frozenset[str] | None = None  # decode workers that cannot answer alone
         self._snap_version = -1
         self._snap_seq = 0
@@ -206,6 +207,7 @@ class Registry:
         self._version += 1
         self._models = None
         self._not_serving = {}
+        self._route_models = {}
         self._not_alone = None
 
     def not_serving(self, route: RouteKind) -> frozenset[str]:
@@ -237,6 +239,17 @@ class Registry:
                 sorted({w.model for w in self._workers.values() if w.model is not None})
             )
         return models
+
+    def models_for(self, route: RouteKind) -> tuple[str, ...]:
+        """The models some worker serves on `route` (SGLang's /generate: only SGLang workers'),
+        which a request naming no model may default to. Cached like `models`."""
+        out = self._route_models.get(route)
+        if out is None:
+            served = {
+                w.model for w in self._workers.values() if w.model is not None and route in w.adapter.routes
+            }
+            out = self._route_models[route] = tuple(sorted(served))
+        return out
 
     def snapshot(self) -> ClusterSnapshot:
         """The cluster as policies see it, current to this call. Cheap per request: rebuilt

@@ -205,14 +205,16 @@ class SampleMerger:
         elif "id" in ev:
             ev["id"], ev["created"] = self._stream_ids
         usage = ev.get("usage")
-        if usage is not None:
-            self.usage[j] = usage
-            ev["usage"] = None
         choices = ev.get("choices")
         if not choices:
-            if usage is not None and self._usage_event is None:
-                self._usage_event = {k: v for k, v in ev.items() if k not in ("choices", "usage")}
+            # the sample's usage chunk (the client asked for usage): summed into one at the end
+            if usage is not None:
+                self.usage[j] = usage
+                if self._usage_event is None:
+                    self._usage_event = {k: v for k, v in ev.items() if k not in ("choices", "usage")}
             return usage is None
+        # a content chunk keeps its usage (continuous_usage_stats): its own choice's tokens so
+        # far, which is what SGLang puts there for each index of an `n > 1` or batch stream
         for c in choices:
             c["index"] = j
         return True

@@ -535,6 +535,25 @@ async def test_request_ids_are_honoured_echoed_and_generated(cluster: Cluster) -
 
 
 @pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"model": "no-such-model", "prompt": "x"}, 404, "model_not_found"),  # the policy's verdict
+        ({"model": "m-sglang", "prompt": [1] * 9000, "max_tokens": 4}, 400, "context_length_exceeded"),
+        ({"model": "m-vllm", "prompt": "x", "max_tokens": 4, "temperature": -1}, 400, None),  # the engine's
+    ],
+)
+async def test_errors_after_parsing_echo_the_request_id_too(
+    cluster: Cluster, body: dict[str, Any], status: int, code: str | None
+) -> None:
+    """The id names failed requests as well as served ones (a client's support ticket quotes it)."""
+    s, h, raw = await post(cluster.url + "/v1/completions", body, headers={"X-Request-Id": "err-id-9"})
+    assert s == status, raw
+    assert h.get("X-Request-Id") == "err-id-9", (dict(h), raw)
+    if code is not None:
+        assert json.loads(raw)["error"]["code"] == code
+
+
+@pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
         ("/v1/chat/completions", b"{not json", 400, None),
@@ -545,6 +564,28 @@ async def test_request_ids_are_honoured_echoed_and_generated(cluster: Cluster) -
         ("/v1/completions", {"model": "m-vllm", "prompt": "x", "n": 0}, 400, "n"),
         ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
         ("/v1/nothing", {"model": "m-vllm"}, 404, None),
+        # shapes the engines' schemas refuse, every item checked (not only the first)
+        ("/v1/chat/completions", {"model": "m-vllm", "messages": [1]}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "m-sglang", "messages": [{"content": "x"}]}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "m-vllm", "messages": "hi"}, 400, "messages"),
+        ("/v1/completions", {"model": "m-vllm", "prompt": [1, "a"]}, 400, "prompt"),
+        ("/v1/completions", {"model": "m-vllm", "prompt": ["a", 1]}, 400, "prompt"),
+        ("/v1/completions", {"model": "m-sglang", "prompt": [[1], "a"]}, 400, "prompt"),
+        ("/v1/completions", {"model": "m-sglang", "prompt": [True, False]}, 400, "prompt"),
+        ("/v1/completions", {"model": "m-vllm", "prompt": [["a"]]}, 400, "prompt"),
+        ("/v1/completions", {"model": "m-vllm", "prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"model": "m-vllm", "prompt": {"a": 1}}, 400, "prompt"),
+        ("/generate", {"model": "m-sglang", "text": []}, 400, "text"),
+        ("/generate", {"model": "m-sglang", "text": [1, 2]}, 400, "text"),
+        ("/generate", {"model": "m-sglang", "input_ids": 5}, 400, "input_ids"),
+        ("/generate", {"model": "m-sglang", "input_ids": "abc"}, 400, "input_ids"),
+        ("/generate", {"model": "m-sglang", "input_ids": [1, -2]}, 400, "input_ids"),
+        (
+            "/v1/chat/completions",
+            {"model": "m-vllm", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+            400,
+            "max_completion_tokens",
+        ),
     ],
 )
 async def test_bad_requests_get_openai_shaped_errors(

@@ -84,3 +84,36 @@ async def test_the_reference_engines_differ_as_their_source_says(cluster: Cluste
     assert [stamped for _, _, stamped in vllm] == [False] * (len(vllm) - 1) + [True]
     assert all(u is not None and not only for only, u, _ in sglang)
     assert [u[1] for _, u, _ in sglang if u is not None][-1] == 3
+
+
+def usage_by_choice(raw: bytes) -> tuple[dict[int, list[Any]], list[Any]]:
+    """Per choice index, the usage counts its content chunks carry (in order), and the usage-only
+    chunks' counts: what a split stream must keep, whichever way the samples interleave."""
+    per: dict[int, list[Any]] = {}
+    only: list[Any] = []
+    for e in sse_events(raw):
+        if e == "[DONE]":
+            continue
+        u = e.get("usage")
+        counts = None if u is None else (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"])
+        if not e.get("choices"):
+            only.append(counts)
+        for c in e.get("choices") or ():
+            per.setdefault(c["index"], []).append(counts)
+    return per, only
+
+
+@pytest.mark.parametrize("options", OPTIONS[1:], ids=lambda o: json.dumps(o, separators=(",", ":")))
+@pytest.mark.parametrize("split", [{"n": 2}, {"prompt": ["usage, please", "and a second prompt"]}])
+async def test_split_sglang_streams_keep_the_engines_usage(
+    cluster: Cluster, split: dict[str, Any], options: dict[str, Any]
+) -> None:
+    """SGLang P/D runs `n > 1` and batches as one handoff per sample (gateway/samples.py): each
+    content chunk keeps its own choice's running usage (continuous_usage_stats), and the summed
+    usage chunk comes only when the client asked for it (include_usage), as from SGLang itself."""
+    body = {**body_for("/v1/completions", "m-sglang", "usage, please", True, max_tokens=5), **split}
+    body["stream_options"] = options
+    status, _, raw = await post(cluster.url + "/v1/completions", body)
+    assert status == 200, raw
+    _, _, ref = await post(cluster.reference["m-sglang"].url + "/v1/completions", body)
+    assert usage_by_choice(raw) == usage_by_choice(ref)
