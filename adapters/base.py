@@ -50,6 +50,9 @@ class PrefillVerdict(msgspec.Struct, frozen=True):
     retryable: bool = True  # a failure another pair might not have (False: the request is at fault)
     status: int = 200
     body: bytes = b""  # the engine's body, kept for error pass-through
+    # the prefill failed because its KV did not reach the decode (SGLang's KVTransferError: the
+    # decode gave up or aborted, or the transfer broke): the pair's failure, not the prefill's
+    handoff: bool = False
 
 
 class ProbeInfo(msgspec.Struct, frozen=True):

@@ -226,6 +226,15 @@ class SGLangAdapter:
     # -- judging the prefill --------------------------------------------------------------
 
     def judge_prefill(self, req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:
+        v = self._judge_prefill(req, status, body)
+        if not v.ok and b"KVTransferError" in body:
+            # "Prefill bootstrap/transfer failed ... KVTransferError(bootstrap_room=N): ..." (a 500
+            # abort: disaggregation/prefill.py handle_bootstrap_failure and
+            # handle_inflight_transfer_failure): the decode's side may be the one that failed
+            return msgspec.structs.replace(v, handoff=True, retryable=True)
+        return v
+
+    def _judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
         if status != 200:
             retryable = status >= 500 or status in (408, 429)
             return PrefillVerdict(

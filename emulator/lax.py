@@ -72,10 +72,11 @@ def coerce_openai(body: dict[str, Any], chat: bool) -> None:
 
 
 def openai_shape_error(body: dict[str, Any], chat: bool) -> str | None:
-    """The prompt's shape as both engines' request schemas (pydantic) check it, or None: chat
-    `messages` an array of objects with a string `role`; completions `prompt` a string, a list of
-    strings, token ids, or a list of token-id lists (a boolean is no token id). Refused while
-    the request is parsed: a 400, never an engine crash."""
+    """The prompt's shape as both engines' request schemas (pydantic, lax mode) check it, or
+    None: chat `messages` an array of objects with a string `role`; completions `prompt` a
+    string, a list of strings, token ids, or a list of token-id lists. A token id may come as
+    `true`, `2.0` or `"7"` (pydantic's lax int); such a prompt is rewritten in place to plain
+    ids, as the engine reads it. Refused while the request is parsed: a 400, never a crash."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(
@@ -86,17 +87,32 @@ def openai_shape_error(body: dict[str, Any], chat: bool) -> str | None:
     p = body.get("prompt")
     if p is None or isinstance(p, str):
         return None  # (a missing prompt is each engine's own error)
-    if isinstance(p, list) and (
-        all(isinstance(x, str) for x in p)
-        or all(_is_id(x) for x in p)
-        or all(isinstance(x, list) and all(_is_id(t) for t in x) for x in p)
-    ):
+    if isinstance(p, list) and all(isinstance(x, str) for x in p):
         return None
+    if isinstance(p, list):
+        if p and all(isinstance(x, list) for x in p):
+            lists = [_lax_ids(x) for x in p]
+            if all(x is not None for x in lists):
+                body["prompt"] = lists
+                return None
+        elif (one := _lax_ids(p)) is not None:
+            body["prompt"] = one
+            return None
     return (
         "1 validation error: prompt: Input should be a string, a list of strings, "
         "a list of token ids or a list of token id lists"
     )
 
 
-def _is_id(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _lax_ids(items: list[Any]) -> list[int] | None:
+    out: list[int] = []
+    for x in items:
+        if isinstance(x, int):  # (bool too: pydantic's lax int)
+            out.append(int(x))
+        elif isinstance(x, float) and x.is_integer():
+            out.append(int(x))
+        elif isinstance(x, str) and x.strip().lstrip("+-").isdigit():
+            out.append(int(x))
+        else:
+            return None
+    return out

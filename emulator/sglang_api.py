@@ -242,9 +242,14 @@ class SglangApi:
                     # abortable: /abort_request reaches a request waiting for its decode
                     sent = await engine.abortable(seq, asyncio.wait_for(asyncio.shield(room.taken), timeout))
                 except TimeoutError:
-                    raise TransferError(
-                        "timeout", f"Request {item.room} timed out after {timeout}s in KVPoll.Bootstrapping"
-                    ) from None
+                    if not room.claimed:
+                        raise TransferError(
+                            "timeout",
+                            f"Request {item.room} timed out after {timeout}s in KVPoll.Bootstrapping",
+                        ) from None
+                    # its decode bootstrapped it: the bootstrap timeout is over; the transfer ends
+                    # (sent, failed, or the decode giving up) by itself
+                    sent = await engine.abortable(seq, asyncio.shield(room.taken))
                 if not sent and room.failure is not None:
                     # its decode aborted or gave up (SGLang's abort notification marks the room
                     # Failed), or the send failed: a 500 abort, not a 200

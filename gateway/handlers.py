@@ -205,7 +205,8 @@ class Handlers:
             # a request naming no model goes to the one model served on its route (SGLang's
             # /generate has no `model` field: behind a gateway that also serves vLLM models, its
             # clients still reach the SGLang one)
-            serving = models if route is not RouteKind.GENERATE else self.registry.models_for(route)
+            # (none on the route: the orchestrator's answer names the route the model lacks)
+            serving = self.registry.models_for(route) or models
             parsed = parse_request(
                 route,
                 req.path,

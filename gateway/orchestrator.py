@@ -1162,6 +1162,14 @@ class Orchestrator:
         """The error for a prefill answer that is no basis for a decode (counted as a guard hit
         when `caught`: it kept a broken handoff from the client). `decode_took`: the prefill
         refused (4xx) what its decode did not refuse."""
+        if v.handoff:
+            # its KV did not reach the decode: no verdict on either worker (the pair breaker
+            # counts it, and the retry avoids the pair), whichever leg's failure came first
+            return PrefillFailed(
+                f"prefill {p.id}: its KV transfer to decode {d.id} failed: {v.reason}",
+                phase="prefill",
+                worker=None,
+            )
         if caught:
             self._guard_failed(
                 Guard.PREFILL_VERDICT, "before_first_byte", request_id, v.reason, prefill=p.id, decode=d.id

@@ -7,6 +7,8 @@ UTF-8 length, which is what the length estimate needs (see `ParsedRequest.prompt
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from gateway.errors import BadRequest
@@ -55,6 +57,7 @@ class _Fields(msgspec.Struct):
     logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent
     echo: bool | None = None
     prompt_logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent (vLLM's extension)
+    top_logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent
     rid: msgspec.Raw = msgspec.Raw()  # empty: absent
     user: str | None = None
     session_id: str | None = None
@@ -69,7 +72,10 @@ class _Fields(msgspec.Struct):
 # and 0 are false; a fractional count or a number for a string field is still refused, by both.
 # msgspec takes fewer words for booleans (no "yes"/"on": a 400 here where an engine would take it).
 _decoder = msgspec.json.Decoder(_Fields, strict=False)
-_ids_decoder = msgspec.json.Decoder(list[int])  # strict: true/false and "1" are no token ids
+# strict, the usual spellings at C speed; a completions prompt that fails them is read again as
+# pydantic's lax mode would (_lax_token_ids); /generate's input_ids are strict in SGLang too
+_any_decoder = msgspec.json.Decoder()
+_ids_decoder = msgspec.json.Decoder(list[int])
 _id_lists_decoder = msgspec.json.Decoder(list[list[int]])
 _texts_decoder = msgspec.json.Decoder(list[str])
 _messages_decoder = msgspec.json.Decoder(list[_Message])
@@ -114,13 +120,11 @@ class ParsedRequest:
         self.stream = bool(f.stream)
         self.include_usage = bool(f.stream_options and f.stream_options.include_usage)
         self.return_logprob = bool(f.return_logprob)
-        if f.rid == _NULL:  # `"rid": null` is SGLang's "no name": the gateway names it, as if absent
+        null_rid = f.rid == _NULL
+        if null_rid:  # `"rid": null` is SGLang's "no name": the gateway names it, as if absent
             f.rid = msgspec.Raw()
-            self.has_owned_fields = True  # the null is dropped from the body, the gateway's rid put in
-        else:
-            self.has_owned_fields = False
-        self.has_owned_fields = (
-            self.has_owned_fields
+        self.has_owned_fields = (  # (a null rid: dropped from the body, the gateway's rid put in)
+            null_rid
             or bool(f.bootstrap_host)
             or bool(f.bootstrap_port)
             or bool(f.bootstrap_room)
@@ -194,29 +198,32 @@ def parse_request(
         model = default_model
         if route is not RouteKind.GENERATE:  # (SGLang's /generate takes no `model` field)
             body = splice(body, b'"model":' + _model_encoder.encode(model))
-    if route is RouteKind.CHAT and not f.messages:
+    if f.text == _NULL:  # (a client serialising SGLang's GenerateReqInput sends the unused one as null)
+        f.text = msgspec.Raw()
+    if f.input_ids == _NULL:
+        f.input_ids = msgspec.Raw()
+    if route is RouteKind.CHAT and not _given(f.messages):
         raise BadRequest("missing required parameter: 'messages'", param="messages")
-    if route is RouteKind.COMPLETIONS and not f.prompt:
+    if route is RouteKind.COMPLETIONS and not _given(f.prompt):
         raise BadRequest("missing required parameter: 'prompt'", param="prompt")
     if route is RouteKind.GENERATE and not f.text and not f.input_ids:
         raise BadRequest("either 'text' or 'input_ids' is required", param="text")
     try:
         req = ParsedRequest(route, path, body, f, model)
-    except msgspec.ValidationError as e:  # inside a prompt array (e.g. a number out of range)
-        raise BadRequest(f"invalid prompt: {e}", param=_prompt_param(route, f)) from None
     except (msgspec.DecodeError, UnicodeError) as e:  # e.g. invalid UTF-8 or a lone surrogate
         raise BadRequest(f"invalid prompt: {e}", param=_prompt_param(route, f)) from None
     if req.max_tokens is not None:
+        # the field the client gave the budget in (chat's newer name where it was given)
+        name = "max_tokens"
+        if route is RouteKind.CHAT and f.max_completion_tokens is not None:
+            name = "max_completion_tokens"
         if req.max_tokens < 1 and route is not RouteKind.GENERATE:
             if not (req.max_tokens == 0 and f.echo and route is RouteKind.COMPLETIONS):
-                name = "max_tokens"
-                if route is RouteKind.CHAT and f.max_completion_tokens is not None:
-                    name = "max_completion_tokens"
                 raise BadRequest(
                     f"'{name}' must be at least 1 (0 only with 'echo': the prompt alone)", param=name
                 )
         if max_tokens_cap is not None and req.max_tokens > max_tokens_cap:
-            raise BadRequest(f"'max_tokens' must be at most {max_tokens_cap}", param="max_tokens")
+            raise BadRequest(f"'{name}' must be at most {max_tokens_cap}", param=name)
     if not 1 <= req.n <= max_n:
         raise BadRequest(f"'n' must be between 1 and {max_n}", param="n")
     return req
@@ -242,6 +249,9 @@ _ECHO_LOGPROBS = LocalPrefill("echo", "'echo' with 'logprobs' asks for the promp
 _ECHO_LOGPROBS_0 = LocalPrefill("echo", "'echo' with 'logprobs' 0 asks vLLM for the prompt's logprobs")
 _PROMPT_LOGPROBS = LocalPrefill("prompt_logprobs", "'prompt_logprobs' asks for the prompt's logprobs")
 _PROMPT_ONLY = LocalPrefill("max_tokens", "'max_tokens' 0 asks for the prompt alone")
+# vLLM's chat takes `echo` as prompt_logprobs = top_logprobs (0 by default: not None), so its
+# decode computes the prompt again (chat_completion/protocol.py:742-744)
+_CHAT_ECHO = LocalPrefill("echo", "'echo' on a chat asks vLLM for the prompt's logprobs")
 
 
 def _local_prefill(route: RouteKind, f: _Fields, max_tokens: int | None) -> LocalPrefill | None:
@@ -250,7 +260,9 @@ def _local_prefill(route: RouteKind, f: _Fields, max_tokens: int | None) -> Loca
     `/generate` the prefill's prompt logprobs are merged into the decode's answer instead."""
     if route is RouteKind.GENERATE:
         return None
-    if f.echo and _given(f.logprobs) and route is RouteKind.COMPLETIONS:  # (chat's echo: the last message)
+    if f.echo and route is RouteKind.CHAT and bytes(f.top_logprobs) != b"null":
+        return _CHAT_ECHO
+    if f.echo and _given(f.logprobs) and route is RouteKind.COMPLETIONS:
         return _ECHO_LOGPROBS if bytes(f.logprobs) not in (b"0", b"0.0") else _ECHO_LOGPROBS_0
     if _given(f.prompt_logprobs):
         return _PROMPT_LOGPROBS
@@ -351,7 +363,43 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool,
         one = _ids_decoder.decode(data)
         return 1, False, len(one), True, _id_range(one, param)
     except msgspec.ValidationError as e:
+        if route is RouteKind.COMPLETIONS:
+            lax = _lax_token_ids(_any_decoder.decode(data))
+            if lax is not None:
+                return lax
         raise BadRequest(f"{_shape_message(param, texts, ids)} ({e})", param=param) from None
+
+
+def _lax_token_ids(value: list[Any]) -> tuple[int, bool, int, bool, int] | None:
+    """A completions prompt list read as both engines' schemas read it where it is not plain
+    JSON integers: pydantic's lax mode takes `true` as 1, `2.0` as 2 and `"7"` as 7 for a token
+    id (a list of strings that are not all numbers stays text, which the strict decode took).
+    None when it is no token-id prompt either. The engine gets the client's bytes as sent."""
+
+    def ids(items: list[Any]) -> list[int] | None:
+        out: list[int] = []
+        for x in items:
+            if isinstance(x, int):  # (bool too)
+                out.append(int(x))
+            elif isinstance(x, float) and x.is_integer():
+                out.append(int(x))
+            elif isinstance(x, str) and x.strip().lstrip("+-").isdigit():
+                out.append(int(x))
+            else:
+                return None
+        return out
+
+    if value and all(isinstance(x, list) for x in value):
+        lists = [ids(x) for x in value]
+        if any(x is None for x in lists):
+            return None
+        ok = [x for x in lists if x is not None]
+        top = max((_id_range(x, "prompt") for x in ok if x), default=-1)
+        return len(ok), True, sum(len(x) for x in ok), True, top
+    one = ids(value)
+    if one is None:
+        return None
+    return 1, False, len(one), True, _id_range(one, "prompt")
 
 
 def _shape_message(param: str, texts: bool, ids: bool) -> str:

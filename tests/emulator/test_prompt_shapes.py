@@ -19,7 +19,8 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": [1, "a"]}),
     ("/v1/completions", {"prompt": ["a", 1]}),
     ("/v1/completions", {"prompt": [[1], "a"]}),
-    ("/v1/completions", {"prompt": [True, False]}),
+    ("/v1/completions", {"prompt": [1.5, 2]}),
+    ("/v1/completions", {"prompt": ["7", "x", 1]}),
     ("/v1/completions", {"prompt": [["a"]]}),
 ]
 

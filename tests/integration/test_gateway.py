@@ -571,7 +571,7 @@ async def test_errors_after_parsing_echo_the_request_id_too(
         ("/v1/completions", {"model": "m-vllm", "prompt": [1, "a"]}, 400, "prompt"),
         ("/v1/completions", {"model": "m-vllm", "prompt": ["a", 1]}, 400, "prompt"),
         ("/v1/completions", {"model": "m-sglang", "prompt": [[1], "a"]}, 400, "prompt"),
-        ("/v1/completions", {"model": "m-sglang", "prompt": [True, False]}, 400, "prompt"),
+        ("/v1/completions", {"model": "m-sglang", "prompt": [1.5, 2]}, 400, "prompt"),
         ("/v1/completions", {"model": "m-vllm", "prompt": [["a"]]}, 400, "prompt"),
         ("/v1/completions", {"model": "m-vllm", "prompt": []}, 400, "prompt"),
         ("/v1/completions", {"model": "m-vllm", "prompt": {"a": 1}}, 400, "prompt"),
@@ -597,6 +597,33 @@ async def test_bad_requests_get_openai_shaped_errors(
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
     assert h["Content-Type"] == "application/json"
+
+
+@pytest.mark.parametrize("model", ["m-sglang", "m-vllm"])
+async def test_token_ids_in_pydantic_s_lax_spellings_are_token_ids(cluster: Cluster, model: str) -> None:
+    """Both engines read a completions prompt with pydantic's lax mode: `true`, `2.0` and `"7"`
+    are token ids 1, 2 and 7. The gateway takes them as the engines do (the bytes go as sent)."""
+    for lax, plain in (([True, 2.0, "7", 5], [1, 2, 7, 5]), ([[3.0, "4"], [True]], [[3, 4], [1]])):
+        body = {"model": model, "max_tokens": 5, "temperature": 0}
+        s1, _, got = await post(cluster.url + "/v1/completions", {**body, "prompt": lax})
+        s2, _, want = await post(cluster.reference[model].url + "/v1/completions", {**body, "prompt": plain})
+        assert (s1, s2) == (200, 200), got
+        texts = [[c["text"] for c in json.loads(r)["choices"]] for r in (got, want)]
+        assert texts[0] == texts[1] and all(texts[0]), texts
+
+
+async def test_a_null_prompt_field_is_an_absent_one(cluster: Cluster) -> None:
+    """A client that serialises SGLang's GenerateReqInput sends the prompt form it does not use
+    as null (`"text": null` beside `input_ids`); SGLang takes that, and so does the gateway."""
+    body = {
+        "model": "m-sglang",
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+    }
+    s, _, got = await post(cluster.url + "/generate", {**body, "text": None})
+    _, _, want = await post(cluster.reference["m-sglang"].url + "/generate", body)
+    assert s == 200, got
+    assert json.loads(got)["output_ids"] == json.loads(want)["output_ids"]
 
 
 async def test_wrong_method(cluster: Cluster) -> None:

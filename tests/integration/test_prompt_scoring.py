@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
-from tests.integration.test_gateway import post, sse_events
+from tests.integration.test_gateway import generated, post, sse_events
 
 PROMPT = "The capital of France is"
 
@@ -172,3 +172,25 @@ async def test_max_tokens_zero_needs_echo(cluster: Cluster) -> None:
         assert s == 400, raw
         err = json.loads(raw)["error"]
         assert err["param"] == "max_tokens" and "0 only with 'echo'" in err["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_vllm_chat_echo_is_served_by_the_decode_alone(cluster: Cluster, stream: bool) -> None:
+    """vLLM takes a chat's `echo` as prompt_logprobs = top_logprobs (0 by default), so its decode
+    would compute the prompt again: it serves the request alone (no prefill wasted), with the
+    last assistant message echoed as the engine does it. `top_logprobs: null` asks for none."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}]
+    body = {"model": "m-vllm", "messages": messages, "max_tokens": 6, "temperature": 0, "stream": stream}
+    for extra, plan in (
+        ({"echo": True}, "decode_self_prefill"),
+        ({"echo": True, "top_logprobs": None}, "disaggregated"),
+    ):
+        before = plans(cluster, "m-vllm")
+        s, _, raw = await post(cluster.url + "/v1/chat/completions", {**body, **extra})
+        assert s == 200, raw
+        assert grew(before, plans(cluster, "m-vllm")) == {plan}
+        _, _, ref = await post(cluster.reference["m-vllm"].url + "/v1/chat/completions", {**body, **extra})
+        assert generated("/v1/chat/completions", raw, stream) == generated(
+            "/v1/chat/completions", ref, stream
+        )
+        assert generated("/v1/chat/completions", raw, stream)[0].startswith("Well,")

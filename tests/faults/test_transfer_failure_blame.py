@@ -1,0 +1,90 @@
+"""A KV transfer that fails between an SGLang prefill and its decode is the pair's failure, not
+the prefill's: real SGLang's prefill then answers a 500 abort naming a KVTransferError
+(disaggregation/prefill.py handle_bootstrap_failure / handle_inflight_transfer_failure; its
+reason is often "Failed due to an unknown reason from another rank", i.e. the decode's side),
+and it usually answers before its decode does. Were that 500 held against the prefill, a broken
+decode, or one bad link, would open the breaker of a healthy prefill and take it out of every
+other pair."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from adapters import ADAPTERS
+from emulator.api import EmulatorSpec, start_emulator
+from gateway.app import Gateway
+from gateway.breaker import BreakerState
+from gateway.config import (
+    BreakerConfig,
+    GatewayConfig,
+    HealthConfig,
+    ListenConfig,
+    RetriesConfig,
+    WorkerConfig,
+)
+from gateway.parse import parse_request
+from policies.snapshot import Engine, Role, RouteKind
+from tests.integration.test_engine_request_names import _ctx
+
+
+def test_a_prefill_500_naming_a_kv_transfer_error_is_a_handoff_verdict() -> None:
+    req = parse_request(
+        RouteKind.COMPLETIONS,
+        "/v1/completions",
+        b'{"model":"m","prompt":"x"}',
+        default_model=None,
+        max_n=8,
+        max_tokens_cap=None,
+    )
+    body = (
+        b'{"object":"error","message":"Prefill transfer failed for request rank=0 req.rid=\'r\' '
+        b"req.bootstrap_room=5 with exception KVTransferError(bootstrap_room=5): Failed due to an "
+        b'unknown reason from another rank","type":"InternalServerError","param":null,"code":500}'
+    )
+    v = ADAPTERS[Engine.SGLANG].judge_prefill(req, _ctx(5, "r"), 500, body)
+    assert not v.ok and v.handoff and v.retryable
+    other = ADAPTERS[Engine.SGLANG].judge_prefill(req, _ctx(5, "r"), 500, b'{"error":"out of memory"}')
+    assert not other.ok and not other.handoff  # any other 5xx is still the prefill's own
+
+
+async def test_failed_transfers_open_the_pair_breaker_not_the_prefill_s() -> None:
+    p = await start_emulator(
+        EmulatorSpec(engine="sglang", role="prefill", model="m", faults=["transfer_fail"])
+    )
+    d = await start_emulator(EmulatorSpec(engine="sglang", role="decode", model="m"))
+    gw = Gateway(
+        GatewayConfig(
+            listen=ListenConfig(host="127.0.0.1", port=0),
+            workers=(
+                WorkerConfig(
+                    url=p.url,
+                    role=Role.PREFILL,
+                    engine=Engine.SGLANG,
+                    id="p",
+                    bootstrap_port=p.bootstrap_port,
+                ),
+                WorkerConfig(url=d.url, role=Role.DECODE, engine=Engine.SGLANG, id="d"),
+            ),
+            health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
+            retries=RetriesConfig(max_attempts=1),
+            breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=60.0),
+        )
+    )
+    await gw.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(4):
+                async with s.post(
+                    gw.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}
+                ) as r:
+                    await r.read()
+                    assert r.status >= 500
+                    if gw.registry.pair_breaker("p", "d").state is BreakerState.OPEN:
+                        break
+        assert gw.registry.get("p").breaker.state is BreakerState.CLOSED
+        assert gw.registry.get("d").breaker.state is BreakerState.CLOSED
+        assert gw.registry.pair_breaker("p", "d").state is BreakerState.OPEN
+    finally:
+        await gw.stop(grace_s=0.5)
+        await p.stop()
+        await d.stop()
