@@ -98,9 +98,12 @@ async def test_missing_model_means_the_one_served(admin_cluster: Cluster, model:
         assert text_of(unnamed, stream, chat) == text_of(named, stream, chat) != ""
         first = json.loads(unnamed) if not stream else sse_events(unnamed)[0]
         assert first["model"] == model, first
+    s, _, raw = await post(c.url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4}})
     if model == "m-sglang":
-        s, _, raw = await post(c.url + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4}})
         assert s == 200 and json.loads(raw)["meta_info"]["completion_tokens"] == 4, raw
+    else:  # the one model has no /generate: the answer says so (not "more than one model")
+        err = json.loads(raw)["error"]
+        assert s == 400 and "SGLang's native route" in err["message"], raw
     # and the official client, which always sends `model`, is unaffected
     client = AsyncOpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0)
     try:
