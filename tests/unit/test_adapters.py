@@ -411,7 +411,11 @@ def test_generate_sampling_params_per_prompt_are_read_for_accounting() -> None:
         (RouteKind.COMPLETIONS, {"prompt_logprobs": 1}, ("prompt_logprobs", False)),
         (RouteKind.COMPLETIONS, {"prompt_logprobs": None}, None),
         (RouteKind.COMPLETIONS, {"echo": True, "max_tokens": 0}, ("max_tokens", False)),
-        (RouteKind.CHAT, {"echo": True, "logprobs": True}, None),  # chat's echo repeats the last message
+        # vLLM: a chat's echo is prompt_logprobs = top_logprobs (0 by default), so its decode
+        # scores the prompt; SGLang's repeats the last message and scores nothing
+        (RouteKind.CHAT, {"echo": True, "logprobs": True}, ("echo", False)),
+        (RouteKind.CHAT, {"echo": True}, ("echo", False)),
+        (RouteKind.CHAT, {"echo": True, "top_logprobs": None}, None),
         (RouteKind.CHAT, {"prompt_logprobs": 0}, ("prompt_logprobs", False)),
         (RouteKind.GENERATE, {"return_logprob": True, "logprob_start_len": 0}, None),  # merged instead
     ],
