@@ -150,8 +150,10 @@ class SGLangAdapter:
     def _client_rid(self, req: ParsedRequest, request_id: str, unique: int) -> bytes | None:
         """The client's own `rid` (a string, or one per batch item) with the unique part in front,
         as JSON; None to send it as it came (not a name SGLang takes: it refuses it itself).
-        The client's name stays readable in the engine's logs and answers, but two clients, or a
-        retry of this request, never hand the engine the same rid or one that extends another."""
+        The client's name stays readable in the engine's logs and answers (not where the gateway
+        splits the request: P/D batches and `n > 1` are units the gateway names, samples.py),
+        but two clients, or a retry of this request, never hand the engine the same rid or one
+        that extends another."""
         try:
             v = msgspec.json.decode(req.fields.rid)
         except msgspec.DecodeError:

@@ -71,7 +71,7 @@ def coerce_openai(body: dict[str, Any], chat: bool) -> None:
                 so[k] = _bool(so[k])
 
 
-def openai_shape_error(body: dict[str, Any], chat: bool) -> str | None:
+def normalize_openai_prompt(body: dict[str, Any], chat: bool) -> str | None:
     """The prompt's shape as both engines' request schemas (pydantic, lax mode) check it, or
     None: chat `messages` an array of objects with a string `role`; completions `prompt` a
     string, a list of strings, token ids, or a list of token-id lists. A token id may come as

@@ -34,7 +34,7 @@ from emulator.echo import NO_ECHO, Echo, echo, echoed
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, admit_and_compute, env_float, sglang_fetch_kv, tokens
 from emulator.kvtransfer import Room, TransferError
-from emulator.lax import coerce_openai, openai_shape_error
+from emulator.lax import coerce_openai, normalize_openai_prompt
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs, sglang_offsets
 from emulator.metrics import render_sglang
 from emulator.sampling_checks import sglang_generate_refusal, sglang_openai_refusal
@@ -822,7 +822,7 @@ def setup(s: EmulatorServer) -> None:
     async def openai(request: web.Request, chat: bool) -> web.StreamResponse:
         async def body_fn(body: dict[str, Any], hit: dict[str, Fault], held: list[str]) -> web.StreamResponse:
             coerce_openai(body, chat)
-            if (why := openai_shape_error(body, chat)) is not None:
+            if (why := normalize_openai_prompt(body, chat)) is not None:
                 return _error_openai(400, why, "Bad Request")
             req_model = body.get("model") or model_path
             if chat:

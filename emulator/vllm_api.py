@@ -35,7 +35,7 @@ from emulator.echo import (
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, tokens, vllm_pull_kv, vllm_skip_remote_kv
 from emulator.kvtransfer import Held, TransferError
-from emulator.lax import coerce_openai, openai_shape_error
+from emulator.lax import coerce_openai, normalize_openai_prompt
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_vllm
 from emulator.sampling_checks import vllm_refusal
@@ -223,7 +223,7 @@ def setup(s: EmulatorServer) -> None:
             except (msgspec.DecodeError, ValueError) as e:
                 return _error(400, f"Invalid request: {e}")
             coerce_openai(body, chat)
-            if (why := openai_shape_error(body, chat)) is not None:
+            if (why := normalize_openai_prompt(body, chat)) is not None:
                 return _error(400, why)
             hit = s.faults.draw()
             early = await s.apply_entry_faults(hit, lambda st, msg: _error(st, msg))

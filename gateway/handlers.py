@@ -204,8 +204,8 @@ class Handlers:
             models = self.registry.models()
             # a request naming no model goes to the one model served on its route (SGLang's
             # /generate has no `model` field: behind a gateway that also serves vLLM models, its
-            # clients still reach the SGLang one)
-            # (none on the route: the orchestrator's answer names the route the model lacks)
+            # clients still reach the SGLang one); with none on the route, to the one model
+            # served, whose answer then names the route it lacks
             serving = self.registry.models_for(route) or models
             parsed = parse_request(
                 route,
