@@ -78,6 +78,7 @@ class Gateway:
                 chars_per_token=cfg.guards.chars_per_token_estimate,
                 forward_authorization=cfg.forward_authorization,
                 ladder=tuple(cfg.fallback.ladder),
+                split_concurrency=cfg.limits.split_concurrency,
                 guards=GuardSettings(
                     length_preflight=cfg.guards.length_preflight,
                     decode_consistency=cfg.guards.decode_consistency,

@@ -249,6 +249,9 @@ class LimitsConfig(_Section, frozen=True):
     queue_timeout_s: float = 30.0  # longest wait for a slot
     max_tokens_cap: int | None = None  # reject (400) larger max_tokens; None: no cap
     max_n: int = 128  # largest `n`
+    # handoffs of one split request (`n > 1` or a batch on SGLang P/D: one handoff per prompt and
+    # sample) in flight at once; the rest wait their turn (one request cannot take every socket)
+    split_concurrency: int = 32
     per_client_max_concurrent: int = 0  # per client (see client_key_header); 0 = off
     # who "a client" is for per_client_max_concurrent: empty, the socket's address; a header name
     # (e.g. "x-api-key", "authorization"), its value when sent (the address otherwise); for
@@ -267,6 +270,7 @@ class LimitsConfig(_Section, frozen=True):
             max_concurrent=self.max_concurrent,
             queue_timeout_s=self.queue_timeout_s,
             max_n=self.max_n,
+            split_concurrency=self.split_concurrency,
         )
         _non_negative(
             "limits", max_queue=self.max_queue, per_client_max_concurrent=self.per_client_max_concurrent

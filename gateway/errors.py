@@ -159,6 +159,11 @@ class Unavailable(GatewayError):
     type = "server_error"
 
 
+class ShortOfResources(Unavailable):
+    """The gateway cannot open another connection to a worker for want of its own resources
+    (file descriptors, ephemeral ports): try again later. No worker is blamed for it."""
+
+
 class UpstreamFailure(GatewayError):
     """An engine failed in a way that another worker may not (connect error, 5xx, timeout...)."""
 

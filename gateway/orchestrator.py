@@ -32,6 +32,7 @@ from gateway.errors import (
     ModelNotFound,
     NoWorker,
     PrefillFailed,
+    ShortOfResources,
     UpstreamFailure,
     UpstreamRejected,
     UpstreamTimeout,
@@ -39,7 +40,7 @@ from gateway.errors import (
 )
 from gateway.guards import Guard, GuardSettings, Summary, check_decode, preflight
 from gateway.http.client import UpstreamResponse
-from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
+from gateway.http.errors import LocalResourceError, UpstreamConnectError, UpstreamProtocolError
 from gateway.http.server import HttpResponder, Responder
 from gateway.ids import new_room
 from gateway.jsonbytes import iter_sse_data
@@ -103,6 +104,7 @@ class OrchestratorSettings(msgspec.Struct, frozen=True):
     # rungs tried after a failure before the first byte: "other_pair", "colocated",
     # "decode_self_prefill", then "shed" (503 + Retry-After naming the failure) when none is left
     ladder: tuple[str, ...] = ("other_pair", "colocated", "decode_self_prefill", "shed")
+    split_concurrency: int = 32  # handoffs of one split request (n > 1, SGLang batches) at once
 
 
 class Phase(enum.StrEnum):
@@ -486,7 +488,7 @@ class Orchestrator:
             await self._relay(resp, w, req, res, a, phase="colocated")
             ok = True
         except (UpstreamConnectError, UpstreamProtocolError) as e:
-            raise UpstreamFailure(f"worker {w.id}: {e}", phase="colocated", worker=w.id) from None
+            raise _leg_failure(e, f"worker {w.id}", "colocated", w.id, a) from None
         except GatewayError as e:
             client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the worker's
             raise
@@ -560,7 +562,7 @@ class Orchestrator:
                     try:
                         resp = await decode_task
                     except (UpstreamConnectError, UpstreamProtocolError) as e:
-                        raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
+                        raise _leg_failure(e, f"decode {d.id}", "decode", d.id, a) from None
             except TimeoutError:
                 if not in_handoff:
                     raise UpstreamTimeout(
@@ -588,6 +590,9 @@ class Orchestrator:
             ok_d = True
         except UpstreamFailure as e:
             culprit = _culprit(e, concurrent=True)
+            raise
+        except ShortOfResources:
+            a.cut = True  # the gateway's own shortage: no verdict on either worker
             raise
         except GatewayError as e:
             client_fault = not e.retryable  # an engine's 4xx: the request's fault, not the workers'
@@ -631,8 +636,9 @@ class Orchestrator:
     ) -> None:
         """`n > 1` or a batch on an engine whose P/D cannot pair several samples (SGLang): one
         handoff per prompt and sample, each in its own task with its own room, deadlines and
-        guards, merged into one answer (gateway/samples.py). The first failure cancels the
-        other units."""
+        guards, merged into one answer (gateway/samples.py). At most `split_concurrency` units
+        are in flight at once (each is two upstream connections: a batch of 100 prompts with
+        `n` = 128 must not open 25,600 of them); the first failure cancels the other units."""
         merger = SampleMerger(req, res)
         attempts: list[_Attempt] = []
 
@@ -655,7 +661,14 @@ class Orchestrator:
             await self._concurrent(p, d, ctx, sreq, sink, headers, uview, tokens, sa)
 
         body = msgspec.json.decode(req.body)
-        tasks = [asyncio.ensure_future(one(k, sample_request(req, k, body))) for k in range(merger.units)]
+        units = iter(range(merger.units))
+
+        async def runner() -> None:
+            for k in units:  # shared: each runner takes the next unit not yet started
+                await one(k, sample_request(req, k, body))
+
+        width = min(merger.units, self.settings.split_concurrency)
+        tasks = [asyncio.ensure_future(runner()) for _ in range(width)]
         try:
             await asyncio.gather(*tasks)
         except BaseException:
@@ -700,7 +713,7 @@ class Orchestrator:
             exc = decode_task.exception()
             if exc is not None:
                 if isinstance(exc, UpstreamConnectError | UpstreamProtocolError):
-                    raise UpstreamFailure(f"decode {d.id}: {exc}", phase="decode", worker=d.id) from None
+                    raise _leg_failure(exc, f"decode {d.id}", "decode", d.id) from None
                 raise exc from None
             resp = decode_task.result()
             if resp.status == 200:
@@ -710,7 +723,7 @@ class Orchestrator:
             resp.release()
             raise _upstream_status_error(resp.status, body, d, "decode") from None
         except (UpstreamConnectError, UpstreamProtocolError) as e:
-            raise UpstreamFailure(f"prefill {p.id}: {e}", phase="prefill", worker=p.id) from None
+            raise _leg_failure(e, f"prefill {p.id}", "prefill", p.id) from None
         finally:
             decode_task.remove_done_callback(on_decode)
 
@@ -745,6 +758,9 @@ class Orchestrator:
                 ok_p = not verdict.retryable  # a 4xx verdict is the request's fault
                 raise self._prefill_refused(p, d, verdict, ctx.request_id, status == 200)
             ok_p = True
+        except ShortOfResources:
+            a.cut = True  # the gateway's own shortage: no verdict on the prefill
+            raise
         finally:
             self.registry.release(p, tokens)
             self.registry.record(p, _judged(ok_p, True, False, res.closed or a.cut))
@@ -769,13 +785,15 @@ class Orchestrator:
                     worker=d.id,
                 ) from None
             except (UpstreamConnectError, UpstreamProtocolError) as e:
-                raise UpstreamFailure(f"decode {d.id}: {e}", phase="decode", worker=d.id) from None
+                raise _leg_failure(e, f"decode {d.id}", "decode", d.id, a) from None
             self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
             await self._relay(resp, d, req, res, a, phase="decode", guard=guard)
             ok_d = True
         except UpstreamFailure as e:
             culprit = _culprit(e, concurrent=False)
             raise
+        except ShortOfResources:
+            raise  # (the attempt is marked unjudged already): not the request's fault either
         except GatewayError as e:
             client_fault = not e.retryable
             raise
@@ -812,7 +830,7 @@ class Orchestrator:
         try:
             return await w.pool.fetch("POST", path, headers, body)
         except (UpstreamConnectError, UpstreamProtocolError) as e:
-            raise UpstreamFailure(f"{phase} {w.id}: {e}", phase=phase, worker=w.id) from None
+            raise _leg_failure(e, f"{phase} {w.id}", phase, w.id) from None
 
     async def _relay(
         self,
@@ -1283,6 +1301,26 @@ async def _refused_too(decode: asyncio.Future[UpstreamResponse], within_s: float
     except (TimeoutError, UpstreamConnectError, UpstreamProtocolError):
         return False
     return body.lstrip().startswith(b'data: {"error"')
+
+
+def _leg_failure(
+    e: UpstreamConnectError | UpstreamProtocolError,
+    leg: str,
+    phase: str,
+    worker: str,
+    a: _Attempt | None = None,
+) -> GatewayError:
+    """What an upstream call's failure is to the request: the worker's failure (retried elsewhere,
+    counted by its breaker), or, when the gateway itself could not open a connection (out of file
+    descriptors or ports), a 503 to retry later, for which no worker is blamed (`a` is marked as
+    having no verdict)."""
+    if isinstance(e, LocalResourceError):
+        if a is not None:
+            a.cut = True
+        return ShortOfResources(
+            f"the gateway is short of resources to reach {leg}: {e}; retry later", retry_after_s=1.0
+        )
+    return UpstreamFailure(f"{leg}: {e}", phase=phase, worker=worker)
 
 
 def _judged(ok: bool, blamed: bool, client_fault: bool, unjudged: bool) -> bool | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 import ssl
 from collections import deque
@@ -17,7 +18,10 @@ from typing import Any, Protocol, cast
 
 from httptools import HttpParserCallbackError, HttpParserError, HttpResponseParser
 
-from .errors import UpstreamConnectError, UpstreamProtocolError
+from .errors import LocalResourceError, UpstreamConnectError, UpstreamProtocolError
+
+# connect() errors that say this process is short of something, not that the upstream is
+_LOCAL_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
 
 __all__ = ["Batching", "FlowControl", "UpstreamPool", "UpstreamResponse"]
 
@@ -694,6 +698,12 @@ class UpstreamPool:
                 f"connect to {self.host}:{self.port} timed out after {self.connect_timeout_s} s"
             ) from None
         except OSError as e:
+            if e.errno in _LOCAL_SHORTAGE:
+                # the idle connections kept for reuse hold descriptors this process lacks now
+                for c in self._idle:
+                    c.abort()
+                self._idle.clear()
+                raise LocalResourceError(f"connect to {self.host}:{self.port} failed: {e}") from e
             raise UpstreamConnectError(f"connect to {self.host}:{self.port} failed: {e}") from e
         return proto
 

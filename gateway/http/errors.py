@@ -14,6 +14,11 @@ class UpstreamConnectError(UpstreamError):
     is closed. Safe to retry elsewhere."""
 
 
+class LocalResourceError(UpstreamConnectError):
+    """This process could not open another upstream connection for want of its own resources
+    (file descriptors, ephemeral ports, socket buffers, memory): no fault of the upstream."""
+
+
 class UpstreamProtocolError(UpstreamError):
     """The upstream answered garbage, or closed the connection mid-response (or before any
     response byte on a fresh connection: the request may have been processed)."""

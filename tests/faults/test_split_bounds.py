@@ -1,0 +1,176 @@
+"""One request split into many handoffs (`n > 1` or a batch on SGLang P/D: one handoff per prompt
+and sample, two upstream connections each) must not take the gateway down. A batch of 100 prompts
+with `n` = 128 was 12,800 handoffs started at once: the gateway ran out of file descriptors, and
+the connect failures were held against the workers, whose breakers opened, so one request took
+the model off the gateway for every client. Now at most `limits.split_concurrency` units of a
+request are in flight, and a connect that fails for the gateway's own want of descriptors or
+ports is a 503 to retry, blamed on no worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import resource
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from emulator.api import EmulatorProcess, EmulatorSpec, start_emulator
+from gateway.app import Gateway
+from gateway.config import GatewayConfig, HealthConfig, LimitsConfig, ListenConfig, WorkerConfig
+from policies.snapshot import Engine, Role
+from tests.integration.test_cli_serve import BIN, complete, free_port, sglang_pair, wait_ready
+
+__all__ = ["sglang_pair"]  # the fixture, used below
+
+
+async def test_a_split_request_keeps_at_most_split_concurrency_handoffs_in_flight() -> None:
+    p = await start_emulator(EmulatorSpec(engine="sglang", role="prefill", model="m", time_scale=0.05))
+    d = await start_emulator(EmulatorSpec(engine="sglang", role="decode", model="m", time_scale=0.05))
+    gw = Gateway(
+        GatewayConfig(
+            listen=ListenConfig(host="127.0.0.1", port=0),
+            workers=(
+                WorkerConfig(
+                    url=p.url,
+                    role=Role.PREFILL,
+                    engine=Engine.SGLANG,
+                    id="p",
+                    bootstrap_port=p.bootstrap_port,
+                ),
+                WorkerConfig(url=d.url, role=Role.DECODE, engine=Engine.SGLANG, id="d"),
+            ),
+            health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
+            limits=LimitsConfig(split_concurrency=4),
+        )
+    )
+    await gw.start()
+    decode = gw.registry.get("d")
+    peak = 0
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, decode.inflight)
+            await asyncio.sleep(0.0005)
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            for stream in (False, True):
+                peak = 0
+                stop.clear()
+                watcher = asyncio.ensure_future(watch())
+                body = {
+                    "model": "m",
+                    "prompt": [f"prompt number {k}" for k in range(6)],
+                    "n": 5,
+                    "max_tokens": 6,
+                    "stream": stream,
+                }
+                async with s.post(gw.url + "/v1/completions", json=body) as r:
+                    raw = await r.read()
+                    assert r.status == 200, raw
+                stop.set()
+                await watcher
+                if stream:
+                    events = [
+                        json.loads(line[6:])
+                        for line in raw.decode().splitlines()
+                        if line.startswith("data: {")
+                    ]
+                    indices = {c["index"] for ev in events for c in ev["choices"]}
+                else:
+                    indices = {c["index"] for c in json.loads(raw)["choices"]}
+                assert indices == set(range(30))
+                assert 2 <= peak <= 4, peak  # the units overlapped, four at a time at most
+        assert decode.inflight == 0
+    finally:
+        await gw.stop(grace_s=0.5)
+        await p.stop()
+        await d.stop()
+
+
+def _post(url: str, body: dict[str, object]) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def test_out_of_file_descriptors_is_a_503_that_blames_no_worker(
+    sglang_pair: tuple[EmulatorProcess, EmulatorProcess], tmp_path: Path
+) -> None:
+    p, d = sglang_pair
+    conf = tmp_path / "gateway.toml"
+    conf.write_text(
+        f"""
+[health]
+interval_s = 3600.0
+
+[breaker]
+failure_threshold = 1          # one failure held against a worker would open its breaker
+
+[retries]
+max_attempts = 1
+
+[limits]
+split_concurrency = 400        # 800 connections wanted, under a limit of 96 descriptors
+
+[[workers]]
+url = "{p.url}"
+role = "prefill"
+engine = "sglang"
+bootstrap_port = {p.bootstrap_port}
+
+[[workers]]
+url = "{d.url}"
+role = "decode"
+engine = "sglang"
+"""
+    )
+    port = free_port()
+
+    def few_descriptors() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+
+    proc = subprocess.Popen(
+        [str(BIN), "serve", "--port", str(port), "--log-level", "error", "--config", str(conf)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=few_descriptors,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url)
+        status, headers, raw = _post(
+            url, {"model": "cli-model", "prompt": [f"p{k}" for k in range(40)], "n": 10, "max_tokens": 2}
+        )
+        assert status == 503, raw
+        err = json.loads(raw)["error"]
+        assert "short of resources" in err["message"] and "Too many open files" in err["message"], err
+        assert err["type"] == "server_error"
+        assert headers.get("retry-after") == "1"
+        # no breaker opened (one failure would open one): after the Retry-After, while the
+        # request's other units are cancelled and their connections closed, the model is still
+        # served and an ordinary request is answered
+        time.sleep(1.0)
+        with urllib.request.urlopen(url + "/readiness", timeout=5) as r:
+            assert json.loads(r.read())["ready"] is True
+        assert complete(url, "cli-model")["choices"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
