@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from gateway.app import Gateway, ListenError, run_forever
 from gateway.cli_args import parse_serve_args
 from gateway.config import ConfigError
-from gateway.logging import configure
+from gateway.logging import configure, get_logger
 from policies.build import PolicyBuildError
 
 
@@ -19,6 +19,26 @@ def install_uvloop() -> None:
     except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
         return
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def raise_open_files_limit() -> tuple[int, int] | None:
+    """Lift this process's soft limit on open files to its hard limit, as Go's runtime does for
+    every server and nginx's `worker_rlimit_nofile` is set for: each request in flight holds its
+    client's socket and one or two upstream ones, and a soft limit of 1024 (a common default)
+    would refuse connections from a few hundred P/D requests on. (before, after) when raised."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Windows
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            return None
+        return soft, want
+    return None
 
 
 def main(argv: Sequence[str]) -> int:
@@ -40,6 +60,9 @@ def main(argv: Sequence[str]) -> int:
         print(f"pd-gateway serve: {e}", file=sys.stderr)
         return 2
     install_uvloop()
+    raised = raise_open_files_limit()
+    if raised is not None:
+        get_logger("gateway").info("open_files_limit.raised", before=raised[0], now=raised[1])
     try:
         asyncio.run(run_forever(gw, cfg.shutdown_grace_s))
     except (ListenError, ConfigError) as e:  # found before any worker is probed

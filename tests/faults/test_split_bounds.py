@@ -174,3 +174,39 @@ engine = "sglang"
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_serve_lifts_its_soft_limit_on_open_files_to_the_hard_one(
+    sglang_pair: tuple[EmulatorProcess, EmulatorProcess],
+) -> None:
+    """A soft limit of 1024 (a common default) would refuse upstream connections from a few
+    hundred P/D requests in flight on; the hard limit is what the operator granted."""
+    p, d = sglang_pair
+    port = free_port()
+
+    def low_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (96, 4096))
+
+    proc = subprocess.Popen(
+        [
+            str(BIN),
+            *("serve", "--port", str(port), "--log-level", "error", "--engine", "sglang"),
+            *("--prefill", p.url, str(p.bootstrap_port), "--decode", d.url),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=low_soft_limit,
+    )
+    try:
+        wait_ready(f"http://127.0.0.1:{port}")
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        line = next(x for x in limits.splitlines() if x.startswith("Max open files"))
+        assert line.split()[3:5] == ["4096", "4096"], line
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
