@@ -18,7 +18,13 @@ the method or the body is looked at, so an unauthenticated caller can neither ad
     DELETE /admin/workers/{id}             drain, wait for its in-flight requests (at most
                                            `admin.drain_timeout_s`, or `?timeout_s=`), then remove it
                                            and close its connection pool (connections still in use
-                                           close when their request ends: nothing is cut)
+                                           close when their request ends); a request planned
+                                           before and not yet on it when the wait ends (a vLLM
+                                           decode after a long prefill) fails over or gets a 503:
+                                           "drained" is false then
+    GET    /admin/pairs                    every (prefill, decode) pair that carried a request,
+                                           with its breaker (an open one takes the pair out of
+                                           routing although both workers are usable)
     GET    /admin/admission                admission control counters
 
 `{id}` is percent-decoded (a worker whose id is its URL is `/admin/workers/http%3A%2F%2Fh%3A1`).
@@ -41,6 +47,7 @@ from urllib.parse import parse_qs, unquote
 import msgspec
 
 from gateway.admission import Admission
+from gateway.breaker import BreakerState
 from gateway.config import ConfigError, WorkerConfig
 from gateway.endpoints import same_server
 from gateway.errors import (
@@ -160,11 +167,23 @@ class Admin:
                 if m != "POST":
                     raise _method(m, "POST")
                 return 200, self.set_draining(wid, action[0] == "drain")
+        if parts == ["pairs"]:
+            if m not in ("GET", "HEAD"):
+                raise _method(m, "GET")
+            return 200, {"pairs": self.pairs_json()}
         if parts == ["admission"] and self.admission is not None:
             if m not in ("GET", "HEAD"):
                 raise _method(m, "GET")
             return 200, msgspec.to_builtins(self.admission.stats())
         raise NotFound(f"no admin route for {m} {req.path}")
+
+    def pairs_json(self) -> list[dict[str, Any]]:
+        """Every (prefill, decode) pair that has carried a request, with its breaker: an open
+        one takes the pair out of routing although both workers are usable on their own."""
+        return [
+            {"prefill": p, "decode": d, "breaker": state.value, "usable": state is not BreakerState.OPEN}
+            for p, d, state in self.registry.pair_states()
+        ]
 
     def _get(self, wid: str) -> Worker:
         w = self.registry.find(wid)
@@ -282,13 +301,31 @@ class Admin:
                 break
             await asyncio.sleep(_POLL_S)
         left = w.inflight
+        # planned before the drain and not yet on the worker: such a request's next leg finds
+        # the worker gone (a retry elsewhere, or a 503), so it was not drained either
+        pending = sum(1 for r in planned_before if not r.started and not r.closed)
         await self.registry.remove(w.id)
         self.health.forget(w.id)
         self.health.check_models()
         await w.pool.close()  # idle connections now; those in use when their request ends
         waited = round(time.monotonic() - t0, 3)
-        log.info("admin.worker_removed", worker=w.id, drained=left == 0, inflight=left, waited_s=waited)
-        return {"id": w.id, "removed": True, "drained": left == 0, "inflight": left, "waited_s": waited}
+        drained = left == 0 and pending == 0
+        log.info(
+            "admin.worker_removed",
+            worker=w.id,
+            drained=drained,
+            inflight=left,
+            pending=pending,
+            waited_s=waited,
+        )
+        return {
+            "id": w.id,
+            "removed": True,
+            "drained": drained,
+            "inflight": left,
+            "pending": pending,
+            "waited_s": waited,
+        }
 
     async def close(self) -> None:
         tasks = list(self._removing.values())

@@ -57,7 +57,7 @@ class Gateway:
             cfg.policy, prefill=cfg.prefill_policy, decode=cfg.decode_policy, decider=cfg.decider
         )
         self.metrics = metrics or GatewayMetrics()
-        self.metrics.watch_cluster(self.registry.snapshot)
+        self.metrics.watch_cluster(self.registry.snapshot, self.registry.pair_states)
         t, r = cfg.timeouts, cfg.retries
         self.orchestrator = Orchestrator(
             self.registry,

@@ -47,6 +47,11 @@ class ErrorBody(msgspec.Struct):
 _encoder = msgspec.json.Encoder()
 
 
+# the message a shutdown cancels the requests still running with (after the grace period):
+# their outcome is "shutting_down", not "client_gone"
+SHUTDOWN_CANCEL = "pd-gateway: shutting down"
+
+
 class GatewayError(Exception):
     """An error the gateway answers itself. `retryable` errors may be retried on other workers."""
 

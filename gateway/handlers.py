@@ -14,6 +14,7 @@ import msgspec
 
 from gateway.admission import Admission
 from gateway.errors import (
+    SHUTDOWN_CANCEL,
     BadRequest,
     ErrorCode,
     GatewayError,
@@ -270,7 +271,7 @@ class Handlers:
                 else:
                     res.send(err.status, err.headers(), err.body())
             if task is not None and not task.done():
-                task.cancel()
+                task.cancel(SHUTDOWN_CANCEL)
             n += 1
         return n
 
@@ -283,8 +284,9 @@ class Handlers:
         snap = self.registry.snapshot()
         asked = parse_qs(req.query).get("model") if req.query else None
         models: dict[str, list[str]] = {}
+        open_pairs = self.registry.open_pairs()
         for m in asked or snap.models():
-            models[m] = _routes(snap, m)
+            models[m] = _routes(snap, m, open_pairs)
         ready = bool(models) and all(models.values())
         body = _encoder.encode({"ready": ready, "models": models})
         res.send(200 if ready else 503, [JSON], body)
@@ -309,25 +311,29 @@ class Handlers:
             id=model,
             created=self.started,
             max_model_len=min(limits) if limits else None,
-            routes=_routes(snap, model),
+            routes=_routes(snap, model, self.registry.open_pairs()),
         )
 
     def metrics_page(self, req: HttpRequest, res: HttpResponder) -> None:
         res.send(200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")], self.metrics.render())
 
 
-def _routes(snap: ClusterSnapshot, model: str) -> list[str]:
-    """How a model can be served right now: "disaggregated:<engine>" and/or "colocated:<engine>"."""
+def _routes(snap: ClusterSnapshot, model: str, open_pairs: frozenset[str]) -> list[str]:
+    """How a model can be served right now: "disaggregated:<engine>" and/or "colocated:<engine>".
+    A P/D route needs a usable prefill and decode whose pair breaker is not open (`open_pairs`,
+    "prefill|decode"): the planner skips such pairs, so a model whose only pair is open is not
+    served although both workers are usable on their own."""
     out = []
     for engine in sorted({w.engine for w in snap.workers if w.model == model}):
         pre = [w for w in snap.pool(Role.PREFILL, model) if w.engine is engine and w.model == model]
         dec = [w for w in snap.pool(Role.DECODE, model) if w.engine is engine and w.model == model]
         col = [w for w in snap.pool(Role.COLOCATED, model) if w.engine is engine and w.model == model]
-        if pre and dec:
+        paired = any(f"{p.id}|{d.id}" not in open_pairs for p in pre for d in dec)
+        if paired:
             out.append(f"disaggregated:{engine.value}")
         if col:
             out.append(f"colocated:{engine.value}")
-        elif dec and not pre and engine is Engine.VLLM:
+        elif dec and not paired and engine is Engine.VLLM:
             out.append(f"decode_self_prefill:{engine.value}")  # the planner's last resort (policies/pd.py)
     return out
 

@@ -25,6 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from gateway.breaker import BreakerState
 from policies.snapshot import ClusterSnapshot
 
 if TYPE_CHECKING:
@@ -203,8 +204,14 @@ class GatewayMetrics:
     def child(self, metric: Any, *labels: str) -> Any:
         return metric.labels(*labels)
 
-    def watch_cluster(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
-        self.registry.register(_ClusterCollector(snapshot))
+    def watch_cluster(
+        self,
+        snapshot: Callable[[], ClusterSnapshot],
+        pairs: Callable[[], Sequence[tuple[str, str, BreakerState]]] = tuple,
+    ) -> None:
+        """Per-worker gauges from the registry's snapshot, and each (prefill, decode) pair's
+        breaker (`pairs`: Registry.pair_states) at scrape time."""
+        self.registry.register(_ClusterCollector(snapshot, pairs))
 
     def watch_admission(self, stats: Callable[[], AdmissionStats]) -> None:
         """Admission counters and gauges, read from the controller's ints at scrape time."""
@@ -215,8 +222,13 @@ class GatewayMetrics:
 
 
 class _ClusterCollector(Collector):
-    def __init__(self, snapshot: Callable[[], ClusterSnapshot]) -> None:
+    def __init__(
+        self,
+        snapshot: Callable[[], ClusterSnapshot],
+        pairs: Callable[[], Sequence[tuple[str, str, BreakerState]]],
+    ) -> None:
         self._snapshot = snapshot
+        self._pairs = pairs
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         snap = self._snapshot()
@@ -234,6 +246,14 @@ class _ClusterCollector(Collector):
             waiting.add_metric(lv, w.load.waiting)
             kv.add_metric(lv, w.load.kv_usage)
         yield from (inflight, healthy, waiting, kv)
+        pair_open = GaugeMetricFamily(
+            "pdgw_pair_breaker_open",
+            "1 while the breaker of a (prefill, decode) pair refuses it traffic (failed handoffs)",
+            labels=["prefill", "decode"],
+        )
+        for prefill, decode, state in self._pairs():
+            pair_open.add_metric([prefill, decode], 1.0 if state is BreakerState.OPEN else 0.0)
+        yield pair_open
 
 
 class _AdmissionCollector(Collector):

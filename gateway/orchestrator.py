@@ -25,6 +25,7 @@ import msgspec
 from adapters import EngineAdapter, HandoffCtx, HandoffMode, PrefillVerdict
 from gateway.deadlines import DeadlineWheel
 from gateway.errors import (
+    SHUTDOWN_CANCEL,
     BadRequest,
     ContextLengthExceeded,
     GatewayError,
@@ -262,8 +263,10 @@ class Orchestrator:
                 e = e.instead
             outcome = e.code.value
             self._fail(res, e, echo)
-        except asyncio.CancelledError:
-            outcome = "client_gone"
+        except asyncio.CancelledError as e:
+            # the gateway's shutdown cancels with its own message (Handlers.cut); any other
+            # cancellation of a request is its client leaving
+            outcome = "shutting_down" if e.args[:1] == (SHUTDOWN_CANCEL,) else "client_gone"
             raise
         finally:
             end = time.monotonic()

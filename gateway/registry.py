@@ -311,6 +311,18 @@ class Registry:
         out = [k for k, b in self._pair_breakers.items() if b.state is not _CLOSED and not b.allows()]
         return frozenset(out) if out else _NO_PAIRS
 
+    def pair_states(self) -> list[tuple[str, str, BreakerState]]:
+        """(prefill id, decode id, breaker state) of every pair the gateway keeps a breaker for
+        (one that has carried a request), for the admin API and metrics: a pair's open breaker
+        takes a route away although both its workers are usable on their own. An open breaker
+        whose open period is over shows half-open (its next request is the trial)."""
+        out = []
+        for key, b in self._pair_breakers.items():
+            b.allows()  # (the open -> half-open move that is due by now)
+            prefill, _, decode = key.partition("|")
+            out.append((prefill, decode, b.state))
+        return out
+
     def mark_suspect(self, pair_id: str, window_s: float) -> None:
         """A handoff on this pair failed a KV-integrity check: suspect it for `window_s` (renewed
         by each new failure). Suspect pairs get their answers verified before delivery."""

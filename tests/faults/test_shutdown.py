@@ -122,6 +122,13 @@ async def test_after_the_grace_period_streams_are_cut_with_an_sse_error_and_engi
         bad = [r[-300:] for r in results if not cut_with_error(r)]
         assert not bad, bad
         assert await emulators_idle(c) == dict.fromkeys(c.emulators, 0)
+        # counted as cut by the shutdown, not as clients that left (a probe saw client_gone)
+        outcomes = [
+            line.split('outcome="')[1].split('"')[0]
+            for line in c.gateway.metrics.render().decode().splitlines()
+            if line.startswith("pdgw_requests_total{") and not line.endswith(" 0.0")
+        ]
+        assert set(outcomes) == {"shutting_down"}, outcomes
     finally:
         await stop_cluster(c)
 

@@ -15,6 +15,7 @@ from emulator.api import EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.breaker import BreakerState
 from gateway.config import (
+    AdminConfig,
     BreakerConfig,
     GatewayConfig,
     HealthConfig,
@@ -68,6 +69,7 @@ async def test_failed_transfers_open_the_pair_breaker_not_the_prefill_s() -> Non
             health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
             retries=RetriesConfig(max_attempts=1),
             breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=60.0),
+            admin=AdminConfig(token="t0ken"),
         )
     )
     await gw.start()
@@ -84,6 +86,25 @@ async def test_failed_transfers_open_the_pair_breaker_not_the_prefill_s() -> Non
         assert gw.registry.get("p").breaker.state is BreakerState.CLOSED
         assert gw.registry.get("d").breaker.state is BreakerState.CLOSED
         assert gw.registry.pair_breaker("p", "d").state is BreakerState.OPEN
+        # the open pair is visible: both workers are usable on their own, but the model has no
+        # route, so /readiness says 503 and /v1/models lists no route (a probe found them at
+        # 200 with every worker "usable" while each request got 503), /admin/pairs names the
+        # pair and /metrics has its gauge
+        async with aiohttp.ClientSession() as s:
+            async with s.get(gw.url + "/readiness") as r:
+                assert r.status == 503
+                assert await r.json() == {"ready": False, "models": {"m": []}}
+            async with s.get(gw.url + "/v1/models") as r:
+                assert (await r.json())["data"][0]["routes"] == []
+            auth = {"authorization": "Bearer t0ken"}
+            async with s.get(gw.url + "/admin/workers", headers=auth) as r:
+                assert all(w["usable"] for w in (await r.json())["workers"])
+            async with s.get(gw.url + "/admin/pairs", headers=auth) as r:
+                assert await r.json() == {
+                    "pairs": [{"prefill": "p", "decode": "d", "breaker": "open", "usable": False}]
+                }
+            async with s.get(gw.url + "/metrics") as r:
+                assert 'pdgw_pair_breaker_open{decode="d",prefill="p"} 1.0' in await r.text()
     finally:
         await gw.stop(grace_s=0.5)
         await p.stop()

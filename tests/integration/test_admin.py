@@ -212,8 +212,13 @@ async def test_add_a_worker_that_then_serves_traffic(admin_cluster: Cluster) -> 
         )
         assert status == 409 and out["error"]["param"] == "url"
         status, _, out = await req(c, "DELETE", "/admin/workers/added")
-        assert status == 200 and out == {"id": "added", "removed": True, "drained": True, "inflight": 0} | {
-            "waited_s": out["waited_s"]
+        assert status == 200 and out == {
+            "id": "added",
+            "removed": True,
+            "drained": True,
+            "inflight": 0,
+            "pending": 0,
+            "waited_s": out["waited_s"],
         }
         assert c.gateway.registry.find("added") is None
     finally:
@@ -436,6 +441,30 @@ async def test_decode_removed_while_its_requests_are_still_in_prefill() -> None:
         assert (
             "pdgw_retries_total{" not in text and "pdgw_upstream_errors_total{" not in text
         )  # no leg failed
+    finally:
+        await stop_cluster(c)
+
+
+async def test_a_removal_whose_wait_ends_before_planned_requests_reach_it_is_not_drained() -> None:
+    """vLLM: requests planned for the decode are still in their prefill when the wait ends: the
+    decode is removed, they find it gone (each gets an answer: another route, or a clear 503),
+    and the removal says it was not drained (a probe saw `"drained": true` here)."""
+    c = await build_cluster(time_scale=1.0, admin=ADMIN)
+    try:
+        await c.emulators["vllm-p"].set_faults(["slow,factor=100"])  # a long prefill phase
+        streams = [asyncio.create_task(stream(c, stream_body("m-vllm", 20, "x " * 500))) for _ in range(4)]
+        reg = c.gateway.registry
+        for _ in range(200):
+            if reg.get("vllm-p").inflight == 4:
+                break
+            await asyncio.sleep(0.005)
+        status, _, out = await req(c, "DELETE", "/admin/workers/vllm-d?timeout_s=0.05")
+        assert status == 200 and out["removed"] is True
+        assert out["drained"] is False and out["inflight"] == 0 and out["pending"] == 4, out
+        await c.emulators["vllm-p"].set_faults([])
+        results = await asyncio.gather(*streams)
+        for s, b in results:
+            assert (s == 200 and completed(b)) or (s == 503 and b'"error"' in b), (s, b[-300:])
     finally:
         await stop_cluster(c)
 
