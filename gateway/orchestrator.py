@@ -1370,8 +1370,10 @@ def _upstream_status_error(
     status: int, body: bytes, w: Worker, phase: str, ctype: bytes = b"application/json"
 ) -> GatewayError:
     if status >= 500 or status in (408, 429):
+        # the engine's own words as text (a bytes repr would show b'...' and escapes to clients)
+        said = body[:200].decode("utf-8", "replace").strip()
         return UpstreamFailure(
-            f"worker {w.id} answered HTTP {status}: {body[:200]!r}", phase=phase, worker=w.id, answered=True
+            f"worker {w.id} answered HTTP {status}: {said}", phase=phase, worker=w.id, answered=True
         )
     return UpstreamRejected(status, body, ctype)
 
