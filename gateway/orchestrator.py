@@ -622,8 +622,8 @@ class Orchestrator:
             unjudged = res.closed or a.cut
             self.registry.record(p, _judged(ok_p, culprit == p.id, client_fault, unjudged))
             self.registry.record(d, _judged(ok_d, culprit == d.id, client_fault, unjudged))
-            if pair.record(_judged(ok_d, True, client_fault, unjudged)):
-                self.registry.changed()
+            pair_ok = _judged(ok_d, True, client_fault, unjudged)
+            self.registry.record_pair(p, d, pair, pair_ok, blamed=culprit is not None)
 
     async def _split_samples(
         self,
@@ -809,8 +809,8 @@ class Orchestrator:
             # a suspect handoff is no verdict on the decode (the pair breaker counts it)
             unjudged = res.closed or a.cut
             self.registry.record(d, _judged(ok_d, culprit == d.id, client_fault, unjudged))
-            if pair.record(_judged(ok_d, True, client_fault, unjudged)):
-                self.registry.changed()
+            pair_ok = _judged(ok_d, True, client_fault, unjudged)
+            self.registry.record_pair(p, d, pair, pair_ok, blamed=culprit is not None)
 
     def _head_budget(self, req: ParsedRequest, w: Worker, first_byte_s: float) -> float:
         """How long to wait for a worker's response headers. A stream's come with its first

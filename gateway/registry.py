@@ -46,6 +46,7 @@ class Worker:
         "configured_model",
         "draining",
         "engine",
+        "failed_partners",
         "healthy",
         "host",
         "id",
@@ -114,6 +115,9 @@ class Worker:
         self.info = ProbeInfo()
         self.probe_failures = 0
         self.probe_successes = 0
+        # partners (ids) of the handoffs that failed between this worker and another since its
+        # last good handoff, where no one worker was to blame (Registry.record_pair)
+        self.failed_partners: set[str] = set()
 
     @property
     def model(self) -> str | None:
@@ -377,6 +381,34 @@ class Registry:
             if b.state is BreakerState.OPEN:
                 self._open.add(w)
             self.changed()
+
+    def record_pair(
+        self, p: Worker, d: Worker, pair: CircuitBreaker, ok: bool | None, *, blamed: bool = False
+    ) -> None:
+        """One handoff's verdict on the (p, d) pair (`pair`: its breaker). A handoff that fails
+        between two workers is the pair's failure, not either worker's (one bad link, or a decode
+        refusing one prefill's KV, must not take a worker out of every other pair); but a worker
+        whose handoffs failed with two or more different partners, and went well with none since,
+        is the broken one: each such failure then counts against its own breaker too. Without
+        this a decode answering every handoff with a 5xx cost N prefills x failure_threshold
+        failed requests before it was avoided. `blamed`: the failure was already held against
+        one of the two workers (not counted twice)."""
+        if pair.record(ok):
+            self.changed()
+        if ok is None:
+            return
+        if ok:
+            if p.failed_partners:
+                p.failed_partners.clear()
+            if d.failed_partners:
+                d.failed_partners.clear()
+            return
+        if blamed:
+            return
+        for w, other in ((p, d), (d, p)):
+            w.failed_partners.add(other.id)
+            if len(w.failed_partners) >= 2:
+                self.record(w, False)
 
     async def close(self) -> None:
         for w in self._workers.values():

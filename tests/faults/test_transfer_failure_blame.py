@@ -24,6 +24,7 @@ from gateway.config import (
     WorkerConfig,
 )
 from gateway.parse import parse_request
+from gateway.registry import BreakerSettings, Registry, Worker
 from policies.snapshot import Engine, Role, RouteKind
 from tests.integration.test_engine_request_names import _ctx
 
@@ -109,3 +110,74 @@ async def test_failed_transfers_open_the_pair_breaker_not_the_prefill_s() -> Non
         await gw.stop(grace_s=0.5)
         await p.stop()
         await d.stop()
+
+
+async def test_a_decode_whose_handoffs_fail_with_every_prefill_opens_its_own_breaker() -> None:
+    """A decode answering every handoff with a 5xx is no pair's problem but its own: once its
+    handoffs have failed with two different prefills (and gone well with none since), each failure
+    counts against its own breaker, which takes it out of every pair at once. Before, each pair
+    had to fail failure_threshold times on its own (N prefills x threshold failed requests), and
+    the decode stayed "usable"."""
+    p1 = await start_emulator(EmulatorSpec(engine="sglang", role="prefill", model="m"))
+    p2 = await start_emulator(EmulatorSpec(engine="sglang", role="prefill", model="m"))
+    d = await start_emulator(EmulatorSpec(engine="sglang", role="decode", model="m", faults=["http_error"]))
+    gw = Gateway(
+        GatewayConfig(
+            listen=ListenConfig(host="127.0.0.1", port=0),
+            workers=(
+                *(
+                    WorkerConfig(
+                        url=p.url,
+                        role=Role.PREFILL,
+                        engine=Engine.SGLANG,
+                        id=i,
+                        bootstrap_port=p.bootstrap_port,
+                    )
+                    for i, p in (("p1", p1), ("p2", p2))
+                ),
+                WorkerConfig(url=d.url, role=Role.DECODE, engine=Engine.SGLANG, id="d"),
+            ),
+            health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
+            retries=RetriesConfig(max_attempts=1),
+            breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=60.0),
+        )
+    )
+    await gw.start()
+    reg = gw.registry
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(8):
+                async with s.post(
+                    gw.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}
+                ) as r:
+                    await r.read()
+                    assert r.status >= 500
+                if reg.get("d").breaker.state is BreakerState.OPEN:
+                    break
+        assert reg.get("d").breaker.state is BreakerState.OPEN
+        assert reg.get("p1").breaker.state is BreakerState.CLOSED
+        assert reg.get("p2").breaker.state is BreakerState.CLOSED
+    finally:
+        await gw.stop(grace_s=0.5)
+        for e in (p1, p2, d):
+            await e.stop()
+
+
+def test_failures_with_one_partner_stay_the_pair_s_and_a_good_handoff_clears_them() -> None:
+    reg = Registry(BreakerSettings(failure_threshold=1, success_threshold=1, open_s=60.0))
+    p1, p2, d = (
+        Worker(i, f"http://127.0.0.1:{n}", r, Engine.SGLANG)
+        for i, n, r in (("p1", 1, Role.PREFILL), ("p2", 2, Role.PREFILL), ("d", 3, Role.DECODE))
+    )
+    for w in (p1, p2, d):
+        reg.add(w)
+    reg.record_pair(p1, d, reg.pair_breaker("p1", "d"), False)
+    assert d.breaker.state is BreakerState.CLOSED  # one partner: the pair's failure only
+    reg.record_pair(p2, d, reg.pair_breaker("p2", "d"), True)  # a good handoff: d is fine
+    reg.record_pair(p2, d, reg.pair_breaker("p2", "d"), False)
+    assert d.breaker.state is BreakerState.CLOSED and d.failed_partners == {"p2"}
+    reg.record_pair(p1, d, reg.pair_breaker("p1", "d"), False, blamed=True)  # counted already
+    assert d.breaker.state is BreakerState.CLOSED
+    reg.record_pair(p1, d, reg.pair_breaker("p1", "d"), False)
+    assert d.breaker.state is BreakerState.OPEN  # two partners, nothing good between
+    assert p1.breaker.state is BreakerState.CLOSED and p2.breaker.state is BreakerState.CLOSED
