@@ -6,6 +6,10 @@ by `timeout_s`; when it answers, the worker's info endpoints (model, context len
 limit and bootstrap port) are read if the worker is not healthy yet or failed a probe since its
 last good one (it may have restarted with another model or context length: what it says now
 replaces what it said before it became usable again), and otherwise every `info_every` probes.
+Between those reads every good probe also reads the model listing (`/v1/models`, one small GET
+both engines serve): a server restarted on the same address between two probes fails none of
+them, so a listing that names another model or context length than at the last read is taken as
+such a restart and the info endpoints are read afresh at once.
 Metrics are scraped on their own interval and parsed by the adapter into a `WorkerLoad`. Request
 outcomes (passive detection) act through the breakers.
 
@@ -30,6 +34,9 @@ from gateway.registry import Registry, Worker
 from policies.snapshot import Engine, Role
 
 log = get_logger("pd_gateway.health")
+
+# The model listing: cheap, and it names the model and (vLLM and SGLang) its context length.
+_LISTING = "/v1/models"
 
 
 class HealthSettings(msgspec.Struct, frozen=True):
@@ -58,11 +65,14 @@ class HealthChecker:
         self.registry = registry
         self.settings = settings or HealthSettings()
         self._rounds: dict[str, int] = {}
+        # per worker: what its model listing said at the last info read (model, context length)
+        self._listed: dict[str, ProbeInfo] = {}
         self._unservable: dict[str | None, str] = {}  # what was last warned about
 
     def forget(self, worker_id: str) -> None:
         """Drop what is kept about a removed worker."""
         self._rounds.pop(worker_id, None)
+        self._listed.pop(worker_id, None)
 
     async def probe(self, w: Worker) -> bool:
         s = self.settings
@@ -71,17 +81,11 @@ class HealthChecker:
             ok = status == 200
             reason = f"HTTP {status}"
         except (TimeoutError, UpstreamError, OSError) as e:
-            ok, reason = False, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            ok, reason = False, _why(e)
         n = self._rounds.get(w.id, 0)
         self._rounds[w.id] = n + 1
         if ok:
-            # Not healthy yet (never probed, or down until now), or a probe failed since the last
-            # good one: the server may have restarted serving another model or context length,
-            # so what it says now replaces what is known before it is usable again.
-            fresh = not w.healthy or w.probe_failures > 0
-            if fresh or w.info.model is None or n % s.info_every == 0:
-                ok = await self._read_info(w, fresh=fresh)
-                reason = "info endpoints failed"
+            ok, reason = await self._check_info(w, n)
         was = w.healthy
         if ok:
             w.probe_failures = 0
@@ -97,6 +101,49 @@ class HealthChecker:
             log.info("worker.health", worker=w.id, healthy=w.healthy, reason=None if ok else reason)
             self.registry.changed()
         return ok
+
+    async def _check_info(self, w: Worker, n: int) -> tuple[bool, str]:
+        """After a good health answer (probe `n` of `w`): read what has to be read of the info
+        endpoints. (ok, why not) as the probe's outcome; a transport failure of an info read is
+        a failed probe, as a failed health answer is."""
+        # Not healthy yet (never probed, or down until now), or a probe failed since the last
+        # good one: the server may have restarted serving another model or context length,
+        # so what it says now replaces what is known before it is usable again.
+        fresh = not w.healthy or w.probe_failures > 0
+        if fresh or w.info.model is None or n % self.settings.info_every == 0:
+            return await self._read_info(w, fresh=fresh), "info endpoints failed"
+        try:
+            listed = await self._listing(w)
+        except (TimeoutError, UpstreamError, OSError) as e:
+            return False, f"{_LISTING}: {_why(e)}"
+        if listed is None or listed == self._listed.get(w.id):
+            return True, ""
+        # It restarted between two probes (none failed) with another model or context length:
+        # read it afresh now, before more requests go to it by what it said before.
+        was = self._listed.get(w.id)
+        log.info(
+            "worker.listing_changed",
+            worker=w.id,
+            model=listed.model,
+            context_length=listed.context_length,
+            was_model=was.model if was is not None else None,
+            was_context_length=was.context_length if was is not None else None,
+        )
+        return await self._read_info(w, fresh=True), "info endpoints failed"
+
+    async def _listing(self, w: Worker) -> ProbeInfo | None:
+        """What the model listing says now (model and context length only), or None when the
+        adapter does not read one or it did not answer 200 with a listing (as in `_read_info`,
+        such an answer is no failure). Transport failures raise."""
+        if _LISTING not in w.adapter.info_paths:
+            return None
+        status, body = await _get(w, _LISTING, self.settings.timeout_s)
+        if status != 200:
+            return None
+        try:
+            return w.adapter.parse_info(_LISTING, body, ProbeInfo())
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
 
     async def _read_info(self, w: Worker, *, fresh: bool = False) -> bool:
         """Read the info endpoints into `w.info`: folded into what is known, or with `fresh`,
@@ -118,6 +165,8 @@ class HealthChecker:
             try:
                 anew = w.adapter.parse_info(path, body, anew)
                 folded = w.adapter.parse_info(path, body, folded)
+                if path == _LISTING:  # what the probes between two reads compare against
+                    self._listed[w.id] = w.adapter.parse_info(path, body, ProbeInfo())
             except (msgspec.DecodeError, msgspec.ValidationError):
                 whole = False
         # Afresh only from a whole answer that names a model: a part missing this time (an
@@ -182,6 +231,10 @@ class HealthChecker:
         while True:
             await asyncio.gather(*(self.scrape(w) for w in list(self.registry.workers()) if w.healthy))
             await asyncio.sleep(self.settings.scrape_interval_s)
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def _model_text(model: str | None) -> str:
