@@ -285,11 +285,11 @@ class Admin:
         if not w.draining:
             w.draining = True
             self.registry.changed()
-        # Requests planned before the drain may hold this worker without counting in its
+        # Requests planned for it before the drain may hold this worker without counting in its
         # `inflight` yet (a vLLM decode is acquired only after its prefill): wait until each of
         # them has started its response (its workers are then fixed and counted) or ended.
         # Requests planned after the drain never pick it.
-        planned_before = self.unstarted()
+        planned_before = [r for r in self.unstarted() if w.id in r.planned]
         t0 = time.monotonic()
         log.info("admin.worker_removing", worker=w.id, inflight=w.inflight, timeout_s=timeout_s)
         deadline = t0 + timeout_s
@@ -301,8 +301,8 @@ class Admin:
                 break
             await asyncio.sleep(_POLL_S)
         left = w.inflight
-        # planned before the drain and not yet on the worker: such a request's next leg finds
-        # the worker gone (a retry elsewhere, or a 503), so it was not drained either
+        # planned for it before the drain, response not started: such a request's next leg
+        # finds the worker gone (a retry elsewhere, or a 503), so it was not drained either
         pending = sum(1 for r in planned_before if not r.started and not r.closed)
         await self.registry.remove(w.id)
         self.health.forget(w.id)

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 import msgspec
 
 from adapters import ProbeInfo
-from gateway.http.errors import UpstreamError
+from gateway.http.errors import LocalResourceError, UpstreamError
 from gateway.logging import get_logger
 from gateway.registry import Registry, Worker
 from policies.snapshot import Engine, Role
@@ -76,16 +76,22 @@ class HealthChecker:
 
     async def probe(self, w: Worker) -> bool:
         s = self.settings
+        n = self._rounds.get(w.id, 0)
+        self._rounds[w.id] = n + 1
         try:
             status, _ = await _get(w, w.adapter.health_path, s.timeout_s)
             ok = status == 200
             reason = f"HTTP {status}"
+            if ok:
+                ok, reason = await self._check_info(w, n)
+        except LocalResourceError as e:
+            # the gateway could not open a connection for want of its own descriptors: no
+            # verdict on the worker this round (it must not be marked down for the gateway's
+            # shortage, which its requests meet as a 503 that blames no worker either)
+            log.warning("worker.probe_skipped", worker=w.id, error=str(e))
+            return w.healthy
         except (TimeoutError, UpstreamError, OSError) as e:
             ok, reason = False, _why(e)
-        n = self._rounds.get(w.id, 0)
-        self._rounds[w.id] = n + 1
-        if ok:
-            ok, reason = await self._check_info(w, n)
         was = w.healthy
         if ok:
             w.probe_failures = 0
@@ -114,6 +120,8 @@ class HealthChecker:
             return await self._read_info(w, fresh=fresh), "info endpoints failed"
         try:
             listed = await self._listing(w)
+        except LocalResourceError:
+            raise
         except (TimeoutError, UpstreamError, OSError) as e:
             return False, f"{_LISTING}: {_why(e)}"
         if listed is None or listed == self._listed.get(w.id):
@@ -153,6 +161,8 @@ class HealthChecker:
         for path in w.adapter.info_paths:
             try:
                 status, body = await _get(w, path, self.settings.timeout_s)
+            except LocalResourceError:
+                raise  # (no verdict on the worker: probe() skips the round)
             except (TimeoutError, UpstreamError, OSError):
                 return False
             if status != 200:

@@ -80,6 +80,7 @@ class Timeouts(msgspec.Struct, frozen=True):
     total_s: float = 600.0  # the whole request
     abort_s: float = 2.0  # an abort call to an engine
     abort_repeat_s: float = 0.5  # the abort call is sent again after this long
+    shortage_s: float = 4.0  # after running out of descriptors, pools keep no idle connection this long
 
 
 class RetrySettings(msgspec.Struct, frozen=True):
@@ -223,6 +224,7 @@ class Orchestrator:
                         # attempt's plan and phase in its metrics and log line
                         a = _Attempt(echo, task, wheel)
                     if not isinstance(plan, Reject):
+                        res.planned = plan_worker_ids(plan)
                         self.policy.observe(routed_event(view, plan))
                     try:
                         await self._execute(plan, req, request_id, res, headers, view, a)
@@ -261,6 +263,10 @@ class Orchestrator:
         except GatewayError as e:
             if isinstance(e, UpstreamFailure) and e.instead is not None:
                 e = e.instead
+            elif isinstance(e, ShortOfResources):
+                # out of descriptors: every pool gives back what it keeps idle, for a while
+                for w in self.registry.workers():
+                    w.pool.shed_idle(self.settings.timeouts.shortage_s)
             outcome = e.code.value
             self._fail(res, e, echo)
         except asyncio.CancelledError as e:
@@ -534,6 +540,7 @@ class Orchestrator:
         t0 = time.monotonic()
         in_handoff = False
         culprit: str | None = None
+        between = False  # the failure is of the handoff between the two (see record_pair)
         wait_s = t.handoff_s
         try:
             try:
@@ -593,6 +600,7 @@ class Orchestrator:
             ok_d = True
         except UpstreamFailure as e:
             culprit = _culprit(e, concurrent=True)
+            between = culprit is None and e.instead is None  # a handoff failure, not the request's
             raise
         except ShortOfResources:
             a.cut = True  # the gateway's own shortage: no verdict on either worker
@@ -623,7 +631,8 @@ class Orchestrator:
             self.registry.record(p, _judged(ok_p, culprit == p.id, client_fault, unjudged))
             self.registry.record(d, _judged(ok_d, culprit == d.id, client_fault, unjudged))
             pair_ok = _judged(ok_d, True, client_fault, unjudged)
-            self.registry.record_pair(p, d, pair, pair_ok, blamed=culprit is not None)
+            suspects = tuple(w for w, did in ((p, ok_p), (d, ok_d)) if not did) if between else ()
+            self.registry.record_pair(p, d, pair, pair_ok, suspects=suspects, request=a.echo[1])
 
     async def _split_samples(
         self,
@@ -664,11 +673,13 @@ class Orchestrator:
             await self._concurrent(p, d, ctx, sreq, sink, headers, uview, tokens, sa)
 
         body = msgspec.json.decode(req.body)
-        units = iter(range(merger.units))
+        # every unit is built (and checked) before any starts: a unit the engine would refuse is
+        # the request's 400, not an error after other units' tokens went out
+        todo = iter([(k, sample_request(req, k, body)) for k in range(merger.units)])
 
         async def runner() -> None:
-            for k in units:  # shared: each runner takes the next unit not yet started
-                await one(k, sample_request(req, k, body))
+            for k, sreq in todo:  # shared: each runner takes the next unit not yet started
+                await one(k, sreq)
 
         width = min(merger.units, self.settings.split_concurrency)
         tasks = [asyncio.ensure_future(runner()) for _ in range(width)]
@@ -774,6 +785,7 @@ class Orchestrator:
         resp: UpstreamResponse | None = None
         ok_d = client_fault = False
         culprit: str | None = None
+        between = False
         self.registry.acquire(d, tokens)
         guard = self._decode_guard(req, ctx, p.adapter, out)
         wait_s = self._head_budget(req, d, t.handoff_s)
@@ -794,6 +806,7 @@ class Orchestrator:
             ok_d = True
         except UpstreamFailure as e:
             culprit = _culprit(e, concurrent=False)
+            between = culprit is None and e.instead is None  # a handoff failure, not the request's
             raise
         except ShortOfResources:
             raise  # (the attempt is marked unjudged already): not the request's fault either
@@ -810,7 +823,8 @@ class Orchestrator:
             unjudged = res.closed or a.cut
             self.registry.record(d, _judged(ok_d, culprit == d.id, client_fault, unjudged))
             pair_ok = _judged(ok_d, True, client_fault, unjudged)
-            self.registry.record_pair(p, d, pair, pair_ok, blamed=culprit is not None)
+            suspects = (d,) if between and not ok_d else ()  # (its prefill did its part)
+            self.registry.record_pair(p, d, pair, pair_ok, suspects=suspects, request=a.echo[1])
 
     def _head_budget(self, req: ParsedRequest, w: Worker, first_byte_s: float) -> float:
         """How long to wait for a worker's response headers. A stream's come with its first

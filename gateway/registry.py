@@ -115,9 +115,10 @@ class Worker:
         self.info = ProbeInfo()
         self.probe_failures = 0
         self.probe_successes = 0
-        # partners (ids) of the handoffs that failed between this worker and another since its
-        # last good handoff, where no one worker was to blame (Registry.record_pair)
-        self.failed_partners: set[str] = set()
+        # partner id -> the request whose handoff between this worker and that partner failed
+        # last, since this worker's last good handoff, where no one worker was blamed
+        # (Registry.record_pair)
+        self.failed_partners: dict[str, object] = {}
 
     @property
     def model(self) -> str | None:
@@ -190,6 +191,8 @@ class Registry:
             del self._pair_breakers[key]
         for key in [k for k in self._suspect_until if worker_id in k.split("|")]:
             del self._suspect_until[key]
+        for other in self._workers.values():
+            other.failed_partners.pop(worker_id, None)
         self.changed()
         return w
 
@@ -383,16 +386,26 @@ class Registry:
             self.changed()
 
     def record_pair(
-        self, p: Worker, d: Worker, pair: CircuitBreaker, ok: bool | None, *, blamed: bool = False
+        self,
+        p: Worker,
+        d: Worker,
+        pair: CircuitBreaker,
+        ok: bool | None,
+        *,
+        suspects: tuple[Worker, ...] = (),
+        request: object = None,
     ) -> None:
         """One handoff's verdict on the (p, d) pair (`pair`: its breaker). A handoff that fails
         between two workers is the pair's failure, not either worker's (one bad link, or a decode
         refusing one prefill's KV, must not take a worker out of every other pair); but a worker
-        whose handoffs failed with two or more different partners, and went well with none since,
-        is the broken one: each such failure then counts against its own breaker too. Without
-        this a decode answering every handoff with a 5xx cost N prefills x failure_threshold
-        failed requests before it was avoided. `blamed`: the failure was already held against
-        one of the two workers (not counted twice)."""
+        whose handoffs failed with two or more different partners, for two or more different
+        requests, and went well with none since, is the broken one: each such failure then counts
+        against its own breaker too. Without this a decode answering every handoff with a 5xx
+        cost N prefills x failure_threshold failed requests before it was avoided.
+        `suspects`: the workers this failure may be held against (those whose own leg did not
+        go well), none when it is no worker's (already blamed on one, provoked by the request,
+        a deadline); `request`: the request's key (one request's own retries on other pairs are
+        one request, whatever it provokes)."""
         if pair.record(ok):
             self.changed()
         if ok is None:
@@ -403,11 +416,11 @@ class Registry:
             if d.failed_partners:
                 d.failed_partners.clear()
             return
-        if blamed:
-            return
-        for w, other in ((p, d), (d, p)):
-            w.failed_partners.add(other.id)
-            if len(w.failed_partners) >= 2:
+        for w in suspects:
+            other = d if w is p else p
+            failed = w.failed_partners
+            failed[other.id] = request
+            if len(failed) >= 2 and len(set(failed.values())) >= 2:
                 self.record(w, False)
 
     async def close(self) -> None:

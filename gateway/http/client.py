@@ -21,7 +21,24 @@ from httptools import HttpParserCallbackError, HttpParserError, HttpResponsePars
 from .errors import LocalResourceError, UpstreamConnectError, UpstreamProtocolError
 
 # connect() errors that say this process is short of something, not that the upstream is
-_LOCAL_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
+# (EADDRNOTAVAIL is not one of them: it is also an address this host cannot reach, e.g. ::1
+# with IPv6 off, which must count against that worker)
+_LOCAL_SHORTAGE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+def _shortage_behind(e: OSError) -> OSError | None:
+    """The shortage of this process behind a connect failure, if any. Some show only as another
+    error: a worker named by host name fails to resolve (`gaierror`) when the resolver cannot
+    open its socket, so for any other error one socket is opened to find out (error path only)."""
+    if e.errno in _LOCAL_SHORTAGE:
+        return e
+    try:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()
+    except OSError as short:
+        if short.errno in _LOCAL_SHORTAGE:
+            return short
+    return None
+
 
 __all__ = ["Batching", "FlowControl", "UpstreamPool", "UpstreamResponse"]
 
@@ -595,6 +612,7 @@ class UpstreamPool:
         "_closed",
         "_host_line",
         "_idle",
+        "_keep_after",
         "_loop",
         "connect_timeout_s",
         "host",
@@ -625,6 +643,7 @@ class UpstreamPool:
         self.idle_timeout_s = idle_timeout_s
         self.in_use = 0
         self._idle: list[_UpstreamConnection] = []  # LIFO: the newest at the end
+        self._keep_after = 0.0  # loop time before which no connection is kept idle (shed_idle)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         default = 443 if tls is not None else 80
@@ -673,12 +692,27 @@ class UpstreamPool:
             idle[:] = keep  # oldest first, as before
         return dropped
 
+    def shed_idle(self, for_s: float) -> None:
+        """The process is short of descriptors: close the idle connections, and for `for_s`
+        close each connection as its response ends instead of keeping it (they were what held
+        the descriptors after a burst: without this the gateway stayed at its limit, unable to
+        accept a client's connection)."""
+        for c in self._idle:
+            c.abort()
+        self._idle.clear()
+        if self._loop is not None:
+            self._keep_after = self._loop.time() + for_s
+
     def _put(self, conn: _UpstreamConnection) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        if self._keep_after and now < self._keep_after:
+            conn.abort()
+            return
         idle = self._idle
         if len(idle) >= self.max_idle:
             idle.pop(0).abort()
-        assert self._loop is not None
-        conn._idle_since = self._loop.time()
+        conn._idle_since = now
         idle.append(conn)
 
     async def _connect(self) -> _UpstreamConnection:
@@ -698,12 +732,11 @@ class UpstreamPool:
                 f"connect to {self.host}:{self.port} timed out after {self.connect_timeout_s} s"
             ) from None
         except OSError as e:
-            if e.errno in _LOCAL_SHORTAGE:
+            short = _shortage_behind(e)
+            if short is not None:
                 # the idle connections kept for reuse hold descriptors this process lacks now
-                for c in self._idle:
-                    c.abort()
-                self._idle.clear()
-                raise LocalResourceError(f"connect to {self.host}:{self.port} failed: {e}") from e
+                self.shed_idle(self.idle_timeout_s)
+                raise LocalResourceError(f"connect to {self.host}:{self.port} failed: {short}") from e
             raise UpstreamConnectError(f"connect to {self.host}:{self.port} failed: {e}") from e
         return proto
 

@@ -123,6 +123,7 @@ class HttpResponder:
         "_head_only",
         "_http10",
         "_keep_alive",
+        "planned",
         "started",
         "task",
     )
@@ -139,6 +140,9 @@ class HttpResponder:
         # the Task running the handler (set at dispatch): known here, a handler need not ask
         # asyncio.current_task(), which costs a getpid() system call on Python 3.11
         self.task: asyncio.Task[None] | None = None
+        # what the application planned this request for (the gateway: its workers' ids), for
+        # whoever must wait on requests not started yet (the admin API removing a worker)
+        self.planned: tuple[str, ...] = ()
 
     @property
     def closed(self) -> bool:

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from emulator.api import EmulatorProcess, EmulatorSpec, start_emulator
 from gateway.app import Gateway
@@ -106,9 +107,12 @@ def _post(url: str, body: dict[str, object]) -> tuple[int, dict[str, str], bytes
         return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 def test_out_of_file_descriptors_is_a_503_that_blames_no_worker(
-    sglang_pair: tuple[EmulatorProcess, EmulatorProcess], tmp_path: Path
+    sglang_pair: tuple[EmulatorProcess, EmulatorProcess], tmp_path: Path, host: str
 ) -> None:
+    """By address, and by host name: there the shortage shows as a failed name lookup (the
+    resolver cannot open its socket), which is no fault of the worker either."""
     p, d = sglang_pair
     conf = tmp_path / "gateway.toml"
     conf.write_text(
@@ -126,13 +130,13 @@ max_attempts = 1
 split_concurrency = 400        # 800 connections wanted, under a limit of 96 descriptors
 
 [[workers]]
-url = "{p.url}"
+url = "{p.url.replace("127.0.0.1", host)}"
 role = "prefill"
 engine = "sglang"
 bootstrap_port = {p.bootstrap_port}
 
 [[workers]]
-url = "{d.url}"
+url = "{d.url.replace("127.0.0.1", host)}"
 role = "decode"
 engine = "sglang"
 """
@@ -210,3 +214,47 @@ def test_serve_lifts_its_soft_limit_on_open_files_to_the_hard_one(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+async def test_a_batch_with_a_bad_prompt_is_a_400_before_any_unit_starts() -> None:
+    """Every unit is built and checked before the first starts: with units built as runners
+    reached them, a stream had sent two prompts' tokens before its fourth prompt (empty) ended
+    it with an error event (found by review)."""
+    p = await start_emulator(EmulatorSpec(engine="sglang", role="prefill", model="m", time_scale=0.05))
+    d = await start_emulator(EmulatorSpec(engine="sglang", role="decode", model="m", time_scale=0.05))
+    gw = Gateway(
+        GatewayConfig(
+            listen=ListenConfig(host="127.0.0.1", port=0),
+            workers=(
+                WorkerConfig(
+                    url=p.url,
+                    role=Role.PREFILL,
+                    engine=Engine.SGLANG,
+                    id="p",
+                    bootstrap_port=p.bootstrap_port,
+                ),
+                WorkerConfig(url=d.url, role=Role.DECODE, engine=Engine.SGLANG, id="d"),
+            ),
+            health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
+            limits=LimitsConfig(split_concurrency=2),
+        )
+    )
+    await gw.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            for stream in (False, True):
+                body = {
+                    "model": "m",
+                    "prompt": [[1, 2, 3], [4, 5, 6], [7, 8], []],
+                    "max_tokens": 8,
+                    "stream": stream,
+                }
+                async with s.post(gw.url + "/v1/completions", json=body) as r:
+                    raw = await r.read()
+                    assert r.status == 400, raw
+                    assert json.loads(raw)["error"]["type"] == "invalid_request_error"
+        assert (await p.stats())["received"] == 0 and (await d.stats())["received"] == 0
+    finally:
+        await gw.stop(grace_s=0.5)
+        await p.stop()
+        await d.stop()

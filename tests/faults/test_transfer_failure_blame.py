@@ -165,19 +165,77 @@ async def test_a_decode_whose_handoffs_fail_with_every_prefill_opens_its_own_bre
 
 def test_failures_with_one_partner_stay_the_pair_s_and_a_good_handoff_clears_them() -> None:
     reg = Registry(BreakerSettings(failure_threshold=1, success_threshold=1, open_s=60.0))
-    p1, p2, d = (
+    p1, p2, p3, d = (
         Worker(i, f"http://127.0.0.1:{n}", r, Engine.SGLANG)
-        for i, n, r in (("p1", 1, Role.PREFILL), ("p2", 2, Role.PREFILL), ("d", 3, Role.DECODE))
+        for i, n, r in (
+            ("p1", 1, Role.PREFILL),
+            ("p2", 2, Role.PREFILL),
+            ("p3", 4, Role.PREFILL),
+            ("d", 3, Role.DECODE),
+        )
     )
-    for w in (p1, p2, d):
+    for w in (p1, p2, p3, d):
         reg.add(w)
-    reg.record_pair(p1, d, reg.pair_breaker("p1", "d"), False)
+
+    def fail(p: Worker, request: str, suspects: tuple[Worker, ...] | None = None) -> None:
+        both = (p, d) if suspects is None else suspects
+        reg.record_pair(p, d, reg.pair_breaker(p.id, "d"), False, suspects=both, request=request)
+
+    fail(p1, "r1")
     assert d.breaker.state is BreakerState.CLOSED  # one partner: the pair's failure only
     reg.record_pair(p2, d, reg.pair_breaker("p2", "d"), True)  # a good handoff: d is fine
-    reg.record_pair(p2, d, reg.pair_breaker("p2", "d"), False)
-    assert d.breaker.state is BreakerState.CLOSED and d.failed_partners == {"p2"}
-    reg.record_pair(p1, d, reg.pair_breaker("p1", "d"), False, blamed=True)  # counted already
+    fail(p2, "r2")
+    assert d.breaker.state is BreakerState.CLOSED and d.failed_partners == {"p2": "r2"}
+    fail(p1, "r3", suspects=())  # no worker's failure (blamed on one already, or the request's)
     assert d.breaker.state is BreakerState.CLOSED
-    reg.record_pair(p1, d, reg.pair_breaker("p1", "d"), False)
-    assert d.breaker.state is BreakerState.OPEN  # two partners, nothing good between
-    assert p1.breaker.state is BreakerState.CLOSED and p2.breaker.state is BreakerState.CLOSED
+    fail(p1, "r2")  # the same request retried on another pair: still one request
+    assert d.breaker.state is BreakerState.CLOSED
+    fail(p3, "r4")  # three partners, two requests, nothing good between
+    assert d.breaker.state is BreakerState.OPEN
+    assert all(p.breaker.state is BreakerState.CLOSED for p in (p1, p2, p3))
+
+
+async def test_a_request_that_every_prefill_refuses_does_not_blame_its_decode() -> None:
+    """SGLang's prefill refusing what its decode took (a prompt past the prefill's own limit) is
+    provoked by the request: the gateway's retry of it on a second prefill must not make the
+    healthy decode "broken with two partners" (found by a review of record_pair)."""
+    truncating = EmulatorSpec(engine="sglang", role="prefill", model="m", faults=["silent_truncation"])
+    p1 = await start_emulator(truncating)
+    p2 = await start_emulator(truncating)
+    d = await start_emulator(EmulatorSpec(engine="sglang", role="decode", model="m"))
+    gw = Gateway(
+        GatewayConfig(
+            listen=ListenConfig(host="127.0.0.1", port=0),
+            workers=(
+                *(
+                    WorkerConfig(
+                        url=p.url,
+                        role=Role.PREFILL,
+                        engine=Engine.SGLANG,
+                        id=i,
+                        bootstrap_port=p.bootstrap_port,
+                    )
+                    for i, p in (("p1", p1), ("p2", p2))
+                ),
+                WorkerConfig(url=d.url, role=Role.DECODE, engine=Engine.SGLANG, id="d"),
+            ),
+            health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
+            retries=RetriesConfig(max_attempts=3),
+            breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=60.0),
+        )
+    )
+    await gw.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):  # (then both pairs are open: theirs to count)
+                async with s.post(
+                    gw.url + "/v1/completions",
+                    json={"model": "m", "prompt": "hello there friend", "max_tokens": 4},
+                ) as r:
+                    await r.read()
+                    assert r.status == 400
+        assert gw.registry.get("d").breaker.state is BreakerState.CLOSED
+    finally:
+        await gw.stop(grace_s=0.5)
+        for e in (p1, p2, d):
+            await e.stop()

@@ -469,6 +469,30 @@ async def test_a_removal_whose_wait_ends_before_planned_requests_reach_it_is_not
         await stop_cluster(c)
 
 
+async def test_a_removal_does_not_wait_on_or_count_requests_planned_for_other_workers() -> None:
+    """An idle worker's removal is drained at once while a slow request runs elsewhere: only
+    requests planned for the worker itself are waited on and counted as pending (a review found
+    every unstarted request of the gateway counted)."""
+    c = await build_cluster(time_scale=1.0, admin=ADMIN)
+    try:
+        await c.emulators["col"].set_faults(["slow,factor=50"])
+        body = {"model": "m-colocated", "prompt": "hi", "max_tokens": 20}  # not streamed: unstarted
+        slow = asyncio.create_task(stream(c, body))  # (any POST; this one is not streamed)
+        reg = c.gateway.registry
+        for _ in range(200):
+            if reg.get("col").inflight == 1:
+                break
+            await asyncio.sleep(0.005)
+        assert reg.get("col").inflight == 1
+        status, _, out = await req(c, "DELETE", "/admin/workers/vllm-d?timeout_s=2")
+        assert status == 200 and out["drained"] is True and out["pending"] == 0, out
+        assert out["waited_s"] < 1.0  # not the slow request's time
+        await c.emulators["col"].set_faults([])
+        await slow
+    finally:
+        await stop_cluster(c)
+
+
 async def test_concurrent_adds_of_one_url_add_it_once(admin_cluster: Cluster) -> None:
     c = admin_cluster
     emu = await start_emulator(EmulatorSpec(engine="vllm", role="both", model="m-twice"))
