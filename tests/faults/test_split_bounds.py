@@ -20,47 +20,26 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from emulator.api import EmulatorProcess, EmulatorSpec, start_emulator
-from gateway.app import Gateway
-from gateway.config import GatewayConfig, HealthConfig, LimitsConfig, ListenConfig, WorkerConfig
-from policies.snapshot import Engine, Role
+from emulator.api import EmulatorProcess
+from gateway.config import LimitsConfig
+from tests.faults.sglang_pd import sglang_pd
 from tests.integration.test_cli_serve import BIN, complete, free_port, sglang_pair, wait_ready
 
 __all__ = ["sglang_pair"]  # the fixture, used below
 
 
 async def test_a_split_request_keeps_at_most_split_concurrency_handoffs_in_flight() -> None:
-    p = await start_emulator(EmulatorSpec(engine="sglang", role="prefill", model="m", time_scale=0.05))
-    d = await start_emulator(EmulatorSpec(engine="sglang", role="decode", model="m", time_scale=0.05))
-    gw = Gateway(
-        GatewayConfig(
-            listen=ListenConfig(host="127.0.0.1", port=0),
-            workers=(
-                WorkerConfig(
-                    url=p.url,
-                    role=Role.PREFILL,
-                    engine=Engine.SGLANG,
-                    id="p",
-                    bootstrap_port=p.bootstrap_port,
-                ),
-                WorkerConfig(url=d.url, role=Role.DECODE, engine=Engine.SGLANG, id="d"),
-            ),
-            health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
-            limits=LimitsConfig(split_concurrency=4),
-        )
-    )
-    await gw.start()
-    decode = gw.registry.get("d")
-    peak = 0
-    stop = asyncio.Event()
+    async with sglang_pd(time_scale=0.05, limits=LimitsConfig(split_concurrency=4)) as c:
+        decode = c.gateway.registry.get("d")
+        peak = 0
+        stop = asyncio.Event()
 
-    async def watch() -> None:
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, decode.inflight)
-            await asyncio.sleep(0.0005)
+        async def watch() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, decode.inflight)
+                await asyncio.sleep(0.0005)
 
-    try:
         async with aiohttp.ClientSession() as s:
             for stream in (False, True):
                 peak = 0
@@ -73,7 +52,7 @@ async def test_a_split_request_keeps_at_most_split_concurrency_handoffs_in_fligh
                     "max_tokens": 6,
                     "stream": stream,
                 }
-                async with s.post(gw.url + "/v1/completions", json=body) as r:
+                async with s.post(c.url + "/v1/completions", json=body) as r:
                     raw = await r.read()
                     assert r.status == 200, raw
                 stop.set()
@@ -84,16 +63,12 @@ async def test_a_split_request_keeps_at_most_split_concurrency_handoffs_in_fligh
                         for line in raw.decode().splitlines()
                         if line.startswith("data: {")
                     ]
-                    indices = {c["index"] for ev in events for c in ev["choices"]}
+                    indices = {ch["index"] for ev in events for ch in ev["choices"]}
                 else:
-                    indices = {c["index"] for c in json.loads(raw)["choices"]}
+                    indices = {ch["index"] for ch in json.loads(raw)["choices"]}
                 assert indices == set(range(30))
                 assert 2 <= peak <= 4, peak  # the units overlapped, four at a time at most
         assert decode.inflight == 0
-    finally:
-        await gw.stop(grace_s=0.5)
-        await p.stop()
-        await d.stop()
 
 
 def _post(url: str, body: dict[str, object]) -> tuple[int, dict[str, str], bytes]:
@@ -220,27 +195,7 @@ async def test_a_batch_with_a_bad_prompt_is_a_400_before_any_unit_starts() -> No
     """Every unit is built and checked before the first starts: with units built as runners
     reached them, a stream had sent two prompts' tokens before its fourth prompt (empty) ended
     it with an error event (found by review)."""
-    p = await start_emulator(EmulatorSpec(engine="sglang", role="prefill", model="m", time_scale=0.05))
-    d = await start_emulator(EmulatorSpec(engine="sglang", role="decode", model="m", time_scale=0.05))
-    gw = Gateway(
-        GatewayConfig(
-            listen=ListenConfig(host="127.0.0.1", port=0),
-            workers=(
-                WorkerConfig(
-                    url=p.url,
-                    role=Role.PREFILL,
-                    engine=Engine.SGLANG,
-                    id="p",
-                    bootstrap_port=p.bootstrap_port,
-                ),
-                WorkerConfig(url=d.url, role=Role.DECODE, engine=Engine.SGLANG, id="d"),
-            ),
-            health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
-            limits=LimitsConfig(split_concurrency=2),
-        )
-    )
-    await gw.start()
-    try:
+    async with sglang_pd(time_scale=0.05, limits=LimitsConfig(split_concurrency=2)) as c:
         async with aiohttp.ClientSession() as s:
             for stream in (False, True):
                 body = {
@@ -249,12 +204,8 @@ async def test_a_batch_with_a_bad_prompt_is_a_400_before_any_unit_starts() -> No
                     "max_tokens": 8,
                     "stream": stream,
                 }
-                async with s.post(gw.url + "/v1/completions", json=body) as r:
+                async with s.post(c.url + "/v1/completions", json=body) as r:
                     raw = await r.read()
                     assert r.status == 400, raw
                     assert json.loads(raw)["error"]["type"] == "invalid_request_error"
-        assert (await p.stats())["received"] == 0 and (await d.stats())["received"] == 0
-    finally:
-        await gw.stop(grace_s=0.5)
-        await p.stop()
-        await d.stop()
+        assert (await c.prefills[0].stats())["received"] == 0 and (await c.decode.stats())["received"] == 0

@@ -11,21 +11,17 @@ from __future__ import annotations
 import aiohttp
 
 from adapters import ADAPTERS
-from emulator.api import EmulatorSpec, start_emulator
-from gateway.app import Gateway
+from emulator.api import EmulatorSpec
 from gateway.breaker import BreakerState
 from gateway.config import (
     AdminConfig,
     BreakerConfig,
-    GatewayConfig,
-    HealthConfig,
-    ListenConfig,
     RetriesConfig,
-    WorkerConfig,
 )
 from gateway.parse import parse_request
 from gateway.registry import BreakerSettings, Registry, Worker
 from policies.snapshot import Engine, Role, RouteKind
+from tests.faults.sglang_pd import sglang_pd
 from tests.integration.test_engine_request_names import _ctx
 
 
@@ -50,31 +46,14 @@ def test_a_prefill_500_naming_a_kv_transfer_error_is_a_handoff_verdict() -> None
 
 
 async def test_failed_transfers_open_the_pair_breaker_not_the_prefill_s() -> None:
-    p = await start_emulator(
-        EmulatorSpec(engine="sglang", role="prefill", model="m", faults=["transfer_fail"])
-    )
-    d = await start_emulator(EmulatorSpec(engine="sglang", role="decode", model="m"))
-    gw = Gateway(
-        GatewayConfig(
-            listen=ListenConfig(host="127.0.0.1", port=0),
-            workers=(
-                WorkerConfig(
-                    url=p.url,
-                    role=Role.PREFILL,
-                    engine=Engine.SGLANG,
-                    id="p",
-                    bootstrap_port=p.bootstrap_port,
-                ),
-                WorkerConfig(url=d.url, role=Role.DECODE, engine=Engine.SGLANG, id="d"),
-            ),
-            health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
-            retries=RetriesConfig(max_attempts=1),
-            breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=60.0),
-            admin=AdminConfig(token="t0ken"),
-        )
-    )
-    await gw.start()
-    try:
+    prefill = EmulatorSpec(engine="sglang", role="prefill", model="m", faults=["transfer_fail"])
+    async with sglang_pd(
+        [prefill],
+        retries=RetriesConfig(max_attempts=1),
+        breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=60.0),
+        admin=AdminConfig(token="t0ken"),
+    ) as c:
+        gw = c.gateway
         async with aiohttp.ClientSession() as s:
             for _ in range(4):
                 async with s.post(
@@ -106,10 +85,6 @@ async def test_failed_transfers_open_the_pair_breaker_not_the_prefill_s() -> Non
                 }
             async with s.get(gw.url + "/metrics") as r:
                 assert 'pdgw_pair_breaker_open{decode="d",prefill="p"} 1.0' in await r.text()
-    finally:
-        await gw.stop(grace_s=0.5)
-        await p.stop()
-        await d.stop()
 
 
 async def test_a_decode_whose_handoffs_fail_with_every_prefill_opens_its_own_breaker() -> None:
@@ -118,37 +93,17 @@ async def test_a_decode_whose_handoffs_fail_with_every_prefill_opens_its_own_bre
     counts against its own breaker, which takes it out of every pair at once. Before, each pair
     had to fail failure_threshold times on its own (N prefills x threshold failed requests), and
     the decode stayed "usable"."""
-    p1 = await start_emulator(EmulatorSpec(engine="sglang", role="prefill", model="m"))
-    p2 = await start_emulator(EmulatorSpec(engine="sglang", role="prefill", model="m"))
-    d = await start_emulator(EmulatorSpec(engine="sglang", role="decode", model="m", faults=["http_error"]))
-    gw = Gateway(
-        GatewayConfig(
-            listen=ListenConfig(host="127.0.0.1", port=0),
-            workers=(
-                *(
-                    WorkerConfig(
-                        url=p.url,
-                        role=Role.PREFILL,
-                        engine=Engine.SGLANG,
-                        id=i,
-                        bootstrap_port=p.bootstrap_port,
-                    )
-                    for i, p in (("p1", p1), ("p2", p2))
-                ),
-                WorkerConfig(url=d.url, role=Role.DECODE, engine=Engine.SGLANG, id="d"),
-            ),
-            health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
-            retries=RetriesConfig(max_attempts=1),
-            breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=60.0),
-        )
-    )
-    await gw.start()
-    reg = gw.registry
-    try:
+    async with sglang_pd(
+        2,
+        EmulatorSpec(engine="sglang", role="decode", model="m", faults=["http_error"]),
+        retries=RetriesConfig(max_attempts=1),
+        breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=60.0),
+    ) as c:
+        reg = c.gateway.registry
         async with aiohttp.ClientSession() as s:
             for _ in range(8):
                 async with s.post(
-                    gw.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}
+                    c.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 4}
                 ) as r:
                     await r.read()
                     assert r.status >= 500
@@ -157,10 +112,6 @@ async def test_a_decode_whose_handoffs_fail_with_every_prefill_opens_its_own_bre
         assert reg.get("d").breaker.state is BreakerState.OPEN
         assert reg.get("p1").breaker.state is BreakerState.CLOSED
         assert reg.get("p2").breaker.state is BreakerState.CLOSED
-    finally:
-        await gw.stop(grace_s=0.5)
-        for e in (p1, p2, d):
-            await e.stop()
 
 
 def test_failures_with_one_partner_stay_the_pair_s_and_a_good_handoff_clears_them() -> None:
@@ -200,42 +151,17 @@ async def test_a_request_that_every_prefill_refuses_does_not_blame_its_decode() 
     provoked by the request: the gateway's retry of it on a second prefill must not make the
     healthy decode "broken with two partners" (found by a review of record_pair)."""
     truncating = EmulatorSpec(engine="sglang", role="prefill", model="m", faults=["silent_truncation"])
-    p1 = await start_emulator(truncating)
-    p2 = await start_emulator(truncating)
-    d = await start_emulator(EmulatorSpec(engine="sglang", role="decode", model="m"))
-    gw = Gateway(
-        GatewayConfig(
-            listen=ListenConfig(host="127.0.0.1", port=0),
-            workers=(
-                *(
-                    WorkerConfig(
-                        url=p.url,
-                        role=Role.PREFILL,
-                        engine=Engine.SGLANG,
-                        id=i,
-                        bootstrap_port=p.bootstrap_port,
-                    )
-                    for i, p in (("p1", p1), ("p2", p2))
-                ),
-                WorkerConfig(url=d.url, role=Role.DECODE, engine=Engine.SGLANG, id="d"),
-            ),
-            health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
-            retries=RetriesConfig(max_attempts=3),
-            breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=60.0),
-        )
-    )
-    await gw.start()
-    try:
+    async with sglang_pd(
+        [truncating, truncating],
+        retries=RetriesConfig(max_attempts=3),
+        breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=60.0),
+    ) as c:
         async with aiohttp.ClientSession() as s:
             for _ in range(2):  # (then both pairs are open: theirs to count)
                 async with s.post(
-                    gw.url + "/v1/completions",
+                    c.url + "/v1/completions",
                     json={"model": "m", "prompt": "hello there friend", "max_tokens": 4},
                 ) as r:
                     await r.read()
                     assert r.status == 400
-        assert gw.registry.get("d").breaker.state is BreakerState.CLOSED
-    finally:
-        await gw.stop(grace_s=0.5)
-        for e in (p1, p2, d):
-            await e.stop()
+        assert c.gateway.registry.get("d").breaker.state is BreakerState.CLOSED

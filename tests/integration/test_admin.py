@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
@@ -15,6 +16,7 @@ import pytest
 
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.config import AdminConfig
+from gateway.registry import Worker
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
 
 TOKEN = "s3cret-admin-token"
@@ -41,6 +43,15 @@ def stream_body(model: str, max_tokens: int = 60, prompt: str = "tell me a story
 async def stream(c: Cluster, body: dict[str, Any]) -> tuple[int, bytes]:
     async with aiohttp.ClientSession() as s, s.post(c.url + "/v1/completions", json=body) as r:
         return r.status, await r.read()
+
+
+async def inflight_reaches(w: Worker, n: int, within_s: float = 1.0) -> None:
+    """Wait (bounded) until the gateway has `n` requests in flight on `w`; the caller asserts."""
+    deadline = time.monotonic() + within_s
+    for _ in range(int(within_s / 0.005)):  # (a count polled: nothing to wait on)
+        if w.inflight == n or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.005)
 
 
 def completed(raw: bytes) -> bool:
@@ -427,10 +438,7 @@ async def test_decode_removed_while_its_requests_are_still_in_prefill() -> None:
         await c.emulators["vllm-p"].set_faults(["slow,factor=100"])  # a long prefill phase
         streams = [asyncio.create_task(stream(c, stream_body("m-vllm", 20, "x " * 500))) for _ in range(16)]
         reg = c.gateway.registry
-        for _ in range(200):
-            if reg.get("vllm-p").inflight == 16:
-                break
-            await asyncio.sleep(0.005)
+        await inflight_reaches(reg.get("vllm-p"), 16)
         assert reg.get("vllm-p").inflight == 16 and reg.get("vllm-d").inflight == 0
         status, _, out = await req(c, "DELETE", "/admin/workers/vllm-d")
         assert status == 200 and out["drained"] is True and out["waited_s"] > 0
@@ -454,10 +462,7 @@ async def test_a_removal_whose_wait_ends_before_planned_requests_reach_it_is_not
         await c.emulators["vllm-p"].set_faults(["slow,factor=100"])  # a long prefill phase
         streams = [asyncio.create_task(stream(c, stream_body("m-vllm", 20, "x " * 500))) for _ in range(4)]
         reg = c.gateway.registry
-        for _ in range(200):
-            if reg.get("vllm-p").inflight == 4:
-                break
-            await asyncio.sleep(0.005)
+        await inflight_reaches(reg.get("vllm-p"), 4)
         status, _, out = await req(c, "DELETE", "/admin/workers/vllm-d?timeout_s=0.05")
         assert status == 200 and out["removed"] is True
         assert out["drained"] is False and out["inflight"] == 0 and out["pending"] == 4, out
@@ -479,10 +484,7 @@ async def test_a_removal_does_not_wait_on_or_count_requests_planned_for_other_wo
         body = {"model": "m-colocated", "prompt": "hi", "max_tokens": 20}  # not streamed: unstarted
         slow = asyncio.create_task(stream(c, body))  # (any POST; this one is not streamed)
         reg = c.gateway.registry
-        for _ in range(200):
-            if reg.get("col").inflight == 1:
-                break
-            await asyncio.sleep(0.005)
+        await inflight_reaches(reg.get("col"), 1)
         assert reg.get("col").inflight == 1
         status, _, out = await req(c, "DELETE", "/admin/workers/vllm-d?timeout_s=2")
         assert status == 200 and out["drained"] is True and out["pending"] == 0, out
