@@ -232,7 +232,7 @@ class Orchestrator:
                         self.policy.observe(
                             Completed(
                                 request_id,
-                                plan_worker_ids(plan),
+                                res.planned,  # the plan's workers (a moved vLLM decode's new one)
                                 ttft_s=(a.first_byte_at - started) if a.first_byte_at else None,
                             )
                         )
@@ -464,7 +464,7 @@ class Orchestrator:
         if d.adapter.handoff is HandoffMode.CONCURRENT:
             await self._concurrent(p, d, ctx, req, res, headers, view, tokens, a)
         elif d.adapter.handoff is HandoffMode.SEQUENTIAL:
-            await self._sequential(p, d, ctx, req, res, headers, tokens, a)
+            await self._sequential(p, d, ctx, req, res, headers, view, tokens, a)
         else:
             raise NoWorker(f"engine {d.engine.value} has no P/D protocol")
 
@@ -749,12 +749,18 @@ class Orchestrator:
         req: ParsedRequest,
         res: Responder,
         headers: list[tuple[bytes, bytes]],
+        view: RequestView,
         tokens: int,
         a: _Attempt,
     ) -> None:
-        """vLLM: prefill (max_tokens=1) to the end, judge its kv_transfer_params, then decode."""
+        """vLLM: prefill (max_tokens=1) to the end, judge its kv_transfer_params, then decode.
+
+        A decode that the request never reached (connection refused, its pool closed by a
+        removal) leaves the prefill's KV untouched, held for a decode to pull: the decode leg
+        goes to another decode of the pool with the same `kv_transfer_params` (they name the
+        prefill, not a decode) instead of prefilling again elsewhere, which would leave this
+        KV held until the engine's lease ends."""
         t = self.settings.timeouts
-        pair = self.registry.pair_breaker(p.id, d.id)
         pbody = p.adapter.prefill_body(req, ctx)
         t0 = time.monotonic()
         ok_p = False
@@ -781,6 +787,66 @@ class Orchestrator:
         a.prefill_done_at = time.monotonic()
         a.phase = Phase.HANDOFF
         self.metrics.child(self.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
+        tried = {d.id}
+        while True:
+            try:
+                await self._vllm_decode(p, d, ctx, req, res, headers, tokens, a, verdict, out)
+                return
+            except _DecodeUnreached as e:
+                if res.started or res.closed or len(tried) >= self.settings.retries.max_attempts:
+                    raise
+                plan = self._other_decode(view, req, p, tried)
+                if plan is None:
+                    raise
+                self.policy.observe(Failed(ctx.request_id, (p.id, d.id), e.phase))
+                self.metrics.child(self.metrics.upstream_errors, d.id, e.phase, e.code.value).inc()
+                self.metrics.child(self.metrics.fallbacks, "other_decode").inc()
+                log.info(
+                    "request.decode_moved",
+                    request_id=ctx.request_id,
+                    prefill=p.id,
+                    decode=d.id,
+                    to=plan.decode.id,
+                    error=e.message,
+                )
+                d = self.registry.get(plan.decode.id)
+                tried.add(d.id)
+                a.decode = d.id
+                if isinstance(res, HttpResponder):
+                    res.planned = (p.id, d.id)
+                self.policy.observe(routed_event(view, plan))
+
+    def _other_decode(
+        self, view: RequestView, req: ParsedRequest, p: Worker, tried: set[str]
+    ) -> Disaggregated | None:
+        """Another decode for prefill `p`'s KV, chosen by the policy with every other prefill
+        left out (the plan pairing them); None when it plans anything else (no such decode, or
+        a colocated answer)."""
+        if "other_pair" not in self.settings.ladder:
+            return None
+        others = {w.id for w in self.registry.workers() if w.role is Role.PREFILL and w.id != p.id}
+        plan = self._plan(view, req, tried | others)
+        if isinstance(plan, Disaggregated) and plan.prefill.id == p.id and plan.decode.id not in tried:
+            return plan
+        return None
+
+    async def _vllm_decode(
+        self,
+        p: Worker,
+        d: Worker,
+        ctx: HandoffCtx,
+        req: ParsedRequest,
+        res: Responder,
+        headers: list[tuple[bytes, bytes]],
+        tokens: int,
+        a: _Attempt,
+        verdict: PrefillVerdict,
+        out: bytes,
+    ) -> None:
+        """The decode leg of a vLLM handoff, after a good prefill: `_DecodeUnreached` when the
+        request never reached decode `d`."""
+        t = self.settings.timeouts
+        pair = self.registry.pair_breaker(p.id, d.id)
         dbody = d.adapter.decode_body(req, ctx, verdict)
         resp: UpstreamResponse | None = None
         ok_d = client_fault = False
@@ -800,7 +866,10 @@ class Orchestrator:
                     worker=d.id,
                 ) from None
             except (UpstreamConnectError, UpstreamProtocolError) as e:
-                raise _leg_failure(e, f"decode {d.id}", "decode", d.id, a) from None
+                failure = _leg_failure(e, f"decode {d.id}", "decode", d.id, a)
+                if isinstance(e, UpstreamConnectError) and type(failure) is UpstreamFailure:
+                    failure = _DecodeUnreached(failure.message, phase="decode", worker=d.id)
+                raise failure from None
             self.metrics.child(self.metrics.phase, "handoff").observe(time.monotonic() - a.prefill_done_at)
             await self._relay(resp, d, req, res, a, phase="decode", guard=guard)
             ok_d = True
@@ -1250,7 +1319,7 @@ class Orchestrator:
             self.metrics.child(self.metrics.aborts_sent, w.engine.value).inc()
             try:
                 async with asyncio.timeout(self.settings.timeouts.abort_s):
-                    resp = await w.pool.request("POST", path, [(b"content-type", b"application/json")], body)
+                    resp = await w.pool.request("POST", path, _for(w, _ABORT_HEADERS), body)
                     await resp.read()
                     resp.release()
             except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
@@ -1318,6 +1387,14 @@ async def _refused_too(decode: asyncio.Future[UpstreamResponse], within_s: float
     except (TimeoutError, UpstreamConnectError, UpstreamProtocolError):
         return False
     return body.lstrip().startswith(b'data: {"error"')
+
+
+_ABORT_HEADERS = [(b"content-type", b"application/json")]
+
+
+class _DecodeUnreached(UpstreamFailure):
+    """A vLLM decode leg that never reached its decode (connect failed, pool closed): the
+    prefill's KV is untouched and another decode may take it (`Orchestrator._sequential`)."""
 
 
 def _leg_failure(
