@@ -49,8 +49,13 @@ class HealthSettings(msgspec.Struct, frozen=True):
 
 
 async def _get(w: Worker, path: str, timeout_s: float) -> tuple[int, bytes]:
+    """One probe GET, with the worker's API key when it has one (a hosted endpoint may ask for it
+    on every path, its health and model listing included)."""
+    headers = [(b"accept", b"*/*")]
+    if w.authorization is not None:
+        headers.append((b"authorization", w.authorization))
     async with asyncio.timeout(timeout_s):
-        resp = await w.pool.request("GET", path, [(b"accept", b"*/*")], None)
+        resp = await w.pool.request("GET", path, headers, None)
         try:
             body = await resp.read()
         except BaseException:

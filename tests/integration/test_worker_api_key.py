@@ -1,0 +1,99 @@
+"""A worker's API key (`api_key_env`) goes with every request the gateway makes to it: its health
+probes, model listing and metrics scrapes too, not only the clients' requests. A hosted endpoint
+that asks for the key on every path (as OpenAI-compatible services do) was never healthy."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from gateway.app import Gateway
+from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
+from policies.snapshot import Engine, Role
+from tests.integration.test_gateway import post
+
+KEY = "hosted-secret"
+
+
+async def start_hosted(seen: list[tuple[str, str | None]]) -> tuple[web.AppRunner, str]:
+    """An OpenAI-compatible server that answers 401 to anything without `Bearer KEY`."""
+
+    @web.middleware
+    async def auth(request: web.Request, handler: object) -> web.StreamResponse:
+        got = request.headers.get("Authorization")
+        seen.append((request.path, got))
+        if got != f"Bearer {KEY}":
+            return web.json_response(
+                {"error": {"message": "bad key", "type": "invalid_request_error", "code": "invalid_api_key"}},
+                status=401,
+            )
+        return await handler(request)  # type: ignore[operator, no-any-return]
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": "hosted", "object": "model", "max_model_len": 4096}]}
+        )
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response(
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "text": " fine", "finish_reason": "length", "logprobs": None}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
+            }
+        )
+
+    app = web.Application(middlewares=[auth])
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_probes_and_requests_carry_the_workers_key_and_never_the_clients() -> None:
+    seen: list[tuple[str, str | None]] = []
+    runner, url = await start_hosted(seen)
+    cfg = GatewayConfig(
+        listen=ListenConfig(host="127.0.0.1", port=0),
+        workers=(
+            WorkerConfig(
+                url=url, role=Role.COLOCATED, engine=Engine.OPENAI, id="hosted", api_key_env="PDGW_TEST_KEY"
+            ),
+        ),
+        health=HealthConfig(interval_s=0.2, timeout_s=2.0),
+    )
+    gw = Gateway(cfg, environ={"PDGW_TEST_KEY": KEY})
+    await gw.start()
+    try:
+        status, _, raw = await post(
+            gw.url + "/v1/completions",
+            {"model": "hosted", "prompt": "hi", "max_tokens": 1},
+            headers={"Authorization": "Bearer the-clients-own"},
+        )
+        assert status == 200, raw
+        assert json.loads(raw)["choices"][0]["text"] == " fine"
+        paths = {p for p, _ in seen}
+        assert {"/health", "/v1/models", "/v1/completions"} <= paths, seen
+        assert all(got == f"Bearer {KEY}" for _, got in seen), seen
+        w = gw.registry.get("hosted")
+        assert w.healthy and w.info.context_length == 4096
+    finally:
+        await gw.stop(grace_s=0.5)
+        await runner.cleanup()
