@@ -80,7 +80,8 @@ async def settle(c: Cluster) -> None:
 @pytest.fixture
 async def small() -> Any:
     c = await build_cluster(
-        time_scale=TS, limits=LimitsConfig(max_concurrent=2, max_queue=2, queue_timeout_s=10.0)
+        time_scale=TS,
+        limits=LimitsConfig(max_concurrent=2, max_queue=2, queue_timeout_s=10.0, retry_after_s=3.0),
     )
     yield c
     await stop_cluster(c)
@@ -96,6 +97,7 @@ async def test_over_the_queue_is_503_with_retry_after_and_queued_ones_complete(s
     for status, headers, raw, took in shed:
         assert status == 503
         assert_openai_error(status, headers, raw, "overloaded", "server_error")
+        assert headers["Retry-After"] == "3"  # limits.retry_after_s
         assert took < 0.3  # shed at once, not after waiting
     await settle(c)
     st = c.gateway.admission.stats()

@@ -16,14 +16,17 @@ from tests.integration.test_gateway import post
 KEY = "hosted-secret"
 
 
-async def start_hosted(seen: list[tuple[str, str | None]]) -> tuple[web.AppRunner, str]:
-    """An OpenAI-compatible server that answers 401 to anything without `Bearer KEY`."""
+async def start_hosted(
+    seen: list[tuple[str, str | None]], *, probes_too: bool = True
+) -> tuple[web.AppRunner, str]:
+    """An OpenAI-compatible server that answers 401 to anything without `Bearer KEY` (with
+    `probes_too` false: only to completions)."""
 
     @web.middleware
     async def auth(request: web.Request, handler: object) -> web.StreamResponse:
         got = request.headers.get("Authorization")
         seen.append((request.path, got))
-        if got != f"Bearer {KEY}":
+        if got != f"Bearer {KEY}" and (probes_too or request.path == "/v1/completions"):
             return web.json_response(
                 {"error": {"message": "bad key", "type": "invalid_request_error", "code": "invalid_api_key"}},
                 status=401,
@@ -96,4 +99,38 @@ async def test_probes_and_requests_carry_the_workers_key_and_never_the_clients()
         assert w.healthy and w.info.context_length == 4096
     finally:
         await gw.stop(grace_s=0.5)
+        await runner.cleanup()
+
+
+async def test_the_clients_authorization_is_passed_on_only_with_forward_authorization() -> None:
+    seen: list[tuple[str, str | None]] = []
+    runner, url = await start_hosted(seen, probes_too=False)
+    try:
+        for forward in (False, True):
+            cfg = GatewayConfig(
+                listen=ListenConfig(host="127.0.0.1", port=0),
+                workers=(WorkerConfig(url=url, role=Role.COLOCATED, engine=Engine.OPENAI, id="hosted"),),
+                health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
+                forward_authorization=forward,
+            )
+            gw = Gateway(cfg, environ={})
+            await gw.start()
+            try:
+                seen.clear()
+                status, _, raw = await post(
+                    gw.url + "/v1/completions",
+                    {"model": "hosted", "prompt": "hi", "max_tokens": 1},
+                    headers={"Authorization": f"Bearer {KEY}"},
+                )
+                sent = [got for path, got in seen if path == "/v1/completions"]
+                if forward:
+                    assert status == 200, raw
+                    assert sent == [f"Bearer {KEY}"]
+                else:
+                    assert status == 401, raw  # the worker's refusal, told in OpenAI's shape
+                    assert json.loads(raw)["error"]["message"]
+                    assert sent == [None]
+            finally:
+                await gw.stop(grace_s=0.5)
+    finally:
         await runner.cleanup()
