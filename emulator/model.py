@@ -104,5 +104,7 @@ def prompt_logprob(prev_id: int, token_id: int) -> float:
 
 def sample_seed(seed: int | None, index: int) -> int | None:
     """The seed of sample ``index`` of an ``n > 1`` request (vLLM's child requests use
-    ``seed + index``): greedy stays greedy, sampled children differ yet are reproducible."""
-    return None if seed is None else seed + index
+    ``seed + index``): greedy stays greedy, sampled children differ yet are reproducible. Kept
+    inside int64, wrapping past its top as a gateway that splits the samples must (an engine
+    takes no seed outside it)."""
+    return None if seed is None else (seed + index + 2**63) % 2**64 - 2**63

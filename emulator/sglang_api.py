@@ -128,6 +128,14 @@ def _per_sample(v: Any, n: int) -> list[Any]:
     return list(v) * n if isinstance(v, list) else [v]
 
 
+def _of_prompt(value: Any, i: int) -> Any:
+    """A field given once for all prompts or as a list with one entry per prompt
+    (`return_logprob`, `top_logprobs_num`: GenerateReqInput's per-item forms)."""
+    if isinstance(value, list):
+        return value[i] if i < len(value) else None
+    return value
+
+
 def _pick(values: list[Any], k: int) -> Any:
     if len(values) == 1:
         return values[0]
@@ -586,8 +594,8 @@ def setup(s: EmulatorServer) -> None:
                         rooms[i] if i < len(rooms) else None,
                         host,
                         int(port) if port is not None else None,
-                        bool(body.get("return_logprob", False)),
-                        int(body.get("top_logprobs_num") or 0),
+                        bool(_of_prompt(body.get("return_logprob"), i)),
+                        int(_of_prompt(body.get("top_logprobs_num"), i) or 0),
                         stop[i] if isinstance(stop, list) else stop,
                     )
                 )

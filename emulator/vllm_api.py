@@ -310,6 +310,9 @@ def setup(s: EmulatorServer) -> None:
         return None
 
     def check_length(prompt: list[int], text: bool) -> web.Response | None:
+        if not prompt and not text:
+            # v1/engine/input_processor.py _validate_model_input: a ValueError, a 400
+            return _error(400, "The decoder prompt cannot be empty")
         if prompt and (min(prompt) < 0 or max(prompt) >= tokenizer.VOCAB_SIZE):
             # vLLM's renderer validates prompt token ids (VLLMValidationError -> 400)
             bad = min(prompt) if min(prompt) < 0 else max(prompt)

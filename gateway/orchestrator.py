@@ -188,7 +188,7 @@ class Orchestrator:
             stream=req.stream,
             n=req.n,
             greedy=req.greedy,
-            session_key=req.fields.session_id or req.fields.user,
+            session_key=_session_key(req.fields.session_id) or req.fields.user,
         )
 
     async def serve(
@@ -1387,6 +1387,16 @@ async def _refused_too(decode: asyncio.Future[UpstreamResponse], within_s: float
     except (TimeoutError, UpstreamConnectError, UpstreamProtocolError):
         return False
     return body.lstrip().startswith(b'data: {"error"')
+
+
+def _session_key(sid: object) -> str | None:
+    """A client's `session_id` as a routing key: a string or an integer; anything else (not an
+    engine field, so no engine refuses it) is ignored."""
+    if sid is None or isinstance(sid, str):
+        return sid
+    if isinstance(sid, int) and not isinstance(sid, bool):
+        return str(sid)
+    return None
 
 
 _ABORT_HEADERS = [(b"content-type", b"application/json")]

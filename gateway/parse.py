@@ -53,14 +53,14 @@ class _Fields(msgspec.Struct):
     text: msgspec.Raw = msgspec.Raw()  # empty: absent
     input_ids: msgspec.Raw = msgspec.Raw()  # empty: absent
     sampling_params: _SamplingParams | list[_SamplingParams] | None = None  # a list: one per prompt
-    return_logprob: bool | None = None
+    return_logprob: bool | list[bool] | None = None  # a list: one per prompt (/generate batches)
     logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent
     echo: bool | None = None
     prompt_logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent (vLLM's extension)
     top_logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent
     rid: msgspec.Raw = msgspec.Raw()  # empty: absent
     user: str | None = None
-    session_id: str | None = None
+    session_id: Any = None  # not an engine field: a routing hint when a string or an integer
     # fields the gateway owns on the way to engines; a client must not smuggle them in
     bootstrap_host: msgspec.Raw = msgspec.Raw()  # empty: absent
     bootstrap_port: msgspec.Raw = msgspec.Raw()  # empty: absent
@@ -119,7 +119,8 @@ class ParsedRequest:
         self.engine_rids: dict[str, tuple[int, bytes] | str] | None = None
         self.stream = bool(f.stream)
         self.include_usage = bool(f.stream_options and f.stream_options.include_usage)
-        self.return_logprob = bool(f.return_logprob)
+        rl = f.return_logprob
+        self.return_logprob = any(rl) if isinstance(rl, list) else bool(rl)
         null_rid = f.rid == _NULL
         if null_rid:  # `"rid": null` is SGLang's "no name": the gateway names it, as if absent
             f.rid = msgspec.Raw()
@@ -358,6 +359,7 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool,
             return len(strings), True, sum(len(x.encode()) for x in strings), False, -1
         if item == b"[":
             lists = _id_lists_decoder.decode(data)
+            _no_empty(lists, param)
             top = max((_id_range(x, param) for x in lists if x), default=-1)
             return len(lists), True, sum(len(x) for x in lists), True, top
         one = _ids_decoder.decode(data)
@@ -394,12 +396,21 @@ def _lax_token_ids(value: list[Any]) -> tuple[int, bool, int, bool, int] | None:
         if any(x is None for x in lists):
             return None
         ok = [x for x in lists if x is not None]
+        _no_empty(ok, "prompt")
         top = max((_id_range(x, "prompt") for x in ok if x), default=-1)
         return len(ok), True, sum(len(x) for x in ok), True, top
     one = ids(value)
     if one is None:
         return None
     return 1, False, len(one), True, _id_range(one, "prompt")
+
+
+def _no_empty(lists: list[list[int]], param: str) -> None:
+    """A batch of token-id prompts with an empty one: both engines refuse it (vLLM: "The decoder
+    prompt cannot be empty"), wherever the gateway sends it."""
+    for i, x in enumerate(lists):
+        if not x:
+            raise BadRequest(f"prompt {i} of the batch is empty", param=param)
 
 
 def _shape_message(param: str, texts: bool, ids: bool) -> str:

@@ -42,9 +42,26 @@ _DONE = b"data: [DONE]\n\n"
 def _one_sample(params: dict[str, Any], seed_key: str, j: int) -> dict[str, Any]:
     out = dict(params)
     out["n"] = 1
-    if isinstance(out.get(seed_key), int):
-        out[seed_key] += j
+    seed = out.get(seed_key)
+    if seed is not None and j:
+        out[seed_key] = sample_seed(seed, j)
     return out
+
+
+def sample_seed(seed: Any, j: int) -> Any:
+    """Sample `j`'s seed: `seed + j` (as the engines seed an `n > 1` request's samples), inside
+    int64 (the range both engines take: past its top it wraps around to its bottom). A seed
+    written in a form the parser accepts ("5", 5.0) counts as its number; one that is no integer
+    is sent as it came, for the engine to judge."""
+    if seed.__class__ is not int:
+        try:
+            seed = msgspec.convert(seed, int, strict=False)
+        except msgspec.ValidationError:
+            return seed
+    return (seed + j + _INT64) % (2 * _INT64) - _INT64
+
+
+_INT64 = 2**63
 
 
 # `/generate` fields that a batch gives per prompt (SGLang's GenerateReqInput): a list with one
@@ -54,6 +71,7 @@ _PER_PROMPT = (
     "input_ids",
     "input_embeds",
     "sampling_params",
+    "return_logprob",
     "logprob_start_len",
     "top_logprobs_num",
     "token_ids_logprob",

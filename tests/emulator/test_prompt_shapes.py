@@ -41,3 +41,15 @@ async def test_a_prompt_of_the_wrong_shape_is_a_400(
         h.url + path.replace("chat/", ""), json={"model": "m", "prompt": [[1, 2], [3]]}
     ) as r:
         assert r.status == 200, await r.text()  # the right shapes still serve
+
+
+async def test_vllm_refuses_an_empty_token_id_prompt_in_a_batch(
+    emu: Factory, http: aiohttp.ClientSession
+) -> None:
+    """v1/engine/input_processor.py: "The decoder prompt cannot be empty" (a 400), not a 200 with
+    text made of nothing (found by the API probe)."""
+    h = await emu("vllm", "both")
+    body = {"model": "m", "max_tokens": 2, "prompt": [[1], []]}
+    async with http.post(h.url + "/v1/completions", json=body) as r:
+        assert r.status == 400, await r.text()
+        assert (await r.json())["error"]["message"] == "The decoder prompt cannot be empty"

@@ -532,6 +532,15 @@ async def test_request_ids_are_honoured_echoed_and_generated(cluster: Cluster) -
         headers={"X-Correlation-Id": "corr-7"},
     )
     assert h["X-Request-Id"] == "corr-7"
+    # an id outside 1-128 of [A-Za-z0-9._:-] (it goes into engine request names, logs and
+    # headers) is replaced by one of the gateway's (docs/operations.md)
+    for bad in ("trace id 1", "a,b", "YWJj+/de==", "x" * 129):
+        s, h, _ = await post(
+            cluster.url + "/v1/completions",
+            body_for("/v1/completions", "m-vllm", "x", False),
+            headers={"X-Request-Id": bad},
+        )
+        assert s == 200 and h["X-Request-Id"].startswith("gw-"), bad
 
 
 @pytest.mark.parametrize(
@@ -574,6 +583,11 @@ async def test_errors_after_parsing_echo_the_request_id_too(
         ("/v1/completions", {"model": "m-sglang", "prompt": [1.5, 2]}, 400, "prompt"),
         ("/v1/completions", {"model": "m-vllm", "prompt": [["a"]]}, 400, "prompt"),
         ("/v1/completions", {"model": "m-vllm", "prompt": []}, 400, "prompt"),
+        # an empty token-id prompt in a batch (the API probe: a 200 with random text on vLLM)
+        ("/v1/completions", {"model": "m-vllm", "prompt": [[1], []]}, 400, "prompt"),
+        ("/v1/completions", {"model": "m-colocated", "prompt": [[]]}, 400, "prompt"),
+        ("/v1/completions", {"model": "m-sglang", "prompt": [["1"], []]}, 400, "prompt"),
+        ("/generate", {"model": "m-sglang", "input_ids": [[3], []]}, 400, "input_ids"),
         ("/v1/completions", {"model": "m-vllm", "prompt": {"a": 1}}, 400, "prompt"),
         ("/generate", {"model": "m-sglang", "text": []}, 400, "text"),
         ("/generate", {"model": "m-sglang", "text": [1, 2]}, 400, "text"),

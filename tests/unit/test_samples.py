@@ -83,6 +83,39 @@ def test_a_sample_is_the_request_with_n_1_its_own_seed_and_no_client_rid() -> No
     assert "seed" not in json.loads(sample_request(unseeded, 1).body)
 
 
+def test_a_samples_seed_stays_in_int64_and_a_lax_seed_counts_as_its_number() -> None:
+    """Found by the API probe: `seed` 2**63 - 1 with `n` 2 became 2**63 (an engine's 400 naming a
+    seed the client never sent), and a seed written "5" or 5.0 was sent unchanged to every
+    sample (n identical answers with a 200)."""
+    top = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "p", "n": 3, "seed": 2**63 - 1})
+    assert [json.loads(sample_request(top, j).body)["seed"] for j in range(3)] == [
+        2**63 - 1,
+        -(2**63),
+        -(2**63) + 1,
+    ]
+    for lax in ("5", 5.0):
+        req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "p", "n": 3, "seed": lax})
+        assert [json.loads(sample_request(req, j).body)["seed"] for j in range(1, 3)] == [6, 7]
+    gen = parsed(
+        RouteKind.GENERATE,
+        {"text": "p", "sampling_params": {"n": 2, "sampling_seed": "7", "max_new_tokens": 4}},
+    )
+    assert json.loads(sample_request(gen, 1).body)["sampling_params"]["sampling_seed"] == 8
+
+
+def test_a_generate_batch_gives_each_prompt_its_return_logprob() -> None:
+    """SGLang takes `return_logprob` as one bool or one per prompt (found by the API probe: the
+    list was a 400)."""
+    gen = parsed(
+        RouteKind.GENERATE,
+        {"text": ["x", "y"], "return_logprob": [False, True], "sampling_params": {"max_new_tokens": 2}},
+    )
+    assert gen.return_logprob
+    units = [sample_request(gen, k) for k in range(2)]
+    assert [json.loads(u.body)["return_logprob"] for u in units] == [False, True]
+    assert [u.return_logprob for u in units] == [False, True]
+
+
 def test_a_batch_unit_is_one_prompt_and_one_sample() -> None:
     req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "n": 2, "seed": 1})
     bodies = [json.loads(sample_request(req, k).body) for k in range(4)]

@@ -1,0 +1,54 @@
+"""Request fields in the forms the engines take, through SGLang P/D (which the gateway splits into
+one handoff per sample and prompt) as through a plain engine. Found by the API probe."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.integration.conftest import Cluster
+from tests.integration.test_gateway import post
+
+
+async def texts(url: str, body: dict[str, Any]) -> list[str]:
+    status, _, raw = await post(url + "/v1/completions", body)
+    assert status == 200, raw
+    return [c["text"] for c in json.loads(raw)["choices"]]
+
+
+async def test_seeded_samples_differ_and_match_a_plain_engine_whatever_the_seeds_form(
+    cluster: Cluster,
+) -> None:
+    ref = cluster.reference["m-sglang"].url
+    base = {"model": "m-sglang", "prompt": "once upon a time", "max_tokens": 6, "n": 3, "temperature": 1}
+    for seed in (5, "5", 5.0, 2**63 - 1):
+        got = await texts(cluster.url, {**base, "seed": seed})
+        want = await texts(ref, {**base, "seed": seed})
+        assert got == want, seed
+        assert len(set(got)) == 3, (seed, got)
+
+
+async def test_generate_takes_return_logprob_per_prompt(cluster: Cluster) -> None:
+    body = {
+        "text": ["the first prompt", "the second prompt"],
+        "return_logprob": [False, True],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+    }
+    status, _, raw = await post(cluster.url + "/generate", body)
+    assert status == 200, raw
+    status, _, ref = await post(cluster.reference["m-sglang"].url + "/generate", body)
+    assert status == 200, ref
+    got, want = json.loads(raw), json.loads(ref)
+    assert [g["text"] for g in got] == [w["text"] for w in want]
+    for g, w in zip(got, want, strict=True):
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            assert (g["meta_info"].get(key) or None) == (w["meta_info"].get(key) or None), key
+
+
+async def test_a_session_id_that_is_not_a_string_is_no_error(cluster: Cluster) -> None:
+    """`session_id` is no engine field (the gateway's routing hint): any type goes through."""
+    for model in ("m-sglang", "m-vllm", "m-colocated"):
+        for sid in (123, {"a": 1}, None, "s-1"):
+            body = {"model": model, "prompt": "hi", "max_tokens": 2, "session_id": sid}
+            status, _, raw = await post(cluster.url + "/v1/completions", body)
+            assert status == 200, (model, sid, raw)
