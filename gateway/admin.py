@@ -296,14 +296,17 @@ class Admin:
         # polled: the request path's release() stays a bare decrement, no waiter check
         while time.monotonic() < deadline:
             if planned_before:
-                planned_before = [r for r in planned_before if not r.started and not r.closed]
+                # (a request whose vLLM decode leg moved to another decode no longer names it)
+                planned_before = [
+                    r for r in planned_before if not r.started and not r.closed and w.id in r.planned
+                ]
             if w.inflight == 0 and not planned_before:
                 break
             await asyncio.sleep(_POLL_S)
         left = w.inflight
         # planned for it before the drain, response not started: such a request's next leg
         # finds the worker gone (a retry elsewhere, or a 503), so it was not drained either
-        pending = sum(1 for r in planned_before if not r.started and not r.closed)
+        pending = sum(1 for r in planned_before if not r.started and not r.closed and w.id in r.planned)
         await self.registry.remove(w.id)
         self.health.forget(w.id)
         self.health.check_models()

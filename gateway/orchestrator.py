@@ -52,7 +52,7 @@ from gateway.parse import ParsedRequest
 from gateway.registry import Registry, Worker
 from gateway.samples import SampleMerger, sample_request
 from gateway.streamwatch import StreamStopped, StreamWatch
-from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
+from policies.base import Completed, Failed, Policy, pair_id, plan_worker_ids, routed_event
 from policies.snapshot import (
     Colocated,
     Disaggregated,
@@ -128,6 +128,7 @@ class _Attempt:
         "decode",
         "echo",
         "first_byte_at",
+        "moved_from",
         "phase",
         "plan_kind",
         "prefill",
@@ -149,6 +150,7 @@ class _Attempt:
         self.started = time.monotonic()
         self.prefill_done_at = 0.0
         self.first_byte_at = 0.0
+        self.moved_from: list[str] | None = None  # vLLM decodes this attempt's decode leg left
 
 
 class Orchestrator:
@@ -239,14 +241,17 @@ class Orchestrator:
                         return
                     except UpstreamFailure as e:
                         history.append(f"{a.plan_kind}:{a.phase.value}:{e.code.value}")
-                        self.policy.observe(Failed(request_id, plan_worker_ids(plan), e.phase))
+                        ran = res.planned  # the plan's workers (a moved vLLM decode's new one)
+                        self.policy.observe(Failed(request_id, ran, e.phase))
                         self.metrics.child(
                             self.metrics.upstream_errors, e.worker or "", e.phase, e.code.value
                         ).inc()
                         if res.started or attempt_no >= self.settings.retries.max_attempts:
                             raise
                         last_error = e
-                        exclude.update(_blame(plan, e))
+                        exclude.update(_blame(ran, e))
+                        if a.moved_from:  # decodes it could not reach: failed for this request
+                            exclude.update(a.moved_from)
                         self.metrics.child(self.metrics.retries, e.phase).inc()
                         log.info(
                             "request.retry",
@@ -809,6 +814,7 @@ class Orchestrator:
                     to=plan.decode.id,
                     error=e.message,
                 )
+                a.moved_from = [*(a.moved_from or ()), d.id]
                 d = self.registry.get(plan.decode.id)
                 tried.add(d.id)
                 a.decode = d.id
@@ -826,9 +832,18 @@ class Orchestrator:
             return None
         others = {w.id for w in self.registry.workers() if w.role is Role.PREFILL and w.id != p.id}
         plan = self._plan(view, req, tried | others)
-        if isinstance(plan, Disaggregated) and plan.prefill.id == p.id and plan.decode.id not in tried:
-            return plan
-        return None
+        if not isinstance(plan, Disaggregated) or plan.prefill.id != p.id or plan.decode.id in tried:
+            return None
+        chosen = (plan.prefill, plan.decode)  # the checks the first plan passed, for this decode
+        if req.max_id >= 0:
+            try:
+                _check_vocab(req, chosen)
+            except BadRequest:
+                return None
+        g = self.settings.guards
+        if g.length_preflight and preflight(req.prompt_units, req.prompt_is_ids, req.max_tokens, chosen, g):
+            return None
+        return plan
 
     async def _vllm_decode(
         self,
@@ -1453,18 +1468,17 @@ def _culprit(e: UpstreamFailure, *, concurrent: bool) -> str | None:
     return e.worker
 
 
-def _blame(plan: Colocated | Disaggregated | Reject, e: UpstreamFailure) -> set[str]:
-    """Ids to exclude from the next attempt: the failed worker, or the pair when the link failed."""
-    if isinstance(plan, Disaggregated):
-        pair = f"{plan.prefill.id}|{plan.decode.id}"
+def _blame(ran: tuple[str, ...], e: UpstreamFailure) -> set[str]:
+    """Ids to exclude from the next attempt, from the workers the attempt ran on (prefill and
+    decode, or the colocated one): the failed worker, or the pair when the link failed."""
+    if len(ran) == 2:
+        pair = pair_id(ran[0], ran[1])
         # a bad handoff (a decode that answered with a transfer failure is up): both workers may
         # still serve, colocated or in another pair (vLLM: the decode prefilling itself). A
         # prefill with no verdict is avoided by the retry all the same (it may be the one hung).
         worker = _culprit(e, concurrent=False)
         return {pair} if worker is None else {pair, worker}
-    if isinstance(plan, Colocated):
-        return {plan.worker.id}
-    return set()
+    return set(ran)
 
 
 def _upstream_status_error(

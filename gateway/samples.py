@@ -50,13 +50,15 @@ def _one_sample(params: dict[str, Any], seed_key: str, j: int) -> dict[str, Any]
 
 def sample_seed(seed: Any, j: int) -> Any:
     """Sample `j`'s seed: `seed + j` (as the engines seed an `n > 1` request's samples), inside
-    int64 (the range both engines take: past its top it wraps around to its bottom). A seed
-    written in a form the parser accepts ("5", 5.0) counts as its number; one that is no integer
-    is sent as it came, for the engine to judge."""
+    int64 (the range both engines take: past its top it wraps around to its bottom). A seed in
+    a form the engines' schemas read as an integer (pydantic's lax mode: "5", " +5 ", 5.0, true)
+    counts as that integer; anything else is sent as it came, for the engine to judge."""
     if seed.__class__ is not int:
-        try:
-            seed = msgspec.convert(seed, int, strict=False)
-        except msgspec.ValidationError:
+        if isinstance(seed, bool) or (isinstance(seed, float) and seed.is_integer()):
+            seed = int(seed)
+        elif isinstance(seed, str) and seed.strip().lstrip("+-").isdigit():
+            seed = int(seed.strip())
+        else:
             return seed
     return (seed + j + _INT64) % (2 * _INT64) - _INT64
 

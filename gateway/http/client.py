@@ -80,6 +80,7 @@ class _Call(asyncio.Future[Any]):
         "_head_req",
         "_pool",
         "_replay",
+        "_resent",
         "_resp",
         "_task",
         "_whole",
@@ -103,6 +104,7 @@ class _Call(asyncio.Future[Any]):
         self._whole = whole
         self._fresh = False  # sent on a connection made for it (no retry when it dies)
         self._replay = replay  # may be sent again when a reused connection dies before answering
+        self._resent = False  # this is that second send: the first copy may have reached the server
         self._conn: _UpstreamConnection | None = None
         self._resp: UpstreamResponse | None = None  # fetch(): the response whose body is read
         self._task: asyncio.Task[None] | None = None  # connecting
@@ -774,9 +776,10 @@ class UpstreamPool:
         """Send a request; returns when the status line and headers are in.
 
         Adds Host (unless given) and Content-Length; Content-Length/Transfer-Encoding/Connection/
-        Keep-Alive in ``headers`` are dropped. Raises UpstreamConnectError (nothing was sent, or a
-        reused idle connection was found dead before any response byte and a fresh one could not
-        be made; that case is retried once internally) or UpstreamProtocolError."""
+        Keep-Alive in ``headers`` are dropped. Raises UpstreamConnectError (nothing was sent) or
+        UpstreamProtocolError (a bad or cut answer; also a reused connection that died before any
+        response byte when sending the request again on a fresh one failed: the first copy may
+        have reached the server. A second send that connects is the one retry made here)."""
         call = self.start(method, path, headers, body)
         try:
             return await call
@@ -854,6 +857,14 @@ class UpstreamPool:
             conn = await self._connect()
         except Exception as e:
             call._task = None
+            if call._resent and isinstance(e, UpstreamConnectError) and not isinstance(e, LocalResourceError):
+                # not "never reached": the first copy went out on the connection that died, and
+                # the server may have taken it (a caller may act on the difference: a vLLM
+                # decode that may have pulled its KV is not handed to another decode)
+                e = UpstreamProtocolError(
+                    f"upstream {self.host}:{self.port} closed a reused connection before responding, "
+                    f"and sending the request again failed: {e}"
+                )
             self._failed(call, e)
             return
         call._task = None
@@ -882,7 +893,7 @@ class UpstreamPool:
             )
             return
         # a pooled idle connection was dead: retry once on a fresh one
-        call._fresh = True
+        call._fresh = call._resent = True
         call._conn = None
         assert self._loop is not None
         call._task = self._loop.create_task(self._connect_send(call))

@@ -131,3 +131,23 @@ async def test_with_one_decode_the_request_still_fails_clearly() -> None:
         status, _, raw = await post(gw.url + "/v1/completions", BODY)
         assert status in (502, 503), raw
         assert json.loads(raw)["error"]["message"]
+
+
+async def test_after_a_move_the_retry_excludes_the_unreachable_decode_and_names_the_last_failure() -> None:
+    """The moved-to decode fails too (a 500): the request's next attempt excludes the decode it
+    could not reach and the pair that ran (it planned the dead decode again before), and the
+    client is told the last failure, not a connect error of the first decode."""
+    async with vllm_pd(2) as (gw, _p, (d1, d2)):
+        status, _, raw = await post(gw.url + "/v1/completions", BODY)  # d1 (round robin)
+        assert status == 200, raw
+        status, _, raw = await post(gw.url + "/v1/completions", BODY)  # d2
+        assert status == 200, raw
+        await d1.stop()
+        await d2.set_faults(["http_error,status=500"])
+        before = (await stats(d2.url))["received"]
+        status, _, raw = await post(gw.url + "/v1/completions", BODY)  # d1: moved to d2
+        assert status in (502, 503), raw
+        message = json.loads(raw)["error"]["message"]
+        assert "d2" in message and "connect" not in message, message
+        # d2 as the moved decode, then as its own prefill (the ladder's decode_self_prefill)
+        assert (await stats(d2.url))["received"] - before == 2

@@ -175,6 +175,33 @@ async def test_dead_idle_connection_is_retried() -> None:
     await pool.close()
 
 
+async def test_a_resend_that_cannot_connect_is_not_never_reached() -> None:
+    """A reused connection dies after the request went out (the server may have taken it: a
+    vLLM decode that pulled its KV and crashed) and the server is gone when the pool sends it
+    again: that is no UpstreamConnectError ("nothing was sent", on which the orchestrator hands
+    a vLLM decode leg to another decode), found by the review of the decode move."""
+    accepted = asyncio.Event()
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await w.drain()
+        await r.readuntil(b"\r\n\r\n")
+        accepted.set()
+        srv.close()  # stops listening: the resend is refused
+        w.transport.abort()
+
+    srv, port = await raw_upstream(handle)
+    pool = UpstreamPool("127.0.0.1", port)
+    r = await pool.request("GET", "/", [], None)
+    assert await r.read() == b"ok"
+    r.release()
+    with pytest.raises(UpstreamProtocolError, match="sending the request again failed"):
+        await pool.request("POST", "/", [], b"x")
+    assert accepted.is_set() and pool.in_use == 0
+    await pool.close()
+
+
 async def test_fresh_connection_dropped_is_protocol_error() -> None:
     async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
         await r.readuntil(b"\r\n\r\n")

@@ -21,7 +21,7 @@ async def test_seeded_samples_differ_and_match_a_plain_engine_whatever_the_seeds
 ) -> None:
     ref = cluster.reference["m-sglang"].url
     base = {"model": "m-sglang", "prompt": "once upon a time", "max_tokens": 6, "n": 3, "temperature": 1}
-    for seed in (5, "5", 5.0, 2**63 - 1):
+    for seed in (5, "5", 5.0, " 5", 2**63 - 1):
         got = await texts(cluster.url, {**base, "seed": seed})
         want = await texts(ref, {**base, "seed": seed})
         assert got == want, seed

@@ -93,9 +93,14 @@ def test_a_samples_seed_stays_in_int64_and_a_lax_seed_counts_as_its_number() -> 
         -(2**63),
         -(2**63) + 1,
     ]
-    for lax in ("5", 5.0):
+    for lax in ("5", 5.0, " 5", "+5 "):
         req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "p", "n": 3, "seed": lax})
         assert [json.loads(sample_request(req, j).body)["seed"] for j in range(1, 3)] == [6, 7]
+    yes = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "p", "n": 2, "seed": True})
+    assert json.loads(sample_request(yes, 1).body)["seed"] == 2
+    # not an integer to the engines (pydantic refuses "1e3"): every sample gets it as sent
+    exp = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "p", "n": 2, "seed": "1e3"})
+    assert json.loads(sample_request(exp, 1).body)["seed"] == "1e3"
     gen = parsed(
         RouteKind.GENERATE,
         {"text": "p", "sampling_params": {"n": 2, "sampling_seed": "7", "max_new_tokens": 4}},
