@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
+from aiohttp import web
 
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
@@ -134,3 +135,13 @@ async def cluster() -> AsyncIterator[Cluster]:
         yield c
     finally:
         await stop_cluster(c)
+
+
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """An aiohttp app (a stand-in worker) on an ephemeral loopback port: (runner, base URL)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"

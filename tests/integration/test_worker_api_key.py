@@ -11,6 +11,7 @@ from aiohttp import web
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
 from policies.snapshot import Engine, Role
+from tests.integration.conftest import serve_app
 from tests.integration.test_gateway import post
 
 KEY = "hosted-secret"
@@ -62,12 +63,7 @@ async def start_hosted(
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_app(app)
 
 
 async def test_probes_and_requests_carry_the_workers_key_and_never_the_clients() -> None:

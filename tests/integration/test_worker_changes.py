@@ -20,6 +20,7 @@ from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway, ListenError
 from gateway.config import AdminConfig, GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
 from policies.snapshot import Engine, Role
+from tests.integration.conftest import serve_app
 
 TOKEN = "ops-fixes-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -316,12 +317,8 @@ async def test_a_partial_info_answer_after_a_failed_probe_keeps_what_is_known() 
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models_)
     app.router.add_get("/server_info", server_info)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    wc = WorkerConfig(url=f"http://127.0.0.1:{port}", role=Role.COLOCATED, engine=Engine.SGLANG, id="s")
+    runner, url = await serve_app(app)
+    wc = WorkerConfig(url=url, role=Role.COLOCATED, engine=Engine.SGLANG, id="s")
     gw = Gateway(config(wc, failure_threshold=3))
     await gw.start()
     try:
