@@ -71,6 +71,19 @@ def coerce_openai(body: dict[str, Any], chat: bool) -> None:
                 so[k] = _bool(so[k])
 
 
+def vllm_seed_error(body: dict[str, Any]) -> str | None:
+    """vLLM's `seed` field is bounded to a signed 64-bit int (`Field(ge=..., le=...)` on its
+    request models); a seed outside it is a validation error, not a wrapped seed."""
+    seed = body.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return None
+    if seed > 2**63 - 1:
+        return f"1 validation error: seed: Input should be less than or equal to {2**63 - 1}"
+    if seed < -(2**63):
+        return f"1 validation error: seed: Input should be greater than or equal to {-(2**63)}"
+    return None
+
+
 def normalize_openai_prompt(body: dict[str, Any], chat: bool) -> str | None:
     """The prompt's shape as both engines' request schemas (pydantic, lax mode) check it, or
     None: chat `messages` an array of objects with a string `role`; completions `prompt` a

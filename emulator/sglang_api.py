@@ -713,7 +713,7 @@ def setup(s: EmulatorServer) -> None:
                     raise ValueError(
                         "The parallel_sample_num should be the same for all samples in sample params."
                     )
-                stops = [stop_spec(sp, "no_stop_trim") for sp in sps]
+                stops = [stop_spec(sp, "no_stop_trim", "min_new_tokens") for sp in sps]
             except (TypeError, ValueError) as e:
                 return _error_generate(400, str(e))
             batch = batch or n > 1  # SGLang turns a single prompt with n > 1 into a batch
@@ -855,7 +855,7 @@ def setup(s: EmulatorServer) -> None:
             try:
                 n = _num_samples(body.get("n"))
                 ask = logprob_ask(body, chat)
-                stop = stop_spec(body, "no_stop_trim")
+                stop = stop_spec(body, "no_stop_trim", "min_tokens")
             except (TypeError, ValueError) as e:
                 return _error_openai(400, str(e))
             want_ids = bool(body.get("return_token_ids"))

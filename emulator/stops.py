@@ -9,6 +9,12 @@ SGLang's `no_stop_trim`) and never shows a stop token. A stream holds back the l
 
 The emulated model's tokens are one printable character each, so a character position in the
 text is a token position: "visible" counts both.
+
+A minimum length (vLLM's `min_tokens`, SGLang's `min_new_tokens`) keeps a stop token id from
+ending the sequence before it: both engines mask those ids until the output is that long, so
+the first `min_tokens` tokens never end it (the emulated model still shows the token). vLLM also
+leaves stop strings unchecked until the output is longer than `min_tokens`; SGLang checks them
+from the first token.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ class StopSpec(msgspec.Struct, frozen=True):
     strings: tuple[str, ...] = ()
     ids: frozenset[int] = frozenset()
     keep: bool = False  # the stop string stays in the text
+    min_tokens: int = 0  # no stop id ends the first `min_tokens` tokens
+    strings_wait: bool = False  # nor a stop string (vLLM)
 
     @property
     def hold(self) -> int:
@@ -33,9 +41,12 @@ class StopSpec(msgspec.Struct, frozen=True):
         return max(len(s) for s in self.strings) - 1
 
 
-def stop_spec(params: dict[str, Any], keep_key: str) -> StopSpec | None:
+def stop_spec(
+    params: dict[str, Any], keep_key: str, min_key: str, *, strings_wait: bool = False
+) -> StopSpec | None:
     """The stop conditions of a request's parameters (the body on the OpenAI routes, SGLang's
-    `sampling_params` on `/generate`); None when there are none. ValueError on a bad value."""
+    `sampling_params` on `/generate`); None when there are none. ValueError on a bad value.
+    `min_key` names the minimum length (its range is checked elsewhere)."""
     raw = params.get("stop")
     if raw is None:
         strings: tuple[str, ...] = ()
@@ -54,16 +65,29 @@ def stop_spec(params: dict[str, Any], keep_key: str) -> StopSpec | None:
         raise ValueError("stop_token_ids must be a list of integers")
     if not strings and not ids_raw:
         return None
-    return StopSpec(strings, frozenset(ids_raw), bool(params.get(keep_key)))
+    return StopSpec(
+        strings, frozenset(ids_raw), bool(params.get(keep_key)), _min_len(params.get(min_key)), strings_wait
+    )
+
+
+def _min_len(raw: Any) -> int:
+    """The minimum length as an engine reads it; 0 for a value its own checks refuse."""
+    if isinstance(raw, bool):
+        return 0
+    try:
+        return max(0, int(raw)) if isinstance(raw, (int, str)) else 0
+    except ValueError:
+        return 0
 
 
 class Stopper:
     """Watches one sequence's tokens for its stop conditions."""
 
-    __slots__ = ("matched", "spec", "text", "visible")
+    __slots__ = ("matched", "produced", "spec", "text", "visible")
 
     def __init__(self, spec: StopSpec) -> None:
         self.spec = spec
+        self.produced = 0
         self.text = ""
         self.matched: str | int | None = None
         self.visible = 0  # tokens (characters) of the text a client sees once stopped
@@ -71,10 +95,12 @@ class Stopper:
     def feed(self, tok: int) -> bool:
         """Add a generated token; True when it ends the sequence."""
         spec = self.spec
-        if tok in spec.ids:
+        self.produced += 1
+        early = self.produced <= spec.min_tokens
+        if tok in spec.ids and not early:
             self.matched, self.visible = tok, len(self.text)
             return True
-        if not spec.strings:
+        if not spec.strings or (early and spec.strings_wait):
             self.text += tokenizer.token_text(tok)
             return False
         longest = spec.hold + 1 if not spec.keep else max(len(s) for s in spec.strings)

@@ -35,7 +35,7 @@ from emulator.echo import (
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, tokens, vllm_pull_kv, vllm_skip_remote_kv
 from emulator.kvtransfer import Held, TransferError
-from emulator.lax import coerce_openai, normalize_openai_prompt
+from emulator.lax import coerce_openai, normalize_openai_prompt, vllm_seed_error
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_vllm
 from emulator.sampling_checks import vllm_refusal
@@ -225,6 +225,8 @@ def setup(s: EmulatorServer) -> None:
             coerce_openai(body, chat)
             if (why := normalize_openai_prompt(body, chat)) is not None:
                 return _error(400, why)
+            if (why := vllm_seed_error(body)) is not None:
+                return _error(400, why, param="seed")
             hit = s.faults.draw()
             early = await s.apply_entry_faults(hit, lambda st, msg: _error(st, msg))
             if early is not None:
@@ -383,7 +385,7 @@ def setup(s: EmulatorServer) -> None:
             return _error(400, "n must be an integer", param="n")
         try:
             ask = logprob_ask(body, chat)
-            stop = stop_spec(body, "include_stop_str_in_output")
+            stop = stop_spec(body, "include_stop_str_in_output", "min_tokens", strings_wait=True)
         except ValueError as e:
             return _error(400, str(e))
         try:

@@ -398,6 +398,35 @@ async def test_stop_strings(emu: Factory, http: aiohttp.ClientSession) -> None:
     assert "".join(lp["tokens"]) == full[:at]  # logprobs of the shown tokens only, as the text
 
 
+async def test_min_new_tokens_holds_off_stop_token_ids_only(
+    emu: Factory, http: aiohttp.ClientSession
+) -> None:
+    """SGLang masks stop token ids until the output is `min_new_tokens` long (its min-new-tokens
+    penalizer) but checks stop strings from the first token (`Req.check_finished`)."""
+    s = await emu("sglang", "both")
+    sp = {"temperature": 0, "max_new_tokens": 60}
+    _, text, _ = await post(http, s.url + "/generate", {"text": PROMPT, "sampling_params": sp})
+    full = json.loads(text)["text"]
+    ch = max(sorted(set(full)), key=full.count)  # a character that recurs
+    tok = ord(ch) + 3
+    first = full.index(ch)
+    nxt = full.index(ch, first + 1)
+    held = sp | {"stop_token_ids": [tok], "min_new_tokens": first + 1}
+    _, text, _ = await post(http, s.url + "/generate", {"text": PROMPT, "sampling_params": held})
+    obj = json.loads(text)
+    assert obj["text"] == full[:nxt] and obj["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+    comp = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "stop_token_ids": [tok]}
+    _, text, _ = await post(http, s.url + "/v1/completions", comp | {"min_tokens": first + 1})
+    assert json.loads(text)["choices"][0]["text"] == full[:nxt]
+    _, text, _ = await post(http, s.url + "/v1/completions", comp | {"min_tokens": first})
+    assert json.loads(text)["choices"][0]["text"] == full[:first]
+    at = first
+    stop = ch
+    strings = sp | {"stop": [stop], "min_new_tokens": at + 1}
+    _, text, _ = await post(http, s.url + "/generate", {"text": PROMPT, "sampling_params": strings})
+    assert json.loads(text)["text"] == full[:at]
+
+
 @pytest.mark.parametrize(
     ("limits", "want"),
     [

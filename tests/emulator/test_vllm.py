@@ -370,3 +370,42 @@ async def test_stop_strings_and_stop_token_ids(emu: Factory, http: aiohttp.Clien
     assert got == said[: said.index(said[4:6])] and events[-1]["choices"][0]["finish_reason"] == "stop"
     st, text = await post(http, s.url + "/v1/completions", base | {"stop": [""]})
     assert st == 400 and "must not be empty" in text
+
+
+async def test_min_tokens_holds_off_stop_strings_and_stop_token_ids(
+    emu: Factory, http: aiohttp.ClientSession
+) -> None:
+    """vLLM checks stop strings only once the output is longer than `min_tokens` (detokenizer)
+    and masks stop token ids until it is that long: a stop inside the first `min_tokens` tokens
+    does not end the sequence, a later one does."""
+    s = await emu("vllm", "both")
+    base = {"prompt": "Hello there", "max_tokens": 60, "temperature": 0}
+    _, text = await post(http, s.url + "/v1/completions", base)
+    full = json.loads(text)["choices"][0]["text"]
+    ch = max(sorted(set(full)), key=full.count)  # a character that recurs
+    first = full.index(ch)
+    nxt = full.index(ch, first + 1)
+    for mt, want in ((first, first), (first + 1, nxt)):  # the first match is token first + 1
+        body = base | {"stop": ch, "min_tokens": mt}
+        _, text = await post(http, s.url + "/v1/completions", body)
+        c = json.loads(text)["choices"][0]
+        assert (c["text"], c["finish_reason"], c["stop_reason"]) == (full[:want], "stop", ch)
+        body = base | {"stop_token_ids": [ord(ch) + 3], "min_tokens": mt}
+        _, text = await post(http, s.url + "/v1/completions", body)
+        c = json.loads(text)["choices"][0]
+        assert (c["text"], c["finish_reason"], c["stop_reason"]) == (full[:want], "stop", ord(ch) + 3)
+    _, raw = await post(http, s.url + "/v1/completions", body | {"stream": True})
+    events = [json.loads(e) for e in sse_events(raw) if e != "[DONE]"]
+    assert "".join(e["choices"][0]["text"] for e in events) == full[:nxt]
+
+
+async def test_a_seed_outside_int64_is_refused(emu: Factory, http: aiohttp.ClientSession) -> None:
+    """vLLM bounds `seed` to a signed 64-bit int on its request models."""
+    s = await emu("vllm", "both")
+    base = {"prompt": "Hello", "max_tokens": 3, "temperature": 0.5}
+    for seed, ok in ((2**63 - 1, True), (-(2**63), True), (2**63, False), (-(2**63) - 1, False)):
+        st, text = await post(http, s.url + "/v1/completions", base | {"seed": seed})
+        assert (st == 200) == ok, text
+        if not ok:
+            err = json.loads(text)["error"]
+            assert err["param"] == "seed" and "Input should be" in err["message"]

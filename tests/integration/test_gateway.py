@@ -516,6 +516,28 @@ async def test_stop_strings_through_pd_equal_colocated(
     assert "pdgw_guard_failures_total{" not in text
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("model", "route"), CASES)
+async def test_min_tokens_reach_the_decode(cluster: Cluster, model: str, route: str, stream: bool) -> None:
+    """A minimum length (`min_tokens`, SGLang's `min_new_tokens`) keeps a stop token id from
+    ending the answer early. The vLLM prefill goes without it; the decode, which generates, must
+    get it: the answer equals the colocated server's, which is longer than without it."""
+    body = body_for(route, model, "Once upon a time", False, max_tokens=40)
+    _, _, raw = await post(cluster.reference[model].url + route, body)
+    full = generated(route, raw, False)[0]
+    ch = max(sorted(set(full)), key=full.count)  # a character that recurs
+    first = full.index(ch)
+    nxt = full.index(ch, first + 1)
+    params = body["sampling_params"] if route == "/generate" else body
+    params["stop_token_ids"] = [ord(ch) + 3]  # the emulator's byte tokenizer: id = byte + 3
+    params["min_new_tokens" if route == "/generate" else "min_tokens"] = first + 1
+    body["stream"] = stream
+    s, _, raw = await post(cluster.url + route, body)
+    assert s == 200, raw
+    _, _, ref = await post(cluster.reference[model].url + route, body)
+    assert generated(route, raw, stream) == generated(route, ref, stream) == [full[:nxt]]
+
+
 async def test_request_ids_are_honoured_echoed_and_generated(cluster: Cluster) -> None:
     s, h, raw = await post(
         cluster.url + "/v1/completions",

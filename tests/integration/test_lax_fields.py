@@ -52,3 +52,15 @@ async def test_a_session_id_that_is_not_a_string_is_no_error(cluster: Cluster) -
             body = {"model": model, "prompt": "hi", "max_tokens": 2, "session_id": sid}
             status, _, raw = await post(cluster.url + "/v1/completions", body)
             assert status == 200, (model, sid, raw)
+
+
+async def test_a_seed_outside_int64_is_a_400_as_from_the_engine(cluster: Cluster) -> None:
+    """vLLM refuses a seed outside int64 (the prefill does, before any KV is held); SGLang P/D
+    with `n > 1` must not wrap it into one the client never sent."""
+    for model in ("m-vllm", "m-sglang"):
+        body = {"model": model, "prompt": "hi", "max_tokens": 2, "n": 2, "temperature": 1, "seed": 2**63}
+        status, _, raw = await post(cluster.url + "/v1/completions", body)
+        ref_status, _, ref = await post(cluster.reference[model].url + "/v1/completions", body)
+        assert status == ref_status == 400, (model, raw, ref)
+        want = json.loads(ref)
+        assert json.loads(raw)["error"]["message"] == want.get("error", want)["message"]  # SGLang: flat
