@@ -268,6 +268,24 @@ def _sum_usage(usages: list[Any], n: int) -> dict[str, Any] | None:
     out["prompt_tokens"] = prompt
     out["completion_tokens"] = completion
     out["total_tokens"] = prompt + completion
+    for key, first in present[0].items():  # prompt_tokens_details.cached_tokens, ...: every answer's
+        if key.endswith("_details") and isinstance(first, dict):
+            out[key] = _sum_details([u.get(key) for u in present])
+    return out
+
+
+def _sum_details(parts: list[Any]) -> dict[str, Any]:
+    """A usage `*_details` object over all answers, its counts summed (SGLang sums a batch's
+    `cached_tokens` over every answer, samples included)."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        if not isinstance(part, dict):
+            continue
+        for k, v in part.items():
+            if isinstance(v, int) and not isinstance(v, bool) and isinstance(out.get(k, 0), int):
+                out[k] = out.get(k, 0) + v
+            else:
+                out.setdefault(k, v)
     return out
 
 

@@ -4,6 +4,7 @@ that asks for the key on every path (as OpenAI-compatible services do) was never
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from aiohttp import web
@@ -76,7 +77,7 @@ async def test_probes_and_requests_carry_the_workers_key_and_never_the_clients()
                 url=url, role=Role.COLOCATED, engine=Engine.OPENAI, id="hosted", api_key_env="PDGW_TEST_KEY"
             ),
         ),
-        health=HealthConfig(interval_s=0.2, timeout_s=2.0),
+        health=HealthConfig(interval_s=0.2, timeout_s=2.0, scrape_interval_s=0.05),
     )
     gw = Gateway(cfg, environ={"PDGW_TEST_KEY": KEY})
     await gw.start()
@@ -88,8 +89,12 @@ async def test_probes_and_requests_carry_the_workers_key_and_never_the_clients()
         )
         assert status == 200, raw
         assert json.loads(raw)["choices"][0]["text"] == " fine"
+        for _ in range(100):  # the load scrape runs on its own clock
+            if any(p == "/metrics" for p, _ in seen):
+                break
+            await asyncio.sleep(0.02)
         paths = {p for p, _ in seen}
-        assert {"/health", "/v1/models", "/v1/completions"} <= paths, seen
+        assert {"/health", "/v1/models", "/metrics", "/v1/completions"} <= paths, seen
         assert all(got == f"Bearer {KEY}" for _, got in seen), seen
         w = gw.registry.get("hosted")
         assert w.healthy and w.info.context_length == 4096

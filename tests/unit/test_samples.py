@@ -236,3 +236,27 @@ def test_streams_merge_event_by_event_with_one_usage_and_one_done() -> None:
     usages = [e["usage"] for e in parsed_evs if e.get("usage")]
     assert usages == [{"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}]
     assert parsed_evs[-1]["id"] == "c" and parsed_evs[-1]["choices"] == []
+
+
+def test_merged_usage_sums_the_detail_counts_of_every_answer() -> None:
+    """Two prompts, two samples each: prompt tokens once per prompt, completion tokens and the
+    `*_details` counts (SGLang's `cached_tokens`, `reasoning_tokens`) over every answer."""
+    from gateway.samples import _sum_usage
+
+    def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": 1, "note": "x"},
+        }
+
+    got = _sum_usage([usage(5, 2, 0), usage(5, 3, 4), usage(7, 1, 0), usage(7, 4, 6)], 2)
+    assert got == {
+        "prompt_tokens": 12,
+        "completion_tokens": 10,
+        "total_tokens": 22,
+        "prompt_tokens_details": {"cached_tokens": 10},
+        "completion_tokens_details": {"reasoning_tokens": 4, "note": "x"},
+    }
