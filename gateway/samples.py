@@ -268,15 +268,18 @@ def _sum_usage(usages: list[Any], n: int) -> dict[str, Any] | None:
     out["prompt_tokens"] = prompt
     out["completion_tokens"] = completion
     out["total_tokens"] = prompt + completion
-    for key, first in present[0].items():  # prompt_tokens_details.cached_tokens, ...: every answer's
+    firsts = [u for k, u in enumerate(usages) if k % n == 0 and isinstance(u, dict)]
+    for key, first in present[0].items():
         if key.endswith("_details") and isinstance(first, dict):
-            out[key] = _sum_details([u.get(key) for u in present])
+            # as SGLang's UsageProcessor: a prompt's cached tokens once (its first sample's),
+            # the completion's counts (reasoning, speculative) over every answer
+            over = firsts if key == "prompt_tokens_details" else present
+            out[key] = _sum_details([u.get(key) for u in over])
     return out
 
 
 def _sum_details(parts: list[Any]) -> dict[str, Any]:
-    """A usage `*_details` object over all answers, its counts summed (SGLang sums a batch's
-    `cached_tokens` over every answer, samples included)."""
+    """A usage `*_details` object over several answers, its counts summed."""
     out: dict[str, Any] = {}
     for part in parts:
         if not isinstance(part, dict):

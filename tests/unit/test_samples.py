@@ -239,8 +239,9 @@ def test_streams_merge_event_by_event_with_one_usage_and_one_done() -> None:
 
 
 def test_merged_usage_sums_the_detail_counts_of_every_answer() -> None:
-    """Two prompts, two samples each: prompt tokens once per prompt, completion tokens and the
-    `*_details` counts (SGLang's `cached_tokens`, `reasoning_tokens`) over every answer."""
+    """Two prompts, two samples each, as SGLang's UsageProcessor counts them: prompt tokens and
+    `prompt_tokens_details.cached_tokens` once per prompt (its first sample's), completion
+    tokens and `completion_tokens_details` over every answer."""
     from gateway.samples import _sum_usage
 
     def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
@@ -252,11 +253,11 @@ def test_merged_usage_sums_the_detail_counts_of_every_answer() -> None:
             "completion_tokens_details": {"reasoning_tokens": 1, "note": "x"},
         }
 
-    got = _sum_usage([usage(5, 2, 0), usage(5, 3, 4), usage(7, 1, 0), usage(7, 4, 6)], 2)
+    got = _sum_usage([usage(5, 2, 0), usage(5, 3, 4), usage(7, 1, 3), usage(7, 4, 6)], 2)
     assert got == {
         "prompt_tokens": 12,
         "completion_tokens": 10,
         "total_tokens": 22,
-        "prompt_tokens_details": {"cached_tokens": 10},
+        "prompt_tokens_details": {"cached_tokens": 3},
         "completion_tokens_details": {"reasoning_tokens": 4, "note": "x"},
     }
