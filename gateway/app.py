@@ -79,6 +79,7 @@ class Gateway:
                 forward_authorization=cfg.forward_authorization,
                 ladder=tuple(cfg.fallback.ladder),
                 split_concurrency=cfg.limits.split_concurrency,
+                retry_after_s=cfg.limits.retry_after_s,
                 guards=GuardSettings(
                     length_preflight=cfg.guards.length_preflight,
                     decode_consistency=cfg.guards.decode_consistency,

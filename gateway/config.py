@@ -258,7 +258,7 @@ class LimitsConfig(_Section, frozen=True):
     # "x-forwarded-for" its last address, the one the proxy in front of the gateway saw
     client_key_header: str = ""
     max_inflight_tokens: int | None = None  # prompt + max_tokens estimate in flight; None: no limit
-    retry_after_s: float = 1.0  # the Retry-After sent with 429/503 from admission control
+    retry_after_s: float = 1.0  # Retry-After of 429/503: admission control, no route, no fallback left
     max_inflight_per_worker: int = 0  # a worker at this many requests is skipped (0 = no cap)
 
     def __post_init__(self) -> None:

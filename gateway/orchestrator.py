@@ -107,6 +107,7 @@ class OrchestratorSettings(msgspec.Struct, frozen=True):
     # "decode_self_prefill", then "shed" (503 + Retry-After naming the failure) when none is left
     ladder: tuple[str, ...] = ("other_pair", "colocated", "decode_self_prefill", "shed")
     split_concurrency: int = 32  # handoffs of one split request (n > 1, SGLang batches) at once
+    retry_after_s: float = 1.0  # Retry-After of a 503 for no route or no fallback left
 
 
 class Phase(enum.StrEnum):
@@ -345,7 +346,9 @@ class Orchestrator:
             return last
         self.metrics.child(self.metrics.fallbacks, "shed").inc()
         return NoWorker(
-            f"{last.message} (phase {last.phase}); no fallback left", code=last.code, retry_after_s=1.0
+            f"{last.message} (phase {last.phase}); no fallback left",
+            code=last.code,
+            retry_after_s=self.settings.retry_after_s,
         )
 
     def _plan(
@@ -426,7 +429,7 @@ class Orchestrator:
                         "worker too",
                         param=req.local_prefill.param,
                     )
-            raise NoWorker(plan.reason, retry_after_s=1.0)
+            raise NoWorker(plan.reason, retry_after_s=self.settings.retry_after_s)
         chosen = (plan.worker,) if isinstance(plan, Colocated) else (plan.prefill, plan.decode)
         if req.max_id >= 0:
             _check_vocab(req, chosen)

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.config import FallbackConfig, GuardsConfig
+from gateway.config import FallbackConfig, GuardsConfig, LimitsConfig
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
 
 PROMPTS = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(3 + (i * 13) % 120)) for i in range(40)]
@@ -144,9 +144,10 @@ async def test_no_corrupted_answer_is_delivered(model: str, emulator: str, fault
 async def test_a_guard_failure_with_no_fallback_left_is_a_clear_error(shed: bool) -> None:
     """The only SGLang pair's decode always ends early after an aborted transfer (sglang #33507)
     and there is no colocated worker: with the default ladder (ending in "shed") a 503 with
-    Retry-After whose code names the guard; without "shed", the guard's own 502."""
+    Retry-After (`limits.retry_after_s`) whose code names the guard; without "shed", the guard's
+    own 502."""
     ladder = ("other_pair", "colocated", "decode_self_prefill", *(("shed",) if shed else ()))
-    c = await build_cluster(fallback=FallbackConfig(ladder=ladder))
+    c = await build_cluster(fallback=FallbackConfig(ladder=ladder), limits=LimitsConfig(retry_after_s=4.0))
     try:
         await c.emulators["sgl-p"].set_faults(["abort_during_transfer"])
         async with aiohttp.ClientSession() as s:
@@ -155,7 +156,7 @@ async def test_a_guard_failure_with_no_fallback_left_is_a_clear_error(shed: bool
                 status, headers, out = r.status, r.headers, await r.json()
         assert status == (503 if shed else 502), out
         assert out["error"]["code"] == "kv_integrity_violation", out
-        assert (headers.get("Retry-After") is not None) is shed, headers
+        assert headers.get("Retry-After") == ("4" if shed else None), headers
     finally:
         await stop_cluster(c)
 
