@@ -46,6 +46,8 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
     # and KV ports stay plain)
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    # --api-key (both engines' flag): requests must carry `Authorization: Bearer KEY` (emulator/auth.py)
+    api_key: str | None = None
 
     def to_argv(self) -> list[str]:
         argv = ["--engine", self.engine, "--role", self.role, "--host", self.host, "--port", str(self.port)]
@@ -72,6 +74,8 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
             argv += ["--ssl-certfile", self.ssl_certfile]
         if self.ssl_keyfile is not None:
             argv += ["--ssl-keyfile", self.ssl_keyfile]
+        if self.api_key is not None:
+            argv += ["--api-key", self.api_key]
         return argv
 
 

@@ -24,6 +24,7 @@ import msgspec
 from aiohttp import web
 
 from emulator import timing
+from emulator.auth import api_key_middleware
 from emulator.bootstrap import BootstrapServer, register_rank, url_host
 from emulator.faults import Fault, FaultSet, FaultSpecError
 from emulator.kvevents import KvEventPublisher
@@ -84,7 +85,9 @@ class EmulatorServer:
             uuid.UUID(int=(hash((spec.seed, os.getpid(), time.time_ns())) & ((1 << 128) - 1)))
         )
         self.fingerprint = f"vllm-0.32.0-{uuid.uuid4().hex[:8]}"
-        self.app = web.Application(client_max_size=64 * 1024 * 1024)
+        self.unauthorized = 0  # requests --api-key turned away
+        middlewares = [api_key_middleware(spec.engine, spec.api_key, self._refused)] if spec.api_key else []
+        self.app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.bootstrap_port: int | None = None
@@ -275,6 +278,9 @@ class EmulatorServer:
             await hang_forever()
         return None
 
+    def _refused(self) -> None:
+        self.unauthorized += 1
+
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:
         c = self.engine.counters
@@ -287,6 +293,7 @@ class EmulatorServer:
             "completed": c.completed,
             "aborted": c.aborted,
             "errors": c.errors,
+            "unauthorized": self.unauthorized,
             "running": len(self.engine.seqs),
             "waiting": self.engine.waiting,
             "kv_transfers_ok": c.kv_transfers_ok,

@@ -65,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the HTTP API over TLS with this certificate (PEM), as the engines' own flag",
     )
     p.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="ask for `Authorization: Bearer KEY` as the engine's own flag does (SGLang: all but "
+        "/health and /metrics; vLLM: /v1 paths)",
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -92,6 +98,7 @@ def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
         stream_interval=args.stream_interval,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
+        api_key=args.api_key,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 from aiohttp import web
 
@@ -38,11 +39,13 @@ async def build_cluster(
     colocated_fallback: bool = False,
     sglang_stream_interval: int = 1,
     vocab_size: int | None = None,
+    api_key: str | None = None,
     **gw: object,
 ) -> Cluster:
     """`colocated_fallback` adds a colocated worker for each P/D model to the gateway (the
     fallback ladder's second rung); `sglang_stream_interval` is the SGLang decode's (and its
-    reference's) `--stream-interval`."""
+    reference's) `--stream-interval`; `api_key`: the gateway's engines (not the references) run
+    with `--api-key`, and the gateway is given it (`api_key_env`)."""
     faults = faults or {}
     specs = {
         "sgl-p": EmulatorSpec(
@@ -93,6 +96,8 @@ async def build_cluster(
         ),
         "m-vllm": EmulatorSpec(engine="vllm", role="both", model="m-vllm", time_scale=time_scale),
     }
+    if api_key is not None:
+        specs = {name: msgspec.structs.replace(spec, api_key=api_key) for name, spec in specs.items()}
     emus = {name: await start_emulator(spec) for name, spec in specs.items()}
     reference = {model: await start_emulator(spec) for model, spec in refs.items()}
     roles = {"prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.COLOCATED}
@@ -109,15 +114,12 @@ async def build_cluster(
                 if engine is Engine.SGLANG and role is Role.PREFILL
                 else None,
                 vocab_size=vocab_size,
+                api_key_env=None if api_key is None else "PDGW_TEST_ENGINE_KEY",
             )
         )
-    cfg = GatewayConfig(
-        listen=ListenConfig(host="127.0.0.1", port=0),
-        workers=tuple(workers),
-        health=HealthConfig(interval_s=0.5, timeout_s=2.0),
-        **gw,
-    )  # type: ignore[arg-type]
-    gateway = Gateway(cfg)
+    gw.setdefault("health", HealthConfig(interval_s=0.5, timeout_s=2.0))
+    cfg = GatewayConfig(listen=ListenConfig(host="127.0.0.1", port=0), workers=tuple(workers), **gw)  # type: ignore[arg-type]
+    gateway = Gateway(cfg, environ=None if api_key is None else {"PDGW_TEST_ENGINE_KEY": api_key})
     await gateway.start()
     return Cluster(gateway, emus, reference)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 from aiohttp import web
 
 from gateway.app import Gateway
@@ -135,3 +136,46 @@ async def test_the_clients_authorization_is_passed_on_only_with_forward_authoriz
                 await gw.stop(grace_s=0.5)
     finally:
         await runner.cleanup()
+
+
+async def test_engines_run_with_api_key_refuse_nothing_the_gateway_sends() -> None:
+    """Every engine of the cluster runs with `--api-key` (the emulator checks the paths each
+    engine checks: SGLang all but /health and /metrics, vLLM those under /v1). Probes, info,
+    load scrapes, both legs of each handoff, and the aborts of failed and abandoned requests all
+    carry the key: no engine turns one away, and every request's work ends on the engines."""
+    from tests.integration.conftest import build_cluster, stop_cluster
+    from tests.integration.test_gateway import body_for
+
+    c = await build_cluster(
+        time_scale=1.0,  # real delays: a stream is still running when its client leaves
+        api_key=KEY,
+        faults={"sgl-d": ["http_error:0.5"], "vllm-d": ["http_error:0.5"]},
+        health=HealthConfig(interval_s=0.2, timeout_s=2.0, scrape_interval_s=0.05),
+    )
+    try:
+        for name in c.emulators:
+            for _ in range(100):
+                if c.gateway.registry.get(name).healthy:
+                    break
+                await asyncio.sleep(0.02)
+            assert c.gateway.registry.get(name).healthy, name
+        for model in ("m-sglang", "m-vllm", "m-colocated"):
+            for i in range(6):
+                body = body_for("/v1/completions", model, f"keyed {i}", False, max_tokens=3)
+                status, _, raw = await post(c.url + "/v1/completions", body)
+                assert status in (200, 502, 503), raw  # the decode faults may exhaust the ladder
+            body = body_for("/v1/completions", model, "a long keyed story", True, max_tokens=2000)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(c.url + "/v1/completions", json=body) as r:
+                    if r.status == 200:
+                        await r.content.readany()  # then leave mid-stream
+        for _ in range(200):
+            stats = {n: await h.stats() for n, h in c.emulators.items()}
+            if all(st["in_flight"] == 0 for st in stats.values()):
+                break
+            await asyncio.sleep(0.05)
+        assert all(st["in_flight"] == 0 for st in stats.values()), stats
+        assert {n: st["unauthorized"] for n, st in stats.items()} == dict.fromkeys(c.emulators, 0)
+        assert sum(st["received"] for st in stats.values()) > 0
+    finally:
+        await stop_cluster(c)
