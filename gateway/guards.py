@@ -4,11 +4,13 @@ Four checks, each on by default except shadow verification, each with its own me
 (`pdgw_guard_failures_total{guard,stage}`) and log event (`guard.failed`):
 
 1. `length_preflight` — before dispatch: prompt + max_tokens against the context limit (and
-   SGLang's input limit) of **each** chosen worker. Without a tokenizer the prompt size is an
-   upper bound (UTF-8 bytes of a text prompt: a byte-level BPE token covers ≥ 1 byte), so a
-   request is refused only when even a lower bound (`bytes / max_bytes_per_token`) cannot fit;
-   between the two bounds it is let through and the engines' own checks (judged by guard 2)
-   decide. Token-id prompts are counted exactly.
+   SGLang's input limit) of **each** chosen worker, for the largest prompt of a batch (the
+   engines check each alone). Without a tokenizer a text prompt's UTF-8 bytes are an upper
+   bound of its tokens (a byte-level BPE token covers ≥ 1 byte), so a request is refused only
+   when even a lower bound (`bytes / max_bytes_per_token`, the bytes themselves a floor read
+   off the JSON text, a chat's text parts only) cannot fit; between the two bounds it is let
+   through and the engines' own checks (judged by guard 2) decide. Token-id prompts are
+   counted exactly.
 2. `prefill_verdict` — the adapters' `judge_prefill`: status, abort markers, and for vLLM
    `kv_transfer_params` present, naming this request, covering the prompt's tokens with enough
    blocks. Always on: without it a handoff is not safe at all.

@@ -434,7 +434,7 @@ class Orchestrator:
         if req.max_id >= 0:
             _check_vocab(req, chosen)
         if self.settings.guards.length_preflight:
-            why = preflight(req.prompt_units, req.prompt_is_ids, req.max_tokens, chosen, self.settings.guards)
+            why = preflight(req.prompt_peak, req.prompt_is_ids, req.max_tokens, chosen, self.settings.guards)
             if why is not None:
                 self._guard_failed(Guard.LENGTH_PREFLIGHT, "preflight", request_id, why)
                 if why.startswith("max_tokens"):
@@ -844,7 +844,7 @@ class Orchestrator:
             except BadRequest:
                 return None
         g = self.settings.guards
-        if g.length_preflight and preflight(req.prompt_units, req.prompt_is_ids, req.max_tokens, chosen, g):
+        if g.length_preflight and preflight(req.prompt_peak, req.prompt_is_ids, req.max_tokens, chosen, g):
             return None
         return plan
 

@@ -1,8 +1,8 @@
 """Parse a client request once: a typed view of the fields routing needs; the body stays bytes.
 
 Only the routing fields are decoded (one msgspec pass over a Struct that ignores every other
-key). The prompt is not decoded when it is a string: its JSON length is an upper bound on its
-UTF-8 length, which is what the length estimate needs (see `ParsedRequest.prompt_units`).
+key). The prompt is not decoded when it is a string: its size is read off its JSON text (see
+`ParsedRequest.prompt_units` and `prompt_peak`, and `_utf8_floor`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,15 @@ class _Message(msgspec.Struct):
     """A chat message as far as the gateway checks it (the engines check the rest)."""
 
     role: str
+    content: msgspec.Raw = msgspec.Raw()  # a string, a list of parts, or null
+
+
+class _Part(msgspec.Struct):
+    """A chat content part; only text parts are measured (an image's, audio's or file's tokens
+    are the model's business: its base64 text is never tokenized)."""
+
+    type: Any = None
+    text: msgspec.Raw = msgspec.Raw()
 
 
 class _StreamOptions(msgspec.Struct):
@@ -79,6 +88,7 @@ _ids_decoder = msgspec.json.Decoder(list[int])
 _id_lists_decoder = msgspec.json.Decoder(list[list[int]])
 _texts_decoder = msgspec.json.Decoder(list[str])
 _messages_decoder = msgspec.json.Decoder(list[_Message])
+_parts_decoder = msgspec.json.Decoder(list[_Part])
 _model_encoder = msgspec.json.Encoder()
 _NULL = msgspec.Raw(b"null")
 
@@ -103,6 +113,7 @@ class ParsedRequest:
         "n",
         "path",
         "prompt_is_ids",
+        "prompt_peak",
         "prompt_units",
         "return_logprob",
         "route",
@@ -131,9 +142,14 @@ class ParsedRequest:
             or bool(f.bootstrap_room)
             or bool(f.kv_transfer_params)
         )
-        self.batch, self.is_batch, self.prompt_units, self.prompt_is_ids, self.max_id = _measure_prompt(
-            route, f
-        )
+        (
+            self.batch,
+            self.is_batch,
+            self.prompt_units,
+            self.prompt_peak,
+            self.prompt_is_ids,
+            self.max_id,
+        ) = _measure_prompt(route, f)
         sp = f.sampling_params
         if route is not RouteKind.GENERATE:
             explicit = f.max_tokens
@@ -316,9 +332,10 @@ def _param_of(msg: str) -> str | None:
     return msg[at + 2 :].rstrip("`").split("[")[0].split(".")[0] or None
 
 
-def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool, int]:
-    """(batch size, is a batch, prompt size summed over the batch, size is in token ids, the
-    largest token id or -1).
+def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, int, bool, int]:
+    """(batch size, is a batch, prompt size summed over the batch, the largest prompt's size,
+    size is in token ids, the largest token id or -1). The sum is the load a request brings; the
+    largest prompt is what must fit a context (the engines check each prompt of a batch alone).
 
     For text the size is an upper bound of its UTF-8 bytes (the JSON length, escapes included);
     for token ids it is their exact count. The prompt's shape is checked as the engines' schemas
@@ -337,7 +354,8 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool,
             ) from None
         if not messages:
             raise BadRequest("'messages' must be a non-empty array", param="messages")
-        return 1, False, len(data), False, -1
+        size = sum(_content_floor(bytes(m.content)) for m in messages)
+        return 1, False, size, size, False, -1
     if route is RouteKind.COMPLETIONS:
         raw, param, texts, ids = f.prompt, "prompt", True, True
     elif f.text:
@@ -347,7 +365,8 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool,
     data = bytes(raw).strip()
     head = data[:1]
     if head == b'"' and texts:
-        return 1, False, len(data), False, -1
+        size = _utf8_floor(data)
+        return 1, False, size, size, False, -1
     item = data[1:].lstrip()[:1]  # the first item's first byte
     if head != b"[" or (item == b'"' and not texts) or (item != b'"' and not ids):
         raise BadRequest(_shape_message(param, texts, ids), param=param)
@@ -356,14 +375,15 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool,
     try:
         if item == b'"':
             strings = _texts_decoder.decode(data)
-            return len(strings), True, sum(len(x.encode()) for x in strings), False, -1
+            sizes = [len(x.encode()) for x in strings]
+            return len(strings), True, sum(sizes), max(sizes), False, -1
         if item == b"[":
             lists = _id_lists_decoder.decode(data)
             _no_empty(lists, param)
             top = max((_id_range(x, param) for x in lists if x), default=-1)
-            return len(lists), True, sum(len(x) for x in lists), True, top
+            return len(lists), True, sum(len(x) for x in lists), max(len(x) for x in lists), True, top
         one = _ids_decoder.decode(data)
-        return 1, False, len(one), True, _id_range(one, param)
+        return 1, False, len(one), len(one), True, _id_range(one, param)
     except msgspec.ValidationError as e:
         if route is RouteKind.COMPLETIONS:
             lax = _lax_token_ids(_any_decoder.decode(data))
@@ -372,7 +392,7 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, bool,
         raise BadRequest(f"{_shape_message(param, texts, ids)} ({e})", param=param) from None
 
 
-def _lax_token_ids(value: list[Any]) -> tuple[int, bool, int, bool, int] | None:
+def _lax_token_ids(value: list[Any]) -> tuple[int, bool, int, int, bool, int] | None:
     """A completions prompt list read as both engines' schemas read it where it is not plain
     JSON integers: pydantic's lax mode takes `true` as 1, `2.0` as 2 and `"7"` as 7 for a token
     id (a list of strings that are not all numbers stays text, which the strict decode took).
@@ -398,11 +418,36 @@ def _lax_token_ids(value: list[Any]) -> tuple[int, bool, int, bool, int] | None:
         ok = [x for x in lists if x is not None]
         _no_empty(ok, "prompt")
         top = max((_id_range(x, "prompt") for x in ok if x), default=-1)
-        return len(ok), True, sum(len(x) for x in ok), True, top
+        return len(ok), True, sum(len(x) for x in ok), max(len(x) for x in ok), True, top
     one = ids(value)
     if one is None:
         return None
-    return 1, False, len(one), True, _id_range(one, "prompt")
+    return 1, False, len(one), len(one), True, _id_range(one, "prompt")
+
+
+def _utf8_floor(raw: bytes) -> int:
+    """A lower bound of the UTF-8 length of the JSON string `raw` (quotes included), read off its
+    text without decoding it: each escape is at least one byte shorter (`\\n`: 2 -> 1) and a
+    `\\uXXXX` at least five (6 -> 1..3; a surrogate pair 12 -> 4). Exact for a string without
+    escapes; never more than the truth, so a length check built on it refuses only what surely
+    cannot fit (clients that escape all non-ASCII, as Python's json does, included)."""
+    if b"\\" not in raw:
+        return max(0, len(raw) - 2)
+    return max(0, len(raw) - 2 - raw.count(b"\\") - 4 * raw.count(b"\\u"))
+
+
+def _content_floor(raw: bytes) -> int:
+    """The UTF-8 floor of a chat message's text: a string content, or its text parts."""
+    head = raw[:1]
+    if head == b'"':
+        return _utf8_floor(raw)
+    if head != b"[":
+        return 0
+    try:
+        parts = _parts_decoder.decode(raw)
+    except msgspec.ValidationError:
+        return 0  # a shape the engine judges; nothing is assumed of its size
+    return sum(_utf8_floor(bytes(p.text)) for p in parts if p.type == "text" and bytes(p.text)[:1] == b'"')
 
 
 def _no_empty(lists: list[list[int]], param: str) -> None:

@@ -1,0 +1,58 @@
+"""What the length preflight reads of a prompt without a tokenizer (gateway/parse.py): a floor
+of its UTF-8 length, the largest prompt of a batch, a chat's text only. Found by the API probe:
+batches whose prompts together (not each) exceeded a context, and a chat with an inline image,
+were refused with a 400 that a direct connection to the engine does not give."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from gateway.parse import ParsedRequest, parse_request
+from policies.snapshot import RouteKind
+
+
+def parse(route: RouteKind, body: dict[str, object], *, ascii_only: bool = False) -> ParsedRequest:
+    raw = json.dumps(body, ensure_ascii=ascii_only).encode()
+    return parse_request(route, "/x", raw, default_model="m", max_n=128, max_tokens_cap=None)
+
+
+def test_a_strings_floor_never_exceeds_its_utf8_length_and_is_exact_without_escapes() -> None:
+    rng = random.Random(7)
+    alphabet = 'ab \n\t"\\/é中😀\u0001'
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 60)))
+        for ascii_only in (False, True):  # Python's json escapes all non-ASCII by default
+            req = parse(RouteKind.COMPLETIONS, {"prompt": text}, ascii_only=ascii_only)
+            assert 0 <= req.prompt_peak <= len(text.encode()), (text, ascii_only)
+    plain = "hello world, this is plain"
+    assert parse(RouteKind.COMPLETIONS, {"prompt": plain}).prompt_peak == len(plain)
+
+
+def test_a_batch_is_measured_by_its_largest_prompt_and_loads_by_its_sum() -> None:
+    req = parse(RouteKind.COMPLETIONS, {"prompt": [[1] * 5000, [2] * 4000]})
+    assert (req.prompt_peak, req.prompt_units) == (5000, 9000)
+    req = parse(RouteKind.COMPLETIONS, {"prompt": ["a" * 300, "b" * 700]})
+    assert (req.prompt_peak, req.prompt_units) == (700, 1000)
+    req = parse(RouteKind.GENERATE, {"input_ids": [[1] * 10, [2] * 30]})
+    assert (req.prompt_peak, req.prompt_units) == (30, 40)
+
+
+def test_a_chat_counts_its_text_not_its_images() -> None:
+    image = "data:image/png;base64," + "A" * 200_000
+    body = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is in"},
+                    {"type": "image_url", "image_url": {"url": image}},
+                    {"type": "text", "text": " this picture?"},
+                ],
+            },
+            {"role": "assistant", "content": None, "tool_calls": []},
+        ]
+    }
+    req = parse(RouteKind.CHAT, body)
+    assert req.prompt_peak == len("be brief") + len("what is in") + len(" this picture?")
