@@ -92,7 +92,7 @@ class VLLMAdapter:
 
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
         fields = req.decode_dict()
-        if "stream_options" in fields or "min_tokens" in fields:
+        if "stream_options" in fields or "min_tokens" in fields or "max_completion_tokens" in fields:
             _check_what_the_prefill_is_not_sent(req, fields)
         set_: dict[str, bytes] = {
             "stream": b"false",
@@ -239,7 +239,8 @@ def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | N
 
 def _check_what_the_prefill_is_not_sent(req: ParsedRequest, fields: dict[str, msgspec.Raw]) -> None:
     """The prefill goes without `stream_options` and `min_tokens` (with `max_tokens` 1 it would
-    refuse them), so what vLLM checks of them only the decode would see: after the prefill's
+    refuse them), and with `max_completion_tokens` 1, so what vLLM checks of them only the decode
+    would see: after the prefill's
     work, its KV blocks held for a decode that never reads them until their lease ends. The same
     checks here, before either leg, in vLLM's words (0.33: `validate_stream_options` in
     entrypoints/openai/*/protocol.py, `SamplingParams._verify_args`)."""
@@ -248,6 +249,14 @@ def _check_what_the_prefill_is_not_sent(req: ParsedRequest, fields: dict[str, ms
         raise BadRequest(
             "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
             param="stream_options",
+        )
+    raw = fields.get("max_completion_tokens")
+    if raw is not None and req.route is RouteKind.CHAT and bytes(raw) in (b"0", b"0.0", b"-0"):
+        # vLLM's chat budget is `max_completion_tokens` whenever it is not null: 0 is refused
+        # (the gateway reads a 0 as SGLang does, falling through to max_tokens), and the prefill
+        # is sent 1 instead
+        raise BadRequest(
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", param="max_tokens"
         )
     raw = fields.get("min_tokens")
     if raw is None:

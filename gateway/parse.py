@@ -153,8 +153,10 @@ class ParsedRequest:
         sp = f.sampling_params
         if route is not RouteKind.GENERATE:
             explicit = f.max_tokens
-            # chat's newer name wins; the legacy completions route has none (the engines ignore it)
-            if route is RouteKind.CHAT and f.max_completion_tokens is not None:
+            # chat's newer name wins; the legacy completions route has none (the engines ignore
+            # it). A 0 falls through to max_tokens, as SGLang reads it (`max_completion_tokens or
+            # max_tokens`); vLLM refuses that 0 itself (its adapter, before a P/D prefill).
+            if route is RouteKind.CHAT and f.max_completion_tokens:
                 explicit = f.max_completion_tokens
             n = 1 if f.n is None else f.n
             greedy = f.temperature == 0 or f.top_k == 1
@@ -232,10 +234,11 @@ def parse_request(
     if req.max_tokens is not None:
         # the field the client gave the budget in (chat's newer name where it was given)
         name = "max_tokens"
-        if route is RouteKind.CHAT and f.max_completion_tokens is not None:
+        if route is RouteKind.CHAT and f.max_completion_tokens:
             name = "max_completion_tokens"
         if req.max_tokens < 1 and route is not RouteKind.GENERATE:
-            if not (req.max_tokens == 0 and f.echo and route is RouteKind.COMPLETIONS):
+            # a chat's 0 is the prompt alone on SGLang, the engine's own 400 on vLLM
+            if not (req.max_tokens == 0 and (f.echo or route is RouteKind.CHAT)):
                 raise BadRequest(
                     f"'{name}' must be at least 1 (0 only with 'echo': the prompt alone)", param=name
                 )
@@ -280,12 +283,26 @@ def _local_prefill(route: RouteKind, f: _Fields, max_tokens: int | None) -> Loca
     if f.echo and route is RouteKind.CHAT and bytes(f.top_logprobs) != b"null":
         return _CHAT_ECHO
     if f.echo and _given(f.logprobs) and route is RouteKind.COMPLETIONS:
-        return _ECHO_LOGPROBS if bytes(f.logprobs) not in (b"0", b"0.0") else _ECHO_LOGPROBS_0
+        return _ECHO_LOGPROBS_0 if _is_zero(bytes(f.logprobs)) else _ECHO_LOGPROBS
     if _given(f.prompt_logprobs):
         return _PROMPT_LOGPROBS
     if max_tokens == 0:
         return _PROMPT_ONLY
     return None
+
+
+def _is_zero(raw: bytes) -> bool:
+    """A count the engines read as 0 (pydantic's lax int: `0`, `0.0`, `-0`, `0e0`, `"0"`)."""
+    try:
+        v = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return False
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            return False
+    return isinstance(v, int | float) and not isinstance(v, bool) and v == 0
 
 
 def _per_prompt(sps: list[_SamplingParams], batch: int, is_batch: bool) -> tuple[int | None, int, bool]:

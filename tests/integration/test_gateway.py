@@ -620,6 +620,12 @@ async def test_errors_after_parsing_echo_the_request_id_too(
             "/v1/chat/completions",
             {"model": "m-vllm", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
             400,
+            "max_tokens",  # vLLM's own words (SGLang reads the 0 as absent: test_lax_fields)
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m-vllm", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+            400,
             "max_completion_tokens",
         ),
     ],

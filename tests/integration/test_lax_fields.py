@@ -64,3 +64,27 @@ async def test_a_seed_outside_int64_is_a_400_as_from_the_engine(cluster: Cluster
         assert status == ref_status == 400, (model, raw, ref)
         want = json.loads(ref)
         assert json.loads(raw)["error"]["message"] == want.get("error", want)["message"]  # SGLang: flat
+
+
+async def test_chat_budgets_with_a_zero_are_read_as_each_engine_reads_them(cluster: Cluster) -> None:
+    """SGLang's chat budget is `max_completion_tokens or max_tokens` (a 0 falls through; a
+    `max_tokens` of 0 is an empty answer); vLLM's is `max_completion_tokens` whenever it is not
+    null, and a 0 is its 400, refused before a prefill holds KV for it. The gateway answers as
+    the plain engine does (found by the API probe: it refused all three on every engine)."""
+    base = {"messages": [{"role": "user", "content": "count to ten"}], "temperature": 0}
+    for budget in (
+        {"max_completion_tokens": 0, "max_tokens": 5},
+        {"max_completion_tokens": 0},
+        {"max_tokens": 0},
+    ):
+        for model in ("m-sglang", "m-vllm"):
+            body = {"model": model, **base, **budget}
+            status, _, raw = await post(cluster.url + "/v1/chat/completions", body)
+            ref_status, _, ref = await post(cluster.reference[model].url + "/v1/chat/completions", body)
+            assert status == ref_status == (200 if model == "m-sglang" else 400), (budget, model, raw, ref)
+            if status == 200:
+                got, want = json.loads(raw), json.loads(ref)
+                assert got["choices"][0]["message"] == want["choices"][0]["message"], budget
+                assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"], budget
+    stats = await cluster.emulators["vllm-p"].stats()
+    assert stats["held_transfers"] == 0 and stats["received"] == 0, stats

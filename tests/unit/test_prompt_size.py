@@ -56,3 +56,17 @@ def test_a_chat_counts_its_text_not_its_images() -> None:
     }
     req = parse(RouteKind.CHAT, body)
     assert req.prompt_peak == len("be brief") + len("what is in") + len(" this picture?")
+
+
+def test_echo_with_a_zero_logprobs_in_any_spelling_asks_no_prompt_logprobs_of_sglang() -> None:
+    """SGLang scores the prompt only for a non-zero `logprobs`; pydantic reads `"0"`, `0e0`,
+    `-0` and `0.00` as 0 (found by the API probe: they were refused on SGLang P/D)."""
+    for spelling in (b"0", b"0.0", b"0e0", b"-0", b"0.00", b'"0"', b'" 0 "'):
+        body = b'{"prompt":"hi","echo":true,"max_tokens":2,"logprobs":' + spelling + b"}"
+        req = parse_request(
+            RouteKind.COMPLETIONS, "/x", body, default_model="m", max_n=8, max_tokens_cap=None
+        )
+        assert req.local_prefill is not None and not req.local_prefill.all_engines, spelling
+    body = b'{"prompt":"hi","echo":true,"max_tokens":2,"logprobs":"1"}'
+    req = parse_request(RouteKind.COMPLETIONS, "/x", body, default_model="m", max_n=8, max_tokens_cap=None)
+    assert req.local_prefill is not None and req.local_prefill.all_engines
