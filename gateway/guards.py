@@ -110,16 +110,22 @@ def check_decode(
                 f"decode reports {decode.prompt_tokens} prompt tokens, prefill {prefill.prompt_tokens}: "
                 "the KV it used is not this prompt's"
             )
-    if decode.finish_reason == "length" and max_tokens is not None and decode.completion_tokens is not None:
+    # with no max_tokens the budget is the engine's default (16 on completions, SGLang's 128 on
+    # /generate, the context's room on chats): never a single token short of the context, which
+    # is judged only where the context is known
+    judged = max_tokens is not None or context_length is not None
+    if decode.finish_reason == "length" and judged and decode.completion_tokens is not None:
         used = decode.completion_tokens
         at_context = (
             context_length is not None
             and decode.prompt_tokens is not None
             and decode.prompt_tokens + used >= context_length - _CLAMP_SLACK
         )
-        if used <= _EARLY_LENGTH_TOKENS and used < max_tokens and not at_context:
+        short = max_tokens is None or used < max_tokens
+        if used <= _EARLY_LENGTH_TOKENS and short and not at_context:
+            of = "" if max_tokens is None else f" of {max_tokens}"
             return (
-                f"decode finished with 'length' after {used} of {max_tokens} tokens "
+                f"decode finished with 'length' after {used}{of} tokens "
                 "(an aborted KV transfer looks like this)"
             )
     if greedy and first_token_check:

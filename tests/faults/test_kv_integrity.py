@@ -20,6 +20,7 @@ import pytest
 
 from gateway.config import FallbackConfig, GuardsConfig, LimitsConfig
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
+from tests.integration.test_gateway import sse_events
 
 PROMPTS = [" ".join(f"w{(i * 7 + j) % 97}" for j in range(3 + (i * 13) % 120)) for i in range(40)]
 MAX_TOKENS = 8
@@ -340,5 +341,43 @@ async def test_several_tokens_per_event_are_not_an_early_finish(route: str, incl
         assert answer_text(raw, True) == answer_text(want, True)
         assert len(events) == len(want_events)  # the same events, less nothing, plus nothing
         assert "pdgw_guard_failures_total{" not in c.gateway.metrics.render().decode()
+    finally:
+        await stop_cluster(c)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("model", "decode"), [("m-sglang", "sgl-d"), ("m-vllm", "vllm-d")])
+async def test_an_aborted_transfer_is_caught_without_max_tokens(
+    model: str, decode: str, stream: bool
+) -> None:
+    """A chat that sends no max_tokens (the usual case) has the engine's default budget, never
+    one token: a decode that ends with "length" after one token (sglang #33507) is the aborted
+    transfer, not an answer. It is caught and becomes a fallback (vLLM: the decode computes the
+    prompt itself, the right answer) or, with none left (SGLang P/D alone), a clear error, never
+    a 1-token 200 (found by the fault probe)."""
+    c = await build_cluster(faults={decode: ["abort_during_transfer"]})
+    try:
+        # sampled (seeded): the greedy first-token check, which would also catch it, does not apply
+        messages = [{"role": "user", "content": "tell me more"}]
+        body = {"model": model, "messages": messages, "temperature": 0.7, "seed": 11}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(c.reference[model].url + "/v1/chat/completions", json=body) as r:
+                want = (await r.json())["choices"][0]["message"]["content"]
+            body["stream"] = stream
+            async with s.post(c.url + "/v1/chat/completions", json=body) as r:
+                status, raw = r.status, await r.read()
+        assert len(want) > 1
+        if stream and status == 200 and b"kv_integrity_violation" in raw:
+            pass  # tokens were on their way: the stream ends in an error event
+        elif model == "m-vllm":
+            assert status == 200, raw
+            if stream:
+                events = [e for e in sse_events(raw) if e != "[DONE]"]
+                got = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+            else:
+                got = json.loads(raw)["choices"][0]["message"]["content"]
+            assert got == want
+        else:
+            assert status == 503 and json.loads(raw)["error"]["code"] == "kv_integrity_violation", raw
     finally:
         await stop_cluster(c)

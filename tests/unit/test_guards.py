@@ -50,6 +50,14 @@ def test_decode_checks() -> None:
     )
     early = Summary(prompt_tokens=27, completion_tokens=1, finish_reason="length")
     assert "after 1 of 6" in (check_decode(p, early, max_tokens=6, context_length=100, greedy=False) or "")
+    # no max_tokens (the usual chat): the engine's default budget is never one token short of a
+    # known context (found by the fault probe: the aborted transfer reached the client as a 200)
+    assert "after 1 tokens" in (
+        check_decode(p, early, max_tokens=None, context_length=100, greedy=False) or ""
+    )
+    last_room = Summary(prompt_tokens=99, completion_tokens=1, finish_reason="length")
+    assert check_decode(Summary(), last_room, max_tokens=None, context_length=100, greedy=False) is None
+    assert check_decode(p, early, max_tokens=None, context_length=None, greedy=False) is None
     at_ctx = Summary(prompt_tokens=95, completion_tokens=5, finish_reason="length")
     assert check_decode(Summary(), at_ctx, max_tokens=20, context_length=100, greedy=False) is None
     # engines' own caps are no failure: SGLang's clamp 2 tokens short of the context (here after
