@@ -176,7 +176,7 @@ class TimeoutsConfig(_Section, frozen=True):
     connect_s: float = 2.0  # TCP connect to a worker
     prefill_s: float = 60.0  # prefill leg until its response is complete
     handoff_s: float = 30.0  # KV handoff: prefill done -> decode's first byte
-    idle_s: float = 60.0  # longest silence inside a stream
+    idle_s: float = 60.0  # longest worker silence inside a stream (not while the client is not reading)
     total_s: float = 600.0  # whole request
     # added per token a non-streamed answer may generate to prefill_s (colocated) or handoff_s
     # (P/D): its headers come with its last token

@@ -1026,7 +1026,9 @@ class Orchestrator:
         def watchdog() -> None:
             nonlocal timer, timed_out
             due = resp.last_read_at + idle
-            if loop.time() < due:
+            if resp.held_back:  # the client is not reading: no upstream silence to judge
+                timer = loop.call_at(loop.time() + idle, watchdog)
+            elif loop.time() < due:
                 timer = loop.call_at(due, watchdog)
             else:
                 timed_out = True

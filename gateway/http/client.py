@@ -134,6 +134,7 @@ class UpstreamResponse:
         "_whole",
         "complete",
         "headers",
+        "held_back",
         "last_read_at",
         "reads",
         "status",
@@ -158,6 +159,9 @@ class UpstreamResponse:
         # pipe's start): what a relay needs for its idle deadline and inter-token figures
         self.reads = 0
         self.last_read_at = 0.0
+        # pipe(): reading paused because the client is not taking the bytes (its backpressure):
+        # while held back, the upstream's silence is the client's doing, not the worker's
+        self.held_back = False
         # pipe(): the pieces of body of the upstream read being parsed, handed to the sink as one
         # at the end of that read (a 64-event burst is one sink call, not 64)
         self._pend: list[bytes] = []
@@ -376,10 +380,14 @@ class UpstreamResponse:
             self.abort()
 
     def pause_reading(self) -> None:
-        """Stop reading from the upstream socket (backpressure)."""
+        """Stop reading from the upstream socket (the client's backpressure)."""
+        self.held_back = True
         self._conn.pause_reading()
 
     def resume_reading(self) -> None:
+        if self.held_back:
+            self.held_back = False
+            self.last_read_at = self._conn._loop.time()  # the idle clock restarts from here
         self._conn.resume_reading()
 
     def release(self) -> None:

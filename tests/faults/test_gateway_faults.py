@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 
 import aiohttp
@@ -303,3 +304,47 @@ async def test_a_non_streamed_answer_still_has_a_head_deadline() -> None:
         assert err["code"] == "upstream_timeout" and "within 0.7s" in err["message"], err
     finally:
         await stop_cluster(c)
+
+
+@pytest.mark.parametrize("model", ["m-colocated", "m-vllm", "m-sglang"])
+async def test_a_client_that_stops_reading_is_no_silent_worker(fast_cluster: Cluster, model: str) -> None:
+    """A client that reads its stream slowly (TCP backpressure) for longer than `idle_s`: the
+    gateway stops reading the upstream for it, so the upstream's silence is the client's doing.
+    It used to end the stream with "sent nothing for 0.5 s mid-stream" and count it against the
+    healthy worker's breaker (found by the fault probe). Now the stream completes."""
+    c = fast_cluster
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    host, port = c.url.removeprefix("http://").split(":")
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    payload = json.dumps(
+        {
+            "model": model,
+            "prompt": "a long story",
+            "max_tokens": 7000,
+            "n": 8,
+            "temperature": 0.7,
+            "seed": 3,
+            "stream": True,
+        }
+    ).encode()
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(payload) + payload
+    )
+    await writer.drain()
+    first = await reader.read(2000)
+    assert first.startswith(b"HTTP/1.1 200"), first
+    await asyncio.sleep(1.5)  # three idle deadlines without reading
+    rest = b""
+    async with asyncio.timeout(30):
+        while not rest.endswith(b"0\r\n\r\n"):
+            chunk = await reader.read(1 << 20)
+            if not chunk:
+                break
+            rest += chunk
+    writer.close()
+    assert b"data: [DONE]" in rest and b'"error"' not in rest, rest[-400:]
+    assert "upstream_timeout" not in c.gateway.metrics.render().decode()  # nothing held against a worker
