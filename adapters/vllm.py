@@ -250,8 +250,7 @@ def _check_what_the_prefill_is_not_sent(req: ParsedRequest, fields: dict[str, ms
             "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
             param="stream_options",
         )
-    raw = fields.get("max_completion_tokens")
-    if raw is not None and req.route is RouteKind.CHAT and bytes(raw) in (b"0", b"0.0", b"-0"):
+    if req.route is RouteKind.CHAT and req.fields.max_completion_tokens == 0:  # (any spelling of 0)
         # vLLM's chat budget is `max_completion_tokens` whenever it is not null: 0 is refused
         # (the gateway reads a 0 as SGLang does, falling through to max_tokens), and the prefill
         # is sent 1 instead

@@ -103,12 +103,11 @@ class Stopper:
         if not spec.strings or (early and spec.strings_wait):
             self.text += tokenizer.token_text(tok)
             return False
-        longest = spec.hold + 1 if not spec.keep else max(len(s) for s in spec.strings)
-        start = max(0, len(self.text) - longest + 1)
+        before = len(self.text)
         self.text += tokenizer.token_text(tok)
         best: tuple[int, str] | None = None
-        for s in spec.strings:
-            i = self.text.find(s, start)
+        for s in spec.strings:  # only a match the new token completes (vLLM's window)
+            i = self.text.find(s, max(0, before - len(s) + 1))
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

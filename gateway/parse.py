@@ -239,9 +239,8 @@ def parse_request(
         if req.max_tokens < 1 and route is not RouteKind.GENERATE:
             # a chat's 0 is the prompt alone on SGLang, the engine's own 400 on vLLM
             if not (req.max_tokens == 0 and (f.echo or route is RouteKind.CHAT)):
-                raise BadRequest(
-                    f"'{name}' must be at least 1 (0 only with 'echo': the prompt alone)", param=name
-                )
+                why = "" if route is RouteKind.CHAT else " (0 only with 'echo': the prompt alone)"
+                raise BadRequest(f"'{name}' must be at least 1{why}", param=name)
         if max_tokens_cap is not None and req.max_tokens > max_tokens_cap:
             raise BadRequest(f"'{name}' must be at most {max_tokens_cap}", param=name)
     if not 1 <= req.n <= max_n:
@@ -371,8 +370,9 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, int, 
             ) from None
         if not messages:
             raise BadRequest("'messages' must be a non-empty array", param="messages")
-        size = sum(_content_floor(bytes(m.content)) for m in messages)
-        return 1, False, size, size, False, -1
+        # the load estimate stays the JSON's length (an upper bound, images included); what must
+        # fit a context is the text's floor
+        return 1, False, len(data), sum(_content_floor(bytes(m.content)) for m in messages), False, -1
     if route is RouteKind.COMPLETIONS:
         raw, param, texts, ids = f.prompt, "prompt", True, True
     elif f.text:
@@ -382,8 +382,7 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, int, 
     data = bytes(raw).strip()
     head = data[:1]
     if head == b'"' and texts:
-        size = _utf8_floor(data)
-        return 1, False, size, size, False, -1
+        return 1, False, len(data), _utf8_floor(data), False, -1
     item = data[1:].lstrip()[:1]  # the first item's first byte
     if head != b"[" or (item == b'"' and not texts) or (item != b'"' and not ids):
         raise BadRequest(_shape_message(param, texts, ids), param=param)
@@ -422,8 +421,11 @@ def _lax_token_ids(value: list[Any]) -> tuple[int, bool, int, int, bool, int] | 
                 out.append(int(x))
             elif isinstance(x, float) and x.is_integer():
                 out.append(int(x))
-            elif isinstance(x, str) and x.strip().lstrip("+-").isdigit():
-                out.append(int(x))
+            elif isinstance(x, str) and x.strip().lstrip("+-").isdecimal():
+                try:
+                    out.append(int(x))
+                except ValueError:
+                    return None
             else:
                 return None
         return out

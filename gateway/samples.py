@@ -269,12 +269,13 @@ def _sum_usage(usages: list[Any], n: int) -> dict[str, Any] | None:
     out["completion_tokens"] = completion
     out["total_tokens"] = prompt + completion
     firsts = [u for k, u in enumerate(usages) if k % n == 0 and isinstance(u, dict)]
-    for key, first in present[0].items():
-        if key.endswith("_details") and isinstance(first, dict):
-            # as SGLang's UsageProcessor: a prompt's cached tokens once (its first sample's),
-            # the completion's counts (reasoning, speculative) over every answer
-            over = firsts if key == "prompt_tokens_details" else present
-            out[key] = _sum_details([u.get(key) for u in over])
+    details = {k for u in present for k, v in u.items() if k.endswith("_details") and isinstance(v, dict)}
+    # (over every answer's keys: one with no cache hit may say null where a later one counts)
+    for key in sorted(details):
+        # as SGLang's UsageProcessor: a prompt's cached tokens once (its first sample's),
+        # the completion's counts (reasoning, speculative) over every answer
+        over = firsts if key == "prompt_tokens_details" else present
+        out[key] = _sum_details([u.get(key) for u in over])
     return out
 
 

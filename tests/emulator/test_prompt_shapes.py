@@ -53,3 +53,14 @@ async def test_vllm_refuses_an_empty_token_id_prompt_in_a_batch(
     async with http.post(h.url + "/v1/completions", json=body) as r:
         assert r.status == 400, await r.text()
         assert (await r.json())["error"]["message"] == "The decoder prompt cannot be empty"
+
+
+def test_a_stop_string_matches_only_where_the_new_token_completes_it() -> None:
+    """vLLM searches only the window the new token can complete: a short stop string that lay
+    wholly inside the `min_tokens` stretch does not end the sequence later."""
+    from emulator import tokenizer
+    from emulator.stops import Stopper, StopSpec
+
+    st = Stopper(StopSpec(("ab", "wxyz1"), min_tokens=3, strings_wait=True))
+    ids = [ord(c) + tokenizer.BYTE_OFFSET for c in "xabyzq"]
+    assert not any(st.feed(t) for t in ids)

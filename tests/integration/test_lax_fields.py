@@ -74,6 +74,7 @@ async def test_chat_budgets_with_a_zero_are_read_as_each_engine_reads_them(clust
     base = {"messages": [{"role": "user", "content": "count to ten"}], "temperature": 0}
     for budget in (
         {"max_completion_tokens": 0, "max_tokens": 5},
+        {"max_completion_tokens": "0", "max_tokens": 5},  # pydantic's lax int: also 0
         {"max_completion_tokens": 0},
         {"max_tokens": 0},
     ):

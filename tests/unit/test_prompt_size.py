@@ -70,3 +70,24 @@ def test_echo_with_a_zero_logprobs_in_any_spelling_asks_no_prompt_logprobs_of_sg
     body = b'{"prompt":"hi","echo":true,"max_tokens":2,"logprobs":"1"}'
     req = parse_request(RouteKind.COMPLETIONS, "/x", body, default_model="m", max_n=8, max_tokens_cap=None)
     assert req.local_prefill is not None and req.local_prefill.all_engines
+
+
+def test_the_load_estimate_stays_an_upper_bound() -> None:
+    """What must fit a context is a floor; what a request weighs on a worker (accounting,
+    admission by tokens, the P/D decider) stays the JSON's length, images included."""
+    image = "data:image/png;base64," + "A" * 50_000
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}]}]}
+    req = parse(RouteKind.CHAT, body)
+    assert req.prompt_peak == 0 and req.prompt_units > 50_000
+    text = "中文" * 500
+    req = parse(RouteKind.COMPLETIONS, {"prompt": text}, ascii_only=True)
+    assert req.prompt_units >= len(text.encode()) >= req.prompt_peak
+
+
+def test_a_lax_token_id_that_is_no_integer_is_a_400() -> None:
+    import pytest
+
+    from gateway.errors import BadRequest
+
+    with pytest.raises(BadRequest):
+        parse(RouteKind.COMPLETIONS, {"prompt": [1, "\u00b2"]})  # "²".isdigit() is true

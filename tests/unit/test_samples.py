@@ -261,3 +261,19 @@ def test_merged_usage_sums_the_detail_counts_of_every_answer() -> None:
         "prompt_tokens_details": {"cached_tokens": 3},
         "completion_tokens_details": {"reasoning_tokens": 4, "note": "x"},
     }
+
+
+def test_merged_usage_counts_details_a_later_answer_has() -> None:
+    """Without cache reporting SGLang says `prompt_tokens_details: null` for a prompt with no
+    cache hit: a later prompt's hit still counts."""
+    from gateway.samples import _sum_usage
+
+    a = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": None}
+    b = {
+        "prompt_tokens": 6,
+        "completion_tokens": 2,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }
+    got = _sum_usage([a, b], 1)
+    assert got is not None and got["prompt_tokens_details"] == {"cached_tokens": 4}
