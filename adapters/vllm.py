@@ -92,7 +92,7 @@ class VLLMAdapter:
 
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
         fields = req.decode_dict()
-        if "stream_options" in fields or "min_tokens" in fields or "max_completion_tokens" in fields:
+        if "stream_options" in fields or "min_tokens" in fields or req.fields.max_completion_tokens == 0:
             _check_what_the_prefill_is_not_sent(req, fields)
         set_: dict[str, bytes] = {
             "stream": b"false",

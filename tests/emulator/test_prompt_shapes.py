@@ -10,6 +10,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from emulator import tokenizer
+from emulator.stops import Stopper, StopSpec
 from tests.emulator.conftest import Factory
 
 BAD: list[tuple[str, dict[str, Any]]] = [
@@ -58,9 +60,6 @@ async def test_vllm_refuses_an_empty_token_id_prompt_in_a_batch(
 def test_a_stop_string_matches_only_where_the_new_token_completes_it() -> None:
     """vLLM searches only the window the new token can complete: a short stop string that lay
     wholly inside the `min_tokens` stretch does not end the sequence later."""
-    from emulator import tokenizer
-    from emulator.stops import Stopper, StopSpec
-
     st = Stopper(StopSpec(("ab", "wxyz1"), min_tokens=3, strings_wait=True))
     ids = [ord(c) + tokenizer.BYTE_OFFSET for c in "xabyzq"]
     assert not any(st.feed(t) for t in ids)

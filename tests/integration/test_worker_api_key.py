@@ -13,8 +13,8 @@ from aiohttp import web
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
 from policies.snapshot import Engine, Role
-from tests.integration.conftest import serve_app
-from tests.integration.test_gateway import post
+from tests.integration.conftest import build_cluster, serve_app, stop_cluster
+from tests.integration.test_gateway import body_for, post
 
 KEY = "hosted-secret"
 
@@ -143,9 +143,6 @@ async def test_engines_run_with_api_key_refuse_nothing_the_gateway_sends() -> No
     engine checks: SGLang all but /health and /metrics, vLLM those under /v1). Probes, info,
     load scrapes, both legs of each handoff, and the aborts of failed and abandoned requests all
     carry the key: no engine turns one away, and every request's work ends on the engines."""
-    from tests.integration.conftest import build_cluster, stop_cluster
-    from tests.integration.test_gateway import body_for
-
     c = await build_cluster(
         time_scale=1.0,  # real delays: a stream is still running when its client leaves
         api_key=KEY,

@@ -8,6 +8,9 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
+from gateway.errors import BadRequest
 from gateway.parse import ParsedRequest, parse_request
 from policies.snapshot import RouteKind
 
@@ -85,9 +88,5 @@ def test_the_load_estimate_stays_an_upper_bound() -> None:
 
 
 def test_a_lax_token_id_that_is_no_integer_is_a_400() -> None:
-    import pytest
-
-    from gateway.errors import BadRequest
-
     with pytest.raises(BadRequest):
         parse(RouteKind.COMPLETIONS, {"prompt": [1, "\u00b2"]})  # "²".isdigit() is true

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.parse import parse_request
-from gateway.samples import SampleMerger, sample_request
+from gateway.samples import SampleMerger, _sum_usage, sample_request
 from policies.snapshot import RouteKind
 
 
@@ -242,7 +242,6 @@ def test_merged_usage_sums_the_detail_counts_of_every_answer() -> None:
     """Two prompts, two samples each, as SGLang's UsageProcessor counts them: prompt tokens and
     `prompt_tokens_details.cached_tokens` once per prompt (its first sample's), completion
     tokens and `completion_tokens_details` over every answer."""
-    from gateway.samples import _sum_usage
 
     def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
         return {
@@ -266,8 +265,6 @@ def test_merged_usage_sums_the_detail_counts_of_every_answer() -> None:
 def test_merged_usage_counts_details_a_later_answer_has() -> None:
     """Without cache reporting SGLang says `prompt_tokens_details: null` for a prompt with no
     cache hit: a later prompt's hit still counts."""
-    from gateway.samples import _sum_usage
-
     a = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7, "prompt_tokens_details": None}
     b = {
         "prompt_tokens": 6,
