@@ -69,27 +69,44 @@ def preflight(
     workers: tuple[WorkerState, ...],
     s: GuardSettings,
     *,
-    chat: bool = False,
+    pairs: tuple[tuple[int, int], ...] | None = None,
 ) -> str | None:
-    """Why the request cannot fit a chosen worker, or None. Refuses only what surely cannot fit."""
-    if prompt_is_ids:
-        low = prompt_units
+    """Why the request cannot fit a chosen worker, or None. Refuses only what surely cannot fit.
+    `prompt_units` is the largest prompt's size and `max_tokens` the budget; `pairs`, where a
+    batch gives each prompt its own budget, is (size, budget) per prompt, each checked alone."""
+    if pairs is None:
+        return _fits(prompt_units, prompt_is_ids, max_tokens or 0, workers, s, "")
+    for i, (units, out) in enumerate(pairs):
+        why = _fits(units, prompt_is_ids, out, workers, s, f" (prompt {i} of the batch)")
+        if why is not None:
+            return why
+    return None
+
+
+def _fits(
+    units: int, is_ids: bool, out: int, workers: tuple[WorkerState, ...], s: GuardSettings, which: str
+) -> str | None:
+    if is_ids:
+        low = units
     else:  # a prompt (never empty: refused at parse) is at least one token
-        low = max(1, int(prompt_units / s.max_bytes_per_token))
-    out = max_tokens or 0
+        low = max(1, int(units / s.max_bytes_per_token))
     for w in workers:
         if w.max_input_len is not None and low >= w.max_input_len:
             return (
-                f"the prompt has at least {low} tokens, but worker {w.id} accepts prompts of fewer than "
-                f"{w.max_input_len} tokens"
+                f"the prompt{which} has at least {low} tokens, but worker {w.id} accepts prompts of "
+                f"fewer than {w.max_input_len} tokens"
             )
         if w.context_length is not None and low + out > w.context_length:
             if out >= w.context_length:
                 return (
-                    f"max_tokens ({out}) leaves no room for the prompt in the context length of "
+                    f"max_tokens ({out}){which} leaves no room for the prompt in the context length of "
                     f"{w.context_length} tokens of worker {w.id}"
                 )
-            what = "the prompt" if out == 0 else f"the prompt (at least {low} tokens) plus max_tokens ({out})"
+            what = (
+                f"the prompt{which}"
+                if out == 0
+                else f"the prompt{which} (at least {low} tokens) plus max_tokens ({out})"
+            )
             return f"{what} exceeds the context length of {w.context_length} tokens of worker {w.id}"
     return None
 

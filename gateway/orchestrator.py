@@ -434,7 +434,14 @@ class Orchestrator:
         if req.max_id >= 0:
             _check_vocab(req, chosen)
         if self.settings.guards.length_preflight:
-            why = preflight(req.prompt_peak, req.prompt_is_ids, req.max_tokens, chosen, self.settings.guards)
+            why = preflight(
+                req.prompt_peak,
+                req.prompt_is_ids,
+                req.max_tokens,
+                chosen,
+                self.settings.guards,
+                pairs=req.prompt_pairs,
+            )
             if why is not None:
                 self._guard_failed(Guard.LENGTH_PREFLIGHT, "preflight", request_id, why)
                 if why.startswith("max_tokens"):
@@ -844,7 +851,9 @@ class Orchestrator:
             except BadRequest:
                 return None
         g = self.settings.guards
-        if g.length_preflight and preflight(req.prompt_peak, req.prompt_is_ids, req.max_tokens, chosen, g):
+        if g.length_preflight and preflight(
+            req.prompt_peak, req.prompt_is_ids, req.max_tokens, chosen, g, pairs=req.prompt_pairs
+        ):
             return None
         return plan
 

@@ -113,6 +113,7 @@ class ParsedRequest:
         "n",
         "path",
         "prompt_is_ids",
+        "prompt_pairs",
         "prompt_peak",
         "prompt_units",
         "return_logprob",
@@ -151,6 +152,7 @@ class ParsedRequest:
             self.max_id,
         ) = _measure_prompt(route, f)
         sp = f.sampling_params
+        pairs: tuple[tuple[int, int], ...] | None = None
         if route is not RouteKind.GENERATE:
             explicit = f.max_tokens
             # chat's newer name wins; the legacy completions route has none (the engines ignore
@@ -162,11 +164,17 @@ class ParsedRequest:
             greedy = f.temperature == 0 or f.top_k == 1
         elif isinstance(sp, list):
             explicit, n, greedy = _per_prompt(sp, self.batch, self.is_batch)
+            if explicit is not None:  # each prompt must fit with its own budget, not the largest
+                budgets = [0 if x.max_new_tokens is None else x.max_new_tokens for x in sp]
+                pairs = tuple(zip(_generate_prompt_sizes(f), budgets, strict=True))
         else:
             explicit = sp.max_new_tokens if sp else None
             n = 1 if sp is None or sp.n is None else sp.n
             greedy = sp is not None and (sp.temperature == 0 or sp.top_k == 1)
         self.max_tokens: int | None = explicit
+        # `/generate` batches with a budget per prompt: (prompt size, its max_new_tokens) each,
+        # for the length preflight; None otherwise (the largest prompt with `max_tokens`)
+        self.prompt_pairs = pairs
         self.n = n
         self.greedy = greedy
         self.local_prefill = (
@@ -325,6 +333,15 @@ def _per_prompt(sps: list[_SamplingParams], batch: int, is_batch: bool) -> tuple
     explicit = max((sp.max_new_tokens for sp in sps if sp.max_new_tokens is not None), default=None)
     greedy = all(sp.temperature == 0 or sp.top_k == 1 for sp in sps)
     return explicit, ns.pop(), greedy
+
+
+def _generate_prompt_sizes(f: _Fields) -> list[int]:
+    """Each prompt's size in a `/generate` batch, measured as `_measure_prompt` measures it (UTF-8
+    bytes of a text, the count of token ids); only read for per-prompt budgets, after
+    `_measure_prompt` has checked the shape."""
+    if f.text:
+        return [len(x.encode()) for x in _texts_decoder.decode(bytes(f.text))]
+    return [len(x) for x in _id_lists_decoder.decode(bytes(f.input_ids))]
 
 
 def _id_range(ids: list[int], param: str) -> int:

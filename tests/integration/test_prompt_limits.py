@@ -37,6 +37,30 @@ async def test_a_generate_batch_whose_prompts_each_fit_is_served(cluster: Cluste
     assert [d["text"] for d in json.loads(raw)] == [d["text"] for d in json.loads(ref)]
 
 
+async def test_a_generate_batch_with_a_budget_per_prompt_checks_each_prompt_with_its_own(
+    cluster: Cluster,
+) -> None:
+    """A long prompt with a small budget and a short one with a large budget: each fits an
+    8192-token context, the largest prompt with the largest budget would not."""
+    body = {
+        "input_ids": [[11] * 7000, [12] * 10],
+        "sampling_params": [
+            {"max_new_tokens": 3, "temperature": 0},
+            {"max_new_tokens": 1200, "temperature": 0},
+        ],
+    }
+    status, _, raw = await post(cluster.url + "/generate", body)
+    ref_status, _, ref = await post(cluster.reference["m-sglang"].url + "/generate", body)
+    assert status == ref_status == 200, (raw, ref)
+    assert [d["text"] for d in json.loads(raw)] == [d["text"] for d in json.loads(ref)]
+    # the short prompt's budget no longer fits with the long prompt; the pair that fails is named
+    too_long = body | {"input_ids": [[11] * 10, [12] * 7000]}
+    status, _, raw = await post(cluster.url + "/generate", too_long)
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded", raw
+    assert "prompt 1 of the batch" in err["message"], err
+
+
 @pytest.mark.parametrize("model", ["m-sglang", "m-vllm"])
 async def test_a_chat_with_an_inline_image_is_not_too_long(cluster: Cluster, model: str) -> None:
     image = "data:image/png;base64," + "iVBORw0KGgo" * 12_000  # ~130 KB of base64
