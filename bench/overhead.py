@@ -141,8 +141,17 @@ def start_cluster(
 
 
 def start_target(
-    group: procs.ProcessGroup, kind: str, cluster: Cluster, cpus: str | None, log_dir: Path
+    group: procs.ProcessGroup,
+    kind: str,
+    cluster: Cluster,
+    cpus: str | None,
+    log_dir: Path,
+    *,
+    as_shipped: bool = False,
 ) -> Target:
+    """Start one target. `as_shipped`: the routers and the gateway run with their own default
+    policy and log level (sglang-router and vllm-router: cache_aware, info; the gateway:
+    round_robin, info); otherwise all run round robin and log warnings only."""
     if kind == "direct":
         return Target(kind, cluster.engine, None, cluster.both.port)
     if kind == "direct-pd":
@@ -151,11 +160,21 @@ def start_target(
     pre, dec = cluster.prefill, cluster.decode
     if kind == "sglang-router":
         argv = procs.sglang_router_argv(
-            port, [(pre.url, pre.bootstrap_port)], [dec.url], prometheus_port=prom_port, log_level="warn"
+            port,
+            [(pre.url, pre.bootstrap_port)],
+            [dec.url],
+            prometheus_port=prom_port,
+            policy=None if as_shipped else "round_robin",
+            log_level=None if as_shipped else "warn",
         )
     elif kind == "vllm-router":
         argv = procs.vllm_router_argv(
-            port, [pre.url], [dec.url], prometheus_port=prom_port, log_level="warning"
+            port,
+            [pre.url],
+            [dec.url],
+            prometheus_port=prom_port,
+            policy=None if as_shipped else "round_robin",
+            log_level=None if as_shipped else "warning",
         )
     elif kind == "bare-pd":
         argv = [sys.executable, "-m", "bench.bare_pd", "--engine", cluster.engine, "--port", str(port)]
@@ -175,6 +194,7 @@ def start_target(
             port,
             [(pre.url, pre.bootstrap_port)],
             [dec.url],
+            log_level=None if as_shipped else "warning",
             extra=["--no-guards"] if kind == "gateway-noguards" else [],
         )
     else:
@@ -383,6 +403,7 @@ def doc_section(rows: list[Row], meta: dict[str, Any], begin: str = DOC_BEGIN, e
         f"{meta['duration_s']:g} s per row after {meta['warmup_s']:g} s warm-up"
         + (f", median of {meta['rounds']} interleaved rounds" if meta.get("rounds", 1) > 1 else "")
         + f"; pinning: {meta['pinning']}"
+        + (f"; targets' settings: {meta['settings']}" if "settings" in meta else "")
         + ("; load from wrk" if meta.get("loadgen") == "wrk" else "")
         + ".\n\n"
         f"```\n{meta['command']}\n```\n\n"
@@ -484,6 +505,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "so a fast target is busier (direct-pd, which needs the Python one, is skipped) "
         f"({bench_wrk.INSTALL_HINT})",
     )
+    p.add_argument(
+        "--as-shipped",
+        action="store_true",
+        help="run the routers and the gateway with their own default policy and log level "
+        "(the Rust routers: cache_aware, info; the gateway: round_robin, info) instead of round "
+        "robin with warnings only",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-going", action="store_true", help="a target that fails to start is skipped")
     p.add_argument(
@@ -561,6 +589,9 @@ def main(argv: list[str]) -> int:
         "versions": _versions(),
         "loadgen": args.loadgen,
         "rounds": args.rounds,
+        "settings": "as shipped (default policy and log level)"
+        if args.as_shipped
+        else "round robin, warnings only",
     }
     rows: list[Row] = []
     all_rounds: list[Row] = []
@@ -575,7 +606,9 @@ def main(argv: list[str]) -> int:
             started: list[Target] = []
             for kind in kinds:
                 try:
-                    target = start_target(tgroup, kind, cluster, target_cpus, log_dir)
+                    target = start_target(
+                        tgroup, kind, cluster, target_cpus, log_dir, as_shipped=args.as_shipped
+                    )
                     for mode in row_modes:
                         smoke(target, mode)
                 except Exception as exc:

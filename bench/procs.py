@@ -358,11 +358,12 @@ def sglang_router_argv(
     *,
     prometheus_port: int,
     host: str = HOST,
-    policy: str = "round_robin",
-    log_level: str = "warn",
+    policy: str | None = "round_robin",
+    log_level: str | None = "warn",
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """sglang-router 0.3.x in P/D mode. `prefill` is [(url, bootstrap_port or None)]."""
+    """sglang-router 0.3.x in P/D mode. `prefill` is [(url, bootstrap_port or None)].
+    A `policy` or `log_level` of None leaves the router's own default (cache_aware, info)."""
     argv = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     for url, bport in prefill:
         argv += ["--prefill", url, str(bport) if bport is not None else "none"]
@@ -373,14 +374,10 @@ def sglang_router_argv(
         host,
         "--port",
         str(port),
-        "--policy",
-        policy,
         "--prometheus-host",
         host,
         "--prometheus-port",
         str(prometheus_port),
-        "--log-level",
-        log_level,
         # Workers are already up when the router starts; keep its own probes quiet.
         "--health-check-interval-secs",
         "300",
@@ -391,7 +388,11 @@ def sglang_router_argv(
         "--shutdown-grace-period-secs",
         "1",
     ]
-    return [*argv, *extra]
+    return [*argv, *_opt("--policy", policy), *_opt("--log-level", log_level), *extra]
+
+
+def _opt(flag: str, value: str | None) -> list[str]:
+    return [] if value is None else [flag, value]
 
 
 def vllm_router_argv(
@@ -401,11 +402,12 @@ def vllm_router_argv(
     *,
     prometheus_port: int,
     host: str = HOST,
-    policy: str = "round_robin",
-    log_level: str = "warning",
+    policy: str | None = "round_robin",
+    log_level: str | None = "warning",
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """vllm-router 0.1.x in vLLM P/D (NIXL) mode."""
+    """vllm-router 0.1.x in vLLM P/D (NIXL) mode. A `policy` or `log_level` of None leaves the
+    router's own default (cache_aware, info)."""
     argv = [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation"]
     for url in prefill:
         argv += ["--prefill", url]
@@ -416,14 +418,10 @@ def vllm_router_argv(
         host,
         "--port",
         str(port),
-        "--policy",
-        policy,
         "--prometheus-host",
         host,
         "--prometheus-port",
         str(prometheus_port),
-        "--log-level",
-        log_level,
         "--health-check-interval-secs",
         "300",
         "--worker-startup-check-interval",
@@ -431,7 +429,7 @@ def vllm_router_argv(
         "--worker-startup-timeout-secs",
         "120",
     ]
-    return [*argv, *extra]
+    return [*argv, *_opt("--policy", policy), *_opt("--log-level", log_level), *extra]
 
 
 def gateway_argv(
@@ -441,10 +439,11 @@ def gateway_argv(
     decode: Sequence[str],
     *,
     host: str = HOST,
-    log_level: str = "warning",
+    log_level: str | None = "warning",
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """`pd-gateway serve` in front of one engine's P/D pool."""
+    """`pd-gateway serve` in front of one engine's P/D pool. A `log_level` of None leaves the
+    gateway's default (info: one access-log line per request)."""
     argv = [*pd_gateway_argv(), "serve", "--engine", engine]
     for url, bport in prefill:
         argv += ["--prefill", url]
@@ -452,7 +451,7 @@ def gateway_argv(
             argv.append(str(bport))
     for url in decode:
         argv += ["--decode", url]
-    argv += ["--host", host, "--port", str(port), "--log-level", log_level]
+    argv += ["--host", host, "--port", str(port), *_opt("--log-level", log_level)]
     return [*argv, *extra]
 
 

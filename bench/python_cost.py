@@ -14,6 +14,7 @@ figures of a change to the Python path are comparable to a few percent.
     .venv/bin/python -m bench.python_cost --engines sglang --modes nonstream -n 20000
     .venv/bin/python -m bench.python_cost --target bare-pd        # the HTTP layer's floor
     .venv/bin/python -m bench.python_cost --serve-args=--no-guards  # the guards' share
+    .venv/bin/python -m bench.python_cost --log-file /tmp/gw.log   # with serve's default logging
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from gateway.cli_args import parse_serve_args  # noqa: E402
 from gateway.http.client import _UpstreamConnection  # noqa: E402
 from gateway.http.server import HttpServer, ServerLimits  # noqa: E402
 from gateway.logging import LEVELS  # noqa: E402
+from gateway.logging import configure as configure_logging  # noqa: E402
 
 MODEL = "bench-model"
 
@@ -108,26 +110,47 @@ class Rig:
     """One gateway in front of one in-memory prefill and decode."""
 
     def __init__(
-        self, engine: str, mode: str, target: str = "gateway", serve_args: str = "", apart: bool = False
+        self,
+        engine: str,
+        mode: str,
+        target: str = "gateway",
+        serve_args: str = "",
+        apart: bool = False,
+        log_file: str | None = None,
     ) -> None:
         self.engine, self.mode = engine, mode
         argv = ["--engine", engine, "--prefill", "http://127.0.0.1:18001"]
         if engine == "sglang":
             argv.append("18100")
-        argv += ["--decode", "http://127.0.0.1:18002", "--log-level", "warning"]
+        argv += ["--decode", "http://127.0.0.1:18002"]
+        if log_file is None:
+            argv += ["--log-level", "warning"]
         argv += serve_args.split()
         cfg = parse_serve_args(argv)
-        # built at `serve`'s log level (warning: no per-request access line), without touching
-        # the process's logging for good (structlog's configure caches loggers on first use)
-        saved = structlog.get_config()
-        structlog.configure(
-            wrapper_class=structlog.make_filtering_bound_logger(LEVELS[cfg.log_level]),
-            cache_logger_on_first_use=False,
-        )
-        try:
+        if log_file is not None:
+            # logging exactly as `serve` sets it up (its default level: info, one access-log
+            # line per request), into the file (configure takes sys.stderr), for the rest of
+            # this process
+            saved_stderr = sys.stderr
+            sys.stderr = open(log_file, "a")
+            try:
+                configure_logging(cfg.log_level, cfg.log_json)
+            finally:
+                sys.stderr = saved_stderr
             self.gw = Gateway(cfg)
-        finally:
-            structlog.configure(**saved)
+        else:
+            # built at `serve`'s log level (warning: no per-request access line), without
+            # touching the process's logging for good (structlog's configure caches loggers on
+            # first use)
+            saved = structlog.get_config()
+            structlog.configure(
+                wrapper_class=structlog.make_filtering_bound_logger(LEVELS[cfg.log_level]),
+                cache_logger_on_first_use=False,
+            )
+            try:
+                self.gw = Gateway(cfg)
+            finally:
+                structlog.configure(**saved)
         prompt_tokens = len(PROMPT) // 4
         for w in self.gw.registry.workers():
             w.healthy = True
@@ -231,8 +254,9 @@ async def measure(
     target: str = "gateway",
     serve_args: str = "",
     apart: bool = False,
+    log_file: str | None = None,
 ) -> dict[str, Any]:
-    rig = Rig(engine, mode, target, serve_args, apart)
+    rig = Rig(engine, mode, target, serve_args, apart, log_file)
     for i in range(min(2000, n)):  # warm-up: caches, pools, code paths
         await rig.one(-i - 1)
     per: list[float] = []
@@ -264,11 +288,26 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="streams: each event in its own read (an engine's pace) instead of all in one",
     )
+    ap.add_argument(
+        "--log-file",
+        default=None,
+        help="log as `serve` does (its default level, info: one access-log line per request, "
+        "unless --serve-args names another) into this file, instead of warnings only",
+    )
     args = ap.parse_args(argv)
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
             r = uvloop.run(
-                measure(engine, mode, args.n, args.repeats, args.target, args.serve_args, args.apart)
+                measure(
+                    engine,
+                    mode,
+                    args.n,
+                    args.repeats,
+                    args.target,
+                    args.serve_args,
+                    args.apart,
+                    args.log_file,
+                )
             )
             per = r["us_per_request"]
             print(

@@ -1,10 +1,22 @@
-"""structlog set-up: JSON lines with the request id bound per request; filtered cheaply by level."""
+"""structlog set-up: JSON lines with the request id bound per request; filtered cheaply by level.
+
+The JSON path is built for one access-log line per request at the default level (info): the
+timestamp reuses the formatted second, msgspec renders the line, and the lines a loop turn
+produces leave in one write at the end of that turn (`LineWriter`) instead of one flushed write
+each (`python -m bench.python_cost --log-file F` measures a request with its line: 8 µs less
+than with structlog's stock JSONRenderer, TimeStamper and PrintLogger, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
 import sys
+import time
+from collections.abc import MutableMapping
+from typing import IO, Any
 
+import msgspec
 import structlog
 
 LEVELS = {
@@ -17,18 +29,122 @@ LEVELS = {
 }
 
 
+class IsoStamp:
+    """`timestamp`: ISO 8601 UTC with microseconds, as structlog's `TimeStamper(fmt="iso",
+    utc=True)` writes it, formatting each second once."""
+
+    __slots__ = ("_prefix", "_second")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._prefix = ""
+
+    def __call__(self, _logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        now = time.time()
+        sec = int(now)
+        if sec != self._second:
+            self._second = sec
+            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+        event["timestamp"] = f"{self._prefix}.{int((now - sec) * 1_000_000):06d}Z"
+        return event
+
+
+class JsonBytes:
+    """The event as one JSON line (bytes, no newline); what msgspec cannot encode is its repr."""
+
+    __slots__ = ("_encode",)
+
+    def __init__(self) -> None:
+        self._encode = msgspec.json.Encoder(enc_hook=repr).encode
+
+    def __call__(self, _logger: Any, _name: str, event: MutableMapping[str, Any]) -> bytes:
+        return self._encode(event)
+
+
+class LineWriter:
+    """structlog's logger for rendered lines: inside a running event loop the lines of one loop
+    turn are joined and written once, at the end of that turn (a few microseconds later, in
+    order); outside a loop, and at exit, each is written at once."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream  # kept alive: its buffer closes with it
+        self._file = _binary(stream)
+        self._pending: list[bytes] = []
+        self._scheduled: asyncio.AbstractEventLoop | None = None  # the loop that will flush
+        atexit.register(self.flush)
+
+    def msg(self, line: bytes) -> None:
+        self._pending.append(line)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.flush()
+            return
+        if self._scheduled is loop:
+            return
+        if self._scheduled is not None:  # due on a loop that no longer runs here: write now
+            self.flush()
+            return
+        self._scheduled = loop
+        loop.call_soon(self.flush)
+
+    debug = info = warning = warn = error = critical = exception = fatal = failure = err = log = msg
+
+    def flush(self) -> None:
+        self._scheduled = None
+        if not self._pending:
+            return
+        lines, self._pending = self._pending, []
+        lines.append(b"")
+        try:
+            self._file.write(b"\n".join(lines))
+            self._file.flush()
+        except (OSError, ValueError):  # stderr closed or gone: nothing to tell it
+            pass
+
+
+class _TextSink:
+    """Bytes into a text stream that has no binary buffer (an io.StringIO in place of stderr)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+
+    def write(self, data: bytes) -> None:
+        self._stream.write(data.decode("utf-8", "replace"))
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+def _binary(stream: IO[str]) -> IO[bytes] | _TextSink:
+    buf = getattr(stream, "buffer", None)
+    return buf if buf is not None else _TextSink(stream)
+
+
 def configure(level: str = "info", json: bool = True) -> None:
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    wrapper = structlog.make_filtering_bound_logger(LEVELS.get(level.lower(), logging.INFO))
+    if json:
+        writer = LineWriter(sys.stderr)
+        structlog.configure(
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                structlog.processors.add_log_level,
+                IsoStamp(),
+                JsonBytes(),
+            ],
+            wrapper_class=wrapper,
+            logger_factory=lambda *_: writer,
+            cache_logger_on_first_use=True,
+        )
+        return
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
+            structlog.dev.ConsoleRenderer(colors=False),
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(LEVELS.get(level.lower(), logging.INFO)),
+        wrapper_class=wrapper,
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )

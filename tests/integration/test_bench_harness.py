@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from bench import procs
+from bench import overhead, procs
 from bench.wrk import _lua_string
 
 TWO_CPUS = hasattr(os, "sched_getaffinity") and {0, 1} <= os.sched_getaffinity(0)
@@ -99,3 +99,21 @@ def test_rounds_are_reported_as_each_figures_median() -> None:
     assert (m.completed, m.errors, m.rounds) == (300, 1, 3)
     one = row(1, 2.0, 3, 0)
     assert median_row([one]) is one
+
+
+def test_as_shipped_leaves_each_targets_own_policy_and_log_level() -> None:
+    """`--as-shipped`: the routers and the gateway get no --policy/--log-level (their defaults)."""
+    pre = [("http://127.0.0.1:1", 8998)]
+    dec = ["http://127.0.0.1:2"]
+    quiet = procs.sglang_router_argv(10, pre, dec, prometheus_port=11)
+    shipped = procs.sglang_router_argv(10, pre, dec, prometheus_port=11, policy=None, log_level=None)
+    assert quiet[quiet.index("--policy") + 1] == "round_robin" and "--log-level" in quiet
+    assert "--policy" not in shipped and "--log-level" not in shipped
+    vquiet = procs.vllm_router_argv(10, ["http://127.0.0.1:1"], dec, prometheus_port=11)
+    vshipped = procs.vllm_router_argv(
+        10, ["http://127.0.0.1:1"], dec, prometheus_port=11, policy=None, log_level=None
+    )
+    assert "--policy" in vquiet and "--policy" not in vshipped and "--log-level" not in vshipped
+    assert "--log-level" in procs.gateway_argv("sglang", 10, pre, dec)
+    assert "--log-level" not in procs.gateway_argv("sglang", 10, pre, dec, log_level=None)
+    assert overhead.parse_args(["--as-shipped"]).as_shipped and not overhead.parse_args([]).as_shipped

@@ -1,0 +1,133 @@
+"""The JSON log path: structlog's fields and format, msgspec rendering, one write per loop turn."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+from typing import Any
+
+import structlog
+
+from gateway.logging import IsoStamp, JsonBytes, LineWriter, configure, get_logger
+
+
+class CountingBuffer(io.BytesIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, b: Any) -> int:
+        self.writes += 1
+        return super().write(b)
+
+
+class Stream:
+    """A text stream as sys.stderr is, with the binary buffer the writer uses."""
+
+    def __init__(self) -> None:
+        self.buffer = CountingBuffer()
+
+    def lines(self) -> list[dict[str, Any]]:
+        return [json.loads(x) for x in self.buffer.getvalue().splitlines()]
+
+
+def test_the_timestamp_is_structlogs_iso_format() -> None:
+    ours = IsoStamp()(None, "info", {})["timestamp"]
+    theirs = structlog.processors.TimeStamper(fmt="iso", utc=True)(None, "info", {})["timestamp"]
+    pattern = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z"
+    assert re.fullmatch(pattern, ours) and re.fullmatch(pattern, theirs), (ours, theirs)
+    assert ours[:16] == theirs[:16] or ours[:13] == theirs[:13]  # same minute (or hour, at a turn)
+
+
+def test_a_value_msgspec_cannot_encode_is_its_repr() -> None:
+    class Odd:
+        def __repr__(self) -> str:
+            return "<odd>"
+
+    line = JsonBytes()(None, "info", {"event": "x", "what": Odd(), "n": 1, "none": None})
+    assert json.loads(line) == {"event": "x", "what": "<odd>", "n": 1, "none": None}
+
+
+def test_lines_of_one_loop_turn_leave_in_one_write_in_order() -> None:
+    s = Stream()
+    w = LineWriter(s)  # type: ignore[arg-type]
+
+    async def main() -> tuple[int, int]:
+        for i in range(5):
+            w.msg(b'{"i":%d}' % i)
+        before = s.buffer.writes  # nothing written inside the turn
+        await asyncio.sleep(0)  # the turn ends
+        after = s.buffer.writes
+        w.msg(b'{"i":5}')
+        await asyncio.sleep(0)
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert (before, after) == (0, 1)
+    assert s.buffer.writes == 2
+    assert [x["i"] for x in s.lines()] == list(range(6))
+
+
+def test_outside_a_loop_each_line_is_written_at_once() -> None:
+    s = Stream()
+    w = LineWriter(s)  # type: ignore[arg-type]
+    w.msg(b'{"a":1}')
+    assert s.lines() == [{"a": 1}]
+
+
+def test_a_line_left_due_on_a_loop_that_stopped_is_written_with_the_next() -> None:
+    s = Stream()
+    w = LineWriter(s)  # type: ignore[arg-type]
+    loop = asyncio.new_event_loop()
+
+    def one() -> None:
+        w.msg(b'{"i":0}')  # due at the end of this turn, which never comes:
+        loop.stop()  # the loop stops after this turn's callbacks
+
+    loop.call_soon(one)
+    loop.run_forever()
+    loop.close()
+    assert s.lines() == []
+    w.msg(b'{"i":1}')  # no loop: written at once, with anything left
+    assert [x["i"] for x in s.lines()] == [0, 1]
+
+    async def other() -> None:
+        w.msg(b'{"i":2}')
+        await asyncio.sleep(0)
+
+    asyncio.run(other())
+    assert [x["i"] for x in s.lines()] == [0, 1, 2]
+
+
+def test_configure_writes_structlogs_fields_as_json_lines(monkeypatch: Any) -> None:
+    s = io.TextIOWrapper(CountingBuffer(), encoding="utf-8")
+    monkeypatch.setattr("sys.stderr", s)
+    saved = structlog.get_config()
+    try:
+        configure("info")
+        log = get_logger("test")
+
+        async def main() -> None:
+            log.info("request.done", request_id="r1", duration_ms=1.5, failed=None)
+            log.debug("not.written")
+            log.warning("slow", worker="http://w")
+            await asyncio.sleep(0)
+
+        asyncio.run(main())
+    finally:
+        structlog.configure(**saved)
+    assert isinstance(s.buffer, CountingBuffer)
+    lines = [json.loads(x) for x in s.buffer.getvalue().splitlines()]
+    assert [(x["event"], x["level"]) for x in lines] == [("request.done", "info"), ("slow", "warning")]
+    assert lines[0]["request_id"] == "r1" and lines[0]["duration_ms"] == 1.5 and lines[0]["failed"] is None
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", lines[0]["timestamp"])
+    assert s.buffer.writes == 1
+
+
+def test_a_stderr_without_a_binary_buffer_gets_text() -> None:
+    s = io.StringIO()
+    w = LineWriter(s)
+    w.msg(b'{"caf\\u00e9":"\xc3\xa9"}')
+    assert json.loads(s.getvalue()) == {"café": "é"}
