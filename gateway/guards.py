@@ -18,7 +18,8 @@ Four checks, each on by default except shadow verification, each with its own me
    `finish_reason` of "length" after a single token only when the token budget (or the
    context) was really used up (sglang #33507: an aborted transfer ends with "length" after
    one token; a "length" later than that is an engine's own cap, see `_EARLY_LENGTH_TOKENS`); for greedy
-   requests the decode's first token agrees with the token the prefill sampled.
+   requests, and single samples drawn with a seed, the decode's first token agrees with the
+   token the prefill sampled.
 4. `shadow` — a sampled share of greedy requests is re-run colocated for a few tokens and
    compared (see `Orchestrator._shadow`).
 
@@ -120,7 +121,9 @@ def check_decode(
     greedy: bool,
     first_token_check: bool = True,
 ) -> str | None:
-    """Does the decode's answer agree with the prefill's? None when it does."""
+    """Does the decode's answer agree with the prefill's? None when it does. `greedy`: the first
+    token is fixed by the prompt (greedy, or one sample drawn with a seed), so both legs must
+    start on the same token."""
     if prefill.prompt_tokens is not None and decode.prompt_tokens is not None:
         if prefill.prompt_tokens != decode.prompt_tokens:
             return (
@@ -150,7 +153,7 @@ def check_decode(
             if prefill.first_token_id != decode.first_token_id:
                 return (
                     f"decode's first token {decode.first_token_id} differs from the prefill's "
-                    f"{prefill.first_token_id} on a greedy request"
+                    f"{prefill.first_token_id} on a greedy or seeded request"
                 )
         elif prefill.first_text and decode.first_text is not None and _comparable(prefill.first_text):
             if not decode.first_text.startswith(prefill.first_text) and not prefill.first_text.startswith(
@@ -158,7 +161,7 @@ def check_decode(
             ):
                 return (
                     f"decode's output starts {decode.first_text[:16]!r}, the prefill sampled "
-                    f"{prefill.first_text!r} on a greedy request"
+                    f"{prefill.first_text!r} on a greedy or seeded request"
                 )
     return None
 

@@ -1539,13 +1539,16 @@ class _DecodeGuard:
         return self.adapter.summarize(self.req, payloads)
 
     def check_first(self, first: Summary) -> str | None:
-        """On the first token: its identity (greedy) and the prompt size, when the event says it."""
+        """On the first token: its identity (greedy or seeded) and the prompt size, when the event
+        says it."""
         early = Summary(
             prompt_tokens=first.prompt_tokens,
             first_token_id=first.first_token_id,
             first_text=first.first_text,
         )
-        return check_decode(self.prefill, early, max_tokens=None, context_length=None, greedy=self.req.greedy)
+        return check_decode(
+            self.prefill, early, max_tokens=None, context_length=None, greedy=self.req.same_first_token
+        )
 
     def check_end(self, whole: Summary) -> str | None:
         return check_decode(
@@ -1553,7 +1556,7 @@ class _DecodeGuard:
             whole,
             max_tokens=self.req.max_tokens,
             context_length=self.context_length,
-            greedy=self.req.greedy,
+            greedy=self.req.same_first_token,
         )
 
 

@@ -24,6 +24,7 @@ class _SamplingParams(msgspec.Struct):
     temperature: float | None = None
     top_k: int | None = None
     n: int | None = None
+    sampling_seed: msgspec.Raw = msgspec.Raw()  # empty: absent
 
 
 class _Message(msgspec.Struct):
@@ -55,6 +56,7 @@ class _Fields(msgspec.Struct):
     n: int | None = None
     temperature: float | None = None
     top_k: int | None = None
+    seed: msgspec.Raw = msgspec.Raw()  # empty: absent
     stream_options: _StreamOptions | None = None
     # prompts, kept raw
     prompt: msgspec.Raw = msgspec.Raw()  # empty: absent
@@ -118,6 +120,7 @@ class ParsedRequest:
         "prompt_units",
         "return_logprob",
         "route",
+        "same_first_token",
         "stream",
     )
 
@@ -162,8 +165,10 @@ class ParsedRequest:
                 explicit = f.max_completion_tokens
             n = 1 if f.n is None else f.n
             greedy = f.temperature == 0 or f.top_k == 1
+            seeded = _given(f.seed)
         elif isinstance(sp, list):
             explicit, n, greedy = _per_prompt(sp, self.batch, self.is_batch)
+            seeded = False  # a batch: its first tokens are not compared
             if explicit is not None:  # each prompt must fit with its own budget, not the largest
                 budgets = [0 if x.max_new_tokens is None else x.max_new_tokens for x in sp]
                 pairs = tuple(zip(_generate_prompt_sizes(f), budgets, strict=True))
@@ -171,12 +176,17 @@ class ParsedRequest:
             explicit = sp.max_new_tokens if sp else None
             n = 1 if sp is None or sp.n is None else sp.n
             greedy = sp is not None and (sp.temperature == 0 or sp.top_k == 1)
+            seeded = sp is not None and _given(sp.sampling_seed)
         self.max_tokens: int | None = explicit
         # `/generate` batches with a budget per prompt: (prompt size, its max_new_tokens) each,
         # for the length preflight; None otherwise (the largest prompt with `max_tokens`)
         self.prompt_pairs = pairs
         self.n = n
         self.greedy = greedy
+        # must the decode start on the prefill's first token? Greedy requests, and one sample of
+        # one prompt drawn with a seed: both legs draw the first token from the same logits with
+        # the same seed (vLLM's decode samples it again; SGLang's is the prefill's, shipped)
+        self.same_first_token = greedy or (seeded and n == 1 and not self.is_batch)
         self.local_prefill = (
             _local_prefill(route, f, explicit) if f.echo or f.prompt_logprobs or explicit == 0 else None
         )

@@ -381,3 +381,64 @@ async def test_an_aborted_transfer_is_caught_without_max_tokens(
             assert status == 503 and json.loads(raw)["error"]["code"] == "kv_integrity_violation", raw
     finally:
         await stop_cluster(c)
+
+
+def _seeded(model: str, prompt: str, i: int, stream: bool, route: str) -> dict[str, Any]:
+    """A sampled request (temperature 0.9) with a seed: its first token is fixed like a greedy one's."""
+    b = body(model, prompt, stream, route)
+    if route == "/generate":
+        b["sampling_params"] |= {"temperature": 0.9, "sampling_seed": 1000 + i}
+    else:
+        b |= {"temperature": 0.9, "seed": 1000 + i}
+    return b
+
+
+async def _seeded_run(c: Cluster, model: str, route: str, n: int) -> Counter[str]:
+    """n seeded sampled requests (every other one streamed), each compared with the colocated
+    reference's answer to the same request."""
+    outcomes: Counter[str] = Counter()
+    sem = asyncio.Semaphore(32)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+
+        async def one(i: int) -> None:
+            prompt = PROMPTS[i % len(PROMPTS)]
+            async with sem:
+                ref_body = _seeded(model, prompt, i, False, route)
+                async with s.post(c.reference[model].url + route, json=ref_body) as r:
+                    want = answer_text(await r.read(), False, route)[0]
+                stream = i % 2 == 1
+                async with s.post(c.url + route, json=_seeded(model, prompt, i, stream, route)) as r:
+                    raw = await r.read()
+                    if r.status != 200:
+                        outcomes["clear_error"] += 1
+                        return
+            text, clean = answer_text(raw, stream, route)
+            outcomes["stream_error_event" if not clean else "correct" if text == want else "CORRUPTED"] += 1
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    return outcomes
+
+
+SEEDED = [("m-sglang", "sgl-p", "/v1/completions"), ("m-vllm", "vllm-p", "/v1/completions")]
+SEEDED.append(("m-sglang", "sgl-p", "/generate"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("model", "emulator", "route"), SEEDED)
+async def test_a_seeded_sampled_answer_over_wrong_kv_is_caught(model: str, emulator: str, route: str) -> None:
+    """A sampled request with a seed draws the same first token on both legs (vLLM's decode
+    samples it again with the same seed), so the first-token check applies to it as to a greedy
+    one: a decode on another request's KV is caught and served again, not delivered. Without the
+    check 50 of these 400 answers came back wrong with a 200 (SGLang completions); what can slip
+    is a wrong KV whose first token collides (about 1 in 20) before the pair's first failure."""
+    c = await build_cluster(colocated_fallback=True)
+    try:
+        clean = await _seeded_run(c, model, route, 100)
+        assert clean == Counter(correct=100), clean  # no false positive: the first tokens agree
+        assert "pdgw_guard_failures_total{" not in c.gateway.metrics.render().decode()
+        await c.emulators[emulator].set_faults(["wrong_request_kv:0.15"])
+        outcomes = await _seeded_run(c, model, route, 400)
+        assert outcomes["CORRUPTED"] <= 3 and outcomes["correct"] >= 390, outcomes
+        assert _metric(c.gateway.metrics.render().decode(), 'guard="decode_consistency"') > 0
+    finally:
+        await stop_cluster(c)
