@@ -556,6 +556,7 @@ class Orchestrator:
         in_handoff = False
         culprit: str | None = None
         between = False  # the failure is of the handoff between the two (see record_pair)
+        provoked = False  # the failure may be the request's own doing: no breaker verdict
         wait_s = t.handoff_s
         try:
             try:
@@ -616,6 +617,10 @@ class Orchestrator:
         except UpstreamFailure as e:
             culprit = _culprit(e, concurrent=True)
             between = culprit is None and e.instead is None  # a handoff failure, not the request's
+            # a failure the request itself may have provoked (a prefill refused what its decode
+            # took: a limit below the decode's, or a decode slow to refuse): the next rung may
+            # serve it, but no breaker, the pair's included, counts it (clients would open them)
+            provoked = e.instead is not None
             raise
         except ShortOfResources:
             a.cut = True  # the gateway's own shortage: no verdict on either worker
@@ -645,7 +650,7 @@ class Orchestrator:
             unjudged = res.closed or a.cut
             self.registry.record(p, _judged(ok_p, culprit == p.id, client_fault, unjudged))
             self.registry.record(d, _judged(ok_d, culprit == d.id, client_fault, unjudged))
-            pair_ok = _judged(ok_d, True, client_fault, unjudged)
+            pair_ok = None if provoked else _judged(ok_d, True, client_fault, unjudged)
             suspects = tuple(w for w, did in ((p, ok_p), (d, ok_d)) if not did) if between else ()
             self.registry.record_pair(p, d, pair, pair_ok, suspects=suspects, request=a.echo[1])
 
@@ -879,6 +884,7 @@ class Orchestrator:
         ok_d = client_fault = False
         culprit: str | None = None
         between = False
+        provoked = False
         self.registry.acquire(d, tokens)
         guard = self._decode_guard(req, ctx, p.adapter, out)
         wait_s = self._head_budget(req, d, t.handoff_s)
@@ -903,6 +909,10 @@ class Orchestrator:
         except UpstreamFailure as e:
             culprit = _culprit(e, concurrent=False)
             between = culprit is None and e.instead is None  # a handoff failure, not the request's
+            # a failure the request itself may have provoked (a prefill refused what its decode
+            # took: a limit below the decode's, or a decode slow to refuse): the next rung may
+            # serve it, but no breaker, the pair's included, counts it (clients would open them)
+            provoked = e.instead is not None
             raise
         except ShortOfResources:
             raise  # (the attempt is marked unjudged already): not the request's fault either
@@ -918,7 +928,7 @@ class Orchestrator:
             # a suspect handoff is no verdict on the decode (the pair breaker counts it)
             unjudged = res.closed or a.cut
             self.registry.record(d, _judged(ok_d, culprit == d.id, client_fault, unjudged))
-            pair_ok = _judged(ok_d, True, client_fault, unjudged)
+            pair_ok = None if provoked else _judged(ok_d, True, client_fault, unjudged)
             suspects = (d,) if between and not ok_d else ()  # (its prefill did its part)
             self.registry.record_pair(p, d, pair, pair_ok, suspects=suspects, request=a.echo[1])
 

@@ -360,3 +360,23 @@ async def _read_slowly(c: Cluster, model: str) -> None:
     writer.close()
     assert b"data: [DONE]" in rest and b'"error"' not in rest, rest[-400:]
     assert "upstream_timeout" not in c.gateway.metrics.render().decode()  # nothing held against a worker
+
+
+async def test_prompts_the_prefill_alone_refuses_open_no_breaker() -> None:
+    """A prompt between SGLang's `max_req_input_len` (8186 here) and the context (8192): the
+    prefill refuses it (400) while its decode takes it and waits for the KV. Each was counted
+    against the pair's breaker, so five such client mistakes left every SGLang request a 503 for
+    the breaker's cool-down (found by the differential probe). The client still gets the
+    engine's 400; the pair keeps serving."""
+    c = await build_cluster()
+    try:
+        long = {"model": "m-sglang", "prompt": "x" * 8190, "max_tokens": 1, "temperature": 0}
+        for _ in range(8):
+            status, raw, _ = await post(c.url + "/v1/completions", long)
+            assert status == 400 and "exceeds the maximum allowed length" in raw.decode(), raw
+        good = {"model": "m-sglang", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        status, raw, _ = await post(c.url + "/v1/completions", good)
+        assert status == 200, raw
+        assert all(state.value == "closed" for _, _, state in c.gateway.registry.pair_states())
+    finally:
+        await stop_cluster(c)
