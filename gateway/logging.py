@@ -66,7 +66,7 @@ class LineWriter:
     turn are joined and written once, at the end of that turn (a few microseconds later, in
     order); outside a loop, and at exit, each is written at once."""
 
-    def __init__(self, stream: IO[str]) -> None:
+    def __init__(self, stream: IO[str] | None) -> None:
         self._stream = stream  # kept alive: its buffer closes with it
         self._file = _binary(stream)
         self._pending: list[bytes] = []
@@ -116,7 +116,21 @@ class _TextSink:
         self._stream.flush()
 
 
-def _binary(stream: IO[str]) -> IO[bytes] | _TextSink:
+class _Nowhere:
+    """No stream to write to (stderr and stdout both closed: Python sets them to None)."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def _binary(stream: IO[str] | None) -> IO[bytes] | _TextSink | _Nowhere:
+    if stream is None:  # stderr closed (`2>&-`): stdout, as structlog's PrintLogger did
+        stream = sys.stdout
+        if stream is None:
+            return _Nowhere()
     buf = getattr(stream, "buffer", None)
     return buf if buf is not None else _TextSink(stream)
 

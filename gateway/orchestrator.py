@@ -323,7 +323,7 @@ class Orchestrator:
         log.info(
             "request.done",
             request_id=request_id,
-            model=req.model,
+            model=req.model[:200],  # a client's name for it, served or not: never a whole body
             route=req.route.value,
             plan=a.plan_kind,
             prefill=a.prefill,

@@ -109,6 +109,7 @@ async def test_every_request_answered_before_the_orchestrator_has_its_access_log
                         completion(model="nope"),
                         {},
                     ),  # the orchestrator's
+                    ("huge-model", "POST", "/v1/completions", completion(model="m" * 100_000), {}),
                     ("ok", "POST", "/v1/completions", completion(), {}),
                 ]
                 for rid, method, path, body, headers in cases:
@@ -138,6 +139,7 @@ async def test_every_request_answered_before_the_orchestrator_has_its_access_log
         assert lines["no-model-card"]["outcome"] == "model_not_found"
         assert lines["no-model-card"]["model"] == "nope"
         assert lines["no-model"]["outcome"] == "model_not_found" and lines["no-model"]["plan"] == "none"
+        assert len(lines["huge-model"]["model"]) == 200  # a client's name is never logged whole
         for rid in ("same-client", "queued", "queue-full"):
             assert lines[rid]["stage"] == "admission" and lines[rid]["model"] == "m-colocated", lines[rid]
         assert lines["queued"]["duration_ms"] >= 250  # it waited for its slot

@@ -131,3 +131,14 @@ def test_a_stderr_without_a_binary_buffer_gets_text() -> None:
     w = LineWriter(s)
     w.msg(b'{"caf\\u00e9":"\xc3\xa9"}')
     assert json.loads(s.getvalue()) == {"café": "é"}
+
+
+def test_a_closed_stderr_logs_to_stdout_and_never_crashes(monkeypatch: Any) -> None:
+    """`2>&-`: Python sets sys.stderr to None; the first line crashed `serve` before it listened."""
+    out = Stream()
+    monkeypatch.setattr("sys.stdout", out)
+    w = LineWriter(None)
+    w.msg(b'{"a":1}')
+    assert out.lines() == [{"a": 1}]
+    monkeypatch.setattr("sys.stdout", None)
+    LineWriter(None).msg(b'{"a":2}')  # nowhere to write: dropped
