@@ -615,12 +615,7 @@ class Orchestrator:
             )
             ok_d = True
         except UpstreamFailure as e:
-            culprit = _culprit(e, concurrent=True)
-            between = culprit is None and e.instead is None  # a handoff failure, not the request's
-            # a failure the request itself may have provoked (a prefill refused what its decode
-            # took: a limit below the decode's, or a decode slow to refuse): the next rung may
-            # serve it, but no breaker, the pair's included, counts it (clients would open them)
-            provoked = e.instead is not None
+            culprit, between, provoked = _failure_verdict(e, concurrent=True)
             raise
         except ShortOfResources:
             a.cut = True  # the gateway's own shortage: no verdict on either worker
@@ -907,12 +902,7 @@ class Orchestrator:
             await self._relay(resp, d, req, res, a, phase="decode", guard=guard)
             ok_d = True
         except UpstreamFailure as e:
-            culprit = _culprit(e, concurrent=False)
-            between = culprit is None and e.instead is None  # a handoff failure, not the request's
-            # a failure the request itself may have provoked (a prefill refused what its decode
-            # took: a limit below the decode's, or a decode slow to refuse): the next rung may
-            # serve it, but no breaker, the pair's included, counts it (clients would open them)
-            provoked = e.instead is not None
+            culprit, between, provoked = _failure_verdict(e, concurrent=False)
             raise
         except ShortOfResources:
             raise  # (the attempt is marked unjudged already): not the request's fault either
@@ -1477,6 +1467,16 @@ def _judged(ok: bool, blamed: bool, client_fault: bool, unjudged: bool) -> bool 
     if unjudged:
         return None
     return False if blamed else None
+
+
+def _failure_verdict(e: UpstreamFailure, *, concurrent: bool) -> tuple[str | None, bool, bool]:
+    """(the culprit, a failure of the handoff between the two workers, provoked by the request).
+    A failure the request itself may have provoked (a prefill refused what its decode took: a
+    limit below the decode's, or a decode slow to refuse) may be served by the next rung, but no
+    breaker, the pair's included, counts it: clients would open them."""
+    culprit = _culprit(e, concurrent=concurrent)
+    provoked = e.instead is not None
+    return culprit, culprit is None and not provoked, provoked
 
 
 def _culprit(e: UpstreamFailure, *, concurrent: bool) -> str | None:
