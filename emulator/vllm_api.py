@@ -564,7 +564,13 @@ def setup(s: EmulatorServer) -> None:
                         break
             finally:
                 await steps.aclose()
-            if remote_decode:
+            if remote_decode and stopper is not None and stopper.matched is not None:
+                # vLLM's KV connectors hand over a prefill's KV only when it ended capped by
+                # length (FINISHED_LENGTH_CAPPED in request_finished); one that stopped on its
+                # first token (a stop string, a stop token id) frees its blocks and answers
+                # `kv_transfer_params: null`
+                pass
+            elif remote_decode:
                 truncated = "silent_truncation" in hit
                 seq.kv_valid = seq.kv_valid and not truncated
                 blocks = engine.release(seq, keep_prompt=True)

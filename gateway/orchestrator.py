@@ -881,7 +881,14 @@ class Orchestrator:
         between = False
         provoked = False
         self.registry.acquire(d, tokens)
-        guard = self._decode_guard(req, ctx, p.adapter, out)
+        if verdict.kv_params is None:
+            # the prefill ended on its first token and hands over no KV: the decode computes the
+            # prompt itself, with the client's whole request (its first token may rightly differ
+            # from the prefill's: `min_tokens` holds back the EOS that ended the prefill)
+            guard = None
+            log.info("request.prefill_stopped", request_id=ctx.request_id, prefill=p.id, decode=d.id)
+        else:
+            guard = self._decode_guard(req, ctx, p.adapter, out)
         wait_s = self._head_budget(req, d, t.handoff_s)
         try:
             try:

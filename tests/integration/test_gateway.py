@@ -538,6 +538,50 @@ async def test_min_tokens_reach_the_decode(cluster: Cluster, model: str, route: 
     assert generated(route, raw, stream) == generated(route, ref, stream) == [full[:nxt]]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(("model", "route"), CASES)
+@pytest.mark.parametrize("how", ["stop_string", "stop_id_held_by_min_tokens"])
+async def test_a_prefill_that_stops_on_its_token_is_no_failure(
+    cluster: Cluster, model: str, route: str, stream: bool, how: str
+) -> None:
+    """A vLLM prefill whose one token ends it (a stop string, or a stop token id that the
+    client's `min_tokens`, which the prefill is not sent, would hold back) hands over no KV:
+    vLLM's connectors do so only for a prefill capped by length, and it answers
+    `kv_transfer_params: null`. That is no failure of the prefill: the decode computes the prompt
+    itself and the answer equals the colocated server's. Neither a retry, a fallback, an upstream
+    error nor a breaker verdict comes of it (it was a 502 verdict against the prefill, and six of
+    them opened its breaker). SGLang's prefill hands over its KV and token whatever ended it."""
+    body = body_for(route, model, "Once upon a time", False, max_tokens=20)
+    _, _, raw = await post(cluster.reference[model].url + route, body)
+    full = generated(route, raw, False)[0]
+    params = body["sampling_params"] if route == "/generate" else body
+    if how == "stop_string":
+        params["stop"] = [full[0]]
+        want = ""
+    else:
+        params["stop_token_ids"] = [ord(full[0]) + 3]  # the emulator's byte tokenizer: id = byte + 3
+        params["min_new_tokens" if route == "/generate" else "min_tokens"] = 1
+        nxt = full.find(full[0], 1)
+        want = full if nxt < 0 else full[:nxt]
+    body["stream"] = stream
+    for _ in range(6):
+        s, _, raw = await post(cluster.url + route, body)
+        assert s == 200, raw
+        _, _, ref = await post(cluster.reference[model].url + route, body)
+        assert generated(route, raw, stream) == generated(route, ref, stream) == [want]
+    text = cluster.gateway.metrics.render().decode()
+    for name in ("upstream_errors", "retries", "fallbacks", "guard_failures"):
+        assert f"pdgw_{name}_total{{" not in text, name
+    lines = text.splitlines()
+    healthy = [ln for ln in lines if ln.startswith("pdgw_worker_healthy{")]
+    assert healthy and all(ln.endswith(" 1.0") for ln in healthy), healthy
+    assert all(ln.endswith(" 0.0") for ln in lines if ln.startswith("pdgw_pair_breaker_open{"))
+    served = [ln for ln in lines if ln.startswith("pdgw_requests_total{")]
+    assert served and served == [
+        ln for ln in served if 'outcome="ok"' in ln and 'plan="disaggregated"' in ln
+    ], served
+
+
 async def test_request_ids_are_honoured_echoed_and_generated(cluster: Cluster) -> None:
     s, h, raw = await post(
         cluster.url + "/v1/completions",
