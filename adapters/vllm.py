@@ -2,7 +2,8 @@
 
 Wire facts (../shared/PROTOCOLS.md §2, vLLM 0.32/0.33): the prefill request carries
 `kv_transfer_params = {"do_remote_decode": true, ...nulls}`, `stream=false`, `max_tokens=1` (and
-`max_completion_tokens=1` when the client used it), no `stream_options`, no `min_tokens`. The
+`max_completion_tokens=1` when the client used it), no `stream_options`, and `min_tokens` 1 only
+when the client's is 1 or more (its one token drawn as the decode draws its first). The
 prefill answers with a top-level `kv_transfer_params` object, which goes verbatim into the decode
 request (the client's body otherwise unchanged). The same `X-Request-Id` goes on both legs; the
 client's own id is kept (vllm-router overwrites it). Closing the connection aborts a vLLM request.
@@ -29,6 +30,10 @@ from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, RouteKind, WorkerLoad
 
 _BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
+
+# what the prefill is not sent (`min_tokens` is, as 1, when the client's is 1 or more)
+_PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params")
+_PREFILL_DROPS_BUT_MIN = ("stream_options", "min_completion_tokens", "kv_transfer_params")
 
 # the verdict's reason when the prefill ended on its one token and hands over no KV
 _STOPPED = "prefill stopped at its first token: the decode computes the prompt"
@@ -104,11 +109,17 @@ class VLLMAdapter:
         }
         if "max_completion_tokens" in fields:
             set_["max_completion_tokens"] = b"1"
-        return _body.rewrite(
-            fields,
-            drop=("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params"),
-            set_=set_,
-        )
+        drop: tuple[str, ...] = _PREFILL_DROPS
+        if _at_least_one(fields.get("min_tokens")):
+            # A minimum length holds back EOS and the stop token ids (and stop strings) until it
+            # is reached: the decode's first token is drawn so. The prefill, which draws its one
+            # token with `max_tokens` 1, gets the same hold for that token (1 is all `max_tokens`
+            # 1 lets it have), or its token may be one the decode must not draw: a false guard
+            # failure on greedy requests (seen on real vLLM 0.32), a stop where the client
+            # asked for more.
+            set_["min_tokens"] = b"1"
+            drop = _PREFILL_DROPS_BUT_MIN
+        return _body.rewrite(fields, drop=drop, set_=set_)
 
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
         params = prefill.kv_params if prefill is not None else None
@@ -245,6 +256,22 @@ def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | N
                 f"(block size {block_size}: {max(need)} expected)"
             )
     return None
+
+
+def _at_least_one(raw: msgspec.Raw | None) -> bool:
+    """Is a `min_tokens` value 1 or more, in the forms pydantic's lax mode reads as an integer?"""
+    if raw is None:
+        return False
+    try:
+        v = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return False
+    if isinstance(v, str):
+        try:
+            v = float(v.strip())
+        except ValueError:
+            return False
+    return isinstance(v, int | float) and v >= 1
 
 
 def _check_what_the_prefill_is_not_sent(req: ParsedRequest, fields: dict[str, msgspec.Raw]) -> None:

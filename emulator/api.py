@@ -42,6 +42,10 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
     waiting_timeout_s: float | None = None
     handshake_timeout_s: float = 5.0
     stream_interval: int = 1  # SGLang's --stream-interval: tokens per stream event
+    # --stop-checks-first (vLLM): judge a sequence's stop token ids before its length cap, as
+    # newer vLLM's check_stop does (0.32 caps length first): a P/D prefill (max_tokens 1) whose
+    # one token is a stop id then ends "stop" and hands over no KV (kv_transfer_params null)
+    stop_checks_first: bool = False
     # --ssl-certfile / --ssl-keyfile (both engines' flags): the HTTP API over TLS (the bootstrap
     # and KV ports stay plain)
     ssl_certfile: str | None = None
@@ -70,6 +74,8 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
             argv += ["--waiting-timeout", repr(self.waiting_timeout_s)]
         if self.stream_interval != 1:
             argv += ["--stream-interval", str(self.stream_interval)]
+        if self.stop_checks_first:
+            argv.append("--stop-checks-first")
         if self.ssl_certfile is not None:
             argv += ["--ssl-certfile", self.ssl_certfile]
         if self.ssl_keyfile is not None:

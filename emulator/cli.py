@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="SGLang: tokens per stream event (the engine's own flag; the rest comes at the end)",
     )
     p.add_argument(
+        "--stop-checks-first",
+        action="store_true",
+        help="vLLM: stop token ids end a sequence before its length cap does (newer vLLM; 0.32 "
+        "caps length first): a P/D prefill stopped on its one token hands over no KV",
+    )
+    p.add_argument(
         "--ssl-certfile",
         default=None,
         help="serve the HTTP API over TLS with this certificate (PEM), as the engines' own flag",
@@ -96,6 +102,7 @@ def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
         waiting_timeout_s=args.waiting_timeout,
         handshake_timeout_s=args.handshake_timeout,
         stream_interval=args.stream_interval,
+        stop_checks_first=args.stop_checks_first,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         api_key=args.api_key,

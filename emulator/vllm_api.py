@@ -564,11 +564,13 @@ def setup(s: EmulatorServer) -> None:
                         break
             finally:
                 await steps.aclose()
-            if remote_decode and stopper is not None and stopper.matched is not None:
-                # vLLM's KV connectors hand over a prefill's KV only when it ended capped by
-                # length (FINISHED_LENGTH_CAPPED in request_finished); one that stopped on its
-                # first token (a stop string, a stop token id) frees its blocks and answers
-                # `kv_transfer_params: null`
+            stop_id = stopper is not None and isinstance(stopper.matched, int)
+            if remote_decode and stop_id and s.spec.stop_checks_first:
+                # vLLM's KV connectors hand over a prefill's KV only when the engine core ended it
+                # capped by length (FINISHED_LENGTH_CAPPED in request_finished). With its one
+                # token a stop id, 0.32 still caps it by length first (and a stop string is the
+                # front end's finding, after that); newer vLLM judges the stop id first: the
+                # prefill frees its blocks and answers `kv_transfer_params: null`
                 pass
             elif remote_decode:
                 truncated = "silent_truncation" in hit

@@ -54,6 +54,30 @@ def test_stop_strings(lane: Lane, gateway: OpenAI, reference: OpenAI, kind: Kind
     assert stop not in got.text
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stop_on_the_first_token(
+    lane: Lane, gateway: OpenAI, reference: OpenAI, kind: Kind, stream: bool
+) -> None:
+    """The answer's first token is a stop token: the answer is empty, or with `min_tokens` goes on
+    past it. vLLM's prefill (sent neither `min_tokens` nor more than one token) then ends "stop"
+    and hands over no KV (`kv_transfer_params` null: its connectors do so only for a prefill
+    capped by length); the decode computes the prompt itself. Either way the answer is the single
+    server's, with no upstream error, retry, fallback or guard failure counted."""
+    prompt = _text(random.Random(f"stop-first-{kind}-{stream}"), 30)
+    full = call(reference, kind, prompt, 12, False, lane.model)
+    assert full.token_ids, full
+    before = scrape(lane.gateway)
+    for extra in ({}, {"min_tokens": 1}):
+        extra["stop_token_ids"] = [full.token_ids[0]]
+        got = call(gateway, kind, prompt, 12, stream, lane.model, **extra)
+        want = call(reference, kind, prompt, 12, stream, lane.model, **extra)
+        assert (got.text, got.finish_reason) == (want.text, want.finish_reason), extra
+    after = scrape(lane.gateway)
+    for name in ("upstream_errors", "retries", "fallbacks", "guard_failures"):
+        assert metric(after, f"pdgw_{name}_total") == metric(before, f"pdgw_{name}_total"), name
+
+
 def _logprobs(client: OpenAI, model: str, prompt: str, max_tokens: int = 6) -> Any:
     r = client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2

@@ -40,12 +40,14 @@ async def build_cluster(
     sglang_stream_interval: int = 1,
     vocab_size: int | None = None,
     api_key: str | None = None,
+    vllm_stop_checks_first: bool = False,
     **gw: object,
 ) -> Cluster:
     """`colocated_fallback` adds a colocated worker for each P/D model to the gateway (the
     fallback ladder's second rung); `sglang_stream_interval` is the SGLang decode's (and its
     reference's) `--stream-interval`; `api_key`: the gateway's engines (not the references) run
-    with `--api-key`, and the gateway is given it (`api_key_env`)."""
+    with `--api-key`, and the gateway is given it (`api_key_env`); `vllm_stop_checks_first`: the
+    vLLM prefill judges stop token ids before its length cap (newer vLLM, `--stop-checks-first`)."""
     faults = faults or {}
     specs = {
         "sgl-p": EmulatorSpec(
@@ -73,6 +75,7 @@ async def build_cluster(
             time_scale=time_scale,
             faults=faults.get("vllm-p", []),
             max_model_len=prefill_max_model_len,
+            stop_checks_first=vllm_stop_checks_first,
         ),
         "vllm-d": EmulatorSpec(
             engine="vllm",

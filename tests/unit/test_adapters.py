@@ -434,3 +434,32 @@ def test_what_needs_the_prompt_computed_where_it_is_answered(
     assert (None if lp is None else (lp.param, lp.all_engines)) == want
     assert ADAPTERS[Engine.VLLM].supports_pd(req) == (want is None)
     assert ADAPTERS[Engine.SGLANG].supports_pd(req)  # kept off SGLang decodes before planning
+
+
+@pytest.mark.parametrize(
+    ("given", "sent"),
+    [(None, None), (0, None), ("0", None), (1, 1), (5, 1), ("3", 1), (2.0, 1), (True, 1)],
+)
+def test_vllm_prefill_gets_min_tokens_as_at_most_one(given: object, sent: int | None) -> None:
+    """The prefill draws its one token under the client's minimum length as the decode draws its
+    first (EOS and stop ids held back), but `max_tokens` 1 allows it no more than 1."""
+    client: dict[str, object] = {"model": "m", "prompt": "hi", "max_tokens": 8, "temperature": 0}
+    if given is not None:
+        client["min_tokens"] = given
+    prefill = json.loads(VLLM.prefill_body(parsed(RouteKind.COMPLETIONS, client), ctx(Engine.VLLM)))
+    assert prefill.get("min_tokens") == sent and prefill["max_tokens"] == 1
+
+
+def test_vllm_prefill_stopped_on_its_token_is_sound_without_params() -> None:
+    """Newer vLLM ends a prefill whose one token is a stop id "stop", with no KV handed over: a
+    sound verdict with no params (the decode computes the prompt). After "length" the same
+    missing params stay a failure."""
+    req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "hi", "max_tokens": 8})
+    for finish, ok in (("stop", True), ("length", False)):
+        body = {
+            "choices": [{"index": 0, "text": "", "finish_reason": finish}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+            "kv_transfer_params": None,
+        }
+        v = VLLM.judge_prefill(req, ctx(Engine.VLLM), 200, json.dumps(body).encode())
+        assert v.ok is ok and v.kv_params is None, v
