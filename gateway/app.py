@@ -198,7 +198,9 @@ class Gateway:
                 for s in socks:
                     s.close()
             try:
-                self.server = await start_server(self.handlers, host, port, limits=limits, sock=sock)
+                self.server = await start_server(
+                    self.handlers, host, port, limits=limits, sock=sock, on_refusal=self.handlers.refused
+                )
             except OSError as e:  # listen() itself (the port was taken since the bind), or a bind
                 raise _listen_error(host, port, e) from None
         except BaseException:
@@ -309,19 +311,16 @@ async def _bind(host: str, port: int) -> list[socket.socket]:
 
 async def run_forever(gw: Gateway, grace_s: float = 10.0) -> None:
     """Serve until SIGINT/SIGTERM, then shut down gracefully; a second signal cuts the grace
-    period short."""
-    await gw.start()
-    # Everything alive now (modules, config, workers, pools) lives as long as the process:
-    # keep it out of the cycle collector's scans, which otherwise run every few hundred
-    # requests over all of it.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 50, 50)
+    period short. A signal while the gateway starts (probing its workers, before it listens)
+    ends the start: `gateway.interrupted` is logged and this returns, as after a shutdown."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    starting = asyncio.ensure_future(gw.start())
 
     def on_signal() -> None:
-        if stop.is_set():
+        if not starting.done():
+            starting.cancel()
+        elif stop.is_set():
             log.warning("gateway.hurry", reason="second signal: ending the grace period now")
             gw.hurry()
         stop.set()
@@ -329,6 +328,22 @@ async def run_forever(gw: Gateway, grace_s: float = 10.0) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal)
+    try:
+        await asyncio.wait((starting,))
+    finally:
+        if not starting.done():  # this task itself was cancelled
+            starting.cancel()
+    if starting.cancelled() and stop.is_set():
+        log.info("gateway.interrupted", reason="signal during start-up, before listening")
+        await gw.stop(0.0)
+        return
+    starting.result()  # ListenError, ConfigError...: the caller tells the user
+    # Everything alive now (modules, config, workers, pools) lives as long as the process:
+    # keep it out of the cycle collector's scans, which otherwise run every few hundred
+    # requests over all of it.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 50)
     try:
         await stop.wait()
     finally:

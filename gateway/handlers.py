@@ -7,7 +7,7 @@ import asyncio
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import parse_qs, unquote
 
 import msgspec
@@ -26,7 +26,7 @@ from gateway.errors import (
     error_body,
     sse_error_event,
 )
-from gateway.http.server import HttpRequest, HttpResponder
+from gateway.http.server import HttpRequest, HttpResponder, Refusal
 from gateway.ids import IdGenerator
 from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
@@ -42,7 +42,14 @@ JSON = (b"content-type", b"application/json")
 # the orchestrator's access log: one `request.done` line per request, these for those answered here
 log = get_logger("pd_gateway.request")
 _VALID_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
+# the `route` label of pdgw_requests_total for a request off the generation routes (an unknown
+# path, /v1/models/{id}...) or refused before its path was read: never the path itself
+OTHER_ROUTE = "other"
 _encoder = msgspec.json.Encoder()
+
+
+class _Headers(Protocol):
+    def header(self, name: bytes) -> bytes | None: ...
 
 
 class ModelCard(msgspec.Struct):
@@ -144,13 +151,48 @@ class Handlers:
         model: str | None = None,
     ) -> None:
         """An error answered here outside a generation request's own path (a wrong method, an
-        unknown path or model id), logged like the requests the orchestrator serves."""
-        self._error(res, e, None)
+        unknown path or model id): its request id echoed (the client's, else a new one),
+        counted and logged like the requests the orchestrator serves (the model label: none,
+        the name is the client's)."""
+        request_id = self.request_id(req)
+        self._error(res, e, request_id)
+        self.metrics.child(
+            self.metrics.requests, route.value if route is not None else OTHER_ROUTE, "", "none", e.code.value
+        ).inc()
         if self._log_done:
-            self._log_early(req, route, self._client_id(req), model, e, None, "route")
+            self._log_early(req.path, route, request_id, model, e, None, "route")
 
-    def _client_id(self, req: HttpRequest) -> str | None:
-        """The client's valid request id, if it sent one (no id is made up for these)."""
+    def refused(self, r: Refusal) -> list[tuple[bytes, bytes]]:
+        """The HTTP server's hook (`on_refusal`) for a request it answered itself, before any
+        handler (413 body too large, 431, 400 malformed or a bad Content-Length, 408, 501 a
+        transfer coding other than chunked, 414, 417, 505): the client's request id when its
+        headers were read (else a new one) is echoed, the request counted (route: the
+        generation route named by its path, else "other"; outcome: the refusal's code) and
+        logged, at stage "http"."""
+        request_id = self._client_id(r) or self.ids.next()
+        route = self._post.get(r.path)
+        self.metrics.child(
+            self.metrics.requests, route.value if route is not None else OTHER_ROUTE, "", "none", r.code
+        ).inc()
+        if self._log_done:
+            log.info(
+                "request.done",
+                request_id=request_id,
+                model=None,
+                route=route.value if route is not None else None,
+                path=None if route is not None else (r.path[:200] or None),
+                plan="none",
+                attempts=0,
+                stage="http",
+                outcome=r.code,
+                status=r.status,
+                param=None,
+                duration_ms=round(r.elapsed_s * 1000, 3),
+            )
+        return [(b"x-request-id", request_id.encode())]
+
+    def _client_id(self, req: _Headers) -> str | None:
+        """The client's valid request id, if it sent one."""
         for name in self.id_headers:
             v = req.header(name)
             if v is not None and _VALID_ID.match(v):
@@ -159,29 +201,31 @@ class Handlers:
 
     def _log_early(
         self,
-        req: HttpRequest,
+        path: str,
         route: RouteKind | None,
         request_id: str | None,
         model: str | None,
         e: GatewayError | None,
         started: float | None,
         stage: str,
+        gone: str = "client_gone",
     ) -> None:
         """The access log line of a request answered before the orchestrator (which writes the
         others' at the end of `Orchestrator.serve`): the same event and level, its fields where
-        they apply (no plan, no attempt), the error's code as the outcome (None: the client went
-        away), what was refused (`param`: a field's name, never its value) and where (`stage`:
-        route, request, admission). No prompt text."""
+        they apply (no plan, no attempt), the error's code as the outcome (None: `gone`, the
+        client went away), what was refused (`param`: a field's name, never its value) and where
+        (`stage`: route, request, admission; `refused` writes the HTTP layer's, stage http). No
+        prompt text."""
         log.info(
             "request.done",
             request_id=request_id,
             model=model[:200] if model is not None else None,
             route=route.value if route is not None else None,
-            path=None if route is not None else req.path[:200],
+            path=None if route is not None else path[:200],
             plan="none",
             attempts=0,
             stage=stage,
-            outcome=e.code.value if e is not None else "client_gone",
+            outcome=e.code.value if e is not None else gone,
             status=e.status if e is not None else None,
             param=e.param if e is not None else None,
             duration_ms=round((time.monotonic() - started) * 1000, 3) if started is not None else 0.0,
@@ -220,7 +264,7 @@ class Handlers:
             self.metrics.child(self.metrics.requests, route.value, "", "none", e.code.value).inc()
             self._error(res, e, request_id)
             if self._log_done:
-                self._log_early(req, route, request_id, None, e, started, "request")
+                self._log_early(req.path, route, request_id, None, e, started, "request")
             return
         adm = self.admission
         client = self.client_key(req)
@@ -237,11 +281,15 @@ class Handlers:
             self.metrics.child(self.metrics.requests, route.value, model, "none", e.code.value).inc()
             self._error(res, e, request_id)
             if self._log_done:
-                self._log_early(req, route, request_id, parsed.model, e, started, "admission")
+                self._log_early(req.path, route, request_id, parsed.model, e, started, "admission")
             return
-        except asyncio.CancelledError:  # the client went away while queued
+        except asyncio.CancelledError as c:  # the client went away while queued
+            # (or the gateway cancelled it, as the orchestrator tells the two apart)
+            gone = "shutting_down" if c.args[:1] == (SHUTDOWN_CANCEL,) else "client_gone"
+            model = parsed.model if parsed.model in models else ""
+            self.metrics.child(self.metrics.requests, route.value, model, "none", gone).inc()
             if self._log_done:
-                self._log_early(req, route, request_id, parsed.model, None, started, "admission")
+                self._log_early(req.path, route, request_id, parsed.model, None, started, "admission", gone)
             raise
         live = self._live
         live[res] = res.task if res.task is not None else asyncio.current_task()

@@ -43,6 +43,16 @@ def raise_open_files_limit() -> tuple[int, int] | None:
 
 def main(argv: Sequence[str]) -> int:
     try:
+        return _serve(argv)
+    except KeyboardInterrupt:  # a SIGINT before `run_forever` took the signals over: as one after
+        get_logger("pd_gateway").info(
+            "gateway.interrupted", reason="signal during start-up, before listening"
+        )
+        return 0
+
+
+def _serve(argv: Sequence[str]) -> int:
+    try:
         cfg = parse_serve_args(list(argv))
     except ConfigError as e:
         print(f"pd-gateway serve: {e}", file=sys.stderr)

@@ -4,7 +4,7 @@ httptools. See docs/architecture.md."""
 from .client import Batching, FlowControl, UpstreamPool, UpstreamResponse
 from .errors import UpstreamConnectError, UpstreamError, UpstreamProtocolError, error_body
 from .limits import ServerLimits
-from .server import Handler, HttpRequest, HttpResponder, HttpServer, start_server
+from .server import Handler, HttpRequest, HttpResponder, HttpServer, Refusal, RefusalHook, start_server
 
 __all__ = [
     "Batching",
@@ -13,6 +13,8 @@ __all__ = [
     "HttpRequest",
     "HttpResponder",
     "HttpServer",
+    "Refusal",
+    "RefusalHook",
     "ServerLimits",
     "UpstreamConnectError",
     "UpstreamError",

@@ -26,7 +26,7 @@ from httptools import (
 from .errors import error_body
 from .limits import ServerLimits
 
-__all__ = ["Handler", "HttpRequest", "HttpResponder", "HttpServer", "start_server"]
+__all__ = ["Handler", "HttpRequest", "HttpResponder", "HttpServer", "Refusal", "RefusalHook", "start_server"]
 
 log = logging.getLogger("gateway.http.server")
 
@@ -317,12 +317,73 @@ class HttpResponder:
 
 
 class _Err:
-    __slots__ = ("code", "message", "status")
+    __slots__ = ("code", "headers", "message", "status", "t0", "url")
 
     def __init__(self, status: int, message: str, code: str) -> None:
         self.status = status
         self.message = message
         self.code = code
+        # what was read of the refused request (set by `_HttpConnection._fail`)
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.url = b""
+        self.t0 = 0.0
+
+
+class Refusal:
+    """A request the server answered itself, with an error, before any handler saw it (413,
+    431, 400, 408, 414, 417, 501, 505), as the `on_refusal` hook of :func:`start_server` gets it.
+
+    ``headers``: the header fields read before the refusal (names lowercased; all of them when
+    the head was complete, those complete so far otherwise, none when not even the request line
+    was). ``path``: the request target's path as far as it was read ("" if none), not decoded.
+    ``elapsed_s``: since the request's first byte (0 when none was read)."""
+
+    __slots__ = ("client", "code", "elapsed_s", "headers", "message", "path", "status")
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        headers: list[tuple[bytes, bytes]],
+        path: str,
+        client: tuple[str, int] | None,
+        elapsed_s: float,
+    ) -> None:
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers
+        self.path = path
+        self.client = client
+        self.elapsed_s = elapsed_s
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (lowercase) among those read, or None."""
+        for n, v in self.headers:
+            if n == name:
+                return v
+        return None
+
+    def __repr__(self) -> str:
+        return f"<Refusal {self.status} {self.code} {self.path!r}>"
+
+
+# the application's word on a refusal (log it, count it): more response headers to send with it
+RefusalHook = Callable[[Refusal], Sequence[tuple[bytes, bytes]]]
+
+
+def _target_path(url: bytes) -> str:
+    """The path of a request target as far as it was read (origin or absolute form)."""
+    if url[:1] != b"/" and b"://" in url:
+        rest = url.partition(b"://")[2]
+        slash = rest.find(b"/")
+        url = rest[slash:] if slash >= 0 else b""
+    for sep in (b"?", b"#"):
+        i = url.find(sep)
+        if i >= 0:
+            url = url[:i]
+    return url.decode("latin-1")
 
 
 class _RequestError(Exception):
@@ -691,9 +752,26 @@ class _HttpConnection(asyncio.Protocol):
 
     def _write_error(self, err: _Err) -> None:
         body = error_body(err.message, code=err.code)
+        extra = b""
+        hook = self._server._on_refusal
+        if hook is not None:
+            url = err.url
+            refusal = Refusal(
+                err.status,
+                err.code,
+                err.message,
+                err.headers,
+                _target_path(url) if url else "",
+                self._client,
+                self._loop.time() - err.t0 if err.t0 else 0.0,
+            )
+            try:
+                extra = b"".join(b"%s: %s\r\n" % (n, v) for n, v in hook(refusal))
+            except Exception:
+                log.exception("the refusal hook failed")
         self._transport.write(
-            b"%scontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
-            % (_status_line(err.status), len(body), body)
+            b"%s%bcontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
+            % (_status_line(err.status), extra, len(body), body)
         )
         self._linger_close()
 
@@ -719,6 +797,10 @@ class _HttpConnection(asyncio.Protocol):
 
     def _fail(self, err: _Err) -> None:
         """A protocol-level error: answer it after what is in flight, then close."""
+        if self._req_t0:  # inside a request (its first byte read, not yet complete): what was read of it
+            err.headers = self._headers
+            err.url = self._url
+            err.t0 = self._req_t0
         self._stop_parsing = True
         self._req_t0 = 0.0
         self._in_headers = False
@@ -733,8 +815,15 @@ class _HttpConnection(asyncio.Protocol):
 class HttpServer:
     """A listening server; see :func:`start_server`."""
 
-    def __init__(self, handler: Handler, limits: ServerLimits, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        limits: ServerLimits,
+        loop: asyncio.AbstractEventLoop,
+        on_refusal: RefusalHook | None = None,
+    ) -> None:
         self._handler = handler
+        self._on_refusal = on_refusal
         self.limits = limits
         self._loop = loop
         self._server: asyncio.Server | None = None
@@ -826,12 +915,17 @@ async def start_server(
     limits: ServerLimits | None = None,
     reuse_port: bool = False,
     sock: socket.socket | None = None,
+    on_refusal: RefusalHook | None = None,
 ) -> HttpServer:
     """Listen on ``host:port`` (port 0 picks one; or on an already bound ``sock``) and serve
-    each complete request with ``await handler(request, responder)`` in its own Task."""
+    each complete request with ``await handler(request, responder)`` in its own Task.
+
+    ``on_refusal(refusal)``: called for each request the server refuses itself (a `Refusal`:
+    413, 431, 400, 408...) as its answer is written; the header fields it returns are sent
+    with the answer (e.g. the request id). An exception in it is logged, the answer still sent."""
     loop = asyncio.get_running_loop()
     lim = limits if limits is not None else ServerLimits()
-    server = HttpServer(handler, lim, loop)
+    server = HttpServer(handler, lim, loop, on_refusal)
     if sock is not None:
         srv = await loop.create_server(server._protocol, sock=sock, backlog=lim.backlog)
     else:

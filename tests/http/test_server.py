@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.http import HttpRequest, HttpResponder, HttpServer, ServerLimits, start_server
+from gateway.http import HttpRequest, HttpResponder, HttpServer, Refusal, ServerLimits, start_server
 from tests.http._util import is_closed, read_response, request
 
 JSON = ((b"content-type", b"application/json"),)
@@ -540,5 +540,62 @@ async def test_a_client_still_uploading_reads_its_413_not_a_reset() -> None:
             out = await asyncio.to_thread(_upload_past_the_limit, srv.port)
             assert out.startswith(b"HTTP/1.1 413 "), out[:200]
             assert b'"request_too_large"' in out
+    finally:
+        await srv.close()
+
+
+async def test_refusal_hook_sees_what_was_read_and_adds_headers() -> None:
+    """`on_refusal` gets each request the server answers itself, with the header fields read
+    before the refusal (none of an earlier request on the connection), and what it returns is
+    sent with the answer; a hook that fails does not cost the client its answer."""
+    seen: list[Refusal] = []
+
+    def hook(r: Refusal) -> list[tuple[bytes, bytes]]:
+        seen.append(r)
+        if r.header(b"x-boom") is not None:
+            raise RuntimeError("hook failed")
+        return [(b"x-request-id", r.header(b"x-request-id") or b"made-up")]
+
+    srv = await start_server(
+        echo, "127.0.0.1", 0, limits=ServerLimits(max_body_bytes=100, read_timeout_s=0.2), on_refusal=hook
+    )
+    try:
+        r, _, _ = await request(
+            srv.port,
+            b"POST /raw?q=1 HTTP/1.1\r\nHost: t\r\nX-Request-Id: a1\r\nContent-Length: 101\r\n\r\n",
+        )
+        assert r.status == 413 and r.header(b"x-request-id") == b"a1"
+        assert (seen[-1].status, seen[-1].code, seen[-1].path) == (413, "request_too_large", "/raw")
+        assert seen[-1].client is not None and seen[-1].client[0] == "127.0.0.1"
+        # an earlier, complete request's headers are not the refused one's
+        reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(b"GET /x HTTP/1.1\r\nHost: t\r\nX-Request-Id: ok-1\r\n\r\n")
+        assert (await read_response(reader)).status == 200
+        w.write(b"GARBAGE\r\n\r\n")
+        r = await read_response(reader)
+        assert r.status == 400 and r.header(b"x-request-id") == b"made-up"
+        assert seen[-1].headers == [] and seen[-1].path == ""
+        w.close()
+        # pipelined behind a slow request: answered after it, with what was read of it
+        reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(
+            b"GET /sleep?s=0.1 HTTP/1.1\r\nHost: t\r\n\r\n"
+            b"POST /raw HTTP/1.1\r\nHost: t\r\nX-Request-Id: p2\r\nContent-Length: zz\r\n\r\n"
+        )
+        assert (await read_response(reader)).status == 200
+        r = await read_response(reader)
+        assert r.status == 400 and r.header(b"x-request-id") == b"p2"
+        w.close()
+        # a timeout: elapsed since the request's first byte
+        reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(b"POST /raw HTTP/1.1\r\nHost: t\r\nX-Request-Id: t3\r\nContent-Length: 10\r\n\r\nab")
+        r = await asyncio.wait_for(read_response(reader), 3)
+        assert r.status == 408 and r.header(b"x-request-id") == b"t3" and seen[-1].elapsed_s >= 0.15
+        w.close()
+        # the hook fails: the answer still goes out
+        r, _, _ = await request(
+            srv.port, b"GET / HTTP/1.1\r\nHost: t\r\nX-Boom: 1\r\nContent-Length: x\r\n\r\n"
+        )
+        assert r.status == 400 and r.header(b"x-request-id") is None and _error(r)["code"] == "bad_request"
     finally:
         await srv.close()

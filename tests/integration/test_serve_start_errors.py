@@ -3,6 +3,8 @@ traceback, and a listening port that is taken is found before any worker is prob
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
 import subprocess
 import sys
@@ -83,3 +85,35 @@ def test_bad_request_timeout_names_the_flag(silent_worker: str, value: str) -> N
 def test_worker_url_with_a_path(silent_worker: str) -> None:
     rc, err, _ = serve(["--worker", silent_worker + "/v1", "--port", "0"])
     one_line_error(rc, err, "without a path (/v1)")
+
+
+def test_ctrl_c_while_probing_the_workers_exits_quietly(tmp_path: Path) -> None:
+    """SIGINT while `serve` probes its workers, before it listens: no traceback, one log line,
+    exit status 0 as for a Ctrl-C once it serves (tests/integration/test_cli_serve.py)."""
+    worker = socket.socket()
+    worker.bind(("127.0.0.1", 0))
+    worker.listen(16)
+    worker.settimeout(30.0)
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text("[health]\ntimeout_s = 60.0\n")  # the probe would wait a minute
+    url = f"http://127.0.0.1:{worker.getsockname()[1]}"
+    proc = subprocess.Popen(
+        [str(BIN), "serve", "--config", str(cfg), "--worker", url, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        conn, _ = worker.accept()  # the probe has connected: the gateway is starting
+        with conn:
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        worker.close()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in err.strip().splitlines()]
+    assert [e["event"] for e in lines] == ["gateway.interrupted"], err
