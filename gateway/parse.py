@@ -13,6 +13,7 @@ import msgspec
 
 from gateway.errors import BadRequest
 from gateway.jsonbytes import splice
+from gateway.lax import coerce_openai_fields
 from policies.snapshot import RouteKind
 
 # Accounting defaults when the client gives no limit (engines differ; these only weigh load).
@@ -81,7 +82,8 @@ class _Fields(msgspec.Struct):
 
 # Lax (msgspec's mode, close to the engines' pydantic lax mode): `"5"` and `5.0` are 5, `"false"`
 # and 0 are false; a fractional count or a number for a string field is still refused, by both.
-# msgspec takes fewer words for booleans (no "yes"/"on": a 400 here where an engine would take it).
+# msgspec takes fewer forms than pydantic (no "yes"/"on", `" 3 "`, `true` for a count): an OpenAI
+# body it refuses is read again with those fields as pydantic reads them (`_lax_fields`).
 _decoder = msgspec.json.Decoder(_Fields, strict=False)
 # strict, the usual spellings at C speed; a completions prompt that fails them is read again as
 # pydantic's lax mode would (_lax_token_ids); /generate's input_ids are strict in SGLang too
@@ -220,7 +222,7 @@ def parse_request(
     try:
         f = _decoder.decode(body)
     except msgspec.ValidationError as e:
-        raise BadRequest(f"invalid request: {e}", param=_param_of(str(e))) from None
+        f = _lax_fields(route, body, e)
     except msgspec.DecodeError as e:
         raise BadRequest(f"request body is not valid JSON: {e}", code=None) from None
     except RecursionError:  # msgspec's decoder recurses once per level of nesting
@@ -264,6 +266,23 @@ def parse_request(
     if not 1 <= req.n <= max_n:
         raise BadRequest(f"'n' must be between 1 and {max_n}", param="n")
     return req
+
+
+def _lax_fields(route: RouteKind, body: bytes, error: msgspec.ValidationError) -> _Fields:
+    """The slow path of a body the fast decode refused: on the OpenAI routes, whose engines read
+    requests with pydantic's lax mode, its scalar fields are read as pydantic reads them
+    (`"stream": "yes"`, `"max_tokens": " 3 "`) and it is decoded again; what pydantic refuses
+    too is the same 400 as before. `/generate` (SGLang's dataclass, no pydantic) is not retried."""
+    if route is not RouteKind.GENERATE:
+        coerced = coerce_openai_fields(body)
+        if coerced is not None:
+            try:
+                return _decoder.decode(coerced)
+            except msgspec.ValidationError as e:  # another field, or one pydantic refuses too
+                error = e
+            except RecursionError:  # (the first decode stopped before the nesting; the 400 is its)
+                pass
+    raise BadRequest(f"invalid request: {error}", param=_param_of(str(error))) from None
 
 
 def _given(raw: msgspec.Raw) -> bool:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from tests.integration.conftest import Cluster
-from tests.integration.test_gateway import post
+from tests.integration.test_gateway import body_for, generated, post, sse_events
 
 
 async def texts(url: str, body: dict[str, Any]) -> list[str]:
@@ -89,3 +89,38 @@ async def test_chat_budgets_with_a_zero_are_read_as_each_engine_reads_them(clust
                 assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"], budget
     stats = await cluster.emulators["vllm-p"].stats()
     assert stats["held_transfers"] == 0 and stats["received"] == 0, stats
+
+
+async def test_flags_and_counts_in_pydantics_lax_forms_are_served_as_the_engines_serve_them(
+    cluster: Cluster,
+) -> None:
+    """`"stream": "yes"` streams and `"max_tokens": " 3 "` is 3 tokens, as a plain engine (pydantic's
+    lax mode) reads them, on every engine and both OpenAI routes; a count of 2.5 is a 400 that
+    pydantic gives too, in OpenAI's error shape, naming the field (not the lax one before it)."""
+    for model in ("m-sglang", "m-vllm", "m-colocated"):
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            body = body_for(route, model, "tell me a story", True)
+            body.update(stream="yes", max_tokens=" 3 ", stream_options={"include_usage": "on"})
+            status, headers, raw = await post(cluster.url + route, body)
+            assert status == 200, (model, route, raw)
+            assert headers["content-type"].startswith("text/event-stream"), (model, route)
+            events = sse_events(raw)
+            assert events[-1] == "[DONE]", (model, route)
+            assert events[-2]["usage"]["completion_tokens"] == 3, (model, route, events[-2])
+            if model in cluster.reference:  # the same tokens as the engine asked directly
+                _, _, ref = await post(cluster.reference[model].url + route, body)
+                assert generated(route, raw, True) == generated(route, ref, True), (model, route)
+
+            body = body_for(route, model, "tell me a story", False)
+            body.update(stream="off", max_tokens=" 3 ", temperature=" 0 ")
+            status, _, raw = await post(cluster.url + route, body)
+            assert status == 200, (model, route, raw)
+            assert json.loads(raw)["usage"]["completion_tokens"] == 3, (model, route)
+
+            body.update(stream="yes", max_tokens=2.5)
+            status, _, raw = await post(cluster.url + route, body)
+            assert status == 400, (model, route, raw)
+            error = json.loads(raw)["error"]
+            assert set(error) == {"message", "type", "param", "code"}, error
+            assert error["type"] == "invalid_request_error" and error["param"] == "max_tokens", error
+            assert error["message"].endswith("got `float` - at `$.max_tokens`"), error
