@@ -17,6 +17,10 @@ class _Usage(msgspec.Struct):
 
 class _Message(msgspec.Struct):
     content: str | None = None
+    # what a reasoning or tool-call parser took out of the text (vLLM: `reasoning` too)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[msgspec.Raw] | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -77,7 +81,10 @@ def summarize_openai(payloads: Iterable[bytes]) -> Summary:
         for c in o.choices:
             if c.index != 0:
                 continue
-            piece = c.text if c.text is not None else (c.message or c.delta or _Message()).content
+            m = c.message or c.delta
+            piece = c.text if c.text is not None else (m.content if m is not None else None)
+            if m is not None and (m.reasoning_content or m.reasoning or m.tool_calls):
+                s.parsed = True
             if piece:
                 text.append(piece)
             if c.token_ids and s.first_token_id is None:

@@ -53,6 +53,9 @@ class PrefillVerdict(msgspec.Struct, frozen=True):
     # the prefill failed because its KV did not reach the decode (SGLang's KVTransferError: the
     # decode gave up or aborted, or the transfer broke): the pair's failure, not the prefill's
     handoff: bool = False
+    # must the decode's first token be the prefill's (on greedy or seeded requests)? False where
+    # the prefill drew its token from less than the whole prompt
+    same_first_token: bool = True
 
 
 class ProbeInfo(msgspec.Struct, frozen=True):

@@ -52,6 +52,7 @@ class KVTransferParams(msgspec.Struct):
     remote_host: str | None = None
     remote_port: int | None = None
     remote_num_tokens: int | None = None
+    dcp_size: int | None = None
 
 
 class _Usage(msgspec.Struct):
@@ -182,8 +183,15 @@ class VLLMAdapter:
                 reason=f"kv_transfer_params belong to another request ({params.remote_request_id})",
                 status=502,
             )
+        same_first = True
         if params.remote_num_tokens is not None and prompt_tokens is not None:
-            if params.remote_num_tokens != prompt_tokens:
+            if params.remote_num_tokens == prompt_tokens - 1 and len(params.remote_block_ids or ()) > 1:
+                # A hybrid model's prefill (Mamba / linear attention layers beside attention)
+                # computes all but the last prompt token, which its decode computes (vLLM's
+                # `_truncate_mamba_request_for_prefill`): its one token was drawn after
+                # the prompt less one, so it is no measure of the decode's first
+                same_first = False
+            elif params.remote_num_tokens != prompt_tokens:
                 return PrefillVerdict(
                     ok=False,
                     reason=f"kv_transfer_params cover {params.remote_num_tokens} tokens, the prompt has {prompt_tokens}",
@@ -193,7 +201,7 @@ class VLLMAdapter:
         if why is not None:
             # too few blocks kill a real vLLM decode (assert in nixl _apply_prefix_caching)
             return PrefillVerdict(ok=False, reason=why, status=502)
-        return PrefillVerdict(ok=True, kv_params=raw)
+        return PrefillVerdict(ok=True, kv_params=raw, same_first_token=same_first)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
         return None
@@ -233,8 +241,12 @@ class VLLMAdapter:
 
 
 def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | None:
-    """Do the block ids cover the prompt? Per KV group: ceil(n / block_size) blocks (the decode
-    recomputes the last token, so ceil((n - 1) / block_size) is accepted too)."""
+    """Do the block ids cover the prompt? Every KV group has some, and the largest (the full
+    attention layers') ceil(n / block_size) (the decode recomputes the last token, so
+    ceil((n - 1) / block_size) is accepted too). The other groups hold less by design: a sliding
+    window group only its window's last blocks (vLLM clips them, `get_exchange_clipped_blocks`),
+    a Mamba group one state block. With decode context parallelism (`dcp_size` > 1) a block
+    spans several ranks' tokens: the count is not judged."""
     n = params.remote_num_tokens
     groups = params.remote_block_ids or []
     if n is None or n <= 0:
@@ -248,11 +260,11 @@ def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | N
         counts.append(len(ids) if isinstance(ids, list) else 1)
     if not counts or min(counts) == 0:
         return f"kv_transfer_params carry no block ids for {n} prompt tokens"
-    if block_size:
+    if block_size and (params.dcp_size or 1) == 1:
         need = {-(-n // block_size), -(-(n - 1) // block_size)}
-        if min(counts) not in need:
+        if max(counts) not in need:
             return (
-                f"kv_transfer_params carry {min(counts)} blocks for {n} tokens "
+                f"kv_transfer_params carry {max(counts)} blocks for {n} tokens "
                 f"(block size {block_size}: {max(need)} expected)"
             )
     return None

@@ -43,7 +43,8 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
     handshake_timeout_s: float = 5.0
     stream_interval: int = 1  # SGLang's --stream-interval: tokens per stream event
     # --stop-checks-first (vLLM): judge a sequence's stop token ids before its length cap, as
-    # newer vLLM's check_stop does (0.32 caps length first): a P/D prefill (max_tokens 1) whose
+    # newer vLLM's check_stop does (0.32 caps length first), behind a connector that hands over KV
+    # only for a prefill capped by length (Mooncake's rule): a P/D prefill (max_tokens 1) whose
     # one token is a stop id then ends "stop" and hands over no KV (kv_transfer_params null)
     stop_checks_first: bool = False
     # --ssl-certfile / --ssl-keyfile (both engines' flags): the HTTP API over TLS (the bootstrap

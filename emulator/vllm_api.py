@@ -566,11 +566,12 @@ def setup(s: EmulatorServer) -> None:
                 await steps.aclose()
             stop_id = stopper is not None and isinstance(stopper.matched, int)
             if remote_decode and stop_id and s.spec.stop_checks_first:
-                # vLLM's KV connectors hand over a prefill's KV only when the engine core ended it
-                # capped by length (FINISHED_LENGTH_CAPPED in request_finished). With its one
-                # token a stop id, 0.32 still caps it by length first (and a stop string is the
-                # front end's finding, after that); newer vLLM judges the stop id first: the
-                # prefill frees its blocks and answers `kv_transfer_params: null`
+                # Some of vLLM's KV connectors (Mooncake's) hand over a prefill's KV only when the
+                # engine core ended it capped by length (FINISHED_LENGTH_CAPPED in
+                # request_finished). With its one token a stop id, 0.32 still caps it by length
+                # first (and a stop string is the front end's finding, after that); newer vLLM
+                # judges the stop id first: the prefill frees its blocks and answers
+                # `kv_transfer_params: null`
                 pass
             elif remote_decode:
                 truncated = "silent_truncation" in hit

@@ -61,6 +61,9 @@ class Summary(msgspec.Struct):
     first_token_id: int | None = None
     first_text: str | None = None
     error: str | None = None  # an error event, or an abort finish (SGLang), in the answer
+    # the engine parsed the text (a reasoning or tool-call parser: `reasoning_content`,
+    # `tool_calls`): its first text is no measure of the first token
+    parsed: bool = False
 
 
 def preflight(
@@ -155,7 +158,12 @@ def check_decode(
                     f"decode's first token {decode.first_token_id} differs from the prefill's "
                     f"{prefill.first_token_id} on a greedy or seeded request"
                 )
-        elif prefill.first_text and decode.first_text is not None and _comparable(prefill.first_text):
+        elif (
+            prefill.first_text
+            and decode.first_text is not None
+            and _comparable(prefill.first_text)
+            and not (prefill.parsed or decode.parsed)
+        ):
             if not decode.first_text.startswith(prefill.first_text) and not prefill.first_text.startswith(
                 decode.first_text
             ):

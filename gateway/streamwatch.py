@@ -164,7 +164,7 @@ class StreamWatch:
             for payload in _iter_payloads(complete):
                 self._head.append(payload)
                 s = self._summarize(self._head)
-                if s.first_text is not None or s.first_token_id is not None:
+                if s.first_text is not None or s.first_token_id is not None or s.parsed:
                     first = s
                     break
             if first is None:
@@ -208,6 +208,7 @@ class StreamWatch:
         if self._first is not None:
             end.first_text = self._first.first_text
             end.first_token_id = self._first.first_token_id
+            end.parsed = end.parsed or self._first.parsed
         if end.error is not None and self._state != 1:
             # the engine's own error event (or abort): not relayed; before the first token the
             # request can still be retried elsewhere, after it the stream ends with our error

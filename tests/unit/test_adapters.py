@@ -463,3 +463,48 @@ def test_vllm_prefill_stopped_on_its_token_is_sound_without_params() -> None:
         }
         v = VLLM.judge_prefill(req, ctx(Engine.VLLM), 200, json.dumps(body).encode())
         assert v.ok is ok and v.kv_params is None, v
+
+
+def _kv_answer(prompt: int, groups: list[list[int]], covered: int | None = None, dcp: int = 1) -> bytes:
+    """A vLLM prefill's answer for a prompt of `prompt` tokens, its KV in `groups` of block ids."""
+    return json.dumps(
+        {
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 1},
+            "kv_transfer_params": {
+                "remote_engine_id": "e",
+                "remote_request_id": "cmpl-req-1-0-ab",
+                "remote_block_ids": groups,
+                "remote_num_tokens": prompt if covered is None else covered,
+                "dcp_size": dcp,
+            },
+        }
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    ("answer", "sound", "same_first"),
+    [
+        # one full attention group: ceil(271 / 16) = 17 blocks
+        (_kv_answer(271, [list(range(17))]), True, True),
+        (_kv_answer(271, [list(range(9))]), False, True),
+        # a sliding window group holds only its window's blocks (vLLM clips them): the full
+        # attention group is judged, the other must not be empty
+        (_kv_answer(271, [list(range(17)), list(range(9))]), True, True),
+        (_kv_answer(271, [list(range(9)), list(range(9))]), False, True),
+        (_kv_answer(271, [list(range(17)), []]), False, True),
+        # decode context parallelism: a block spans the ranks' tokens, the count is not judged
+        (_kv_answer(271, [list(range(9))], dcp=2), True, True),
+        # a hybrid (Mamba) model's prefill computes all but the last prompt token, its state in
+        # one block: sound, but its sampled token is no measure of the decode's first
+        (_kv_answer(271, [list(range(17)), [5]], covered=270), True, False),
+        (_kv_answer(271, [list(range(17))], covered=270), False, True),
+        (_kv_answer(271, [list(range(17)), [5]], covered=269), False, True),
+    ],
+)
+def test_vllm_kv_shapes_of_every_kind_of_model(answer: bytes, sound: bool, same_first: bool) -> None:
+    req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 4})
+    v = VLLM.judge_prefill(req, ctx(Engine.VLLM, block_size=16), 200, answer)
+    assert v.ok is sound, v.reason
+    if sound:
+        assert v.same_first_token is same_first

@@ -9,6 +9,7 @@ import pytest
 
 from adapters._summary import summarize_generate, summarize_openai
 from gateway.guards import GuardSettings, Summary, check_decode, preflight
+from gateway.orchestrator import texts_agree
 from gateway.streamwatch import StreamStopped, StreamWatch
 from policies.snapshot import Role
 from policies.testing import make_worker
@@ -168,3 +169,47 @@ def test_stream_watch_drops_the_usage_chunk_the_gateway_asked_for(drop: bool) ->
     assert w.finish() is None
     want = body.replace(usage, b"") if drop else body
     assert b"".join(out) == want
+
+
+def test_text_that_a_parser_took_apart_is_not_compared() -> None:
+    """A reasoning parser (vLLM `--reasoning-parser qwen3`) cannot split the prefill's one token
+    ("<think>": it stays in `content`), while the decode's answer comes as `reasoning_content`
+    and a `content` that starts after it: no first-text comparison holds. Token ids still do."""
+    prefill = summarize_openai([json.dumps({"choices": [{"message": {"content": "<think>"}}]}).encode()])
+    decode = summarize_openai(
+        [
+            json.dumps(
+                {"choices": [{"message": {"content": "\n\nParis.", "reasoning_content": "The user asks"}}]}
+            ).encode()
+        ]
+    )
+    assert decode.parsed and not prefill.parsed
+    assert check_decode(prefill, decode, max_tokens=None, context_length=None, greedy=True) is None
+    plain = summarize_openai([json.dumps({"choices": [{"message": {"content": "\n\nParis."}}]}).encode()])
+    assert check_decode(prefill, plain, max_tokens=None, context_length=None, greedy=True)
+    tools = summarize_openai(
+        [json.dumps({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c"}]}}]}).encode()]
+    )
+    assert tools.parsed
+    empty = summarize_openai(
+        [json.dumps({"choices": [{"message": {"content": "x", "tool_calls": []}}]}).encode()]
+    )
+    assert not empty.parsed
+
+
+def test_stream_watch_releases_a_reasoning_stream_at_its_first_event() -> None:
+    """A stream whose first tokens are reasoning (`delta.reasoning_content`) is relayed from its
+    first event, not held back until its first `content` (the whole reasoning, maybe)."""
+    seen: list[Summary] = []
+    out: list[bytes] = []
+    w = StreamWatch(out.append, summarize_openai, lambda s: seen.append(s), lambda s: None)  # type: ignore[arg-type,func-returns-value]
+    first = ev({"choices": [{"index": 0, "delta": {"reasoning_content": "Let me"}, "finish_reason": None}]})
+    w.feed(first)
+    assert b"".join(out) == first and seen and seen[0].parsed
+
+
+def test_shadow_texts_agree_over_a_character_cut_in_half() -> None:
+    assert texts_agree("naïve answer", "na\ufffd")  # the shadow ended inside "ï"
+    assert texts_agree("na\ufffd", "na")
+    assert texts_agree("abc", "ab") and texts_agree("ab", "abc")
+    assert not texts_agree("abc", "abd") and not texts_agree("xyz", "a\ufffd")
