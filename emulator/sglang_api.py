@@ -183,6 +183,19 @@ class SglangApi:
             )
         return None
 
+    def scheduler_refusal(self, items: list[Item], hit: dict[str, Fault]) -> tuple[Item, str] | None:
+        """The scheduler's ``validate_input_length`` (``handle_generate_request``, before it
+        queues the request; managers/utils.py): a prompt of ``max_req_input_len`` tokens or more
+        finishes with a 400 abort, whatever the disaggregation mode, so a colocated server
+        refuses it as a prefill does. Not modelled on a decode; a prefill with the
+        ``silent_truncation`` fault ships a 1-token KV instead (``execute``)."""
+        if self.s.role == "decode" or (self.s.role == "prefill" and "silent_truncation" in hit):
+            return None
+        for it in items:
+            if (msg := self.scheduler_reject(len(it.prompt))) is not None:
+                return it, msg
+        return None
+
     # ------------------------------------------------------------------ core
     async def execute(
         self, item: Item, hit: dict[str, Fault], on_token: Callable[[list[int]], Awaitable[None]] | None
@@ -529,6 +542,19 @@ def _per_prompt_params(sp: Any, prompts: int, batch: bool) -> list[dict[str, Any
     return sp[:prompts]
 
 
+def _prompt_refusal(body: dict[str, Any]) -> str | None:
+    """``GenerateReqInput.normalize_batch_and_arguments``' refusals of the prompt fields
+    (``_validate_inputs``, then ``_determine_batch_size``, managers/io_struct.py): none or all
+    three of text, input_ids and input_embeds; an empty input_ids (text, when given, is read
+    first: an empty text list is an empty batch)."""
+    given = [body.get(k) is not None for k in ("text", "input_ids", "input_embeds")]
+    if not any(given) or all(given):
+        return "Either text, input_ids or input_embeds should be provided."
+    if body.get("text") is None and body.get("input_ids") == []:
+        return "input_ids cannot be empty."
+    return None
+
+
 def _max_new(sp: dict[str, Any]) -> int:
     v = sp.get("max_new_tokens")
     return 128 if v is None else int(v)
@@ -694,9 +720,34 @@ def setup(s: EmulatorServer) -> None:
                 api.abort_later(named)  # a StreamingResponse's background task, refusals included
             return resp
 
+        async def refuse(body: dict[str, Any], why: str) -> web.StreamResponse:
+            """A ValueError out of the tokenizer manager's generate_request (the request's
+            normalization, a duplicate rid, its length or sampling params): a 400, or when
+            streaming a 200 with one error event and [DONE] (http_server.py:949-975)."""
+            if not body.get("stream"):
+                return _error_generate(400, why)
+            resp = await start_sse(request)
+            err = {"message": why, "type": "invalid_request_error", "code": 400, "retryable": False}
+            await resp.write(sse({"error": err}))
+            await resp.write(DONE)
+            await resp.write_eof()
+            return resp
+
         async def answer(
             body: dict[str, Any], hit: dict[str, Fault], held: list[str], named: list[str]
         ) -> web.StreamResponse:
+            if (why := _prompt_refusal(body)) is not None:
+                return await refuse(body, why)
+            if body.get("text") == []:
+                # an empty batch (its size is text's when given): normalize_batch_and_arguments
+                # takes it and _handle_batch_request sends nothing and gathers no answer
+                # (tokenizer_manager.py)
+                if not body.get("stream"):
+                    return json_response([])
+                resp = await start_sse(request)  # no event before http_server's [DONE]
+                await resp.write(DONE)
+                await resp.write_eof()
+                return resp
             batch = False
             if body.get("input_ids") is not None:
                 ids = body["input_ids"]
@@ -724,51 +775,25 @@ def setup(s: EmulatorServer) -> None:
             if why is None:
                 why = refusal(items, [sglang_generate_refusal(sp) for sp in sps], n)
             if why is not None:
+                return await refuse(body, why)
+            crash_on_bad_ids(items, request)
+            if (sched := api.scheduler_refusal(items, hit)) is not None:
+                it, msg = sched
                 if body.get("stream"):
-                    # the ValueError (a duplicate rid, length or sampling params) comes out of
-                    # the stream's generator: 200, an error event, [DONE] (http_server.py:949-975)
                     resp = await start_sse(request)
-                    await resp.write(
-                        sse(
-                            {
-                                "error": {
-                                    "message": why,
-                                    "type": "invalid_request_error",
-                                    "code": 400,
-                                    "retryable": False,
-                                }
-                            }
-                        )
+                    res = Result(
+                        [],
+                        {"type": "abort", "message": msg, "status_code": 400, "err_type": "BadRequestError"},
+                        0,
+                        1,  # set_finish_with_abort leaves the prompt one token
+                        time.time(),
+                        0.0,
                     )
+                    await resp.write(sse(api.generate_obj(it, res, True)))
                     await resp.write(DONE)
                     await resp.write_eof()
                     return resp
-                return _error_generate(400, why)
-            crash_on_bad_ids(items, request)
-            if s.role == "prefill":
-                for it in items:
-                    msg = api.scheduler_reject(len(it.prompt))
-                    if msg is not None and "silent_truncation" not in hit:
-                        if body.get("stream"):
-                            resp = await start_sse(request)
-                            res = Result(
-                                [],
-                                {
-                                    "type": "abort",
-                                    "message": msg,
-                                    "status_code": 400,
-                                    "err_type": "BadRequestError",
-                                },
-                                0,
-                                1,
-                                time.time(),
-                                0.0,
-                            )
-                            await resp.write(sse(api.generate_obj(it, res, True)))
-                            await resp.write(DONE)
-                            await resp.write_eof()
-                            return resp
-                        return _error_generate(400, msg)
+                return _error_generate(400, msg)
             if not body.get("stream"):
                 results = await run_nonstream(request, items, hit)
                 for res in results:
@@ -829,8 +854,9 @@ def setup(s: EmulatorServer) -> None:
 
     async def openai(request: web.Request, chat: bool) -> web.StreamResponse:
         async def body_fn(body: dict[str, Any], hit: dict[str, Fault], held: list[str]) -> web.StreamResponse:
-            coerce_openai(body, chat)
-            if (why := normalize_openai_prompt(body, chat)) is not None:
+            # pydantic's request model: a refused field is a 400 while parsing, before any work
+            refused = coerce_openai(body, chat)
+            if (why := normalize_openai_prompt(body, chat) or refused) is not None:
                 return _error_openai(400, why, "Bad Request")
             req_model = body.get("model") or model_path
             if chat:
@@ -881,11 +907,8 @@ def setup(s: EmulatorServer) -> None:
             bad = check(items, _error_openai, request, [sglang_openai_refusal(body, chat)] * len(prompts), n)
             if bad is not None:
                 return bad
-            if s.role == "prefill" and "silent_truncation" not in hit:
-                for it in items:
-                    msg = api.scheduler_reject(len(it.prompt))
-                    if msg is not None:
-                        return _error_openai(400, msg)
+            if (sched := api.scheduler_refusal(items, hit)) is not None:
+                return _error_openai(400, sched[1])
             created = int(time.time())
             oid = uuid.uuid4().hex
             obj_name = "chat.completion" if chat else "text_completion"

@@ -222,11 +222,17 @@ def setup(s: EmulatorServer) -> None:
                     raise ValueError("body must be a JSON object")
             except (msgspec.DecodeError, ValueError) as e:
                 return _error(400, f"Invalid request: {e}")
-            coerce_openai(body, chat)
-            if (why := normalize_openai_prompt(body, chat)) is not None:
+            # pydantic's request model: a refused field is a 400 while parsing, before any work
+            refused = coerce_openai(body, chat)
+            if (why := normalize_openai_prompt(body, chat) or refused) is not None:
                 return _error(400, why)
             if (why := vllm_seed_error(body)) is not None:
                 return _error(400, why, param="seed")
+            if not isinstance(body.get("kv_transfer_params", {}), dict | None):
+                # the request model's `kv_transfer_params: dict[str, Any] | None`
+                return _error(
+                    400, "1 validation error: kv_transfer_params: Input should be a valid dictionary"
+                )
             hit = s.faults.draw()
             early = await s.apply_entry_faults(hit, lambda st, msg: _error(st, msg))
             if early is not None:
@@ -256,8 +262,8 @@ def setup(s: EmulatorServer) -> None:
         entrypoints/generate/base/serving.py; NIXL ``request_finished`` then notifies the
         prefill). Sent in the background: the refusal does not wait for it."""
         ktp = body.get("kv_transfer_params")
-        if not isinstance(ktp, dict) or not ktp.get("do_remote_prefill") or s.role == "prefill":
-            return
+        if not isinstance(ktp, dict) or not ktp.get("do_remote_prefill") or s.role != "decode":
+            return  # (a colocated server has no KV connector to tell: has_kv_connector)
 
         async def notify() -> None:
             with contextlib.suppress(Exception):  # vLLM only logs a failed notification
@@ -442,8 +448,12 @@ def setup(s: EmulatorServer) -> None:
         oid = ("chatcmpl-" if chat else "cmpl-") + base
         engine_rid = f"{oid}-{secrets.token_hex(4)}" if chat else f"{oid}-0-{secrets.token_hex(4)}"
         ktp = body.get("kv_transfer_params") or {}
-        remote_decode = bool(ktp.get("do_remote_decode")) and s.role in ("prefill", "both")
-        remote_prefill = bool(ktp.get("do_remote_prefill")) and s.role in ("decode", "both")
+        # Only the P/D roles run the NixlConnector. A colocated server (`both`) runs none, and
+        # vLLM without a KV connector reads no kv_transfer_params: its scheduler consults no
+        # connector (Scheduler._connector_finished answers (False, None) when self.connector is
+        # None), so the request is served whole and its answer's kv_transfer_params is null
+        remote_decode = bool(ktp.get("do_remote_decode")) and s.role == "prefill"
+        remote_prefill = bool(ktp.get("do_remote_prefill")) and s.role == "decode"
         stream = bool(body.get("stream")) and not remote_decode
         seq = Seq(engine_rid, prompt, 1 if remote_decode else max_new, sample_seed(body))
         seqs[engine_rid] = seq

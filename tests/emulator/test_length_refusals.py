@@ -232,3 +232,52 @@ async def test_sglang_generate_length_refusal(emu: Factory, http: aiohttp.Client
         assert s == 200, raw
         assert sse_events(raw) == [json.dumps({"error": err}, separators=(",", ":")), "[DONE]"], raw
     await no_work_done(g)
+
+
+@pytest.mark.parametrize("role", ["both", "prefill"])
+async def test_sglang_max_req_input_len_in_every_role(
+    emu: Factory, http: aiohttp.ClientSession, role: str
+) -> None:
+    """A prompt within the context but at or over ``max_req_input_len`` (min(context, KV pool) - 1
+    - 5 = 58 here) is refused by the scheduler's ``validate_input_length``, which
+    ``handle_generate_request`` runs in every disaggregation mode: a colocated server refuses it
+    as a prefill does (the tokenizer manager's length checks pass it)."""
+    g = await emu("sglang", role, max_model_len=CTX, waiting_timeout_s=30.0)
+    limit = CTX - 1 - 5
+    message = (
+        f"Input length (60 tokens) exceeds the maximum allowed length ({limit} tokens). "
+        "Use a shorter input or enable --allow-auto-truncate."
+    )
+    boot = {} if role == "both" else {"bootstrap_host": "127.0.0.1", "bootstrap_port": g.bootstrap_port}
+    body = {"input_ids": [5] * 60, "sampling_params": {"max_new_tokens": 2}, **boot}
+    s, raw = await post(http, g.url + "/generate", body | {"bootstrap_room": 1})
+    assert s == 400 and json.loads(raw) == {"error": {"message": message}}, raw
+    # streamed: the scheduler's abort, with the prompt it left (one token), then [DONE]
+    s, raw = await post(http, g.url + "/generate", body | {"bootstrap_room": 2, "stream": True})
+    events = sse_events(raw)
+    assert s == 200 and len(events) == 2 and events[1] == "[DONE]", raw
+    meta = json.loads(events[0])["meta_info"]
+    assert (
+        meta["finish_reason"]
+        == {
+            "type": "abort",
+            "message": message,
+            "status_code": 400,
+            "err_type": "BadRequestError",
+        }
+        and meta["prompt_tokens"] == 1
+    ), raw
+    openai = [
+        (C, {"prompt": [5] * 60}),
+        (CHAT, {"messages": chat_of(60)}),
+    ]
+    for path, fields in openai:
+        for stream in (False, True):
+            b = {"model": "m", "max_tokens": 2, "stream": stream, **boot, "bootstrap_room": 3, **fields}
+            s, raw = await post(http, g.url + path, b)
+            assert s == 400 and json.loads(raw)["message"] == message, (path, stream, raw)
+    await no_work_done(g)
+    # one token under the limit, it is served
+    if role == "both":
+        s, raw = await post(http, g.url + "/generate", body | {"input_ids": [5] * (limit - 1)})
+        assert s == 200, raw

@@ -445,3 +445,34 @@ async def test_chat_budget_is_max_completion_tokens_or_max_tokens(
     st, text, _ = await post(http, s.url + "/v1/chat/completions", body)
     assert st == 200, text
     assert json.loads(text)["usage"]["completion_tokens"] == want
+
+
+async def test_generate_prompt_fields_as_the_engine_normalizes_them(
+    emu: Factory, http: aiohttp.ClientSession
+) -> None:
+    """``GenerateReqInput.normalize_batch_and_arguments`` (managers/io_struct.py): an empty text
+    list is a batch of none, which ``_handle_batch_request`` sends nowhere and answers with no
+    results (a 200 `[]`; streamed, `[DONE]` alone); an empty input_ids, or no prompt field at all,
+    is its ValueError (a 400; streamed, a 200 with one error event). Not a 500."""
+    g = await emu("sglang", "both")
+    url = g.url + "/generate"
+    for extra in ({}, {"sampling_params": {"max_new_tokens": 4, "n": 2}}, {"rid": "r"}):
+        st, raw, _ = await post(http, url, {"text": [], **extra})
+        assert st == 200 and json.loads(raw) == [], raw
+        st, raw, _ = await post(http, url, {"text": [], "stream": True, **extra})
+        assert st == 200 and sse_events(raw) == ["[DONE]"], raw
+    refused = [
+        ({"input_ids": []}, "input_ids cannot be empty."),
+        ({}, "Either text, input_ids or input_embeds should be provided."),
+        ({"text": None, "input_ids": None}, "Either text, input_ids or input_embeds should be provided."),
+    ]
+    for body, message in refused:
+        st, raw, _ = await post(http, url, body)
+        assert st == 400 and json.loads(raw) == {"error": {"message": message}}, (body, raw)
+        st, raw, _ = await post(http, url, {**body, "stream": True})
+        err = {"message": message, "type": "invalid_request_error", "code": 400, "retryable": False}
+        assert st == 200 and sse_events(raw) == [json.dumps({"error": err}, separators=(",", ":")), "[DONE]"]
+    stats = await g.stats()
+    assert not g.dead and stats["prompt_tokens_total"] == 0 and stats["running"] == 0, stats
+    st, raw, _ = await post(http, url, {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}})
+    assert st == 200 and len(json.loads(raw)) == 2, raw

@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.emulator.conftest import Factory, sse_events
 
@@ -409,3 +410,55 @@ async def test_a_seed_outside_int64_is_refused(emu: Factory, http: aiohttp.Clien
         if not ok:
             err = json.loads(text)["error"]
             assert err["param"] == "seed" and "Input should be" in err["message"]
+
+
+async def test_a_colocated_server_ignores_kv_transfer_params(
+    emu: Factory, http: aiohttp.ClientSession
+) -> None:
+    """A colocated vLLM (`both`) runs no KV connector, and vLLM without one reads no
+    kv_transfer_params (the scheduler consults no connector: Scheduler._connector_finished is
+    (False, None), GenerateBaseServing.has_kv_connector is False): a client's params, for a
+    handoff or a pull, are served as a plain request, with null params in the answer. They
+    neither kill the server (a pull of blocks it never held) nor hold its blocks for a decode."""
+    s = await emu("vllm", "both")
+    body = {"model": "m", "prompt": "The capital of France is", "max_tokens": 5, "temperature": 0}
+    _, plain = await post(http, s.url + "/v1/completions", body)
+    junk_pull = {"do_remote_prefill": True, "remote_block_ids": [[999]], "remote_engine_id": "x"}
+    for ktp in (junk_pull, {"do_remote_prefill": True}, PREFILL_KTP, {"anything": 1}):
+        for stream in (False, True):
+            st, raw = await post(
+                http, s.url + "/v1/completions", body | {"kv_transfer_params": ktp, "stream": stream}
+            )
+            assert st == 200, (ktp, raw)
+            if stream:
+                assert sse_events(raw)[-1] == "[DONE]", raw
+                continue
+            obj = json.loads(raw)
+            assert obj["kv_transfer_params"] is None and text_of(obj) == text_of(json.loads(plain)), raw
+            assert obj["usage"]["completion_tokens"] == 5, raw
+    stats = await s.stats()
+    assert not s.dead and not stats["dead"] and stats["held_transfers"] == 0, stats
+    assert stats["kv_transfers_ok"] == stats["kv_transfers_failed"] == 0 and stats["kv_blocks_used"] == 0, (
+        stats
+    )
+
+
+@pytest.mark.parametrize("role", ["both", "prefill", "decode"])
+async def test_kv_transfer_params_that_are_not_an_object_are_a_400(
+    emu: Factory, http: aiohttp.ClientSession, role: str
+) -> None:
+    """The request models' `kv_transfer_params: dict[str, Any] | None`: pydantic refuses anything
+    else while parsing (a 400, not a 500 from reading it)."""
+    s = await emu("vllm", role)
+    for ktp in ("x", [1], 5):
+        st, raw = await post(
+            http, s.url + "/v1/completions", {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": ktp}
+        )
+        assert st == 400, raw
+        assert json.loads(raw)["error"]["message"] == (
+            "1 validation error: kv_transfer_params: Input should be a valid dictionary"
+        )
+    st, raw = await post(
+        http, s.url + "/v1/completions", {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": None}
+    )
+    assert st == 200, raw
