@@ -26,6 +26,7 @@ from adapters.prom import sum_metrics
 from gateway import jsonbytes as _body
 from gateway.errors import BadRequest
 from gateway.guards import Summary
+from gateway.lax import lax_int
 from gateway.parse import ParsedRequest
 from policies.snapshot import Engine, RouteKind, WorkerLoad
 
@@ -271,19 +272,14 @@ def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | N
 
 
 def _at_least_one(raw: msgspec.Raw | None) -> bool:
-    """Is a `min_tokens` value 1 or more, in the forms pydantic's lax mode reads as an integer?"""
+    """Is a `min_tokens` value 1 or more, as pydantic's lax mode reads an integer?"""
     if raw is None:
         return False
     try:
-        v = msgspec.json.decode(raw)
+        n = lax_int(msgspec.json.decode(raw))
     except msgspec.DecodeError:
         return False
-    if isinstance(v, str):
-        try:
-            v = float(v.strip())
-        except ValueError:
-            return False
-    return isinstance(v, int | float) and v >= 1
+    return n is not None and n >= 1
 
 
 def _check_what_the_prefill_is_not_sent(req: ParsedRequest, fields: dict[str, msgspec.Raw]) -> None:
