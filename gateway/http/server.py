@@ -358,12 +358,8 @@ class Refusal:
         self.client = client
         self.elapsed_s = elapsed_s
 
-    def header(self, name: bytes) -> bytes | None:
-        """The first value of header ``name`` (lowercase) among those read, or None."""
-        for n, v in self.headers:
-            if n == name:
-                return v
-        return None
+    # the first value of header ``name`` (lowercase) among those read, or None
+    header = HttpRequest.header
 
     def __repr__(self) -> str:
         return f"<Refusal {self.status} {self.code} {self.path!r}>"
