@@ -36,9 +36,6 @@ _BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 _PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params")
 _PREFILL_DROPS_BUT_MIN = ("stream_options", "min_completion_tokens", "kv_transfer_params")
 
-# the verdict's reason when the prefill ended on its one token and hands over no KV
-_STOPPED = "prefill stopped at its first token: the decode computes the prompt"
-
 PREFILL_KV_REQUEST = (
     b'{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,'
     b'"remote_block_ids":null,"remote_host":null,"remote_port":null}'
@@ -154,11 +151,11 @@ class VLLMAdapter:
         if not raw or bytes(raw) == b"null":
             finish = out.choices[0].finish_reason if out.choices else None
             if finish == "stop" and len(out.choices or ()) == 1:
-                # The prefill's one token ended it (EOS, a stop string or stop token id: vLLM's
-                # connectors hand over KV only for a prefill capped by length). A correct answer
-                # of this request, not a failure: its decode computes the prompt itself, with
-                # the client's own `min_tokens` and stops, which the prefill was not sent.
-                return PrefillVerdict(ok=True, reason=_STOPPED)
+                # The prefill's one token (EOS or a stop id) ended it before its length cap did
+                # (newer vLLM), and its connector hands over KV only for a prefill capped by
+                # length (Mooncake's rule). A correct answer of this request, not a failure: its
+                # decode computes the prompt itself, with the client's whole request.
+                return PrefillVerdict(ok=True)  # (no kv_params: the orchestrator sends none)
             # Without params the decode would silently recompute the prompt (vLLM PR #42703).
             return PrefillVerdict(ok=False, reason="prefill returned no kv_transfer_params", status=502)
         try:

@@ -574,16 +574,15 @@ def setup(s: EmulatorServer) -> None:
                         break
             finally:
                 await steps.aclose()
-            stop_id = stopper is not None and isinstance(stopper.matched, int)
-            if remote_decode and stop_id and s.spec.stop_checks_first:
-                # Some of vLLM's KV connectors (Mooncake's) hand over a prefill's KV only when the
-                # engine core ended it capped by length (FINISHED_LENGTH_CAPPED in
-                # request_finished). With its one token a stop id, 0.32 still caps it by length
-                # first (and a stop string is the front end's finding, after that); newer vLLM
-                # judges the stop id first: the prefill frees its blocks and answers
-                # `kv_transfer_params: null`
-                pass
-            elif remote_decode:
+            # Some of vLLM's KV connectors (Mooncake's) hand over a prefill's KV only when the
+            # engine core ended it capped by length (FINISHED_LENGTH_CAPPED in request_finished).
+            # With its one token a stop id, 0.32 still caps it by length first (and a stop string
+            # is the front end's finding, after that); newer vLLM judges the stop id first: the
+            # prefill frees its blocks and answers `kv_transfer_params: null`
+            stopped_first = (
+                s.spec.stop_checks_first and stopper is not None and isinstance(stopper.matched, int)
+            )
+            if remote_decode and not stopped_first:
                 truncated = "silent_truncation" in hit
                 seq.kv_valid = seq.kv_valid and not truncated
                 blocks = engine.release(seq, keep_prompt=True)

@@ -122,7 +122,6 @@ def check_decode(
     max_tokens: int | None,
     context_length: int | None,
     greedy: bool,
-    first_token_check: bool = True,
 ) -> str | None:
     """Does the decode's answer agree with the prefill's? None when it does. `greedy`: the first
     token is fixed by the prompt (greedy, or one sample drawn with a seed), so both legs must
@@ -151,7 +150,7 @@ def check_decode(
                 f"decode finished with 'length' after {used}{of} tokens "
                 "(an aborted KV transfer looks like this)"
             )
-    if greedy and first_token_check:
+    if greedy:
         if prefill.first_token_id is not None and decode.first_token_id is not None:
             if prefill.first_token_id != decode.first_token_id:
                 return (
