@@ -39,6 +39,10 @@ class HandoffCtx(msgspec.Struct, frozen=True):
     # ask the decode for a stream's usage chunk the client did not ask for (the decode guard
     # needs the real token count; the gateway drops the chunk on the way to the client)
     stream_usage: bool = False
+    # vLLM: ask a greedy request's prefill for its best `near_ties` first tokens with logprobs
+    # (0: not asked); those within `near_tie_margin` nats of its own are ties, not failures
+    near_ties: int = 0
+    near_tie_margin: float = 0.0
 
 
 class PrefillVerdict(msgspec.Struct, frozen=True):
@@ -56,6 +60,11 @@ class PrefillVerdict(msgspec.Struct, frozen=True):
     # must the decode's first token be the prefill's (on greedy or seeded requests)? False where
     # the prefill drew its token from less than the whole prompt
     same_first_token: bool = True
+    # the texts of other first tokens near-tied with the prefill's (its logprobs within the margin)
+    ties: tuple[str, ...] = ()
+    # the prefill refused what the gateway added, not what the client asked (the near-tie
+    # logprobs, above a vLLM's --max-logprobs): send it again without
+    refused_ask: bool = False
 
 
 class ProbeInfo(msgspec.Struct, frozen=True):

@@ -60,6 +60,7 @@ class _Usage(msgspec.Struct):
 
 class _Choice(msgspec.Struct):
     finish_reason: str | None = None
+    logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent; read only when the guard asked for it
 
 
 class _PrefillOut(msgspec.Struct):
@@ -70,6 +71,31 @@ class _PrefillOut(msgspec.Struct):
 
 _prefill_dec = msgspec.json.Decoder(_PrefillOut)
 _params_dec = msgspec.json.Decoder(KVTransferParams)
+
+
+class _CompletionLogprobs(msgspec.Struct):  # one token's: vLLM's CompletionLogProbs
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class _Alternative(msgspec.Struct):
+    token: str
+    logprob: float
+
+
+class _ChatToken(msgspec.Struct):
+    token: str
+    logprob: float
+    top_logprobs: list[_Alternative] = []
+
+
+class _ChatLogprobs(msgspec.Struct):  # vLLM's ChatCompletionLogProbs
+    content: list[_ChatToken] | None = None
+
+
+_completion_lp = msgspec.json.Decoder(_CompletionLogprobs)
+_chat_lp = msgspec.json.Decoder(_ChatLogprobs)
 
 
 class VLLMAdapter:
@@ -109,7 +135,12 @@ class VLLMAdapter:
         if "max_completion_tokens" in fields:
             set_["max_completion_tokens"] = b"1"
         drop: tuple[str, ...] = _PREFILL_DROPS
-        if _at_least_one(fields.get("min_tokens")):
+        raw_min = fields.get("min_tokens")
+        if raw_min is not None and bytes(raw_min).strip() == b"null":
+            # vLLM refuses a null `min_tokens` (an int field): the prefill is sent it too, and
+            # refuses it in vLLM's words before doing any work, not the decode after it
+            drop = _PREFILL_DROPS_BUT_MIN
+        elif _at_least_one(raw_min):
             # A minimum length holds back EOS and the stop token ids (and stop strings) until it
             # is reached: the decode's first token is drawn so. The prefill, which draws its one
             # token with `max_tokens` 1, gets the same hold for that token (1 is all `max_tokens`
@@ -118,6 +149,8 @@ class VLLMAdapter:
             # asked for more.
             set_["min_tokens"] = b"1"
             drop = _PREFILL_DROPS_BUT_MIN
+        if ctx.near_ties and req.greedy:
+            _ask_for_alternatives(req, fields, set_, ctx.near_ties)
         return _body.rewrite(fields, drop=drop, set_=set_)
 
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
@@ -135,6 +168,21 @@ class VLLMAdapter:
 
     def judge_prefill(self, req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:
         if status != 200:
+            if (
+                status == 400
+                and ctx.near_ties
+                and b"Requested sample logprobs of" in body
+                and _asks_alternatives(req, req.decode_dict())
+            ):
+                # vLLM's --max-logprobs is below what the guard asked for (a client that asks
+                # logprobs itself is sent its own fields and nothing more: its refusal is its own)
+                return PrefillVerdict(
+                    ok=False,
+                    reason="prefill refuses the near-tie logprobs (its --max-logprobs is lower)",
+                    status=status,
+                    body=body,
+                    refused_ask=True,
+                )
             retryable = status >= 500 or status in (408, 429)
             return PrefillVerdict(
                 ok=False,
@@ -199,7 +247,10 @@ class VLLMAdapter:
         if why is not None:
             # too few blocks kill a real vLLM decode (assert in nixl _apply_prefix_caching)
             return PrefillVerdict(ok=False, reason=why, status=502)
-        return PrefillVerdict(ok=True, kv_params=raw, same_first_token=same_first)
+        ties: tuple[str, ...] = ()
+        if ctx.near_ties and same_first and out.choices and out.choices[0].logprobs:
+            ties = _ties(out.choices[0].logprobs, req.route is RouteKind.CHAT, ctx.near_tie_margin)
+        return PrefillVerdict(ok=True, kv_params=raw, same_first_token=same_first, ties=ties)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
         return None
@@ -266,6 +317,59 @@ def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | N
                 f"(block size {block_size}: {max(need)} expected)"
             )
     return None
+
+
+def _ask_for_alternatives(
+    req: ParsedRequest, fields: dict[str, msgspec.Raw], set_: dict[str, bytes], k: int
+) -> None:
+    """Ask a greedy request's prefill for the logprobs of its `k` best first tokens, which the
+    decode guard reads when the decode starts on another one (a near tie, `_ties`). The client's
+    own logprob fields are left as they are (the prefill then validates them as the decode will),
+    and so is a request that echoes: with `echo`, vLLM scores the whole prompt for logprobs."""
+    if not _asks_alternatives(req, fields):
+        return
+    if req.route is RouteKind.CHAT:
+        if not _given(fields.get("logprobs")):
+            set_["logprobs"] = b"true"
+        set_["top_logprobs"] = str(k).encode()
+    else:
+        set_["logprobs"] = str(k).encode()
+
+
+def _asks_alternatives(req: ParsedRequest, fields: dict[str, msgspec.Raw]) -> bool:
+    """Does the gateway add its own logprob fields to this greedy request's prefill?"""
+    if _given(fields.get("echo")):
+        return False
+    if req.route is RouteKind.CHAT:
+        return "top_logprobs" not in fields
+    return not _given(fields.get("logprobs"))
+
+
+def _given(raw: msgspec.Raw | None) -> bool:
+    return raw is not None and bytes(raw).strip() not in (b"null", b"false", b"")
+
+
+def _ties(raw: msgspec.Raw, chat: bool, margin: float) -> tuple[str, ...]:
+    """The texts of the prefill's other first tokens whose logprobs are within `margin` of the
+    one it drew (greedy: its best), from its choice's `logprobs`; () where they say nothing."""
+    try:
+        if chat:
+            content = _chat_lp.decode(raw).content
+            if not content:
+                return ()
+            best, drawn = content[0].logprob, content[0].token
+            alts = [(a.token, a.logprob) for a in content[0].top_logprobs]
+        else:
+            lp = _completion_lp.decode(raw)
+            if not lp.tokens or not lp.token_logprobs or not lp.top_logprobs:
+                return ()
+            first, drawn, top = lp.token_logprobs[0], lp.tokens[0], lp.top_logprobs[0]
+            if first is None or top is None:
+                return ()
+            best, alts = first, list(top.items())
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ()
+    return tuple(t for t, v in alts if t != drawn and v >= best - margin)
 
 
 def _at_least_one(raw: msgspec.Raw | None) -> bool:

@@ -48,13 +48,15 @@ def _nginx_str(s: str) -> str:
     return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _completion(text: str, prompt_tokens: int, completion_tokens: int, extra: str = "") -> str:
+def _completion(
+    text: str, prompt_tokens: int, completion_tokens: int, extra: str = "", logprobs: object = None
+) -> str:
     body = {
         "id": "cmpl-bench",
         "object": "text_completion",
         "created": 0,
         "model": "bench-model",
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": "length"}],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -67,9 +69,17 @@ def _completion(text: str, prompt_tokens: int, completion_tokens: int, extra: st
 
 def prefill_answer(engine: str, prompt_tokens: int) -> str:
     """A prefill's answer: one token "a"; vLLM's adds `kv_transfer_params` whose
-    `remote_request_id` holds the placeholder `REQID` for the request's X-Request-Id."""
+    `remote_request_id` holds the placeholder `REQID` for the request's X-Request-Id, and the
+    logprobs of its 3 best first tokens, which the gateway asks a greedy request's prefill for."""
     extra = ""
+    logprobs = None
     if engine == "vllm":
+        logprobs = {
+            "text_offset": [0],
+            "token_logprobs": [-0.11],
+            "tokens": ["a"],
+            "top_logprobs": [{"a": -0.11, "b": -2.53, "c": -3.07}],
+        }
         params = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -82,7 +92,7 @@ def prefill_answer(engine: str, prompt_tokens: int) -> str:
             "remote_num_tokens": prompt_tokens,
         }
         extra = ',"kv_transfer_params":' + json.dumps(params, separators=(",", ":"))
-    return _completion("a", prompt_tokens, 1, extra)
+    return _completion("a", prompt_tokens, 1, extra, logprobs)
 
 
 def _stream(tokens: int) -> list[str]:

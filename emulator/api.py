@@ -47,6 +47,7 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
     # only for a prefill capped by length (Mooncake's rule): a P/D prefill (max_tokens 1) whose
     # one token is a stop id then ends "stop" and hands over no KV (kv_transfer_params null)
     stop_checks_first: bool = False
+    max_logprobs: int = 20  # vLLM's --max-logprobs (its default): a request asking more is refused
     # --ssl-certfile / --ssl-keyfile (both engines' flags): the HTTP API over TLS (the bootstrap
     # and KV ports stay plain)
     ssl_certfile: str | None = None
@@ -77,6 +78,8 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
             argv += ["--stream-interval", str(self.stream_interval)]
         if self.stop_checks_first:
             argv.append("--stop-checks-first")
+        if self.max_logprobs != 20:
+            argv += ["--max-logprobs", str(self.max_logprobs)]
         if self.ssl_certfile is not None:
             argv += ["--ssl-certfile", self.ssl_certfile]
         if self.ssl_keyfile is not None:

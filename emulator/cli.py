@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         "caps length first): a P/D prefill stopped on its one token hands over no KV",
     )
     p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="vLLM's own flag: the most sample logprobs a request may ask for (-1: no cap)",
+    )
+    p.add_argument(
         "--ssl-certfile",
         default=None,
         help="serve the HTTP API over TLS with this certificate (PEM), as the engines' own flag",
@@ -103,6 +109,7 @@ def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
         handshake_timeout_s=args.handshake_timeout,
         stream_interval=args.stream_interval,
         stop_checks_first=args.stop_checks_first,
+        max_logprobs=args.max_logprobs,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         api_key=args.api_key,

@@ -21,6 +21,9 @@ Kinds and where they act:
                            ``mode=short``: one block) - SGLang: ships random bytes
 ``wrong_request_kv``       the KV server serves another request's KV for this one
 ``health_ok_but_hung``     requests hang, ``/health`` stays 200
+``tie_flip``               vLLM decode with remote KV: where its first token's two best are
+                           near-tied (``model.tie_gap``), it draws the runner-up (numerics that
+                           differ between the legs; a correct answer, not a failure)
 =========================  =====================================================================
 
 ``FRACTION`` (default 1.0) is the share of requests hit, drawn from a seeded RNG.
@@ -48,6 +51,7 @@ KINDS = frozenset(
         "bogus_kv_params",
         "wrong_request_kv",
         "health_ok_but_hung",
+        "tie_flip",
     }
 )
 

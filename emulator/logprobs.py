@@ -23,8 +23,9 @@ class LogprobAsk(msgspec.Struct, frozen=True):
     top: int  # alternatives asked for (completions: `logprobs`; chat: `top_logprobs`)
 
 
-def logprob_ask(body: dict[str, Any], chat: bool) -> LogprobAsk | None:
-    """What the request asks for, or None. Raises ValueError for a value the engines refuse."""
+def logprob_ask(body: dict[str, Any], chat: bool, max_logprobs: int = MAX_LOGPROBS) -> LogprobAsk | None:
+    """What the request asks for, or None. Raises ValueError for a value the engines refuse
+    (`max_logprobs`: vLLM's --max-logprobs, -1 no cap)."""
     if chat:
         if not body.get("logprobs"):
             if body.get("top_logprobs"):
@@ -37,9 +38,9 @@ def logprob_ask(body: dict[str, Any], chat: bool) -> LogprobAsk | None:
             return None
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise ValueError(f"logprobs must be a non-negative integer, got {top!r}")
-    if top > MAX_LOGPROBS:
+    if max_logprobs >= 0 and top > max_logprobs:
         raise ValueError(
-            f"Requested sample logprobs of {top}, which is greater than max allowed: {MAX_LOGPROBS}"
+            f"Requested sample logprobs of {top}, which is greater than max allowed: {max_logprobs}"
         )
     return LogprobAsk(chat, top)
 
@@ -48,11 +49,13 @@ def alternatives(prev: int, tok: int, top: int) -> list[tuple[int, float]]:
     """The `top` most likely tokens after `prev` where `tok` came, best first (`tok` itself)."""
     lp = model.prompt_logprob(prev, tok)
     out = [(tok, lp)]
+    gap = model.tie_gap(prev, tok)
+    first = 0.25 if gap is None else gap  # the runner-up's distance (a near tie: small)
     for alt in model.ALPHABET_IDS:
         if len(out) >= top:
             break
         if all(alt != t for t, _ in out):
-            out.append((alt, lp - 0.25 * len(out)))
+            out.append((alt, lp - first - 0.25 * (len(out) - 1)))
     return out[:top]
 
 

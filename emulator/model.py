@@ -102,6 +102,21 @@ def prompt_logprob(prev_id: int, token_id: int) -> float:
     return -0.5 - x / 8192.0
 
 
+def tie_gap(prev_id: int, token_id: int) -> float | None:
+    """How far (nats) the runner-up trails the best token `token_id` after `prev_id` where the
+    two are near-tied (about one pair in eight), None elsewhere (it trails by 0.25, as each
+    further rank trails the one before). Two engines' passes over the same prompt that differ in
+    their last bits (batch, kernel) may draw either of near-tied tokens."""
+    x = ((prev_id * 2654435761) ^ (token_id * 40503)) & 0xFFFF
+    return 0.02 if x % 8 == 0 else None
+
+
+def runner_up(token_id: int) -> int:
+    """The second most likely token where `token_id` is the best (the `logprobs` alternatives'
+    first)."""
+    return next(t for t in ALPHABET_IDS if t != token_id)
+
+
 def sample_seed(seed: int | None, index: int) -> int | None:
     """The seed of sample ``index`` of an ``n > 1`` request (vLLM's child requests use
     ``seed + index``): greedy stays greedy, sampled children differ yet are reproducible. Kept

@@ -390,7 +390,7 @@ def setup(s: EmulatorServer) -> None:
         except (TypeError, ValueError):
             return _error(400, "n must be an integer", param="n")
         try:
-            ask = logprob_ask(body, chat)
+            ask = logprob_ask(body, chat, s.spec.max_logprobs)
             stop = stop_spec(body, "include_stop_str_in_output", "min_tokens", strings_wait=True)
         except ValueError as e:
             return _error(400, str(e))
@@ -508,6 +508,11 @@ def setup(s: EmulatorServer) -> None:
             steps = tokens(s, seq, n, hit)
             try:
                 async for tok in steps:
+                    if first and remote_prefill and "tie_flip" in hit and prompt:
+                        # the decode's own pass over the prompt's last token (vLLM recomputes
+                        # it to sample) lands on the other side of a near tie
+                        if model.tie_gap(prompt[-1], tok) is not None:
+                            tok = model.runner_up(tok)
                     out.append(tok)
                     stopped = stopper is not None and stopper.feed(tok)
                     last = stopped or len(out) == n

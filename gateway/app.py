@@ -87,6 +87,8 @@ class Gateway:
                     shadow_tokens=cfg.guards.shadow_tokens,
                     shadow_before_delivery=cfg.guards.shadow_before_delivery,
                     suspect_window_s=cfg.guards.suspect_window_s,
+                    near_tie_alternatives=cfg.guards.near_tie_alternatives,
+                    near_tie_margin=cfg.guards.near_tie_margin,
                 ),
             ),
         )

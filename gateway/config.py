@@ -293,10 +293,17 @@ class GuardsConfig(_Section, frozen=True):
     shadow_before_delivery: bool = False  # sampled shadows hold a whole answer until they agree
     suspect_window_s: float = 120.0  # after a KV-integrity failure: the pair's answers verified first
     chars_per_token_estimate: float = 4.0  # prompt length estimate without a tokenizer
+    near_tie_alternatives: int = 3  # vLLM: a greedy prefill is asked for its best first tokens (0: not)
+    near_tie_margin: float = 0.2  # nats: a decode first token this close to the prefill's is a tie
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.shadow_fraction <= 1.0:
             raise ValueError("guards.shadow_fraction must be in [0, 1]")
+        if not 0 <= self.near_tie_alternatives <= 20:
+            raise ValueError(
+                "guards.near_tie_alternatives must be in [0, 20] (vLLM's default --max-logprobs)"
+            )
+        _non_negative("guards", near_tie_margin=self.near_tie_margin)
         _positive("guards", shadow_tokens=self.shadow_tokens)
         _non_negative("guards", suspect_window_s=self.suspect_window_s)
         _positive("guards", chars_per_token_estimate=self.chars_per_token_estimate)

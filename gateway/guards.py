@@ -50,6 +50,10 @@ class GuardSettings(msgspec.Struct, frozen=True):
     shadow_before_delivery: bool = False  # sampled shadows hold a whole answer until they agree
     suspect_window_s: float = 120.0  # after a KV-integrity failure, the pair's answers are verified
     max_bytes_per_token: float = 16.0  # lower-bound divisor for text prompts without a tokenizer
+    # vLLM: the prefill of a greedy request is asked for its best first tokens with logprobs, and a
+    # decode whose first token is one within `near_tie_margin` (nats) of the best is a numerics tie
+    near_tie_alternatives: int = 3
+    near_tie_margin: float = 0.2
 
 
 class Summary(msgspec.Struct):
@@ -64,6 +68,11 @@ class Summary(msgspec.Struct):
     # the engine parsed the text (a reasoning or tool-call parser: `reasoning_content`,
     # `tool_calls`): its first text is no measure of the first token
     parsed: bool = False
+    # (a prefill's) the texts of the other first tokens its logprobs put within the near-tie margin
+    # of the one it drew: a decode starting on one of them drew from near-tied logits
+    ties: tuple[str, ...] = ()
+    # (a decode's) its first token differed from the prefill's, but was one of the prefill's ties
+    tied: bool = False
 
 
 def preflight(
@@ -153,6 +162,9 @@ def check_decode(
     if greedy:
         if prefill.first_token_id is not None and decode.first_token_id is not None:
             if prefill.first_token_id != decode.first_token_id:
+                if _a_tie(prefill, decode):
+                    decode.tied = True
+                    return None
                 return (
                     f"decode's first token {decode.first_token_id} differs from the prefill's "
                     f"{prefill.first_token_id} on a greedy or seeded request"
@@ -163,14 +175,30 @@ def check_decode(
             and _comparable(prefill.first_text)
             and not (prefill.parsed or decode.parsed)
         ):
-            if not decode.first_text.startswith(prefill.first_text) and not prefill.first_text.startswith(
-                decode.first_text
-            ):
+            if not _agree(decode.first_text, prefill.first_text):
+                if _a_tie(prefill, decode):
+                    decode.tied = True
+                    return None
                 return (
                     f"decode's output starts {decode.first_text[:16]!r}, the prefill sampled "
                     f"{prefill.first_text!r} on a greedy or seeded request"
                 )
     return None
+
+
+def _agree(text: str, token: str) -> bool:
+    return text.startswith(token) or token.startswith(text)
+
+
+def _a_tie(prefill: Summary, decode: Summary) -> bool:
+    """Did the decode start on a token the prefill's logprobs put within the near-tie margin of
+    its own? vLLM's decode samples the first token again, from its own pass over the prompt's
+    last token (the KV of the rest pulled from the prefill): another kernel, another batch, so
+    logits that differ in their last bits, and of two near-tied tokens either may win."""
+    text = decode.first_text
+    if not prefill.ties or not text or decode.parsed:
+        return False
+    return any(t and _comparable(t) and _agree(text, t) for t in prefill.ties)
 
 
 # An aborted transfer (sglang #33507) ends with "length" after the one token the prefill sampled.

@@ -191,6 +191,13 @@ class GatewayMetrics:
         self.guard_failures = Counter(
             "pdgw_guard_failures", "KV-integrity guard failures", ("guard", "stage"), registry=r
         )
+        self.near_ties = Counter(
+            "pdgw_guard_near_ties",
+            "Greedy vLLM handoffs whose decode started on a token near-tied with the prefill's "
+            "(within guards.near_tie_margin by the prefill's logprobs): accepted, not failures",
+            (),
+            registry=r,
+        )
         self.shadow_runs = Counter(
             "pdgw_shadow_runs",
             "Colocated re-runs that verify a P/D answer, by when and what they found",

@@ -469,12 +469,15 @@ class Orchestrator:
         if (req.n > 1 or req.is_batch) and d.adapter.splits_samples:
             await self._split_samples(p, d, plan, req, request_id, res, headers, view, a)
             return
+        g = self.settings.guards
         ctx = HandoffCtx(
             request_id=request_id,
             prefill=plan.prefill,
             decode=plan.decode,
             room=new_room(self.rng),
             stream_usage=self._stream_usage(req),
+            near_ties=g.near_tie_alternatives if req.greedy and p.near_ties and self._guarded(req) else 0,
+            near_tie_margin=g.near_tie_margin,
         )
         if d.adapter.handoff is HandoffMode.CONCURRENT:
             await self._concurrent(p, d, ctx, req, res, headers, view, tokens, a)
@@ -784,11 +787,20 @@ class Orchestrator:
             try:
                 with a.wheel.after(t.prefill_s, a.task):
                     status, out = await self._call_whole(p, req.path, _for(p, headers), pbody, "prefill")
+                    verdict = p.adapter.judge_prefill(req, ctx, status, out)
+                    if verdict.refused_ask:
+                        # the worker takes no near-tie logprobs: asked no more, and this request's
+                        # prefill goes again without them (it refused before doing any work)
+                        p.near_ties = False
+                        log.warning("worker.refuses_near_tie_logprobs", worker=p.id, reason=verdict.reason)
+                        ctx = msgspec.structs.replace(ctx, near_ties=0)
+                        pbody = p.adapter.prefill_body(req, ctx)
+                        status, out = await self._call_whole(p, req.path, _for(p, headers), pbody, "prefill")
+                        verdict = p.adapter.judge_prefill(req, ctx, status, out)
             except TimeoutError:
                 raise UpstreamTimeout(
                     f"prefill {p.id} did not answer within {t.prefill_s:g}s", phase="prefill", worker=p.id
                 ) from None
-            verdict = p.adapter.judge_prefill(req, ctx, status, out)
             if not verdict.ok:
                 ok_p = not verdict.retryable  # a 4xx verdict is the request's fault
                 raise self._prefill_refused(p, d, verdict, ctx.request_id, status == 200)
@@ -882,16 +894,18 @@ class Orchestrator:
         provoked = False
         self.registry.acquire(d, tokens)
         if verdict.kv_params is None:
-            # the prefill ended on its first token and hands over no KV: the decode computes the
-            # prompt itself, with the client's whole request (its first token may rightly differ
-            # from the prefill's: `min_tokens` holds back the EOS that ended the prefill)
+            # the prefill ended on its first token (EOS or a stop id) and hands over no KV: the
+            # decode computes the prompt itself, with the client's whole request; nothing was
+            # handed over for a guard to check
             guard = None
             log.info("request.prefill_stopped", request_id=ctx.request_id, prefill=p.id, decode=d.id)
         else:
             guard = self._decode_guard(req, ctx, p.adapter, out)
-            if guard is not None and not verdict.same_first_token:
-                guard.prefill.first_token_id = None  # its token is no measure of the decode's
-                guard.prefill.first_text = None
+            if guard is not None:
+                if not verdict.same_first_token:
+                    guard.prefill.first_token_id = None  # its token is no measure of the decode's
+                    guard.prefill.first_text = None
+                guard.prefill.ties = verdict.ties
         wait_s = self._head_budget(req, d, t.handoff_s)
         try:
             try:
@@ -1133,6 +1147,7 @@ class Orchestrator:
         else:
             payloads = [prefill_body]
         g = _DecodeGuard(ctx, prefill_adapter, req, prefill_adapter.summarize(req, payloads))
+        g.on_tie = self._near_tie
         s = self.settings.guards
         suspects = self.registry.suspect_pairs()  # a shared empty set while no pair is suspect
         if _verifiable(req) and (
@@ -1329,6 +1344,19 @@ class Orchestrator:
                     instead=_prefill_error(p, v),  # no other route: the engine's own answer
                 )
         return _prefill_error(p, v)
+
+    def _near_tie(self, g: _DecodeGuard, decode: Summary) -> None:
+        """The decode started on another token than the prefill, one the prefill's logprobs put
+        within the near-tie margin of its own: not a failure, but counted and logged."""
+        self.metrics.child(self.metrics.near_ties).inc()
+        log.info(
+            "guard.near_tie",
+            request_id=g.ctx.request_id,
+            prefill=g.ctx.prefill.id,
+            decode=g.ctx.decode.id,
+            prefill_token=g.prefill.first_text,
+            decode_start=(decode.first_text or "")[:16],
+        )
 
     def _guard_failed(self, guard: Guard, stage: str, request_id: str, why: str, **kw: object) -> None:
         self.metrics.child(self.metrics.guard_failures, guard.value, stage).inc()
@@ -1548,7 +1576,7 @@ def texts_agree(got: str, want: str) -> bool:
 class _DecodeGuard:
     """Decode-consistency checks of one handoff, against what its prefill said."""
 
-    __slots__ = ("adapter", "context_length", "ctx", "prefill", "req", "verify")
+    __slots__ = ("adapter", "context_length", "ctx", "on_tie", "prefill", "req", "tied", "verify")
 
     def __init__(self, ctx: HandoffCtx, adapter: EngineAdapter, req: ParsedRequest, prefill: Summary) -> None:
         self.ctx = ctx
@@ -1558,6 +1586,9 @@ class _DecodeGuard:
         self.context_length = ctx.decode.context_length
         # a colocated re-run whose answer must agree before this one is delivered, or None
         self.verify: asyncio.Future[bytes | None] | None = None
+        # told once when the decode's first token is a near tie of the prefill's, not its own
+        self.on_tie: Callable[[_DecodeGuard, Summary], None] | None = None
+        self.tied = False
 
     def drop_verification(self) -> None:
         """The attempt ended without consuming its verification run: stop it."""
@@ -1577,18 +1608,30 @@ class _DecodeGuard:
             first_text=first.first_text,
             parsed=first.parsed,
         )
-        return check_decode(
+        why = check_decode(
             self.prefill, early, max_tokens=None, context_length=None, greedy=self.req.same_first_token
         )
+        if early.tied:
+            self._tie(early)
+        return why
 
     def check_end(self, whole: Summary) -> str | None:
-        return check_decode(
+        why = check_decode(
             self.prefill,
             whole,
             max_tokens=self.req.max_tokens,
             context_length=self.context_length,
             greedy=self.req.same_first_token,
         )
+        if whole.tied:
+            self._tie(whole)
+        return why
+
+    def _tie(self, decode: Summary) -> None:
+        if not self.tied:
+            self.tied = True
+            if self.on_tie is not None:
+                self.on_tie(self, decode)
 
 
 class _Choice0(msgspec.Struct):

@@ -56,6 +56,7 @@ class Worker:
         "labels",
         "load",
         "load_path",
+        "near_ties",
         "pool",
         "port",
         "probe_failures",
@@ -115,6 +116,9 @@ class Worker:
         self.info = ProbeInfo()
         self.probe_failures = 0
         self.probe_successes = 0
+        # may a greedy request's prefill be asked for its best first tokens' logprobs (the
+        # near-tie check)? False once the worker refused them (a vLLM with a low --max-logprobs)
+        self.near_ties = True
         # partner id -> the request whose handoff between this worker and that partner failed
         # last, since this worker's last good handoff, where no one worker was blamed
         # (Registry.record_pair)

@@ -41,13 +41,14 @@ async def build_cluster(
     vocab_size: int | None = None,
     api_key: str | None = None,
     vllm_stop_checks_first: bool = False,
+    vllm_prefill_max_logprobs: int = 20,
     **gw: object,
 ) -> Cluster:
     """`colocated_fallback` adds a colocated worker for each P/D model to the gateway (the
     fallback ladder's second rung); `sglang_stream_interval` is the SGLang decode's (and its
     reference's) `--stream-interval`; `api_key`: the gateway's engines (not the references) run
     with `--api-key`, and the gateway is given it (`api_key_env`); `vllm_stop_checks_first`: the
-    vLLM prefill judges stop token ids before its length cap (newer vLLM, `--stop-checks-first`)."""
+    vLLM prefill judges stop token ids before its length cap (newer vLLM, `--stop-checks-first`); `vllm_prefill_max_logprobs`: its `--max-logprobs`."""
     faults = faults or {}
     specs = {
         "sgl-p": EmulatorSpec(
@@ -76,6 +77,7 @@ async def build_cluster(
             faults=faults.get("vllm-p", []),
             max_model_len=prefill_max_model_len,
             stop_checks_first=vllm_stop_checks_first,
+            max_logprobs=vllm_prefill_max_logprobs,
         ),
         "vllm-d": EmulatorSpec(
             engine="vllm",

@@ -450,6 +450,14 @@ def test_vllm_prefill_gets_min_tokens_as_at_most_one(given: object, sent: int | 
     assert prefill.get("min_tokens") == sent and prefill["max_tokens"] == 1
 
 
+def test_vllm_prefill_is_sent_a_null_min_tokens_to_refuse_it_first() -> None:
+    """vLLM refuses `"min_tokens": null` (an int field): the prefill gets it as sent, so that it
+    refuses before its work rather than the decode after it (with the prefill's KV held)."""
+    client = {"model": "m", "prompt": "hi", "max_tokens": 8, "min_tokens": None}
+    prefill = json.loads(VLLM.prefill_body(parsed(RouteKind.COMPLETIONS, client), ctx(Engine.VLLM)))
+    assert "min_tokens" in prefill and prefill["min_tokens"] is None and prefill["max_tokens"] == 1
+
+
 def test_vllm_prefill_stopped_on_its_token_is_sound_without_params() -> None:
     """Newer vLLM ends a prefill whose one token is a stop id "stop", with no KV handed over: a
     sound verdict with no params (the decode computes the prompt). After "length" the same
@@ -463,6 +471,85 @@ def test_vllm_prefill_stopped_on_its_token_is_sound_without_params() -> None:
         }
         v = VLLM.judge_prefill(req, ctx(Engine.VLLM), 200, json.dumps(body).encode())
         assert v.ok is ok and v.kv_params is None, v
+
+
+def _tie_ctx() -> HandoffCtx:
+    return msgspec.structs.replace(ctx(Engine.VLLM), near_ties=3, near_tie_margin=0.2)
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "want"),
+    [
+        (RouteKind.COMPLETIONS, {}, {"logprobs": 3}),
+        (RouteKind.COMPLETIONS, {"logprobs": 1}, {"logprobs": 1}),  # the client's: validated alike
+        (RouteKind.COMPLETIONS, {"logprobs": None}, {"logprobs": 3}),
+        (RouteKind.COMPLETIONS, {"echo": True}, {"logprobs": None}),  # echo + logprobs scores the prompt
+        (RouteKind.COMPLETIONS, {"temperature": 0.7}, {"logprobs": None}),  # sampled: no ties judged
+        (RouteKind.CHAT, {}, {"logprobs": True, "top_logprobs": 3}),
+        (RouteKind.CHAT, {"logprobs": False}, {"logprobs": True, "top_logprobs": 3}),
+        (RouteKind.CHAT, {"logprobs": True}, {"logprobs": True, "top_logprobs": 3}),
+        (RouteKind.CHAT, {"logprobs": True, "top_logprobs": 1}, {"logprobs": True, "top_logprobs": 1}),
+        (RouteKind.CHAT, {"top_logprobs": 2}, {"logprobs": None, "top_logprobs": 2}),  # vLLM's 400, as sent
+    ],
+)
+def test_vllm_greedy_prefill_is_asked_for_its_best_first_tokens(
+    route: RouteKind, extra: dict[str, Any], want: dict[str, Any]
+) -> None:
+    body: dict[str, Any] = {"model": "m", "max_tokens": 8, "temperature": 0, **extra}
+    if route is RouteKind.CHAT:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    req = parsed(route, body)
+    prefill = json.loads(VLLM.prefill_body(req, _tie_ctx()))
+    assert {k: prefill.get(k) for k in want} == want
+    # not asked for (guards off, `near_tie_alternatives = 0`): the body is the client's
+    plain = json.loads(VLLM.prefill_body(req, ctx(Engine.VLLM)))
+    assert {k: plain.get(k) for k in want} == {k: extra.get(k) for k in want}
+
+
+def _answer_with(logprobs: dict[str, Any], chat: bool) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": logprobs}
+    choice.update({"message": {"role": "assistant", "content": "a"}} if chat else {"text": "a"})
+    return json.dumps(
+        {
+            "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+            "kv_transfer_params": {
+                "remote_engine_id": "e",
+                "remote_request_id": "cmpl-req-1-0-ab",
+                "remote_block_ids": [[1]],
+                "remote_num_tokens": 3,
+            },
+        }
+    ).encode()
+
+
+def test_vllm_prefill_verdict_names_the_tokens_near_tied_with_its_own() -> None:
+    """Tokens within the margin of the drawn one (by the prefill's own logprobs) are its ties;
+    further ones are not, nor is the drawn token itself."""
+    comp = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "hi", "max_tokens": 8, "temperature": 0})
+    lp = {
+        "text_offset": [0],
+        "token_logprobs": [-0.5],
+        "tokens": ["a"],
+        "top_logprobs": [{"a": -0.5, " b": -0.62, "c": -0.71, "d": -3.0}],
+    }
+    v = VLLM.judge_prefill(comp, _tie_ctx(), 200, _answer_with(lp, False))
+    assert v.ok and v.ties == (" b",)
+    chat = parsed(
+        RouteKind.CHAT,
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0},
+    )
+    tops = [{"token": t, "logprob": x, "bytes": []} for t, x in (("a", -0.5), ("b", -0.6), ("c", -0.69))]
+    clp = {"content": [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": tops}]}
+    v = VLLM.judge_prefill(chat, _tie_ctx(), 200, _answer_with(clp, True))
+    assert v.ok and v.ties == ("b", "c")
+    # not asked: not read; malformed or absent logprobs: no ties, the verdict stands
+    assert VLLM.judge_prefill(chat, ctx(Engine.VLLM), 200, _answer_with(clp, True)).ties == ()
+    for bad in ({"content": None}, {"tokens": []}, {"content": [{"token": 1}]}):
+        v = VLLM.judge_prefill(chat, _tie_ctx(), 200, _answer_with(bad, True))
+        assert v.ok and v.ties == ()
 
 
 def _kv_answer(prompt: int, groups: list[list[int]], covered: int | None = None, dcp: int = 1) -> bytes:

@@ -213,3 +213,22 @@ def test_shadow_texts_agree_over_a_character_cut_in_half() -> None:
     assert texts_agree("na\ufffd", "na")
     assert texts_agree("abc", "ab") and texts_agree("ab", "abc")
     assert not texts_agree("abc", "abd") and not texts_agree("xyz", "a\ufffd")
+
+
+def test_a_first_token_near_tied_with_the_prefills_is_no_failure() -> None:
+    """A decode that starts on one of the prefill's near ties (by text, or where ids are compared,
+    by its text too) passes and is marked `tied`; any other token stays a failure."""
+    prefill = Summary(prompt_tokens=3, first_text=" the", ties=(" a", "An"))
+    for start, ok in ((" a", True), (" a cat", True), ("An", True), (" dog", False), ("", True)):
+        decode = Summary(prompt_tokens=3, first_text=start)
+        why = check_decode(prefill, decode, max_tokens=None, context_length=None, greedy=True)
+        assert (why is None) is ok, (start, why)
+        assert decode.tied is (ok and start != ""), start
+    ids = Summary(prompt_tokens=3, first_token_id=7, first_text=" the", ties=(" a",))
+    tied = Summary(prompt_tokens=3, first_token_id=9, first_text=" a")
+    assert check_decode(ids, tied, max_tokens=None, context_length=None, greedy=True) is None and tied.tied
+    other = Summary(prompt_tokens=3, first_token_id=9, first_text=" b")
+    assert check_decode(ids, other, max_tokens=None, context_length=None, greedy=True) is not None
+    # without ties (SGLang, sampled, not asked) a different token is a failure as before
+    plain = Summary(prompt_tokens=3, first_text=" the")
+    assert check_decode(plain, Summary(first_text=" a"), max_tokens=None, context_length=None, greedy=True)
