@@ -505,7 +505,7 @@ def setup(s: EmulatorServer) -> None:
             first = True
             shown = 0  # tokens whose text a stream has shown (a stop string's start is held back)
             stopper = Stopper(stop) if stop is not None else None
-            steps = tokens(s, seq, n, hit)
+            steps = tokens(s, seq, n, hit, stop)
             try:
                 async for tok in steps:
                     out.append(tok)
@@ -848,7 +848,7 @@ def setup(s: EmulatorServer) -> None:
                 await engine.prefill(seq)
                 stopper = stoppers[k]
                 shown = 0
-                steps = tokens(s, seq, max_new, hit)
+                steps = tokens(s, seq, max_new, hit, stop)
                 try:
                     async for tok in steps:
                         out.append(tok)
