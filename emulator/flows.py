@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from emulator.faults import Fault
 from emulator.kvtransfer import TransferError, abort_room, notify_done, pull_blocks, wait_room
 from emulator.scheduler import Seq
+from emulator.stops import StopSpec
 
 if TYPE_CHECKING:
     from emulator.app import EmulatorServer
@@ -45,10 +46,13 @@ async def admit_and_compute(
 
 
 async def tokens(
-    server: EmulatorServer, seq: Seq, n: int, hit: dict[str, Fault]
+    server: EmulatorServer, seq: Seq, n: int, hit: dict[str, Fault], stop: StopSpec | None = None
 ) -> AsyncGenerator[int, None]:
-    """Output tokens with the per-token faults applied."""
+    """Output tokens with the per-token faults applied; `stop`'s minimum length masks its stop
+    token ids out of the first tokens (`StopSpec.drawn`). Each call draws from output position 0:
+    a P/D decode generates its whole answer, the prefill's token included."""
     engine = server.engine
+    held = stop.min_tokens if stop is not None and stop.ids else 0
     slow = hit.get("slow")
     mid = hit.get("hang_mid_stream") or hit.get("crash_mid_stream")
     after = mid.get_int("after", 2) if mid is not None else -1
@@ -58,6 +62,9 @@ async def tokens(
         async for tok in steps:
             if i == after and mid is not None:
                 raise MidStreamFault(mid.kind)
+            if i < held:
+                assert stop is not None
+                tok = stop.drawn(tok, i)
             if i == 0:
                 seq.t_first = time.time()
             engine.counters.generation_tokens_total += 1

@@ -177,11 +177,59 @@ def lax_float(v: Any) -> float | Invalid:
     return Invalid(_FLOAT_TYPE)
 
 
-def coerce_openai(body: dict[str, Any], chat: bool) -> str | None:
+_LIST_TYPE = "Input should be a valid list"
+_STRING_TYPE = "Input should be a valid string"
+_MM_PAYLOAD = "Input should be 'tensors' or 'none'"
+
+# vLLM's request-model fields typed without `| None` (0.32: CompletionRequest in
+# entrypoints/openai/completion/protocol.py, ChatCompletionRequest in
+# entrypoints/openai/chat_completion/protocol.py), in declaration order, with pydantic's refusal
+# of a JSON null for each (checked by validating each model with each field null). A null for
+# any other field is its default (the `| None` ones; `stop`, whose StopParam takes None;
+# `max_tokens`, set to its default by normalize_null_max_tokens).
+VLLM_NO_NULL_COMPLETIONS: tuple[tuple[str, str], ...] = (
+    ("n", _INT_TYPE),
+    ("use_beam_search", _BOOL_TYPE),
+    ("length_penalty", _FLOAT_TYPE),
+    ("include_stop_str_in_output", _BOOL_TYPE),
+    ("ignore_eos", _BOOL_TYPE),
+    ("min_tokens", _INT_TYPE),
+    ("skip_special_tokens", _BOOL_TYPE),
+    ("spaces_between_special_tokens", _BOOL_TYPE),
+    ("bad_words", _LIST_TYPE),
+    ("add_special_tokens", _BOOL_TYPE),
+    ("priority", _INT_TYPE),
+    ("request_id", _STRING_TYPE),
+    ("routed_experts_prompt_start", _INT_TYPE),
+    ("mm_payload", _MM_PAYLOAD),
+)
+VLLM_NO_NULL_CHAT: tuple[tuple[str, str], ...] = (  # (chat's `n` is `int | None`, its `echo` a bool)
+    ("include_reasoning", _BOOL_TYPE),
+    ("use_beam_search", _BOOL_TYPE),
+    ("length_penalty", _FLOAT_TYPE),
+    ("include_stop_str_in_output", _BOOL_TYPE),
+    ("ignore_eos", _BOOL_TYPE),
+    ("min_tokens", _INT_TYPE),
+    ("skip_special_tokens", _BOOL_TYPE),
+    ("spaces_between_special_tokens", _BOOL_TYPE),
+    ("bad_words", _LIST_TYPE),
+    ("echo", _BOOL_TYPE),
+    ("add_generation_prompt", _BOOL_TYPE),
+    ("continue_final_message", _BOOL_TYPE),
+    ("add_special_tokens", _BOOL_TYPE),
+    ("priority", _INT_TYPE),
+    ("request_id", _STRING_TYPE),
+    ("routed_experts_prompt_start", _INT_TYPE),
+    ("mm_payload", _MM_PAYLOAD),
+)
+
+
+def coerce_openai(body: dict[str, Any], chat: bool, no_null: tuple[tuple[str, str], ...] = ()) -> str | None:
     """Coerce `body`'s scalar fields in place (completions: `logprobs` is a count; chat: a flag)
     and answer the validation error pydantic raises for those it refuses, or None. A null is
-    read as absent."""
-    refused: list[str] = []
+    read as absent, but for the fields of `no_null` (field, pydantic's refusal of a null: the
+    engine's model types them without `| None`)."""
+    refused: list[str] = [f"{k}: {msg}" for k, msg in no_null if k in body and body[k] is None]
 
     def each(
         obj: dict[str, Any], keys: tuple[str, ...], conv: Callable[[Any], object], prefix: str = ""

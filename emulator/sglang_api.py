@@ -257,7 +257,7 @@ class SglangApi:
                     }
                     res.error_status, res.error_message = 400, msg
                     return res
-                async for tok in tokens(s, seq, 1, hit):
+                async for tok in tokens(s, seq, 1, hit, item.stop):
                     out.append(tok)
                 try:
                     # abortable: /abort_request reaches a request waiting for its decode
@@ -292,7 +292,7 @@ class SglangApi:
                         raise
                     # sglang #33507: the client sees a normal "length" finish after one token
                     engine.set_state(seq)
-                    async for tok in tokens(s, seq, 1, hit):
+                    async for tok in tokens(s, seq, 1, hit, item.stop):
                         out.append(tok)
                     if on_token is not None:
                         await on_token(out)
@@ -304,7 +304,7 @@ class SglangApi:
             every = max(1, s.spec.stream_interval)  # --stream-interval: an event per `every` tokens
             stopper = Stopper(item.stop) if item.stop is not None else None
             shown = 0  # tokens a stream has shown (a stop string's possible start is held back)
-            gen = tokens(s, seq, item.max_new, hit)
+            gen = tokens(s, seq, item.max_new, hit, item.stop)
             try:
                 async for tok in gen:
                     out.append(tok)

@@ -11,10 +11,13 @@ The emulated model's tokens are one printable character each, so a character pos
 text is a token position: "visible" counts both.
 
 A minimum length (vLLM's `min_tokens`, SGLang's `min_new_tokens`) keeps a stop token id from
-ending the sequence before it: both engines mask those ids until the output is that long, so
-the first `min_tokens` tokens never end it (the emulated model still shows the token). vLLM also
-leaves stop strings unchecked until the output is longer than `min_tokens`; SGLang checks them
-from the first token.
+ending the sequence before it: while fewer than `min_tokens` tokens exist, both engines mask EOS
+and the stop token ids out of the logits (vLLM's MinTokensLogitsProcessor sets them to -inf over
+`all_stop_token_ids`; SGLang's min-new-tokens penalizer), so another token is drawn in their
+place. The emulated model does the same (`StopSpec.drawn`, applied where tokens are drawn,
+`emulator.flows.tokens`): the first `min_tokens` tokens are never a stop id (nor EOS, which it
+never draws at all), later ones may be and then end the sequence. vLLM also leaves stop strings
+unchecked until the output is longer than `min_tokens`; SGLang checks them from the first token.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import msgspec
 
 from emulator import tokenizer
+from emulator.model import ALPHABET_IDS
 
 
 class StopSpec(msgspec.Struct, frozen=True):
@@ -32,6 +36,18 @@ class StopSpec(msgspec.Struct, frozen=True):
     keep: bool = False  # the stop string stays in the text
     min_tokens: int = 0  # no stop id ends the first `min_tokens` tokens
     strings_wait: bool = False  # nor a stop string (vLLM)
+
+    def drawn(self, tok: int, index: int) -> int:
+        """The token drawn at output position `index` (0-based) where the model's own choice is
+        `tok`: while fewer than `min_tokens` tokens exist a stop id is masked, and the most
+        likely token left comes instead. After the chosen token the emulated model ranks its
+        alphabet in order (`emulator.logprobs.alternatives`): the first of it not masked, else
+        the first printable byte not masked. It depends on nothing but the model's choice, the
+        position and the request's stop ids (the model's state goes on unchanged), so a P/D
+        decode draws what its prefill drew, and what a colocated server draws."""
+        if index >= self.min_tokens or tok not in self.ids:
+            return tok
+        return _unmasked(self.ids, tok)
 
     @property
     def hold(self) -> int:
@@ -68,6 +84,19 @@ def stop_spec(
     return StopSpec(
         strings, frozenset(ids_raw), bool(params.get(keep_key)), _min_len(params.get(min_key)), strings_wait
     )
+
+
+_PRINTABLE_IDS = tuple(b + tokenizer.BYTE_OFFSET for b in range(32, 127))
+
+
+def _unmasked(masked: frozenset[int], tok: int) -> int:
+    for alt in ALPHABET_IDS:
+        if alt not in masked:
+            return alt
+    for alt in _PRINTABLE_IDS:
+        if alt not in masked:
+            return alt
+    return tok  # every printable token masked: no text could be drawn; the engines' outcome is noise
 
 
 def _min_len(raw: Any) -> int:

@@ -35,7 +35,13 @@ from emulator.echo import (
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, tokens, vllm_pull_kv, vllm_skip_remote_kv
 from emulator.kvtransfer import Held, TransferError
-from emulator.lax import coerce_openai, normalize_openai_prompt, vllm_seed_error
+from emulator.lax import (
+    VLLM_NO_NULL_CHAT,
+    VLLM_NO_NULL_COMPLETIONS,
+    coerce_openai,
+    normalize_openai_prompt,
+    vllm_seed_error,
+)
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs
 from emulator.metrics import render_vllm
 from emulator.sampling_checks import vllm_refusal
@@ -223,7 +229,7 @@ def setup(s: EmulatorServer) -> None:
             except (msgspec.DecodeError, ValueError) as e:
                 return _error(400, f"Invalid request: {e}")
             # pydantic's request model: a refused field is a 400 while parsing, before any work
-            refused = coerce_openai(body, chat)
+            refused = coerce_openai(body, chat, VLLM_NO_NULL_CHAT if chat else VLLM_NO_NULL_COMPLETIONS)
             if (why := normalize_openai_prompt(body, chat) or refused) is not None:
                 return _error(400, why)
             if (why := vllm_seed_error(body)) is not None:
@@ -505,7 +511,7 @@ def setup(s: EmulatorServer) -> None:
             first = True
             shown = 0  # tokens whose text a stream has shown (a stop string's start is held back)
             stopper = Stopper(stop) if stop is not None else None
-            steps = tokens(s, seq, n, hit)
+            steps = tokens(s, seq, n, hit, stop)
             try:
                 async for tok in steps:
                     if first and remote_prefill and "tie_flip" in hit and prompt:
@@ -853,7 +859,7 @@ def setup(s: EmulatorServer) -> None:
                 await engine.prefill(seq)
                 stopper = stoppers[k]
                 shown = 0
-                steps = tokens(s, seq, max_new, hit)
+                steps = tokens(s, seq, max_new, hit, stop)
                 try:
                     async for tok in steps:
                         out.append(tok)

@@ -67,7 +67,6 @@ from gateway.registry import Registry, Worker
 log = get_logger("pd_gateway.admin")
 
 PREFIX = "/admin/"
-_JSON = (b"content-type", b"application/json")
 _encoder = msgspec.json.Encoder()
 _POLL_S = 0.02  # how often a removal checks the worker's in-flight count
 _MAX_TIMEOUT_S = 3600.0
@@ -133,17 +132,14 @@ class Admin:
             return False
         return hmac.compare_digest(token.strip(), self._token)
 
-    async def __call__(self, req: HttpRequest, res: HttpResponder) -> None:
-        try:
-            if not self.authorized(req):
-                raise Unauthorized("missing or wrong admin bearer token")
-            status, body = await self._route(req)
-        except GatewayError as e:
-            if not res.closed:
-                res.send(e.status, e.headers(), e.body())
-            return
-        if not res.closed:
-            res.send(status, [_JSON], _encoder.encode(body))
+    async def answer(self, req: HttpRequest) -> tuple[int, bytes]:
+        """The status and JSON body of an admin request; a refusal (401 first, then 404, 405,
+        400, 409, 422) is raised as a GatewayError. The gateway's handlers send either, with the
+        request id, and log and count the refusals as they do the data plane's."""
+        if not self.authorized(req):
+            raise Unauthorized("missing or wrong admin bearer token")
+        status, body = await self._route(req)
+        return status, _encoder.encode(body)
 
     async def _route(self, req: HttpRequest) -> tuple[int, Any]:
         parts = req.path[len(PREFIX) :].split("/")

@@ -131,9 +131,21 @@ class Handlers:
                 return self._refuse(req, res, MethodNotAllowed(req.method, "GET, HEAD"))
             return self.model(req, res)
         if self.admin is not None and req.path.startswith("/admin/"):
-            await self.admin(req, res)
+            await self.admin_request(self.admin, req, res)
             return
         self._refuse(req, res, NotFound(f"no route for {req.method} {req.path}"))
+
+    async def admin_request(self, admin: Admin, req: HttpRequest, res: HttpResponder) -> None:
+        """`/admin/...` (a token configured): every answer echoes the request id like the data
+        plane's; its refusals (401, 404, 405, and an operation's 400, 409, 422) are logged and
+        counted as the routing refusals are (stage "admin", route label "other")."""
+        request_id = self.request_id(req)  # before the operation (a drain may wait long)
+        try:
+            status, body = await admin.answer(req)
+        except GatewayError as e:
+            self._refuse(req, res, e, request_id=request_id, stage="admin")
+            return
+        res.send(status, [JSON, (b"x-request-id", request_id.encode())], body)
 
     def _error(self, res: HttpResponder, e: GatewayError, request_id: str | None) -> None:
         headers = e.headers()
@@ -149,18 +161,21 @@ class Handlers:
         *,
         route: RouteKind | None = None,
         model: str | None = None,
+        request_id: str | None = None,
+        stage: str = "route",
     ) -> None:
         """An error answered here outside a generation request's own path (a wrong method, an
-        unknown path or model id): its request id echoed (the client's, else a new one),
-        counted and logged like the requests the orchestrator serves (the model label: none,
-        the name is the client's)."""
-        request_id = self.request_id(req)
+        unknown path or model id, an admin refusal): its request id echoed (the client's, else
+        a new one), counted and logged like the requests the orchestrator serves (the model
+        label: none, the name is the client's)."""
+        if request_id is None:
+            request_id = self.request_id(req)
         self._error(res, e, request_id)
         self.metrics.child(
             self.metrics.requests, route.value if route is not None else OTHER_ROUTE, "", "none", e.code.value
         ).inc()
         if self._log_done:
-            self._log_early(req.path, route, request_id, model, e, None, "route")
+            self._log_early(req.path, route, request_id, model, e, None, stage)
 
     def refused(self, r: Refusal) -> list[tuple[bytes, bytes]]:
         """The HTTP server's hook (`on_refusal`) for a request it answered itself, before any

@@ -7,6 +7,8 @@ import aiohttp
 import pytest
 
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
+from emulator.model import ALPHABET_IDS
+from emulator.tokenizer import BYTE_OFFSET
 
 Factory = Callable[..., Awaitable[EmulatorHandle]]
 
@@ -36,3 +38,9 @@ def sse_events(raw: str) -> list[str]:
     parts = raw.split("\n\n")[:-1]
     assert all(p.startswith("data: ") for p in parts), parts
     return [p[len("data: ") :] for p in parts]
+
+
+def drawn_instead(masked: set[str] | str) -> str:
+    """The character the emulated model draws in place of a stop id that a minimum length
+    masks (`masked`: the stop ids' characters): the first of its alphabet not masked."""
+    return next(chr(t - BYTE_OFFSET) for t in ALPHABET_IDS if chr(t - BYTE_OFFSET) not in masked)

@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.emulator.conftest import Factory, sse_events
+from tests.emulator.conftest import Factory, drawn_instead, sse_events
 
 PROMPT = "Hello world, the quick brown fox"
 
@@ -402,7 +402,8 @@ async def test_min_new_tokens_holds_off_stop_token_ids_only(
     emu: Factory, http: aiohttp.ClientSession
 ) -> None:
     """SGLang masks stop token ids until the output is `min_new_tokens` long (its min-new-tokens
-    penalizer) but checks stop strings from the first token (`Req.check_finished`)."""
+    penalizer: another token is drawn in their place) but checks stop strings from the first
+    token (`Req.check_finished`)."""
     s = await emu("sglang", "both")
     sp = {"temperature": 0, "max_new_tokens": 60}
     _, text, _ = await post(http, s.url + "/generate", {"text": PROMPT, "sampling_params": sp})
@@ -411,13 +412,14 @@ async def test_min_new_tokens_holds_off_stop_token_ids_only(
     tok = ord(ch) + 3
     first = full.index(ch)
     nxt = full.index(ch, first + 1)
+    want = full[:first] + drawn_instead(ch) + full[first + 1 : nxt]
     held = sp | {"stop_token_ids": [tok], "min_new_tokens": first + 1}
     _, text, _ = await post(http, s.url + "/generate", {"text": PROMPT, "sampling_params": held})
     obj = json.loads(text)
-    assert obj["text"] == full[:nxt] and obj["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+    assert obj["text"] == want and obj["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
     comp = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0, "stop_token_ids": [tok]}
     _, text, _ = await post(http, s.url + "/v1/completions", comp | {"min_tokens": first + 1})
-    assert json.loads(text)["choices"][0]["text"] == full[:nxt]
+    assert json.loads(text)["choices"][0]["text"] == want
     _, text, _ = await post(http, s.url + "/v1/completions", comp | {"min_tokens": first})
     assert json.loads(text)["choices"][0]["text"] == full[:first]
     at = first

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.emulator.conftest import Factory, sse_events
+from tests.emulator.conftest import Factory, drawn_instead, sse_events
 
 PREFILL_KTP = {
     "do_remote_decode": True,
@@ -377,8 +377,9 @@ async def test_min_tokens_holds_off_stop_strings_and_stop_token_ids(
     emu: Factory, http: aiohttp.ClientSession
 ) -> None:
     """vLLM checks stop strings only once the output is longer than `min_tokens` (detokenizer)
-    and masks stop token ids until it is that long: a stop inside the first `min_tokens` tokens
-    does not end the sequence, a later one does."""
+    and masks stop token ids until it is that long: a stop string inside the first `min_tokens`
+    tokens does not end the sequence, a later one does; a stop id is not drawn there at all
+    (another token is, tests/emulator/test_min_tokens.py), a later one ends it."""
     s = await emu("vllm", "both")
     base = {"prompt": "Hello there", "max_tokens": 60, "temperature": 0}
     _, text = await post(http, s.url + "/v1/completions", base)
@@ -386,6 +387,7 @@ async def test_min_tokens_holds_off_stop_strings_and_stop_token_ids(
     ch = max(sorted(set(full)), key=full.count)  # a character that recurs
     first = full.index(ch)
     nxt = full.index(ch, first + 1)
+    held = full[:first] + drawn_instead(ch) + full[first + 1 : nxt]
     for mt, want in ((first, first), (first + 1, nxt)):  # the first match is token first + 1
         body = base | {"stop": ch, "min_tokens": mt}
         _, text = await post(http, s.url + "/v1/completions", body)
@@ -394,10 +396,11 @@ async def test_min_tokens_holds_off_stop_strings_and_stop_token_ids(
         body = base | {"stop_token_ids": [ord(ch) + 3], "min_tokens": mt}
         _, text = await post(http, s.url + "/v1/completions", body)
         c = json.loads(text)["choices"][0]
-        assert (c["text"], c["finish_reason"], c["stop_reason"]) == (full[:want], "stop", ord(ch) + 3)
+        shown = full[:first] if mt == first else held
+        assert (c["text"], c["finish_reason"], c["stop_reason"]) == (shown, "stop", ord(ch) + 3)
     _, raw = await post(http, s.url + "/v1/completions", body | {"stream": True})
     events = [json.loads(e) for e in sse_events(raw) if e != "[DONE]"]
-    assert "".join(e["choices"][0]["text"] for e in events) == full[:nxt]
+    assert "".join(e["choices"][0]["text"] for e in events) == held
 
 
 async def test_a_seed_outside_int64_is_refused(emu: Factory, http: aiohttp.ClientSession) -> None:

@@ -13,11 +13,13 @@ from urllib.parse import quote
 
 import aiohttp
 import pytest
+from structlog.testing import capture_logs
 
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.config import AdminConfig
 from gateway.registry import Worker
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
+from tests.integration.test_refusals import done_lines, requests_metric
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -166,6 +168,59 @@ async def test_token_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
         assert status == 200 and len(out["workers"]) == 5
         status, _, _ = await req(c, "GET", "/admin/workers")
         assert status == 401
+    finally:
+        await stop_cluster(c)
+
+
+async def test_admin_answers_echo_the_request_id_and_its_refusals_are_logged_and_counted() -> None:
+    """As the data plane's: the client's id (from the configured headers, in their order) or a
+    generated one on every admin answer, its refusals in OpenAI's error shape with one
+    `request.done` line (stage "admin") and a count under route "other"."""
+    c = await build_cluster(admin=ADMIN, request_id_headers=("x-trace", "x-request-id"))
+    try:
+        before = await requests_metric(c)
+        with capture_logs() as logs:
+            cases = [  # (method, path, headers, status, code or None for a success)
+                ("GET", "/admin/workers", {"X-Request-Id": "no-auth"}, 401, "unauthorized"),
+                ("GET", "/admin/workers", {**AUTH, "X-Trace": "t-1", "X-Request-Id": "r-1"}, 200, None),
+                ("GET", "/admin/no-such-route", {**AUTH, "X-Request-Id": "nf-1"}, 404, "not_found"),
+                ("GET", "/admin/workers/nope", {**AUTH, "X-Request-Id": "nw-1"}, 404, "not_found"),
+                ("PUT", "/admin/workers", {**AUTH, "X-Request-Id": "m-1"}, 405, "method_not_allowed"),
+                (
+                    "DELETE",
+                    "/admin/workers/col?timeout_s=-1",
+                    {**AUTH, "X-Trace": "b"},
+                    400,
+                    "invalid_request",
+                ),
+                ("GET", "/admin/pairs", AUTH, 200, None),  # no id sent: a generated one
+                ("POST", "/admin/pairs", AUTH, 405, "method_not_allowed"),
+            ]
+            answers = [await req(c, m, path, headers=h) for m, path, h, _, _ in cases]
+        after = await requests_metric(c)
+        ids = []
+        for (m, path, h, status, code), (got, headers, out) in zip(cases, answers, strict=True):
+            assert got == status, (m, path, got, out)
+            rid = {k.lower(): v for k, v in headers.items()}.get("x-request-id")
+            sent = h.get("X-Trace") or h.get("X-Request-Id")
+            assert rid is not None and (rid == sent if sent else rid.startswith("gw-")), (m, path, rid)
+            ids.append(rid)
+            lines = done_lines(logs, rid)
+            if code is None:
+                assert lines == [], (m, path, lines)
+                continue
+            assert is_error(out, code), out
+            assert len(lines) == 1, (rid, lines)
+            e = lines[0]
+            assert e["stage"] == "admin" and e["status"] == status and e["outcome"] == code, e
+            assert e["route"] is None and e["path"] == path.partition("?")[0] and e["plan"] == "none", e
+        assert len(set(ids)) == len(ids)
+        assert answers[0][1]["WWW-Authenticate"].startswith("Bearer")
+        assert answers[4][1]["Allow"] == "GET, POST"
+        counts = {"unauthorized": 1, "not_found": 2, "method_not_allowed": 2, "invalid_request": 1}
+        for code, n in counts.items():
+            key = ("other", "", "none", code)
+            assert after.get(key, 0.0) - before.get(key, 0.0) == n, (key, after)
     finally:
         await stop_cluster(c)
 

@@ -12,6 +12,7 @@ import pytest
 from multidict import CIMultiDict
 from openai import AsyncOpenAI, BadRequestError, NotFoundError
 
+from tests.emulator.conftest import drawn_instead
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
 
 PROMPTS = ["Hello", "The capital of France is", "Once upon a time, in a land far away, " * 8, "x"]
@@ -521,8 +522,9 @@ async def test_stop_strings_through_pd_equal_colocated(
 @pytest.mark.parametrize(("model", "route"), CASES)
 async def test_min_tokens_reach_the_decode(cluster: Cluster, model: str, route: str, stream: bool) -> None:
     """A minimum length (`min_tokens`, SGLang's `min_new_tokens`) keeps a stop token id from
-    ending the answer early. The vLLM prefill goes without it; the decode, which generates, must
-    get it: the answer equals the colocated server's, which is longer than without it."""
+    ending the answer early: it is masked, another token drawn in its place. The vLLM prefill
+    gets it as 1 (its one token is drawn as the decode's first); the decode, which generates,
+    must get it whole: the answer equals the colocated server's, which is longer than without it."""
     body = body_for(route, model, "Once upon a time", False, max_tokens=40)
     _, _, raw = await post(cluster.reference[model].url + route, body)
     full = generated(route, raw, False)[0]
@@ -536,7 +538,8 @@ async def test_min_tokens_reach_the_decode(cluster: Cluster, model: str, route: 
     s, _, raw = await post(cluster.url + route, body)
     assert s == 200, raw
     _, _, ref = await post(cluster.reference[model].url + route, body)
-    assert generated(route, raw, stream) == generated(route, ref, stream) == [full[:nxt]]
+    held = full[:first] + drawn_instead(ch) + full[first + 1 : nxt]
+    assert generated(route, raw, stream) == generated(route, ref, stream) == [held]
 
 
 @pytest.fixture
@@ -558,8 +561,9 @@ async def test_a_prefill_that_stops_on_its_token_is_no_failure(
     are judged before the length cap; the emulator's `--stop-checks-first`) and hands over no KV:
     vLLM's connectors do so only for a prefill capped by length, and it answers
     `kv_transfer_params: null`. That is no failure of the prefill: the decode computes the prompt
-    itself, with the client's `min_tokens` (which the prefill is sent as at most 1), and the answer
-    equals the colocated server's. Neither a retry, a fallback, an upstream error nor a breaker
+    itself, and the answer equals the colocated server's. With the client's `min_tokens` (which
+    the prefill is sent as 1) the stop id is masked on both legs and another token drawn: the
+    prefill does not stop, the answer goes on past it, as the colocated server's does. Neither a retry, a fallback, an upstream error nor a breaker
     verdict comes of it (it was a 502 verdict against the prefill, and six of them opened its
     breaker). A stop string is the front end's finding, after the length cap: the KV is handed
     over. SGLang's prefill hands over its KV and token whatever ended it."""
@@ -576,8 +580,8 @@ async def test_a_prefill_that_stops_on_its_token_is_no_failure(
         want = ""
     if how == "stop_id_held_by_min_tokens":
         params["min_new_tokens" if route == "/generate" else "min_tokens"] = 1
-        nxt = full.find(full[0], 1)
-        want = full if nxt < 0 else full[:nxt]
+        nxt = full.find(full[0], 1)  # its first token masked: another is drawn instead
+        want = drawn_instead(full[0]) + (full[1:] if nxt < 0 else full[1:nxt])
     body["stream"] = stream
     for _ in range(6):
         s, _, raw = await post(cluster.url + route, body)
