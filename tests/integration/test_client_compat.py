@@ -199,6 +199,28 @@ async def test_vllm_refusals_only_the_decode_would_see_come_before_the_prefill(
     assert (await p.stats())["received"] == before[0] + 1
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_vllm_null_min_tokens_is_refused_by_the_prefill_before_its_work(
+    cluster: Cluster, path: str
+) -> None:
+    """vLLM refuses `"min_tokens": null` (an int field). The prefill is sent it as the client
+    sent it and refuses it at once, in vLLM's words; the decode is never sent the request (it
+    used to be the decode's refusal, after the prefill's work, its KV held for nobody)."""
+    prompt: dict[str, Any] = (
+        {"prompt": "hello there"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    body = {"model": "m-vllm", "max_tokens": 6, "temperature": 0, "min_tokens": None, **prompt}
+    p, d = cluster.emulators["vllm-p"], cluster.emulators["vllm-d"]
+    before = ((await p.stats())["received"], (await d.stats())["received"])
+    s, _, raw = await post(cluster.url + path, body)
+    assert s == 400 and "min_tokens" in raw.decode(), raw
+    _, _, ref = await post(cluster.reference["m-vllm"].url + path, body)
+    assert json.loads(raw)["error"]["message"] == json.loads(ref)["error"]["message"]
+    assert ((await p.stats())["received"], (await d.stats())["received"]) == (before[0] + 1, before[1])
+
+
 def guard_hits(c: Cluster) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
