@@ -18,6 +18,7 @@ choice logprobs cover only the output, as on the real engine. ``max_tokens`` mus
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections import Counter
@@ -183,18 +184,20 @@ class SglangApi:
             )
         return None
 
-    def scheduler_refusal(self, items: list[Item], hit: dict[str, Fault]) -> tuple[Item, str] | None:
+    def scheduler_refusals(self, items: list[Item], hit: dict[str, Fault]) -> dict[int, tuple[Item, str]]:
         """The scheduler's ``validate_input_length`` (``handle_generate_request``, before it
-        queues the request; managers/utils.py): a prompt of ``max_req_input_len`` tokens or more
-        finishes with a 400 abort, whatever the disaggregation mode, so a colocated server
-        refuses it as a prefill does. Not modelled on a decode; a prefill with the
-        ``silent_truncation`` fault ships a 1-token KV instead (``execute``)."""
+        queues the request; managers/utils.py), request by request: each item of
+        ``max_req_input_len`` tokens or more, by its index, finishes with a 400 abort, whatever
+        the disaggregation mode, so a colocated server refuses it as a prefill does. Not
+        modelled on a decode; a prefill with the ``silent_truncation`` fault ships a 1-token KV
+        instead (``execute``)."""
         if self.s.role == "decode" or (self.s.role == "prefill" and "silent_truncation" in hit):
-            return None
-        for it in items:
-            if (msg := self.scheduler_reject(len(it.prompt))) is not None:
-                return it, msg
-        return None
+            return {}
+        return {
+            k: (it, msg)
+            for k, it in enumerate(items)
+            if (msg := self.scheduler_reject(len(it.prompt))) is not None
+        }
 
     # ------------------------------------------------------------------ core
     async def execute(
@@ -777,23 +780,10 @@ def setup(s: EmulatorServer) -> None:
             if why is not None:
                 return await refuse(body, why)
             crash_on_bad_ids(items, request)
-            if (sched := api.scheduler_refusal(items, hit)) is not None:
-                it, msg = sched
-                if body.get("stream"):
-                    resp = await start_sse(request)
-                    res = Result(
-                        [],
-                        {"type": "abort", "message": msg, "status_code": 400, "err_type": "BadRequestError"},
-                        0,
-                        1,  # set_finish_with_abort leaves the prompt one token
-                        time.time(),
-                        0.0,
-                    )
-                    await resp.write(sse(api.generate_obj(it, res, True)))
-                    await resp.write(DONE)
-                    await resp.write_eof()
-                    return resp
-                return _error_generate(400, msg)
+            sched = api.scheduler_refusals(items, hit)
+            if sched and not body.get("stream"):
+                # the batch's first abort raises in _collect_batch_responses (a 400)
+                return _error_generate(400, next(iter(sched.values()))[1])
             if not body.get("stream"):
                 results = await run_nonstream(request, items, hit)
                 for res in results:
@@ -818,7 +808,21 @@ def setup(s: EmulatorServer) -> None:
                     await resp.write(sse(obj))
 
                 t0 = time.time()
-                res = await api.execute(it, hit, on_token)
+                if idx in sched:
+                    # the scheduler's abort of this prompt, streamed as its one event
+                    # (_handle_abort_finish_reason returns a stream's abort instead of raising);
+                    # the batch's other prompts are served (_stream_batch_responses)
+                    msg = sched[idx][1]
+                    abort = {
+                        "type": "abort",
+                        "message": msg,
+                        "status_code": 400,
+                        "err_type": "BadRequestError",
+                    }
+                    # set_finish_with_abort leaves the prompt one token
+                    res = Result([], abort, 0, 1, t0, 0.0)
+                else:
+                    res = await api.execute(it, hit, on_token)
                 res_holder.append(res)
                 obj = api.generate_obj(it, res, True)
                 if batch:
@@ -907,11 +911,58 @@ def setup(s: EmulatorServer) -> None:
             bad = check(items, _error_openai, request, [sglang_openai_refusal(body, chat)] * len(prompts), n)
             if bad is not None:
                 return bad
-            if (sched := api.scheduler_refusal(items, hit)) is not None:
-                return _error_openai(400, sched[1])
             created = int(time.time())
             oid = uuid.uuid4().hex
             obj_name = "chat.completion" if chat else "text_completion"
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            chunk_name = "chat.completion.chunk" if chat else "text_completion"
+
+            def usage_chunk(pt: int, ct: int) -> bytes:
+                usage = (
+                    openai_usage(pt, ct)
+                    if chat
+                    else {
+                        "prompt_tokens": pt,
+                        "total_tokens": pt + ct,
+                        "completion_tokens": ct,
+                        "reasoning_tokens": 0,
+                    }
+                )
+                last: dict[str, Any] = {
+                    "id": oid,
+                    "object": chunk_name,
+                    "created": created,
+                    "model": req_model,
+                    "choices": [],
+                    "usage": usage,
+                }
+                return sse(last)
+
+            if sched := api.scheduler_refusals(items, hit):
+                k, (_, msg) = next(iter(sched.items()))
+                if not body.get("stream"):
+                    return _error_openai(400, msg)
+                # The scheduler's abort (status_code an HTTPStatus: the IPC pickles it,
+                # SGLANG_USE_PICKLE_IPC defaults on) is yielded as the stream's first chunk, not
+                # raised, so the 200 goes out; the route turns it into an error event and stops
+                # reading the batch (serving_completions.py:362-372, serving_chat.py:2568-2579),
+                # then its usage chunk (the abort's one-token prompt) and [DONE]. The batch's
+                # other prompts run beside it: their chunks may come first on a real server;
+                # here the abort, finished at intake, is first.
+                resp = await start_sse(request)
+                err = {
+                    "object": "error",
+                    "message": msg,
+                    "type": "BAD_REQUEST",
+                    "param": None,
+                    "code": 400,
+                }
+                await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
+                if include_usage:
+                    await resp.write(usage_chunk(1 if k % n == 0 else 0, 0))
+                await resp.write(DONE)
+                await resp.write_eof()
+                return resp
             if not body.get("stream"):
                 results = await run_nonstream(request, items, hit)
                 for res in results:
@@ -970,11 +1021,9 @@ def setup(s: EmulatorServer) -> None:
                         },
                     }
                 )
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             # SGLang's should_include_usage (entrypoints/openai/utils.py:250-264): per-chunk usage
             # whenever continuous_usage_stats is set, include_usage or not (vLLM needs both)
             continuous = bool((body.get("stream_options") or {}).get("continuous_usage_stats"))
-            chunk_name = "chat.completion.chunk" if chat else "text_completion"
             resp = await start_sse(request)
 
             def chunk(choice: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
@@ -1094,25 +1143,7 @@ def setup(s: EmulatorServer) -> None:
             if include_usage:
                 pt = sum(r.prompt_tokens for r in results[::n])
                 ct = sum(len(r.output_ids) for r in results)
-                usage = (
-                    openai_usage(pt, ct)
-                    if chat
-                    else {
-                        "prompt_tokens": pt,
-                        "total_tokens": pt + ct,
-                        "completion_tokens": ct,
-                        "reasoning_tokens": 0,
-                    }
-                )
-                last: dict[str, Any] = {
-                    "id": oid,
-                    "object": chunk_name,
-                    "created": created,
-                    "model": req_model,
-                    "choices": [],
-                    "usage": usage,
-                }
-                await resp.write(sse(last))
+                await resp.write(usage_chunk(pt, ct))
             await resp.write(DONE)
             await resp.write_eof()
             return resp

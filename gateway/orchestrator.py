@@ -50,7 +50,7 @@ from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.parse import ParsedRequest
 from gateway.registry import Registry, Worker
-from gateway.samples import SampleMerger, sample_request
+from gateway.samples import SampleMerger, sample_request, unit_count
 from gateway.streamwatch import StreamStopped, StreamWatch
 from policies.base import Completed, Failed, Policy, pair_id, plan_worker_ids, routed_event
 from policies.snapshot import (
@@ -668,8 +668,16 @@ class Orchestrator:
         handoff per prompt and sample, each in its own task with its own room, deadlines and
         guards, merged into one answer (gateway/samples.py). At most `split_concurrency` units
         are in flight at once (each is two upstream connections: a batch of 100 prompts with
-        `n` = 128 must not open 25,600 of them); the first failure cancels the other units."""
-        merger = SampleMerger(req, res)
+        `n` = 128 must not open 25,600 of them); the first failure cancels the other units. A
+        stream starts once every unit of that first wave is past its engines' refusals: a unit
+        refused before then is the request's error, not an error event after other units' tokens."""
+        width = min(unit_count(req), self.settings.split_concurrency)
+        merger = SampleMerger(
+            req,
+            res,
+            first_wave=width,
+            head=((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), a.echo),
+        )
         attempts: list[_Attempt] = []
 
         async def one(j: int, sreq: ParsedRequest) -> None:
@@ -699,7 +707,6 @@ class Orchestrator:
             for k, sreq in todo:  # shared: each runner takes the next unit not yet started
                 await one(k, sreq)
 
-        width = min(merger.units, self.settings.split_concurrency)
         tasks = [asyncio.ensure_future(runner()) for _ in range(width)]
         try:
             await asyncio.gather(*tasks)

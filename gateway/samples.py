@@ -19,6 +19,18 @@ single-prompt, single-sample handoff with its own guards.
 `SampleSink` stands in for the client's responder in each sub-request's relay; `SampleMerger`
 writes to the real one. Streams are merged event by event as they come (each event decoded, its
 index renumbered, re-encoded); whole answers when every sample is in.
+
+A stream starts only once every unit of the first wave (the `split_concurrency` units started at
+once) has passed the points where an engine refuses a request for its own fault: its prefill's
+verdict, its decode's status and first event (a unit arrives with its first bytes for the
+client). Until then the merged events are held. A direct SGLang 0.5.23 server validates every
+prompt of a batch before it streams any (tokenizer_manager.py:2108 `_handle_batch_request`
+tokenizes each, :1271 `_validate_one_request`; a ValueError ends the request first), and its
+OpenAI routes await the first chunk before the 200 (serving_completions.py:208-212,
+serving_chat.py:2422-2427): so a refused unit is the request's error, as when it is not streamed,
+never an error event after other units' tokens, whichever leg answered first. The cost is the
+first wave's slowest first token instead of its fastest. A unit started later (past
+`split_concurrency`) can still be refused mid-stream: the stream then ends with an error event.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from policies.snapshot import RouteKind
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
 _DONE = b"data: [DONE]\n\n"
+_HEAD = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
 
 
 def _one_sample(params: dict[str, Any], seed_key: str, j: int) -> dict[str, Any]:
@@ -129,10 +142,24 @@ def sample_request(req: ParsedRequest, k: int, body: dict[str, Any] | None = Non
 class SampleMerger:
     """The client's one answer, from `n` sub-requests' answers."""
 
-    def __init__(self, req: ParsedRequest, res: Responder) -> None:
+    def __init__(
+        self,
+        req: ParsedRequest,
+        res: Responder,
+        *,
+        first_wave: int | None = None,
+        head: Sequence[tuple[bytes, bytes]] = _HEAD,
+    ) -> None:
+        """`first_wave`: how many units start at once (all by default): a stream starts when
+        each of them has arrived; `head`: the stream's headers when no unit gave any."""
         self.res = res
         self.n = req.n
         self.units = unit_count(req)
+        wave = self.units if first_wave is None else min(self.units, first_wave)
+        self._waiting = set(range(wave))  # first-wave units that have not arrived yet
+        self._held: list[bytes] | None = []  # merged bytes while the stream waits; None once started
+        self._head = head
+        self._head_given = False
         self.generate = req.route is RouteKind.GENERATE
         self.bodies: list[bytes | None] = [None] * self.units
         self.headers: Sequence[tuple[bytes, bytes]] = ()  # a sample's answer headers (type, id)
@@ -179,9 +206,33 @@ class SampleMerger:
     # -- streams -------------------------------------------------------------------------------
 
     def start(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        """A unit's stream began (its headers are the merged stream's, the first unit's)."""
+        if not self._head_given:
+            self._head, self._head_given = headers, True
+
+    def arrived(self, j: int) -> None:
+        """Unit j is past its engines' refusals (its first bytes for the client, or its end):
+        once every unit of the first wave is, the stream starts with what was held."""
+        waiting = self._waiting
+        if j in waiting:
+            waiting.discard(j)
+            if not waiting:
+                self._open()
+
+    def _open(self) -> None:
+        held = self._held
+        if held is None:
+            return
+        self._held = None
         if not self.res.started:
-            self.res.start_stream(200, headers)
+            self.res.start_stream(200, self._head, b"".join(held))
             self.first_byte_at = time.monotonic()
+
+    def _write(self, data: bytes) -> None:
+        if self._held is not None:
+            self._held.append(data)
+        else:
+            self.res.write(data)
 
     def feed(self, j: int, data: bytes) -> None:
         """Bytes of sample j's stream: its complete events, renumbered, to the client."""
@@ -210,7 +261,7 @@ class SampleMerger:
             elif self._renumber(j, ev):
                 out.append(b"data: " + _encode(ev) + b"\n\n")
         if out:
-            self.res.write(b"".join(out))
+            self._write(b"".join(out))
 
     def _renumber(self, j: int, ev: dict[str, Any]) -> bool:
         """Sample j's event as the merged stream's; False to drop it (a usage-only chunk, summed
@@ -242,6 +293,7 @@ class SampleMerger:
     def end_stream(self) -> None:
         """Every sample's stream ended: the summed usage (when the samples sent theirs) and one
         [DONE]."""
+        self._open()  # (every unit ended: those that sent nothing arrived with their end)
         out: list[bytes] = []
         usage = _sum_usage(self.usage, self.n)
         if usage is not None:
@@ -316,12 +368,15 @@ class SampleSink:
         self._m.start(headers)
         if first:
             self._m.feed(self._j, first)
+            self._m.arrived(self._j)
 
     def write(self, data: bytes) -> None:
         if data:
             self._m.feed(self._j, data)
+            self._m.arrived(self._j)
 
     def end(self) -> None:
+        self._m.arrived(self._j)
         self._m.res.uncork()  # the relay corked around the stream's held end
 
     def cork(self) -> None:

@@ -272,12 +272,46 @@ async def test_sglang_max_req_input_len_in_every_role(
         (CHAT, {"messages": chat_of(60)}),
     ]
     for path, fields in openai:
-        for stream in (False, True):
-            b = {"model": "m", "max_tokens": 2, "stream": stream, **boot, "bootstrap_room": 3, **fields}
-            s, raw = await post(http, g.url + path, b)
-            assert s == 400 and json.loads(raw)["message"] == message, (path, stream, raw)
+        b = {"model": "m", "max_tokens": 2, **boot, "bootstrap_room": 3, **fields}
+        s, raw = await post(http, g.url + path, b)
+        assert s == 400 and json.loads(raw)["message"] == message, (path, raw)
+        # streamed: the abort is the stream's first chunk (yielded, not raised), so the 200 is
+        # out; the route makes it an error event in SGLang's words (json.dumps: spaced), the
+        # usage chunk counts the one-token prompt the abort left, then [DONE]
+        b |= {"stream": True, "stream_options": {"include_usage": True}}
+        s, raw = await post(http, g.url + path, b)
+        err = {"object": "error", "message": message, "type": "BAD_REQUEST", "param": None, "code": 400}
+        events = raw.split("\n\n")
+        assert s == 200 and events[0] == "data: " + json.dumps({"error": err}), (path, raw)
+        usage = json.loads(events[1][6:])
+        assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == 1, (path, raw)
+        assert events[2:] == ["data: [DONE]", ""], (path, raw)
     await no_work_done(g)
     # one token under the limit, it is served
     if role == "both":
         s, raw = await post(http, g.url + "/generate", body | {"input_ids": [5] * (limit - 1)})
         assert s == 200, raw
+
+
+async def test_sglang_max_req_input_len_refuses_one_prompt_of_a_streamed_generate_batch(
+    emu: Factory, http: aiohttp.ClientSession
+) -> None:
+    """The scheduler judges a batch's requests one by one, and a streamed abort is yielded, not
+    raised (tokenizer_manager.py `_handle_abort_finish_reason`, `_stream_batch_responses`): the
+    refused prompt's one abort event, the other prompts served, [DONE]. Not streamed, the abort
+    raises: a 400."""
+    g = await emu("sglang", "both", max_model_len=CTX)
+    limit = CTX - 1 - 5
+    body = {"input_ids": [[5] * 4, [5] * 60, [6] * 4], "sampling_params": {"max_new_tokens": 2}}
+    s, raw = await post(http, g.url + "/generate", body)
+    assert s == 400 and f"Input length (60 tokens) exceeds the maximum allowed length ({limit}" in raw, raw
+    s, raw = await post(http, g.url + "/generate", body | {"stream": True})
+    events = sse_events(raw)
+    assert s == 200 and events[-1] == "[DONE]", raw
+    finals = {
+        ev["index"]: ev["meta_info"]
+        for ev in map(json.loads, events[:-1])
+        if ev["meta_info"]["finish_reason"]
+    }
+    assert finals[1]["finish_reason"]["type"] == "abort" and finals[1]["prompt_tokens"] == 1, raw
+    assert finals[0]["completion_tokens"] == finals[2]["completion_tokens"] == 2, raw

@@ -238,6 +238,53 @@ def test_streams_merge_event_by_event_with_one_usage_and_one_done() -> None:
     assert parsed_evs[-1]["id"] == "c" and parsed_evs[-1]["choices"] == []
 
 
+def test_a_stream_starts_once_every_unit_of_the_first_wave_has_arrived() -> None:
+    """Three units, two started at once: nothing reaches the client until both of the first
+    two have sent bytes for it (or ended); then what was held goes out with the head, and a
+    later unit's events go straight on."""
+    req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": ["a", "b", "c"], "stream": True})
+    out = Recorder()
+    head = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"r")]
+    m = SampleMerger(req, out, first_wave=2, head=head)
+    loop = asyncio.new_event_loop()
+    try:
+        sinks = [m.sink(k, loop.create_future()) for k in range(3)]  # type: ignore[arg-type]
+    finally:
+        loop.close()
+
+    def token(text: str) -> bytes:
+        return sse({"id": "x", "choices": [{"index": 0, "text": text}], "usage": None})
+
+    sinks[0].start_stream(200, [(b"content-type", b"text/event-stream; charset=utf-8")], token("a0"))
+    sinks[0].write(token("a1"))
+    sinks[1].start_stream(200, head)  # headers alone (no guard): not yet past a refusal
+    assert not out.started
+    sinks[1].write(token("b0")[:9])  # its first bytes: the stream starts
+    assert out.started and out.status == 200
+    sinks[1].write(token("b0")[9:])
+    sinks[0].end()
+    sinks[2].start_stream(200, head, token("c0"))
+    m.end_stream()
+    evs = [json.loads(e[6:]) for e in out.body.decode().split("\n\n") if e and e != "data: [DONE]"]
+    texts = [(e["choices"][0]["index"], e["choices"][0]["text"]) for e in evs]
+    assert texts == [(0, "a0"), (0, "a1"), (1, "b0"), (2, "c0")]
+    assert out.ended
+
+
+def test_a_unit_that_ends_without_a_byte_has_arrived() -> None:
+    req = parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "stream": True})
+    out = Recorder()
+    m = SampleMerger(req, out)
+    loop = asyncio.new_event_loop()
+    try:
+        sinks = [m.sink(k, loop.create_future()) for k in range(2)]  # type: ignore[arg-type]
+    finally:
+        loop.close()
+    sinks[0].end()
+    sinks[1].start_stream(200, [(b"content-type", b"text/event-stream")], b"data: {}\n\n")
+    assert out.started and out.body == b"data: {}\n\n"
+
+
 def test_merged_usage_sums_the_detail_counts_of_every_answer() -> None:
     """Two prompts, two samples each, as SGLang's UsageProcessor counts them: prompt tokens and
     `prompt_tokens_details.cached_tokens` once per prompt (its first sample's), completion
