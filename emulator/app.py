@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -337,6 +338,12 @@ async def start_sse(request: web.Request, extra_headers: dict[str, str] | None =
 
 def sse(obj: Any) -> bytes:
     return b"data: " + _encode(obj) + b"\n\n"
+
+
+def sse_error(obj: Any) -> bytes:
+    """An error event of an OpenAI route, spaced as both engines write it (`json.dumps` in
+    their `create_streaming_error_response`; their other events are compact)."""
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 def crash(request: web.Request) -> None:

@@ -7,6 +7,8 @@ Kinds and where they act:
 ``hang_before_first_byte`` never send the status line (until the client goes away)
 ``hang_mid_stream``        send ``after`` tokens (default 2), then nothing more
 ``crash_mid_stream``       send ``after`` tokens (default 2), then drop the TCP connection
+``error_mid_stream``       vLLM: send ``after`` tokens (default 2), then the engine's error event
+                           (its engine core died) and ``[DONE]``; a whole answer is a 500
 ``slow``                   every token takes ``factor`` (default 5) times longer
 ``transfer_fail``          the KV transfer of the request fails (decode: 500 / SSE error)
 ``transfer_fail_concurrent`` fail transfers only while more than ``over`` (default 8) run at once
@@ -41,6 +43,7 @@ KINDS = frozenset(
         "hang_before_first_byte",
         "hang_mid_stream",
         "crash_mid_stream",
+        "error_mid_stream",
         "slow",
         "transfer_fail",
         "transfer_fail_concurrent",

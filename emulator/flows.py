@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class MidStreamFault(Exception):
-    """A per-token fault fired: ``kind`` is hang_mid_stream or crash_mid_stream."""
+    """A per-token fault fired: ``kind`` is hang_mid_stream, crash_mid_stream or error_mid_stream."""
 
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
@@ -54,7 +54,7 @@ async def tokens(
     engine = server.engine
     held = stop.min_tokens if stop is not None and stop.ids else 0
     slow = hit.get("slow")
-    mid = hit.get("hang_mid_stream") or hit.get("crash_mid_stream")
+    mid = hit.get("hang_mid_stream") or hit.get("crash_mid_stream") or hit.get("error_mid_stream")
     after = mid.get_int("after", 2) if mid is not None else -1
     i = 0
     steps = engine.decode(seq, n)

@@ -30,7 +30,17 @@ import msgspec
 from aiohttp import web
 
 from emulator import model, tokenizer
-from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_response, sse, start_sse, track
+from emulator.app import (
+    DONE,
+    EmulatorServer,
+    crash,
+    hang_forever,
+    json_response,
+    sse,
+    sse_error,
+    start_sse,
+    track,
+)
 from emulator.echo import NO_ECHO, Echo, echo, echoed
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, admit_and_compute, env_float, sglang_fetch_kv, tokens
@@ -1110,7 +1120,7 @@ def setup(s: EmulatorServer) -> None:
                             "code": res.error_status,
                         }
                     }
-                    await resp.write(sse(err))
+                    await resp.write(sse_error(err))
                     return res
                 if chat:
                     await resp.write(

@@ -22,7 +22,17 @@ import msgspec
 from aiohttp import web
 
 from emulator import model, tokenizer
-from emulator.app import DONE, EmulatorServer, crash, hang_forever, json_response, sse, start_sse, track
+from emulator.app import (
+    DONE,
+    EmulatorServer,
+    crash,
+    hang_forever,
+    json_response,
+    sse,
+    sse_error,
+    start_sse,
+    track,
+)
 from emulator.echo import (
     NO_ECHO,
     Echo,
@@ -437,7 +447,7 @@ def setup(s: EmulatorServer) -> None:
                 reject_remote_prefill(body)
                 return _error(400, why)
             failed = await start_sse(request)
-            await failed.write(sse(_error_dict(400, why)))
+            await failed.write(sse_error(_error_dict(400, why)))
             await failed.write(DONE)
             await failed.write_eof()
             return failed
@@ -640,7 +650,7 @@ def setup(s: EmulatorServer) -> None:
             if e.fatal:
                 s.fatal()
             if resp is not None:
-                await resp.write(sse(_error_dict(500, str(e))))
+                await resp.write(sse_error(_error_dict(500, str(e))))
                 await resp.write(DONE)
                 await resp.write_eof()
                 return resp
@@ -649,7 +659,17 @@ def setup(s: EmulatorServer) -> None:
             return _error(400, str(e))
         except EngineDead:
             if resp is not None:
-                await resp.write(sse(_error_dict(500, ENGINE_DEAD_MSG)))
+                await resp.write(sse_error(_error_dict(500, ENGINE_DEAD_MSG)))
+                await resp.write(DONE)
+                await resp.write_eof()
+                return resp
+            return _error(500, ENGINE_DEAD_MSG)
+        except MidStreamFault as e:
+            if e.kind != "error_mid_stream":
+                raise
+            # as EngineDead, for this request alone: the stream's error event and [DONE]
+            if resp is not None:
+                await resp.write(sse_error(_error_dict(500, ENGINE_DEAD_MSG)))
                 await resp.write(DONE)
                 await resp.write_eof()
                 return resp
@@ -914,7 +934,17 @@ def setup(s: EmulatorServer) -> None:
             await asyncio.gather(*tasks)
         except EngineDead:
             if resp is not None:
-                await resp.write(sse(_error_dict(500, ENGINE_DEAD_MSG)))
+                await resp.write(sse_error(_error_dict(500, ENGINE_DEAD_MSG)))
+                await resp.write(DONE)
+                await resp.write_eof()
+                return resp
+            return _error(500, ENGINE_DEAD_MSG)
+        except MidStreamFault as e:
+            if e.kind != "error_mid_stream":
+                raise
+            # as EngineDead, for this request alone: the stream's error event and [DONE]
+            if resp is not None:
+                await resp.write(sse_error(_error_dict(500, ENGINE_DEAD_MSG)))
                 await resp.write(DONE)
                 await resp.write_eof()
                 return resp

@@ -22,7 +22,9 @@ from gateway.guards import Summary
 
 _SEP = b"\n\n"
 # Both engines write compact JSON (orjson / pydantic): a finish reason that is set starts with a
-# quote (OpenAI shapes) or a brace (SGLang's /generate); an unset one is `null`.
+# quote (OpenAI shapes) or a brace (SGLang's /generate); an unset one is `null`. Their error
+# events too are compact on SGLang's /generate (orjson) but spaced on the OpenAI routes of both
+# (`json.dumps`: `{"error": {`), which the compact marker's prefix matches as well.
 _FINISH = (b'"finish_reason":"', b'"finish_reason":{', b'{"error":')
 
 Summarize = Callable[[list[bytes]], Summary]

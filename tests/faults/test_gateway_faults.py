@@ -380,3 +380,28 @@ async def test_prompts_the_prefill_alone_refuses_open_no_breaker() -> None:
         assert all(state.value == "closed" for _, _, state in c.gateway.registry.pair_states())
     finally:
         await stop_cluster(c)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_decode_error_event_after_the_first_token_is_a_failure_not_relayed(
+    fast_cluster: Cluster, route: str
+) -> None:
+    """Both engines write an OpenAI route's error event spaced (`{"error": {...}}`, Python's
+    `json.dumps`), unlike their other events, then `[DONE]`. Mid-stream (the first token already
+    out) the gateway must see it: the stream ends with the gateway's own error event and no
+    `[DONE]`, and the request counts as failed (the emulator's `error_mid_stream`)."""
+    c = fast_cluster
+    await c.emulators["vllm-d"].set_faults(["error_mid_stream"])
+    b = body("m-vllm", stream=True, max_tokens=32)
+    if route.endswith("chat/completions"):
+        b["messages"] = [{"role": "user", "content": b.pop("prompt")}]
+    status, raw, _ = await post(c.url + route, b)
+    assert status == 200
+    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert events and "[DONE]" not in events, events
+    assert any("choices" in json.loads(e) for e in events[:-1])  # tokens went out first
+    err = json.loads(events[-1])["error"]
+    assert err["code"] == "upstream_error" and "vllm-d failed" in err["message"], err  # the gateway's
+    text = c.gateway.metrics.render().decode()
+    served = [ln for ln in text.splitlines() if ln.startswith("pdgw_requests_total{") and "m-vllm" in ln]
+    assert served and all('outcome="ok"' not in ln for ln in served), served

@@ -232,3 +232,31 @@ def test_a_first_token_near_tied_with_the_prefills_is_no_failure() -> None:
     # without ties (SGLang, sampled, not asked) a different token is a failure as before
     plain = Summary(prompt_tokens=3, first_text=" the")
     assert check_decode(plain, Summary(first_text=" a"), max_tokens=None, context_length=None, greedy=True)
+
+
+@pytest.mark.parametrize("spaced", [True, False], ids=["openai_routes", "generate"])
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "one_read"])
+def test_stream_watch_takes_an_engine_error_event_mid_stream_for_a_failure(
+    spaced: bool, together: bool
+) -> None:
+    """Both engines write an OpenAI route's error event with `json.dumps` (spaced: `{"error": {`),
+    SGLang's /generate ones compact, and `[DONE]` after it. After the first token the watch must
+    hold it back and report the engine's failure (the gateway then ends the stream with its own
+    error event, no `[DONE]`), never relay it as a clean end."""
+    err = {
+        "error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError", "code": 500}
+    }
+    event = (
+        b"data: " + (json.dumps(err) if spaced else json.dumps(err, separators=(",", ":"))).encode() + b"\n\n"
+    )
+    pieces = [chunk(0, "a"), chunk(1, "b"), event, b"data: [DONE]\n\n"]
+    w, out = watch()
+    if together:
+        w.feed(pieces[0])
+        w.feed(b"".join(pieces[1:]))
+    else:
+        for p in pieces:
+            w.feed(p)
+    assert w.finish() is None
+    assert w.failed is not None and "EngineCore" in w.failed
+    assert b"".join(out) == pieces[0] + pieces[1]
