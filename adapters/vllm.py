@@ -27,7 +27,7 @@ from gateway import jsonbytes as _body
 from gateway.errors import BadRequest
 from gateway.guards import Summary
 from gateway.lax import lax_int
-from gateway.parse import ParsedRequest
+from gateway.parse import ParsedRequest, given
 from policies.snapshot import Engine, RouteKind, WorkerLoad
 
 _BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
@@ -329,7 +329,7 @@ def _ask_for_alternatives(
     if not _asks_alternatives(req, fields):
         return
     if req.route is RouteKind.CHAT:
-        if not _given(fields.get("logprobs")):
+        if not given(fields.get("logprobs")):
             set_["logprobs"] = b"true"
         set_["top_logprobs"] = str(k).encode()
     else:
@@ -338,15 +338,11 @@ def _ask_for_alternatives(
 
 def _asks_alternatives(req: ParsedRequest, fields: dict[str, msgspec.Raw]) -> bool:
     """Does the gateway add its own logprob fields to this greedy request's prefill?"""
-    if _given(fields.get("echo")):
+    if given(fields.get("echo")):
         return False
     if req.route is RouteKind.CHAT:
         return "top_logprobs" not in fields
-    return not _given(fields.get("logprobs"))
-
-
-def _given(raw: msgspec.Raw | None) -> bool:
-    return raw is not None and bytes(raw).strip() not in (b"null", b"false", b"")
+    return not given(fields.get("logprobs"))
 
 
 def _ties(raw: msgspec.Raw, chat: bool, margin: float) -> tuple[str, ...]:

@@ -167,7 +167,7 @@ class ParsedRequest:
                 explicit = f.max_completion_tokens
             n = 1 if f.n is None else f.n
             greedy = f.temperature == 0 or f.top_k == 1
-            seeded = _given(f.seed)
+            seeded = given(f.seed)
         elif isinstance(sp, list):
             explicit, n, greedy = _per_prompt(sp, self.batch, self.is_batch)
             seeded = False  # a batch: its first tokens are not compared
@@ -178,7 +178,7 @@ class ParsedRequest:
             explicit = sp.max_new_tokens if sp else None
             n = 1 if sp is None or sp.n is None else sp.n
             greedy = sp is not None and (sp.temperature == 0 or sp.top_k == 1)
-            seeded = sp is not None and _given(sp.sampling_seed)
+            seeded = sp is not None and given(sp.sampling_seed)
         self.max_tokens: int | None = explicit
         # `/generate` batches with a budget per prompt: (prompt size, its max_new_tokens) each,
         # for the length preflight; None otherwise (the largest prompt with `max_tokens`)
@@ -241,9 +241,9 @@ def parse_request(
         f.text = msgspec.Raw()
     if f.input_ids == _NULL:
         f.input_ids = msgspec.Raw()
-    if route is RouteKind.CHAT and not _given(f.messages):
+    if route is RouteKind.CHAT and not given(f.messages):
         raise BadRequest("missing required parameter: 'messages'", param="messages")
-    if route is RouteKind.COMPLETIONS and not _given(f.prompt):
+    if route is RouteKind.COMPLETIONS and not given(f.prompt):
         raise BadRequest("missing required parameter: 'prompt'", param="prompt")
     if route is RouteKind.GENERATE and not f.text and not f.input_ids:
         raise BadRequest("either 'text' or 'input_ids' is required", param="text")
@@ -285,8 +285,9 @@ def _lax_fields(route: RouteKind, body: bytes, error: msgspec.ValidationError) -
     raise BadRequest(f"invalid request: {error}", param=_param_of(str(error))) from None
 
 
-def _given(raw: msgspec.Raw) -> bool:
-    return bool(raw) and bytes(raw) not in (b"null", b"false")
+def given(raw: msgspec.Raw | None) -> bool:
+    """Is a raw JSON field's value set: present and neither null nor false?"""
+    return raw is not None and bool(raw) and bytes(raw) not in (b"null", b"false")
 
 
 class LocalPrefill(msgspec.Struct, frozen=True):
@@ -318,9 +319,9 @@ def _local_prefill(route: RouteKind, f: _Fields, max_tokens: int | None) -> Loca
         return None
     if f.echo and route is RouteKind.CHAT and bytes(f.top_logprobs) != b"null":
         return _CHAT_ECHO
-    if f.echo and _given(f.logprobs) and route is RouteKind.COMPLETIONS:
+    if f.echo and given(f.logprobs) and route is RouteKind.COMPLETIONS:
         return _ECHO_LOGPROBS_0 if _is_zero(bytes(f.logprobs)) else _ECHO_LOGPROBS
-    if _given(f.prompt_logprobs):
+    if given(f.prompt_logprobs):
         return _PROMPT_LOGPROBS
     if max_tokens == 0:
         return _PROMPT_ONLY
