@@ -144,6 +144,16 @@ def _error(status: int, message: str, typ: str | None = None, param: str | None 
     return json_response({"error": {"message": message, "type": typ, "param": param, "code": status}}, status)
 
 
+async def _failed(resp: web.StreamResponse | None, message: str) -> web.StreamResponse:
+    """The engine failed the request: a 500, or a started stream's error event and [DONE]."""
+    if resp is None:
+        return _error(500, message)
+    await resp.write(sse_error(_error_dict(500, message)))
+    await resp.write(DONE)
+    await resp.write_eof()
+    return resp
+
+
 def _error_dict(status: int, message: str) -> dict[str, Any]:
     typ = "BadRequestError" if status == 400 else "InternalServerError"
     return {"error": {"message": message, "type": typ, "param": None, "code": status}}
@@ -649,31 +659,15 @@ def setup(s: EmulatorServer) -> None:
         except HandoffError as e:
             if e.fatal:
                 s.fatal()
-            if resp is not None:
-                await resp.write(sse_error(_error_dict(500, str(e))))
-                await resp.write(DONE)
-                await resp.write_eof()
-                return resp
-            return _error(500, str(e))
+            return await _failed(resp, str(e))
         except TooLarge as e:
             return _error(400, str(e))
         except EngineDead:
-            if resp is not None:
-                await resp.write(sse_error(_error_dict(500, ENGINE_DEAD_MSG)))
-                await resp.write(DONE)
-                await resp.write_eof()
-                return resp
-            return _error(500, ENGINE_DEAD_MSG)
+            return await _failed(resp, ENGINE_DEAD_MSG)
         except MidStreamFault as e:
             if e.kind != "error_mid_stream":
                 raise
-            # as EngineDead, for this request alone: the stream's error event and [DONE]
-            if resp is not None:
-                await resp.write(sse_error(_error_dict(500, ENGINE_DEAD_MSG)))
-                await resp.write(DONE)
-                await resp.write_eof()
-                return resp
-            return _error(500, ENGINE_DEAD_MSG)
+            return await _failed(resp, ENGINE_DEAD_MSG)  # as EngineDead, for this request alone
         except Aborted:
             engine.counters.aborted += 1
         finally:
@@ -933,22 +927,11 @@ def setup(s: EmulatorServer) -> None:
         try:
             await asyncio.gather(*tasks)
         except EngineDead:
-            if resp is not None:
-                await resp.write(sse_error(_error_dict(500, ENGINE_DEAD_MSG)))
-                await resp.write(DONE)
-                await resp.write_eof()
-                return resp
-            return _error(500, ENGINE_DEAD_MSG)
+            return await _failed(resp, ENGINE_DEAD_MSG)
         except MidStreamFault as e:
             if e.kind != "error_mid_stream":
                 raise
-            # as EngineDead, for this request alone: the stream's error event and [DONE]
-            if resp is not None:
-                await resp.write(sse_error(_error_dict(500, ENGINE_DEAD_MSG)))
-                await resp.write(DONE)
-                await resp.write_eof()
-                return resp
-            return _error(500, ENGINE_DEAD_MSG)
+            return await _failed(resp, ENGINE_DEAD_MSG)  # as EngineDead, for this request alone
         finally:
             for t in tasks:
                 t.cancel()
