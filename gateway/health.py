@@ -192,6 +192,9 @@ class HealthChecker:
         if info != w.info:
             w.info = info
             self.registry.changed()
+        # A worker that refused the near-tie logprobs is asked again after each full read (it may
+        # have restarted with a higher --max-logprobs): one refusal costs one prefill sent twice.
+        w.near_ties = True
         return w.model is not None
 
     async def scrape(self, w: Worker) -> None:

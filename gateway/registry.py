@@ -117,7 +117,8 @@ class Worker:
         self.probe_failures = 0
         self.probe_successes = 0
         # may a greedy request's prefill be asked for its best first tokens' logprobs (the
-        # near-tie check)? False once the worker refused them (a vLLM with a low --max-logprobs)
+        # near-tie check)? False once the worker refused them (a vLLM with a low --max-logprobs),
+        # True again at the next full info read (gateway/health.py)
         self.near_ties = True
         # partner id -> the request whose handoff between this worker and that partner failed
         # last, since this worker's last good handoff, where no one worker was blamed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
 from gateway.config import GuardsConfig
@@ -68,9 +69,12 @@ async def test_a_decode_on_the_other_side_of_a_near_tie_is_no_failure(
 async def test_a_prefill_that_takes_fewer_logprobs_is_asked_for_none() -> None:
     """A vLLM prefill run with `--max-logprobs` below `near_tie_alternatives` refuses the near-tie
     logprobs with a 400: its first such request is sent again without them, and the worker is
-    asked for none from then on. The client sees no error; one that asks more logprobs than the
+    asked for none until its next full info read (it may have restarted allowing more), which
+    asks once again. The client sees no error; one that asks more logprobs than the
     worker allows itself still gets vLLM's own 400."""
     cluster = await build_cluster(vllm_prefill_max_logprobs=1)
+    health = cluster.gateway.health
+    health.settings = msgspec.structs.replace(health.settings, info_every=10**9)  # reads only when told
     try:
         for i in range(4):
             for route in ROUTES:
@@ -79,7 +83,18 @@ async def test_a_prefill_that_takes_fewer_logprobs_is_asked_for_none() -> None:
                 assert s == 200, raw
                 _, _, ref = await post(cluster.reference["m-vllm"].url + route, body)
                 assert generated(route, raw, i % 2 == 1) == generated(route, ref, i % 2 == 1)
-        assert cluster.gateway.registry.get("vllm-p").near_ties is False
+        w = cluster.gateway.registry.get("vllm-p")
+        assert w.near_ties is False
+        # the next full info read asks again (it may have restarted allowing more); still refused,
+        # that is one prefill sent twice, and the client sees nothing of it
+        health.settings = msgspec.structs.replace(health.settings, info_every=1)
+        assert await health.probe(w)
+        health.settings = msgspec.structs.replace(health.settings, info_every=10**9)
+        assert w.near_ties is True
+        body = body_for("/v1/completions", "m-vllm", "asked again", False, max_tokens=5)
+        s, _, raw = await post(cluster.url + "/v1/completions", body)
+        assert s == 200, raw
+        assert w.near_ties is False
         text = cluster.gateway.metrics.render().decode()
         for name in ("upstream_errors", "retries", "fallbacks", "guard_failures"):
             assert f"pdgw_{name}_total{{" not in text, name
