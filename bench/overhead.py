@@ -49,6 +49,7 @@ TARGET_KINDS = (
     "direct",
     "direct-pd",
     "bare-pd",
+    "callback-pd",
     "gateway",
     "gateway-noguards",
     "sglang-router",
@@ -176,8 +177,9 @@ def start_target(
             policy=None if as_shipped else "round_robin",
             log_level=None if as_shipped else "warning",
         )
-    elif kind == "bare-pd":
-        argv = [sys.executable, "-m", "bench.bare_pd", "--engine", cluster.engine, "--port", str(port)]
+    elif kind in ("bare-pd", "callback-pd"):
+        module = "bench.bare_pd" if kind == "bare-pd" else "bench.callback_pd"
+        argv = [sys.executable, "-m", module, "--engine", cluster.engine, "--port", str(port)]
         argv += ["--prefill", pre.url, "--decode", dec.url]
         if pre.bootstrap_port is not None:
             argv += ["--bootstrap-port", str(pre.bootstrap_port)]
@@ -360,7 +362,7 @@ def fill_derived(rows: list[Row]) -> None:
             r.added_p50_ms = r.p50_ms - d.p50_ms
         rt = routers.get((r.engine, r.mode, r.conns))
         if (
-            (r.target.startswith("gateway") or r.target == "bare-pd")
+            (r.target.startswith("gateway") or r.target in ("bare-pd", "callback-pd"))
             and rt is not None
             and rt.cpu_us_per_req
             and r.cpu_us_per_req is not None
@@ -420,7 +422,7 @@ What it measures: the cost a router adds in front of an SGLang or vLLM P/D pair,
 engines in zero-delay mode (`pd-gateway emulate --time-scale 0`), so that the router is the
 only thing that costs anything on its core.
 
-* Each target (sglang-router, vllm-router, `pd-gateway serve`, `bare-pd`) is pinned with
+* Each target (sglang-router, vllm-router, `pd-gateway serve`, `bare-pd`, `callback-pd`) is pinned with
   `taskset -c 0`; the emulated prefill, decode and colocated servers and the load generator
   (closed loop, raw asyncio + httptools, `bench/loadgen.py`) share core 1. All targets are
   started first; with `--rounds N` every row is measured N times, the targets in turn each
@@ -437,8 +439,12 @@ only thing that costs anything on its core.
   own HTTP layer (`gateway.http`): one fixed pair, no routing, ids, deadlines, retries, breakers,
   guards, metrics or logs. It is what Python and this HTTP layer cost before any feature: the
   gateway's figure above it is the price of its features.
+* `callback-pd` (`bench/callback_pd.py`, `--targets ...,callback-pd`) is the proxy
+  ../../shared/PERF_NOTES.md calls "design b", rebuilt from its description: every step run from
+  the transports' callbacks (no Task, no Future), and every shortcut a product cannot take (no
+  timeouts, errors mapped or ids kept). It is the least any Python P/D proxy costs here.
 * `target CPU/req` = (utime+stime of the target's process tree over the window) / completed
-  requests, `of which kernel` its stime part; `vs router` is the gateway's (or `bare-pd`'s) figure over the same engine's Rust
+  requests, `of which kernel` its stime part; `vs router` is the gateway's (or a floor's) figure over the same engine's Rust
   router in the same run. `upstream CPU/req` is the emulated prefill+decode (direct: the colocated server).
 * Requests: `POST /v1/completions`, greedy; `nonstream` asks for 8 tokens, `stream64` for a
   64-token SSE stream (`ignore_eos`).
@@ -476,7 +482,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--targets",
         default="direct,direct-pd,bare-pd,gateway,sglang-router,vllm-router",
-        help="any of direct,direct-pd,bare-pd,gateway,gateway-noguards,sglang-router,vllm-router",
+        help="any of direct,direct-pd,bare-pd,callback-pd,gateway,gateway-noguards,sglang-router,vllm-router",
     )
     p.add_argument("--engines", default="sglang,vllm", help="which P/D pools: sglang,vllm")
     p.add_argument(
@@ -537,7 +543,15 @@ def plan(targets: list[str], engines: list[str]) -> list[tuple[str, list[str]]]:
     """[(engine, [target kinds in run order])]: direct, the Rust router, then the gateway."""
     out = []
     for engine in engines:
-        order = ("direct", "direct-pd", "bare-pd", f"{engine}-router", "gateway", "gateway-noguards")
+        order = (
+            "direct",
+            "direct-pd",
+            "bare-pd",
+            "callback-pd",
+            f"{engine}-router",
+            "gateway",
+            "gateway-noguards",
+        )
         kinds = [k for k in order if k in targets]
         if kinds:
             out.append((engine, kinds))

@@ -1,5 +1,6 @@
-"""`bench/bare_pd.py`, the overhead benchmark's floor, really does the P/D handoff: its answers
-through an emulated prefill + decode pair equal a colocated server's, token for token."""
+"""`bench/bare_pd.py` and `bench/callback_pd.py`, the overhead benchmark's floors, really do the
+P/D handoff: their answers through an emulated prefill + decode pair equal a colocated server's,
+token for token, streamed and not, over one keep-alive connection."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import socket
 import aiohttp
 import pytest
 
-from bench.bare_pd import serve
+from bench import bare_pd, callback_pd
 from tests.integration.conftest import Cluster
 
 
@@ -25,8 +26,10 @@ async def _post(url: str, body: dict[str, object]) -> tuple[int, bytes]:
         return r.status, await r.read()
 
 
+@pytest.mark.parametrize("floor", ["bare_pd", "callback_pd"])
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
-async def test_bare_pd_answers_like_a_colocated_server(cluster: Cluster, engine: str) -> None:
+async def test_the_floor_answers_like_a_colocated_server(cluster: Cluster, engine: str, floor: str) -> None:
+    serve = {"bare_pd": bare_pd.serve, "callback_pd": callback_pd.serve}[floor]
     pre = cluster.emulators["sgl-p" if engine == "sglang" else "vllm-p"]
     dec = cluster.emulators["sgl-d" if engine == "sglang" else "vllm-d"]
     port = _free_port()
@@ -41,18 +44,24 @@ async def test_bare_pd_answers_like_a_colocated_server(cluster: Cluster, engine:
                 await asyncio.sleep(0.05)
         model = f"m-{engine}"
         body = {"model": model, "prompt": "the bare proxy", "max_tokens": 12, "temperature": 0}
-        status, got = await _post(f"http://127.0.0.1:{port}/v1/completions", body)
         _, want = await _post(cluster.reference[model].url + "/v1/completions", body)
-        assert status == 200
-        assert json.loads(got)["choices"][0]["text"] == json.loads(want)["choices"][0]["text"]
-        status, streamed = await _post(f"http://127.0.0.1:{port}/v1/completions", {**body, "stream": True})
-        assert status == 200 and streamed.rstrip().endswith(b"data: [DONE]")
-        text = "".join(
-            json.loads(line[5:])["choices"][0]["text"]
-            for line in streamed.decode().splitlines()
-            if line.startswith("data:") and "[DONE]" not in line
-        )
-        assert text == json.loads(want)["choices"][0]["text"]
+        wanted = json.loads(want)["choices"][0]["text"]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+            for stream in (False, True, False, True):  # one keep-alive connection, answer after answer
+                async with s.post(url, json={**body, "stream": stream}) as r:
+                    status, got = r.status, await r.read()
+                assert status == 200
+                if not stream:
+                    assert json.loads(got)["choices"][0]["text"] == wanted
+                    continue
+                assert got.rstrip().endswith(b"data: [DONE]")
+                text = "".join(
+                    json.loads(line[5:])["choices"][0]["text"]
+                    for line in got.decode().splitlines()
+                    if line.startswith("data:") and "[DONE]" not in line
+                )
+                assert text == wanted
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
