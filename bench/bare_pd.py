@@ -40,19 +40,19 @@ from gateway.http import HttpRequest, HttpResponder, UpstreamPool, start_server 
 from gateway.http.client import UpstreamResponse  # noqa: E402
 
 _JSON = (b"content-type", b"application/json")
-_KV_ASK = msgspec.Raw(
+KV_ASK = msgspec.Raw(
     b'{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,'
     b'"remote_block_ids":null,"remote_host":null,"remote_port":null}'
 )
-_raw_dict = msgspec.json.Decoder(dict[str, msgspec.Raw])
+raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _enc = msgspec.json.Encoder()
 
 
-class _PrefillOut(msgspec.Struct):
+class PrefillOut(msgspec.Struct):
     kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
 
 
-_prefill_out = msgspec.json.Decoder(_PrefillOut)
+prefill_params = msgspec.json.Decoder(PrefillOut)
 
 
 def _pool(url: str) -> UpstreamPool:
@@ -109,16 +109,16 @@ def make_handler(
             return
         n += 1
         rid = ((b"x-request-id", b"bare-%d" % n),)
-        fields = _raw_dict.decode(body)
+        fields = raw_fields.decode(body)
         fields.pop("stream_options", None)
         fields["max_tokens"] = msgspec.Raw(b"1")
         fields["stream"] = msgspec.Raw(b"false")
-        fields["kv_transfer_params"] = _KV_ASK
+        fields["kv_transfer_params"] = KV_ASK
         status, out = await pp.fetch("POST", req.path, headers + rid, _enc.encode(fields))
         if status != 200:
             res.send(status, [_JSON], out)
             return
-        params = bytes(_prefill_out.decode(out).kv_transfer_params)
+        params = bytes(prefill_params.decode(out).kv_transfer_params)
         dbody = body[:-1] + b',"kv_transfer_params":' + params + b"}"
         await _relay(dp.start("POST", req.path, headers + rid, dbody), res)
 
@@ -135,8 +135,12 @@ async def serve(engine: str, port: int, prefill: str, decode: str, bootstrap_por
         await server.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+Serve = Callable[[str, int, str, str, "int | None"], Coroutine[Any, Any, None]]
+
+
+def run_cli(serve_fn: Serve, description: str, argv: list[str] | None = None) -> int:
+    """The command line of a floor proxy (this one and `bench/callback_pd.py`)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--engine", choices=("sglang", "vllm"), required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--prefill", required=True)
@@ -144,10 +148,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", required=True)
     args = ap.parse_args(argv)
     try:
-        uvloop.run(serve(args.engine, args.port, args.prefill, args.decode, args.bootstrap_port))
+        uvloop.run(serve_fn(args.engine, args.port, args.prefill, args.decode, args.bootstrap_port))
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(serve, __doc__.split("\n\n")[0], argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ measuring stick for `pd-gateway bench overhead --targets callback-pd`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import sys
@@ -32,21 +31,10 @@ if str(ROOT) not in sys.path:
 
 import httptools  # noqa: E402
 import msgspec  # noqa: E402
-import uvloop  # noqa: E402
 
-_KV_ASK = msgspec.Raw(
-    b'{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,'
-    b'"remote_block_ids":null,"remote_host":null,"remote_port":null}'
-)
-_raw_dict = msgspec.json.Decoder(dict[str, msgspec.Raw])
+from bench.bare_pd import KV_ASK, prefill_params, raw_fields, run_cli  # noqa: E402
+
 _enc = msgspec.json.Encoder()
-
-
-class _PrefillOut(msgspec.Struct):
-    kv_transfer_params: msgspec.Raw = msgspec.Raw(b"null")
-
-
-_prefill_out = msgspec.json.Decoder(_PrefillOut)
 
 
 class _Exchange:
@@ -249,7 +237,7 @@ class _VllmPrefill(_Exchange):
         if self.status != 200:
             c.send(self.status, b"application/json", out)
             return
-        params = bytes(_prefill_out.decode(out).kv_transfer_params)
+        params = bytes(prefill_params.decode(out).kv_transfer_params)
         dbody = self.body[:-1] + b',"kv_transfer_params":' + params + b"}"
         c.proxy.decode.send(self.path, self.rid, dbody, _Relay(c, waiting=False))
 
@@ -316,11 +304,11 @@ class _Client(asyncio.Protocol):
             return
         p.n += 1
         rid = b"x-request-id: callback-%d\r\n" % p.n
-        fields = _raw_dict.decode(body)
+        fields = raw_fields.decode(body)
         fields.pop("stream_options", None)
         fields["max_tokens"] = msgspec.Raw(b"1")
         fields["stream"] = msgspec.Raw(b"false")
-        fields["kv_transfer_params"] = _KV_ASK
+        fields["kv_transfer_params"] = KV_ASK
         p.prefill.send(path, rid, _enc.encode(fields), _VllmPrefill(self, body, path, rid))
 
     # -- the answer --
@@ -390,18 +378,7 @@ async def serve(engine: str, port: int, prefill: str, decode: str, bootstrap_por
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--engine", choices=("sglang", "vllm"), required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--prefill", required=True)
-    ap.add_argument("--bootstrap-port", type=int, default=None)
-    ap.add_argument("--decode", required=True)
-    args = ap.parse_args(argv)
-    try:
-        uvloop.run(serve(args.engine, args.port, args.prefill, args.decode, args.bootstrap_port))
-    except KeyboardInterrupt:
-        pass
-    return 0
+    return run_cli(serve, (__doc__ or "").split("\n\n")[0], argv)
 
 
 if __name__ == "__main__":
