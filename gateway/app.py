@@ -194,6 +194,7 @@ class Gateway:
                 max_body_bytes=lim.max_body_bytes,
                 max_header_bytes=lim.max_header_bytes,
                 read_timeout_s=lim.read_timeout_s,
+                client_stall_s=self.cfg.timeouts.client_stall_s,
             )
             sock = socks[0] if len(socks) == 1 else None
             if sock is None:  # several addresses (e.g. "localhost"): the server binds them all again
@@ -201,7 +202,13 @@ class Gateway:
                     s.close()
             try:
                 self.server = await start_server(
-                    self.handlers, host, port, limits=limits, sock=sock, on_refusal=self.handlers.refused
+                    self.handlers,
+                    host,
+                    port,
+                    limits=limits,
+                    sock=sock,
+                    on_refusal=self.handlers.refused,
+                    on_stall=self.handlers.stalled,
                 )
             except OSError as e:  # listen() itself (the port was taken since the bind), or a bind
                 raise _listen_error(host, port, e) from None

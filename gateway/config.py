@@ -34,7 +34,7 @@ SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 FallbackRung = Literal["other_pair", "colocated", "decode_self_prefill", "shed"]
 POLICY_FIELDS = ("policy", "prefill_policy", "decode_policy")
-PHASE_TIMEOUTS = ("connect_s", "prefill_s", "handoff_s", "idle_s")
+PHASE_TIMEOUTS = ("connect_s", "prefill_s", "handoff_s", "idle_s", "client_stall_s")
 
 _HEADER_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9a-z-]+$")
 
@@ -177,6 +177,10 @@ class TimeoutsConfig(_Section, frozen=True):
     prefill_s: float = 60.0  # prefill leg until its response is complete
     handoff_s: float = 30.0  # KV handoff: prefill done -> decode's first byte
     idle_s: float = 60.0  # longest worker silence inside a stream (not while the client is not reading)
+    # longest wait for a client that takes none of its answer's bytes (the gateway's writes to it
+    # paused): then the request is stopped as if it had gone (its engine legs aborted) and its
+    # connection closed; a client that reads, however slowly, is not cut
+    client_stall_s: float = 60.0
     total_s: float = 600.0  # whole request
     # added per token a non-streamed answer may generate to prefill_s (colocated) or handoff_s
     # (P/D): its headers come with its last token

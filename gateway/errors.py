@@ -52,6 +52,15 @@ _encoder = msgspec.json.Encoder()
 SHUTDOWN_CANCEL = "pd-gateway: shutting down"
 
 
+def cancelled_outcome(e: BaseException, stalled: bool) -> str:
+    """The outcome of a request whose handler was cancelled: the gateway's shutdown cut it
+    (`SHUTDOWN_CANCEL`), or its client left, by going away ("client_gone") or by taking none of
+    its answer for `timeouts.client_stall_s` (`stalled`: the server cut it, "client_stalled")."""
+    if e.args[:1] == (SHUTDOWN_CANCEL,):
+        return "shutting_down"
+    return "client_stalled" if stalled else "client_gone"
+
+
 class GatewayError(Exception):
     """An error the gateway answers itself. `retryable` errors may be retried on other workers."""
 

@@ -23,6 +23,7 @@ from gateway.errors import (
     NotFound,
     Unavailable,
     UnsupportedMediaType,
+    cancelled_outcome,
     error_body,
     sse_error_event,
 )
@@ -206,6 +207,21 @@ class Handlers:
             )
         return [(b"x-request-id", request_id.encode())]
 
+    def stalled(self, res: HttpResponder | None, stalled_s: float) -> None:
+        """The HTTP server's hook (`on_stall`): it is cutting a client that took no byte of its
+        answer for `timeouts.client_stall_s`. Logged and counted here, with the request id of the
+        last request on the connection. A request still running is then cancelled as for a
+        client that went away (its engine legs aborted; its `request.done` line and
+        `pdgw_requests_total` say outcome `client_stalled`); a whole answer already handed to the
+        connection was served (its engines done) and keeps its outcome."""
+        self.metrics.child(self.metrics.client_stalls).inc()
+        log.info(
+            "request.client_stalled",
+            request_id=res.request_id if res is not None else None,
+            stalled_s=round(stalled_s, 3),
+            answered=res is None or res.finished,  # the whole answer was written (to buffers)
+        )
+
     def _client_id(self, req: _Headers) -> str | None:
         """The client's valid request id, if it sent one."""
         for name in self.id_headers:
@@ -249,6 +265,7 @@ class Handlers:
     async def generate(self, route: RouteKind, req: HttpRequest, res: HttpResponder) -> None:
         started = time.monotonic()
         request_id = self.request_id(req)
+        res.request_id = request_id  # (named by `stalled` if its client stops reading)
         ctype = req.header(b"content-type")
         try:
             if ctype is not None and b"json" not in ctype.lower():
@@ -300,7 +317,7 @@ class Handlers:
             return
         except asyncio.CancelledError as c:  # the client went away while queued
             # (or the gateway cancelled it, as the orchestrator tells the two apart)
-            gone = "shutting_down" if c.args[:1] == (SHUTDOWN_CANCEL,) else "client_gone"
+            gone = cancelled_outcome(c, res.stalled_s > 0)
             model = parsed.model if parsed.model in models else ""
             self.metrics.child(self.metrics.requests, route.value, model, "none", gone).inc()
             if self._log_done:

@@ -207,6 +207,12 @@ class GatewayMetrics:
         self.aborts_sent = Counter(
             "pdgw_engine_aborts", "Abort calls sent to engines", ("engine",), registry=r
         )
+        self.client_stalls = Counter(
+            "pdgw_client_stalls",
+            "Client connections cut for taking none of their answer for timeouts.client_stall_s",
+            (),
+            registry=r,
+        )
 
     def child(self, metric: Any, *labels: str) -> Any:
         return metric.labels(*labels)

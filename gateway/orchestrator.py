@@ -25,7 +25,6 @@ import msgspec
 from adapters import EngineAdapter, HandoffCtx, HandoffMode, PrefillVerdict
 from gateway.deadlines import DeadlineWheel
 from gateway.errors import (
-    SHUTDOWN_CANCEL,
     BadRequest,
     ContextLengthExceeded,
     GatewayError,
@@ -37,6 +36,7 @@ from gateway.errors import (
     UpstreamFailure,
     UpstreamRejected,
     UpstreamTimeout,
+    cancelled_outcome,
     sse_error_event,
 )
 from gateway.guards import Guard, GuardSettings, Summary, check_decode, preflight
@@ -277,8 +277,9 @@ class Orchestrator:
             self._fail(res, e, echo)
         except asyncio.CancelledError as e:
             # the gateway's shutdown cancels with its own message (Handlers.cut); any other
-            # cancellation of a request is its client leaving
-            outcome = "shutting_down" if e.args[:1] == (SHUTDOWN_CANCEL,) else "client_gone"
+            # cancellation of a request is its client leaving: gone, or cut by the server for
+            # reading nothing (timeouts.client_stall_s), which aborts its connection likewise
+            outcome = cancelled_outcome(e, res.stalled_s > 0)
             raise
         finally:
             end = time.monotonic()

@@ -4,7 +4,16 @@ httptools. See docs/architecture.md."""
 from .client import Batching, FlowControl, UpstreamPool, UpstreamResponse
 from .errors import UpstreamConnectError, UpstreamError, UpstreamProtocolError, error_body
 from .limits import ServerLimits
-from .server import Handler, HttpRequest, HttpResponder, HttpServer, Refusal, RefusalHook, start_server
+from .server import (
+    Handler,
+    HttpRequest,
+    HttpResponder,
+    HttpServer,
+    Refusal,
+    RefusalHook,
+    StallHook,
+    start_server,
+)
 
 __all__ = [
     "Batching",
@@ -16,6 +25,7 @@ __all__ = [
     "Refusal",
     "RefusalHook",
     "ServerLimits",
+    "StallHook",
     "UpstreamConnectError",
     "UpstreamError",
     "UpstreamPool",

@@ -17,6 +17,11 @@ class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):
     - ``max_pipelined``: reading from a client is paused while this many complete requests are
       queued behind the one being handled.
     - ``backlog``: listen backlog.
+    - ``client_stall_s``: a client that takes no byte of what is written to it for this long,
+      while the server's writes to it are paused (its transport's buffer above high water), is
+      cut: the connection is aborted, which cancels the handler in flight as a disconnect does,
+      and the server's ``on_stall`` hook is told. A client that reads, however slowly, is not
+      cut. 0: never.
     """
 
     max_body_bytes: int = 64 * 1024 * 1024
@@ -25,3 +30,4 @@ class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):
     keepalive_timeout_s: float = 75.0
     max_pipelined: int = 32
     backlog: int = 2048
+    client_stall_s: float = 0.0

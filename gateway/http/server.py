@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from http import HTTPStatus
@@ -26,7 +27,25 @@ from httptools import (
 from .errors import error_body
 from .limits import ServerLimits
 
-__all__ = ["Handler", "HttpRequest", "HttpResponder", "HttpServer", "Refusal", "RefusalHook", "start_server"]
+_OUTQ: int | None  # the ioctl that says how many bytes a socket's send queue holds
+try:
+    from fcntl import ioctl
+    from termios import TIOCOUTQ  # Linux's SIOCOUTQ for a socket
+except ImportError:  # pragma: no cover - a platform without them: the transport's buffer alone
+    _OUTQ = None
+else:
+    _OUTQ = TIOCOUTQ
+
+__all__ = [
+    "Handler",
+    "HttpRequest",
+    "HttpResponder",
+    "HttpServer",
+    "Refusal",
+    "RefusalHook",
+    "StallHook",
+    "start_server",
+]
 
 log = logging.getLogger("gateway.http.server")
 
@@ -124,6 +143,7 @@ class HttpResponder:
         "_http10",
         "_keep_alive",
         "planned",
+        "request_id",
         "started",
         "task",
     )
@@ -143,6 +163,9 @@ class HttpResponder:
         # what the application planned this request for (the gateway: its workers' ids), for
         # whoever must wait on requests not started yet (the admin API removing a worker)
         self.planned: tuple[str, ...] = ()
+        # the application's name for the request (the gateway's request id), for the server's
+        # on_stall hook
+        self.request_id: str | None = None
 
     @property
     def closed(self) -> bool:
@@ -153,6 +176,12 @@ class HttpResponder:
     def finished(self) -> bool:
         """The response is complete (send()/end()/abort() done)."""
         return self._finished
+
+    @property
+    def stalled_s(self) -> float:
+        """How long the client had taken none of the bytes written to it when the server cut its
+        connection for that (`ServerLimits.client_stall_s`); 0.0 if it did not."""
+        return self._conn._stalled_s
 
     def _head(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bytearray:
         conn = self._conn
@@ -367,6 +396,10 @@ class Refusal:
 
 # the application's word on a refusal (log it, count it): more response headers to send with it
 RefusalHook = Callable[[Refusal], Sequence[tuple[bytes, bytes]]]
+# told when the server cuts a client that stopped reading (`ServerLimits.client_stall_s`), just
+# before the connection is aborted: the responder of the last request on it (its handler still
+# running, or finished with its answer not all taken), if any, and how long the client took no byte
+StallHook = Callable[["HttpResponder | None", float], None]
 
 
 def _target_path(url: bytes) -> str:
@@ -409,6 +442,7 @@ class _HttpConnection(asyncio.Protocol):
         "_hosts",
         "_idle_t0",
         "_in_headers",
+        "_last",
         "_limits",
         "_listeners",
         "_loop",
@@ -419,6 +453,11 @@ class _HttpConnection(asyncio.Protocol):
         "_req_t0",
         "_responder",
         "_server",
+        "_stall_mark",
+        "_stall_s",
+        "_stall_t0",
+        "_stall_timer",
+        "_stalled_s",
         "_stop_parsing",
         "_task",
         "_te",
@@ -459,6 +498,16 @@ class _HttpConnection(asyncio.Protocol):
         self._reading_paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._listeners: list[tuple[Callable[[], None], Callable[[], None]]] = []
+        # the responder of the last request dispatched (running, or finished with its bytes
+        # maybe not all taken): what the on_stall hook is told about
+        self._last: HttpResponder | None = None
+        # client_stall_s (0: off); while the writes are paused, since when the client has taken
+        # no byte (`_stall_t0`) and how many were waiting then (`_stall_mark`)
+        self._stall_s = self._limits.client_stall_s
+        self._stall_t0 = 0.0
+        self._stall_mark = 0
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._stalled_s = 0.0  # set when the connection is cut for a stalled client
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -481,6 +530,10 @@ class _HttpConnection(asyncio.Protocol):
         self._server._conns.discard(self)
         self._queue.clear()
         self._listeners.clear()
+        self._last = None
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         task = self._task
         resp = self._responder
         if task is not None and resp is not None and not resp._finished:
@@ -500,6 +553,8 @@ class _HttpConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        if self._stall_s:
+            self._watch_stall()
         for pause, _ in self._listeners:
             pause()
 
@@ -513,6 +568,61 @@ class _HttpConnection(asyncio.Protocol):
             for w in waiters:
                 if not w.done():
                     w.set_result(None)
+
+    # -- a client that stops reading -----------------------------------------------------------
+    def _watch_stall(self) -> None:
+        """The writes to the client just paused. If it then takes no byte for `client_stall_s`,
+        it is cut (`_check_stall`). One timer per connection at most, armed here when none is;
+        a resume does not disarm it (nothing is done per resume): when it fires it finds the
+        writes resumed (and ends), or paused again since (and waits for that pause's limit).
+        Bytes written while paused would hide bytes taken; there are few: the relays stop
+        reading their engines at the pause."""
+        now = self._loop.time()
+        self._stall_t0 = now
+        self._stall_mark = self._unsent()
+        if self._stall_timer is None:
+            self._stall_timer = self._loop.call_at(now + self._stall_s, self._check_stall)
+
+    def _check_stall(self) -> None:
+        self._stall_timer = None
+        if self._closed or not self._write_paused:
+            return
+        now = self._loop.time()
+        due = self._stall_t0 + self._stall_s
+        if now < due:
+            self._stall_timer = self._loop.call_at(due, self._check_stall)
+            return
+        unsent = self._unsent()
+        if unsent < self._stall_mark:
+            # it took bytes: a slow reader (the writes stay paused until the transport's buffer
+            # is drained down to low water, which a slow reader takes long to do), not a stalled one
+            self._stall_t0 = now
+            self._stall_mark = unsent
+            self._stall_timer = self._loop.call_at(now + self._stall_s, self._check_stall)
+            return
+        self._stalled_s = now - self._stall_t0
+        hook = self._server._on_stall
+        if hook is not None:
+            try:
+                hook(self._last, self._stalled_s)
+            except Exception:
+                log.exception("the stall hook failed")
+        # as a client that went away: connection_lost cancels the handler in flight
+        self._transport.abort()
+
+    def _unsent(self) -> int:
+        """The bytes written to the client that it has not taken: the transport's buffer, and the
+        socket's send queue. The kernel's queue grows to megabytes (`net.ipv4.tcp_wmem`): a slow
+        reader drains it long before the transport's buffer moves."""
+        n = self._transport.get_write_buffer_size()
+        if _OUTQ is not None:
+            sock = self._transport.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    n += int.from_bytes(ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"), sys.byteorder, signed=True)
+                except (OSError, ValueError):  # not a socket that says (a test's transport)
+                    pass
+        return n
 
     def data_received(self, data: bytes) -> None:
         if self._stop_parsing:
@@ -685,6 +795,7 @@ class _HttpConnection(asyncio.Protocol):
     def _dispatch(self, req: HttpRequest) -> None:
         resp = HttpResponder(self, req)
         self._responder = resp
+        self._last = resp
         server = self._server
         server.active_requests += 1
         task = self._loop.create_task(self._handler(req, resp))
@@ -747,6 +858,7 @@ class _HttpConnection(asyncio.Protocol):
                 self._idle_t0 = self._loop.time()
 
     def _write_error(self, err: _Err) -> None:
+        self._last = None  # (an answer of the server's own: no request of the application's)
         body = error_body(err.message, code=err.code)
         extra = b""
         hook = self._server._on_refusal
@@ -817,9 +929,11 @@ class HttpServer:
         limits: ServerLimits,
         loop: asyncio.AbstractEventLoop,
         on_refusal: RefusalHook | None = None,
+        on_stall: StallHook | None = None,
     ) -> None:
         self._handler = handler
         self._on_refusal = on_refusal
+        self._on_stall = on_stall
         self.limits = limits
         self._loop = loop
         self._server: asyncio.Server | None = None
@@ -912,16 +1026,20 @@ async def start_server(
     reuse_port: bool = False,
     sock: socket.socket | None = None,
     on_refusal: RefusalHook | None = None,
+    on_stall: StallHook | None = None,
 ) -> HttpServer:
     """Listen on ``host:port`` (port 0 picks one; or on an already bound ``sock``) and serve
     each complete request with ``await handler(request, responder)`` in its own Task.
 
     ``on_refusal(refusal)``: called for each request the server refuses itself (a `Refusal`:
     413, 431, 400, 408...) as its answer is written; the header fields it returns are sent
-    with the answer (e.g. the request id). An exception in it is logged, the answer still sent."""
+    with the answer (e.g. the request id). An exception in it is logged, the answer still sent.
+
+    ``on_stall(responder, stalled_s)``: called for each client cut for taking no byte of its
+    answer for ``limits.client_stall_s`` (see `StallHook`); an exception in it is logged."""
     loop = asyncio.get_running_loop()
     lim = limits if limits is not None else ServerLimits()
-    server = HttpServer(handler, lim, loop, on_refusal)
+    server = HttpServer(handler, lim, loop, on_refusal, on_stall)
     if sock is not None:
         srv = await loop.create_server(server._protocol, sock=sock, backlog=lim.backlog)
     else:

@@ -15,7 +15,9 @@ import pytest
 from gateway.config import BreakerConfig, LimitsConfig, RetriesConfig, TimeoutsConfig
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
 
-FAST = TimeoutsConfig(connect_s=0.5, prefill_s=1.0, handoff_s=1.0, idle_s=0.5, total_s=5.0)
+FAST = TimeoutsConfig(
+    connect_s=0.5, prefill_s=1.0, handoff_s=1.0, idle_s=0.5, client_stall_s=5.0, total_s=5.0
+)
 
 
 async def post(url: str, body: dict[str, object]) -> tuple[int, bytes, float]:
@@ -270,7 +272,9 @@ async def test_a_long_non_streamed_answer_is_not_cut_by_the_first_byte_deadlines
     deadline plus `per_token_s` per token it may generate, so a generation longer than
     `handoff_s` (P/D) or `prefill_s` (colocated) is served, not failed with a 503 after being
     run to the end up to three times; a stream of the same length was served all along."""
-    timeouts = TimeoutsConfig(prefill_s=0.5, handoff_s=0.5, idle_s=5.0, total_s=20.0, per_token_s=0.5)
+    timeouts = TimeoutsConfig(
+        prefill_s=0.5, handoff_s=0.5, idle_s=5.0, client_stall_s=20.0, total_s=20.0, per_token_s=0.5
+    )
     c = await build_cluster(time_scale=1.0, timeouts=timeouts)
     try:
         for name in ("sgl-d", "vllm-d", "col"):
@@ -292,7 +296,9 @@ async def test_a_long_non_streamed_answer_is_not_cut_by_the_first_byte_deadlines
 async def test_a_non_streamed_answer_still_has_a_head_deadline() -> None:
     """The allowance is per token it may generate: a decode that hangs is still cut at
     handoff_s + per_token_s x max_tokens, long before the total deadline."""
-    timeouts = TimeoutsConfig(prefill_s=1.0, handoff_s=0.3, idle_s=5.0, total_s=20.0, per_token_s=0.1)
+    timeouts = TimeoutsConfig(
+        prefill_s=1.0, handoff_s=0.3, idle_s=5.0, client_stall_s=20.0, total_s=20.0, per_token_s=0.1
+    )
     c = await build_cluster(
         faults={"vllm-d": ["hang_before_first_byte"]},
         timeouts=timeouts,

@@ -19,7 +19,9 @@ from gateway.config import RetriesConfig, TimeoutsConfig
 from tests.faults.test_kv_integrity import PROMPTS, answer_text, body, references
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
 
-TIMEOUTS = TimeoutsConfig(connect_s=0.5, prefill_s=1.5, handoff_s=1.5, idle_s=1.5, total_s=8.0)
+TIMEOUTS = TimeoutsConfig(
+    connect_s=0.5, prefill_s=1.5, handoff_s=1.5, idle_s=1.5, client_stall_s=8.0, total_s=8.0
+)
 N = 64
 
 

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -597,5 +599,85 @@ async def test_refusal_hook_sees_what_was_read_and_adds_headers() -> None:
             srv.port, b"GET / HTTP/1.1\r\nHost: t\r\nX-Boom: 1\r\nContent-Length: x\r\n\r\n"
         )
         assert r.status == 400 and r.header(b"x-request-id") is None and _error(r)["code"] == "bad_request"
+    finally:
+        await srv.close()
+
+
+async def _reads_nothing(port: int, target: bytes) -> socket.socket:
+    """A client that sends one request and never reads (its receive buffer 4 KB)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    await loop.sock_sendall(sock, b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n" % target)
+    return sock
+
+
+async def test_a_client_that_reads_nothing_is_cut_after_client_stall_s() -> None:
+    """`client_stall_s`: a client that takes none of a stream for that long, the writes to it
+    paused, is cut as a disconnect is (its handler cancelled) and the `on_stall` hook is told
+    (the responder, how long); one whose whole answer was sent (its handler done) is cut too."""
+    cancelled = asyncio.Event()
+    stalls: list[tuple[str | None, bool, float]] = []
+    responders: list[HttpResponder] = []
+
+    async def h(req: HttpRequest, resp: HttpResponder) -> None:
+        resp.request_id = req.path
+        responders.append(resp)
+        if req.path == "/whole":
+            resp.send(200, (), b"x" * (16 << 20))  # more than the socket buffers take
+            return
+        resp.start_stream(200, ())
+        try:
+            while True:
+                resp.write(b"y" * 65536)
+                await resp.drain()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def on_stall(resp: HttpResponder | None, stalled_s: float) -> None:
+        stalls.append((resp.request_id if resp else None, resp.finished if resp else False, stalled_s))
+
+    srv = await start_server(h, "127.0.0.1", 0, limits=ServerLimits(client_stall_s=0.3), on_stall=on_stall)
+    socks: list[socket.socket] = []
+    try:
+        t0 = time.monotonic()
+        socks.append(await _reads_nothing(srv.port, b"/stream"))
+        await asyncio.wait_for(cancelled.wait(), 10)
+        assert 0.3 <= time.monotonic() - t0 < 5
+        assert [(p, f) for p, f, _ in stalls] == [("/stream", False)] and 0.3 <= stalls[0][2] < 2, stalls
+        assert responders[0].stalled_s == stalls[0][2] and responders[0].closed
+        socks.append(await _reads_nothing(srv.port, b"/whole"))
+        for _ in range(200):
+            if len(stalls) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert [(p, f) for p, f, _ in stalls[1:]] == [("/whole", True)], stalls
+        for _ in range(100):
+            if not srv.connections:
+                break
+            await asyncio.sleep(0.02)
+        assert srv.connections == 0 and srv.active_requests == 0
+    finally:
+        for s in socks:
+            s.close()
+        await srv.close()
+
+
+async def test_without_client_stall_s_a_client_that_reads_nothing_is_kept() -> None:
+    """Off by default (0): the server waits for the client as long as the handler does."""
+    stalls: list[float] = []
+
+    async def h(req: HttpRequest, resp: HttpResponder) -> None:
+        resp.send(200, (), b"x" * (16 << 20))
+
+    srv = await start_server(h, "127.0.0.1", 0, on_stall=lambda r, s: stalls.append(s))
+    try:
+        sock = await _reads_nothing(srv.port, b"/")
+        await asyncio.sleep(1.0)
+        assert srv.connections == 1 and not stalls
+        sock.close()
     finally:
         await srv.close()

@@ -37,6 +37,7 @@ def test_defaults() -> None:
     assert (c.listen.host, c.listen.port) == ("127.0.0.1", 8000)
     assert c.policy == RoundRobinCfg() and c.effective_decode_policy == RoundRobinCfg()
     assert c.timeouts.total_s == 600 and c.retries.max_attempts == 3 and c.breaker.open_s == 30
+    assert c.timeouts.client_stall_s == 60
     assert c.limits.max_body_bytes == 16 * 1024 * 1024 and c.limits.max_header_bytes == 64 * 1024
     assert c.fallback.ladder == ("other_pair", "colocated", "decode_self_prefill", "shed")
     assert c.request_id_headers == ("x-request-id", "x-correlation-id")
@@ -105,6 +106,11 @@ def test_toml_round_trip(cfg: GatewayConfig, tmp_path: Path) -> None:
         ("[listen]\nport = 70000\n", "listen.port must be in 0..65535"),
         ("[timeouts]\nprefill_s = 900\n", "timeouts.prefill_s (900.0) must be <= timeouts.total_s"),
         ("[timeouts]\nconnect_s = 0\n", "timeouts.connect_s must be a positive number"),
+        ("[timeouts]\nclient_stall_s = 0\n", "timeouts.client_stall_s must be a positive number"),
+        (
+            "[timeouts]\nclient_stall_s = 700\n",
+            "timeouts.client_stall_s (700.0) must be <= timeouts.total_s",
+        ),
         ("[retries]\nmax_attempts = 0\n", "retries.max_attempts must be >= 1"),
         ("[guards]\nshadow_fraction = 1.5\n", "guards.shadow_fraction must be in"),
         ('[fallback]\nladder = ["shed", "colocated"]\n', "'shed' must be the last rung"),
@@ -264,12 +270,13 @@ def test_flags_scalars_and_policies() -> None:
     assert c.effective_prefill_policy == RandomCfg()
     assert (c.timeouts.total_s, c.limits.max_concurrent, c.admin.token_env) == (30.0, 7, "TOK")
     # phase limits above the new total are lowered to it, smaller ones kept
-    assert (c.timeouts.prefill_s, c.timeouts.idle_s, c.timeouts.handoff_s, c.timeouts.connect_s) == (
-        30,
-        30,
-        30,
-        2,
-    )
+    assert (
+        c.timeouts.prefill_s,
+        c.timeouts.idle_s,
+        c.timeouts.handoff_s,
+        c.timeouts.client_stall_s,
+        c.timeouts.connect_s,
+    ) == (30, 30, 30, 30, 2)
     assert c.decider.min_prefill_tokens == 256
 
 
