@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -150,16 +149,19 @@ class _Pool:
 
 
 class _Drop(_Exchange):
-    """The SGLang prefill's answer: read to its end and dropped."""
+    """The SGLang prefill's answer: read to its end and dropped; its end or failure told to the
+    decode's relay."""
 
-    __slots__ = ("after",)
+    __slots__ = ("relay",)
 
-    def __init__(self, after: Callable[[], None] | None = None) -> None:
-        self.after = after
+    def __init__(self, relay: _Relay) -> None:
+        self.relay = relay
 
     def done(self) -> None:
-        if self.after is not None:
-            self.after()
+        self.relay.prefill_done()
+
+    def failed(self) -> None:
+        self.relay.failed()
 
 
 class _Relay(_Exchange):
@@ -299,7 +301,7 @@ class _Client(asyncio.Protocol):
         if p.engine == "sglang":
             spliced = body[:-1] + p.prefix + b"%d}" % random.getrandbits(63)
             relay = _Relay(self, waiting=True)
-            p.prefill.send(path, b"", spliced, _Drop(relay.prefill_done))
+            p.prefill.send(path, b"", spliced, _Drop(relay))
             p.decode.send(path, b"", spliced, relay)
             return
         p.n += 1
