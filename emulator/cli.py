@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import signal
 import sys
 
-from emulator.api import EmulatorSpec
 from emulator.faults import FaultSpecError, parse_fault
 from emulator.profiles import DEFAULT_PROFILE, PROFILES
+from emulator.spec import EmulatorSpec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--waiting-timeout", type=float, default=None, help="SGLang decode KV wait (default 300 s)"
     )
     p.add_argument("--handshake-timeout", type=float, default=5.0)
+    _engine_flags(p)
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags named as the real engines name them."""
     p.add_argument(
         "--stream-interval",
         type=int,
@@ -83,8 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="ask for `Authorization: Bearer KEY` as the engine's own flag does (SGLang: all but "
         "/health and /metrics; vLLM: /v1 paths)",
     )
-    p.add_argument("--log-level", default="warning")
-    return p
 
 
 def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
@@ -142,6 +148,12 @@ async def serve(spec: EmulatorSpec) -> int:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if importlib.util.find_spec("aiohttp") is None:
+        print(
+            "pd-gateway emulate: the emulator needs its extra: pip install 'pd-gateway[emulator]'",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -13,8 +13,8 @@ import zmq.asyncio
 
 from emulator import timing
 from emulator.api import EmulatorSpec, spawn_emulator
-from emulator.app import free_port
 from emulator.profiles import PROFILES, get_profile
+from emulator.server import free_port
 from tests.emulator.conftest import Factory
 
 

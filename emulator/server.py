@@ -1,15 +1,15 @@
 """One emulated server: HTTP app (aiohttp), engine, KV server, bootstrap server, KV events.
 
-The engine-specific HTTP surfaces live in :mod:`emulator.sglang_api` and :mod:`emulator.vllm_api`;
-this module owns what they share: startup/shutdown, fault handling, SSE writing,
-``/emulator/stats`` and ``/emulator/faults``.
+The engine-specific HTTP surfaces (:class:`emulator.sglang.api.SglangApi`,
+:class:`emulator.vllm.api.VllmApi`) register their routes on :attr:`EmulatorServer.app`
+(:func:`emulator.api.build_server`); this module owns what they share: startup/shutdown, fault
+handling, ``/emulator/stats`` and ``/emulator/faults``. It imports neither surface.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -17,7 +17,7 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -32,34 +32,18 @@ from emulator.kvevents import KvEventPublisher
 from emulator.kvtransfer import KvServer
 from emulator.profiles import get_profile
 from emulator.scheduler import Engine
+from emulator.wire import hang_forever, json_response
 
 if TYPE_CHECKING:
-    from emulator.api import EmulatorSpec
+    from emulator.spec import EmulatorSpec
 
 log = logging.getLogger("emulator")
-
-JSON = "application/json"
-SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
-DONE = b"data: [DONE]\n\n"
-_encode = msgspec.json.encode
-
-
-def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_encode(obj), status=status, content_type=JSON)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-class Hang(Exception):
-    """Raised where a fault wants the handler to hang until the client goes away."""
-
-
-async def hang_forever() -> None:
-    await asyncio.Event().wait()
 
 
 class EmulatorServer:
@@ -107,14 +91,6 @@ class EmulatorServer:
         self.app.router.add_get("/emulator/stats", self.handle_stats)
         self.app.router.add_post("/emulator/faults", self.handle_faults)
         self.app.router.add_get("/emulator/faults", self.handle_get_faults)
-        if spec.engine == "sglang":
-            from emulator import sglang_api
-
-            sglang_api.setup(self)
-        else:
-            from emulator import vllm_api
-
-            vllm_api.setup(self)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -168,32 +144,38 @@ class EmulatorServer:
         sockets = getattr(server, "sockets", None) or []
         self.port = int(sockets[0].getsockname()[1]) if sockets else spec.port
         if spec.engine == "sglang" and spec.role == "prefill":
-            self.bootstrap = BootstrapServer()
-            port = spec.bootstrap_port if spec.bootstrap_port is not None else 8998  # 0: pick a free one
-            self.bootstrap_port = await self.bootstrap.start(spec.host, port)
-            await register_rank(
-                self.session,
-                f"{url_host(spec.host)}:{self.bootstrap_port}",
-                {
-                    "role": "Prefill",
-                    "attn_tp_size": 1,
-                    "attn_tp_rank": 0,
-                    "attn_cp_size": 1,
-                    "attn_cp_rank": 0,
-                    "attn_dp_size": 1,
-                    "attn_dp_rank": 0,
-                    "pp_size": 1,
-                    "pp_rank": 0,
-                    "system_dp_size": 1,
-                    "system_dp_rank": 0,
-                    "rank_ip": spec.host,
-                    "rank_port": self.kv_port,
-                    "page_size": self.block_size,
-                    "kv_cache_dtype": "auto",
-                    "prefill_http_port": self.port,
-                    "decode_allocation_policy": "early",
-                },
-            )
+            await self._start_bootstrap()
+
+    async def _start_bootstrap(self) -> None:
+        """An SGLang prefill's bootstrap server, with this rank registered on it."""
+        spec = self.spec
+        assert self.session is not None
+        self.bootstrap = BootstrapServer()
+        port = spec.bootstrap_port if spec.bootstrap_port is not None else 8998  # 0: pick a free one
+        self.bootstrap_port = await self.bootstrap.start(spec.host, port)
+        await register_rank(
+            self.session,
+            f"{url_host(spec.host)}:{self.bootstrap_port}",
+            {
+                "role": "Prefill",
+                "attn_tp_size": 1,
+                "attn_tp_rank": 0,
+                "attn_cp_size": 1,
+                "attn_cp_rank": 0,
+                "attn_dp_size": 1,
+                "attn_dp_rank": 0,
+                "pp_size": 1,
+                "pp_rank": 0,
+                "system_dp_size": 1,
+                "system_dp_rank": 0,
+                "rank_ip": spec.host,
+                "rank_port": self.kv_port,
+                "page_size": self.block_size,
+                "kv_cache_dtype": "auto",
+                "prefill_http_port": self.port,
+                "decode_allocation_policy": "early",
+            },
+        )
 
     def notify_in_background(self, aw: Coroutine[Any, Any, None]) -> None:
         """Run a best-effort notification to a peer to its end even if the request that sent
@@ -279,6 +261,17 @@ class EmulatorServer:
             await hang_forever()
         return None
 
+    @contextlib.contextmanager
+    def tracked(self) -> Iterator[None]:
+        """Count a request from its arrival to its answer (`received`, `in_flight`)."""
+        c = self.engine.counters
+        c.received += 1
+        c.in_flight += 1
+        try:
+            yield
+        finally:
+            c.in_flight -= 1
+
     def _refused(self) -> None:
         self.unauthorized += 1
 
@@ -327,39 +320,3 @@ class EmulatorServer:
         except (msgspec.DecodeError, msgspec.ValidationError, FaultSpecError, ValueError) as e:
             return json_response({"error": str(e)}, status=400)
         return json_response({"faults": self.faults.specs})
-
-
-async def start_sse(request: web.Request, extra_headers: dict[str, str] | None = None) -> web.StreamResponse:
-    resp = web.StreamResponse(status=200, headers={"Content-Type": SSE_CONTENT_TYPE, **(extra_headers or {})})
-    resp.enable_chunked_encoding()
-    await resp.prepare(request)
-    return resp
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + _encode(obj) + b"\n\n"
-
-
-def sse_error(obj: Any) -> bytes:
-    """An error event of an OpenAI route, spaced as both engines write it (`json.dumps` in
-    their `create_streaming_error_response`; their other events are compact)."""
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-def crash(request: web.Request) -> None:
-    """Drop the client connection now (``crash_mid_stream``)."""
-    transport = request.transport
-    if transport is not None:
-        transport.abort()
-    raise ConnectionResetError("crash_mid_stream")
-
-
-@contextlib.contextmanager
-def track(server: EmulatorServer) -> Any:
-    c = server.engine.counters
-    c.received += 1
-    c.in_flight += 1
-    try:
-        yield
-    finally:
-        c.in_flight -= 1
