@@ -28,18 +28,25 @@ class MidStreamFault(Exception):
 
 
 async def tokens(
-    server: EmulatorServer, seq: Seq, n: int, hit: dict[str, Fault], stop: StopSpec | None = None
+    server: EmulatorServer,
+    seq: Seq,
+    n: int,
+    hit: dict[str, Fault],
+    stop: StopSpec | None = None,
+    *,
+    first_ready: bool = False,
 ) -> AsyncGenerator[int, None]:
     """Output tokens with the per-token faults applied; `stop`'s minimum length masks its stop
     token ids out of the first tokens (`StopSpec.drawn`). Each call draws from output position 0:
-    a P/D decode generates its whole answer, the prefill's token included."""
+    a P/D decode generates its whole answer, the prefill's token included. `first_ready`: the
+    first token is out without a decode step (``Engine.decode``)."""
     engine = server.engine
     held = stop.min_tokens if stop is not None and stop.ids else 0
     slow = hit.get("slow")
     mid = hit.get("hang_mid_stream") or hit.get("crash_mid_stream") or hit.get("error_mid_stream")
     after = mid.get_int("after", 2) if mid is not None else -1
     i = 0
-    steps = engine.decode(seq, n)
+    steps = engine.decode(seq, n, first_ready=first_ready)
     try:
         async for tok in steps:
             if i == after and mid is not None:

@@ -65,7 +65,12 @@ class Profile(msgspec.Struct, frozen=True):
     step_overhead_s: float = 0.002  # scheduler + launch + (TP>1) all-reduce allowance per step
     mem_fraction: float = 0.9
     max_running: int = 256
-    chunk_tokens: int = 2048  # chunked-prefill budget per step on colocated workers
+    # prefill tokens per step: SGLang's chunked_prefill_size (8192 on 80-141 GB GPUs, SGLang
+    # 0.5.23 arg_groups/memory_hook.py) and vLLM's max_num_batched_tokens (decode tokens
+    # included: 8192 on H100/H200, 2048 on A100 for the API server, vLLM 0.32
+    # engine/arg_utils.py), on every role
+    chunk_tokens: int = 8192
+    batched_tokens: int = 8192
     max_prefill_tokens: int = 16384
     block_size: int = 16
     context_length: int = 8192
@@ -98,10 +103,12 @@ A100 = GpuSpec("A100-SXM-80GB", 312.0, 2.039, 80.0, link_gb_s=25.0)
 PROFILES: dict[str, Profile] = {
     "llama-3-8b-h100": Profile("llama-3-8b-h100", LLAMA3_8B, H100),
     "llama-3-8b-h200": Profile("llama-3-8b-h200", LLAMA3_8B, H200),
-    "llama-3-8b-a100": Profile("llama-3-8b-a100", LLAMA3_8B, A100),
+    "llama-3-8b-a100": Profile("llama-3-8b-a100", LLAMA3_8B, A100, batched_tokens=2048),
     "llama-3-70b-h100": Profile("llama-3-70b-h100", LLAMA3_70B, H100, tp=4, step_overhead_s=0.004),
     "llama-3-70b-h200": Profile("llama-3-70b-h200", LLAMA3_70B, H200, tp=4, step_overhead_s=0.004),
-    "llama-3-70b-a100": Profile("llama-3-70b-a100", LLAMA3_70B, A100, tp=8, step_overhead_s=0.005),
+    "llama-3-70b-a100": Profile(
+        "llama-3-70b-a100", LLAMA3_70B, A100, tp=8, step_overhead_s=0.005, batched_tokens=2048
+    ),
 }
 DEFAULT_PROFILE = "llama-3-8b-h100"
 

@@ -2,10 +2,21 @@
 
 Two execution modes share the same state (block pool, prefix cache, counters):
 
-* timed (``time_scale > 0``): one engine loop runs steps. Each step takes prefill work
-  (chunked with a token budget on colocated workers, whole prompts up to ``max_prefill_tokens``
-  on prefill workers) and one token for every decoding sequence, sleeps
-  ``timing.mixed_step_time(...) x time_scale``, then hands out the results;
+* timed (``time_scale > 0``): one engine loop runs steps. A step takes prefill work (chunked:
+  at most the :class:`StepPolicy`'s token budget) and one token for every decoding sequence,
+  sleeps ``timing.mixed_step_time(...) x time_scale``, then hands out the results: a sequence's
+  first token when its prefill's last chunk ends (it is sampled in that forward pass), one more
+  token per decode step. :class:`StepPolicy` is how each engine's scheduler builds a step:
+
+  - vLLM 0.32 (``Scheduler.schedule``, v1/core/sched/scheduler.py: the RUNNING requests first,
+    then the WAITING ones, under ``max_num_batched_tokens``, 8192 on H100/H200 for the API
+    server, engine/arg_utils.py): every step decodes every running sequence and prefills a chunk
+    with the budget left;
+  - SGLang 0.5.23 (``get_next_batch_to_run``, managers/scheduler.py, with ``enable_mixed_chunk``
+    off and ``prefill_decode_interval`` 0 by default): a step with prefill work (at most
+    ``chunked_prefill_size`` tokens, 8192 on 80-141 GB GPUs, arg_groups/memory_hook.py) is a
+    prefill step only; the running decodes wait until no prefill is left (a chunked request in
+    progress keeps the next step a prefill step), on a colocated server as on a prefill server;
 * zero-delay (``time_scale == 0``): prefill completes at once and tokens are produced directly by
   the consumer, with no sleeps and no per-token task switches - the mode for overhead benchmarks.
 """
@@ -22,6 +33,24 @@ from emulator.kvcache import BlockPool
 from emulator.profiles import Profile
 
 T = TypeVar("T")
+
+
+class StepPolicy:
+    """How a step is built: `chunk_tokens` of prefill at most per step; `prefill_first`: a step
+    with prefill work decodes nothing (SGLang), else the decodes ride along and take their
+    tokens out of the budget first (vLLM)."""
+
+    __slots__ = ("chunk_tokens", "prefill_first")
+
+    def __init__(self, chunk_tokens: int, prefill_first: bool) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.prefill_first = prefill_first
+
+    @classmethod
+    def of(cls, engine: str, profile: Profile) -> StepPolicy:
+        if engine == "sglang":
+            return cls(profile.chunk_tokens, prefill_first=True)
+        return cls(profile.batched_tokens, prefill_first=False)
 
 
 class EngineDead(Exception):
@@ -121,9 +150,11 @@ class Engine:
         num_blocks: int,
         block_size: int,
         max_running: int | None = None,
+        policy: StepPolicy | None = None,
     ) -> None:
         self.profile = profile
         self.role = role
+        self.policy = policy or StepPolicy(profile.batched_tokens, prefill_first=False)
         self.time_scale = time_scale
         self.seed = seed
         self.block_size = block_size
@@ -138,7 +169,9 @@ class Engine:
         self._freed = asyncio.Event()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._step: asyncio.Future[None] | None = None  # the step running now (timed mode)
         self.last_step_s = 0.0
+        self.steps = 0  # steps run (timed mode)
 
     @property
     def zero_delay(self) -> bool:
@@ -289,8 +322,10 @@ class Engine:
         seq.state = model.stream_state(kv, len(seq.prompt), self.seed, seq.sample_seed)
 
     # ------------------------------------------------------------------ decode
-    async def decode(self, seq: Seq, n: int) -> AsyncGenerator[int, None]:
-        """Yield ``n`` output tokens; one per engine step in timed mode."""
+    async def decode(self, seq: Seq, n: int, *, first_ready: bool = False) -> AsyncGenerator[int, None]:
+        """Yield ``n`` output tokens; one per engine step in timed mode, except the first when
+        `first_ready`: it was sampled by the step that computed the prompt (the prefill's last
+        chunk), or it came with the KV (an SGLang decode's prebuilt request), and is out at once."""
         state = seq.state
         if self.zero_delay:
             for _ in range(n):
@@ -302,12 +337,23 @@ class Engine:
                 seq.state = state
                 yield model.token_from_state(state)
             return
+        produced = 0
+        if first_ready and n > 0:
+            if seq.aborted:
+                raise Aborted()
+            if self.dead:
+                raise EngineDead()
+            state = model.next_state(state)
+            seq.state = state
+            produced = 1
+            yield model.token_from_state(state)
+            if n == 1:
+                return
         seq.event = asyncio.Event()
         seq.credits = 0
         self.decoding.append(seq)
         self._wake.set()
         try:
-            produced = 0
             while produced < n:
                 while seq.credits == 0:
                     if seq.aborted:
@@ -378,42 +424,64 @@ class Engine:
         return max(self.last_step_s, 0.0005)
 
     # ------------------------------------------------------------------ timed loop
+    async def step_boundary(self) -> None:
+        """Return when the step running now (if any) ends: what a scheduler polls between its
+        forward steps (an SGLang prefill's finished transfers, say) is seen only then."""
+        step = self._step
+        if step is not None and not step.done():
+            await asyncio.shield(step)
+
     async def _run(self) -> None:
-        p = self.profile
-        chunked = self.role != "prefill"
+        loop = asyncio.get_running_loop()
         while True:
             if not self.prefill_queue and not self.decoding:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = [s for s in self.decoding if not s.aborted]
-            budget = (p.chunk_tokens - len(batch)) if chunked else p.max_prefill_tokens
-            budget = max(budget, self.block_size)
-            work: list[tuple[Seq, int]] = []
-            chunks: list[tuple[int, int]] = []
-            for seq in self.prefill_queue:
-                if budget <= 0:
-                    break
-                if seq.aborted:
-                    continue
-                n = min(seq.prefill_left, budget)
-                done_before = len(seq.prompt) - seq.prefill_left
-                work.append((seq, n))
-                chunks.append((n, done_before))
-                budget -= n
+            work, chunks, batch = self._plan_step()
             kv_tokens = sum(len(s.prompt) + s.credits for s in batch)
-            dt = timing.mixed_step_time(p, chunks, len(batch), kv_tokens)
+            dt = timing.mixed_step_time(self.profile, chunks, len(batch), kv_tokens)
             self.last_step_s = dt * self.time_scale
-            await asyncio.sleep(self.last_step_s)
-            for seq, n in work:
-                seq.prefill_left -= n
-                if seq.prefill_left <= 0:
-                    if seq in self.prefill_queue:
-                        self.prefill_queue.remove(seq)
-                    fut = seq.prefill_future
-                    if fut is not None and not fut.done():
-                        fut.set_result(None)
-            for seq in batch:
-                seq.credits += 1
-                if seq.event is not None:
-                    seq.event.set()
+            self._step = step = loop.create_future()
+            try:
+                await asyncio.sleep(self.last_step_s)
+                self._end_step(work, batch)
+            finally:
+                self.steps += 1
+                step.set_result(None)
+
+    def _plan_step(self) -> tuple[list[tuple[Seq, int]], list[tuple[int, int]], list[Seq]]:
+        """The next step's prefill chunks ``(seq, tokens)``, their ``(new, cached)`` sizes for the
+        timing model, and the sequences it decodes a token for (see :class:`StepPolicy`)."""
+        policy = self.policy
+        batch = [s for s in self.decoding if not s.aborted]
+        budget = policy.chunk_tokens if policy.prefill_first else policy.chunk_tokens - len(batch)
+        budget = max(budget, self.block_size)
+        work: list[tuple[Seq, int]] = []
+        chunks: list[tuple[int, int]] = []
+        for seq in self.prefill_queue:
+            if budget <= 0:
+                break
+            if seq.aborted:
+                continue
+            n = min(seq.prefill_left, budget)
+            work.append((seq, n))
+            chunks.append((n, len(seq.prompt) - seq.prefill_left))
+            budget -= n
+        if work and policy.prefill_first:
+            batch = []  # SGLang: a prefill step, the decodes wait
+        return work, chunks, batch
+
+    def _end_step(self, work: list[tuple[Seq, int]], batch: list[Seq]) -> None:
+        for seq, n in work:
+            seq.prefill_left -= n
+            if seq.prefill_left <= 0:
+                if seq in self.prefill_queue:
+                    self.prefill_queue.remove(seq)
+                fut = seq.prefill_future
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+        for seq in batch:
+            seq.credits += 1
+            if seq.event is not None:
+                seq.event.set()

@@ -31,7 +31,7 @@ from emulator.faults import Fault, FaultSet, FaultSpecError
 from emulator.kvevents import KvEventPublisher
 from emulator.kvtransfer import KvServer
 from emulator.profiles import get_profile
-from emulator.scheduler import Engine
+from emulator.scheduler import Engine, StepPolicy
 from emulator.wire import hang_forever, json_response
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ class EmulatorServer:
             seed=spec.seed,
             num_blocks=max(4, capacity // self.block_size),
             block_size=self.block_size,
+            policy=StepPolicy.of(spec.engine, self.profile),
         )
         self.faults = FaultSet(list(spec.faults), seed=spec.seed)
         self.engine_id = str(

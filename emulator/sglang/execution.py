@@ -134,7 +134,7 @@ class Execution:
         timeout = bootstrap_timeout(s)
         if truncated:
             return self._truncated(room, timeout)
-        async for tok in tokens(s, seq, 1, hit, item.stop):
+        async for tok in tokens(s, seq, 1, hit, item.stop, first_ready=True):  # its last chunk's sample
             self.out.append(tok)
         try:
             # abortable: /abort_request reaches a request waiting for its decode
@@ -148,6 +148,10 @@ class Execution:
             # its decode bootstrapped it: the bootstrap timeout is over; the transfer ends
             # (sent, failed, or the decode giving up) by itself
             sent = await engine.abortable(seq, asyncio.shield(room.taken))
+        # the prefill's scheduler polls its transfers between forward steps
+        # (process_disagg_prefill_inflight_queue after each batch): a busy prefill finishes the
+        # request, and answers its HTTP request, when the step running at the transfer's end is over
+        await engine.step_boundary()
         if not sent and room.failure is not None:
             # its decode aborted or gave up (SGLang's abort notification marks the room
             # Failed), or the send failed: a 500 abort, not a 200
@@ -187,7 +191,7 @@ class Execution:
     async def _aborted_transfer(self) -> Result:
         """sglang #33507: the client sees a normal "length" finish after one token."""
         self.engine.set_state(self.seq)
-        async for tok in tokens(self.s, self.seq, 1, self.hit, self.item.stop):
+        async for tok in tokens(self.s, self.seq, 1, self.hit, self.item.stop, first_ready=True):
             self.out.append(tok)
         if self.on_token is not None:
             await self.on_token(self.out)
@@ -217,20 +221,25 @@ class Execution:
 
     # ------------------------------------------------------------------ decoding
     async def _generate(self) -> Result:
-        """Decode the output; a stream gets an event per `--stream-interval` tokens (a stop
-        string's possible start held back) and the rest before the finish."""
+        """Decode the output. A stream gets an event per decode step, or with `--stream-interval`
+        N > 1 the first token at once and then an event whenever N tokens are unsent (SGLang
+        0.5.23 scheduler_components/output_streamer.py); a stop string's possible start is held
+        back, and the rest comes before the finish."""
         out, on_token, res = self.out, self.on_token, self.res
-        every = max(1, self.s.spec.stream_interval)  # --stream-interval: an event per `every` tokens
+        every = max(1, self.s.spec.stream_interval)
         stopper = Stopper(self.item.stop) if self.item.stop is not None else None
         shown = 0  # tokens a stream has shown (a stop string's possible start is held back)
-        gen = tokens(self.s, self.seq, self.item.max_new, self.hit, self.item.stop)
+        # the first token is out without a decode step: sampled by the prefill's last chunk, or
+        # (P/D decode) the prefill's, streamed as the request joins the batch (the decode's
+        # prebuilt batch: process_batch_result_prebuilt, then stream_output)
+        gen = tokens(self.s, self.seq, self.item.max_new, self.hit, self.item.stop, first_ready=True)
         try:
             async for tok in gen:
                 out.append(tok)
                 stopped = stopper is not None and stopper.feed(tok)
                 if stopped:
                     break
-                if on_token is not None and len(out) % every == 0:
+                if on_token is not None and (shown == 0 or len(out) - shown >= every):
                     now = stopper.shown(len(out), False) if stopper is not None else len(out)
                     if now > shown:
                         shown = now

@@ -48,9 +48,7 @@ def server_info(s: EmulatorServer, context_length: int, max_req_input_len: int) 
         "served_model_name": model_path,
         "context_length": context_length,
         "max_total_tokens": s.max_total_tokens,
-        "chunked_prefill_size": s.profile.chunk_tokens
-        if s.role != "prefill"
-        else s.profile.max_prefill_tokens,
+        "chunked_prefill_size": s.profile.chunk_tokens,
         "max_prefill_tokens": s.profile.max_prefill_tokens,
         "max_running_requests": s.profile.max_running,
         "schedule_policy": "fcfs",

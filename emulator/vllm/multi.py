@@ -156,7 +156,8 @@ class _Child:
     async def _generate(self) -> None:
         call, stopper = self.call, self.stopper
         shown = 0
-        steps = tokens(call.s, self.seq, self.max_new, call.hit, call.parsed.stop)
+        # the first token is sampled by the prefill's last chunk
+        steps = tokens(call.s, self.seq, self.max_new, call.hit, call.parsed.stop, first_ready=True)
         try:
             async for tok in steps:
                 self.out.append(tok)

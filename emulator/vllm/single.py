@@ -164,7 +164,10 @@ class SingleCall:
         prompt, stopper = self.prompt, self.stopper
         first = True
         shown = 0  # tokens whose text a stream has shown (a stop string's start is held back)
-        steps = tokens(self.s, self.seq, n, self.hit, self.parsed.stop)
+        # the first token is sampled by the step that computed the prompt here; a decode handed
+        # the prompt's KV computes its last token again in a step of its own to sample it
+        local = not self.remote_prefill or self.scoring
+        steps = tokens(self.s, self.seq, n, self.hit, self.parsed.stop, first_ready=local)
         try:
             async for tok in steps:
                 if first and self.remote_prefill and "tie_flip" in self.hit and prompt:
