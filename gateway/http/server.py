@@ -730,6 +730,13 @@ class _HttpConnection(asyncio.Protocol):
             what = "Missing" if not self._hosts else "Duplicate"
             raise _RequestError(400, f"{what} Host header.", "bad_request")
         te = self._te
+        if te is not None and version == "1.0":
+            # RFC 9112 6.1: Transfer-Encoding in an HTTP/1.0 message means faulty framing (1.0
+            # has no chunked coding; a proxy between may frame it otherwise): what follows the
+            # body cannot be trusted to be a request, so it is refused and the connection closed
+            raise _RequestError(
+                400, "Transfer-Encoding is not allowed in an HTTP/1.0 request.", "bad_request"
+            )
         if te is not None and te.strip().lower() != b"chunked":
             # the parser frames `gzip, chunked` as chunked and would hand on the coded bytes
             raise _RequestError(

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -681,3 +682,21 @@ async def test_without_client_stall_s_a_client_that_reads_nothing_is_kept() -> N
         sock.close()
     finally:
         await srv.close()
+
+
+async def test_http10_with_transfer_encoding_is_refused_and_closed(server: HttpServer) -> None:
+    """RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing. What follows
+    its chunked body must not be served as another request (request smuggling): the server
+    answers 400 and closes, whatever the Connection header says."""
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: t\r\n\r\n"
+    r, reader, _ = await request(
+        server.port,
+        b"POST /raw HTTP/1.0\r\nHost: t\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"4\r\nabcd\r\n0\r\n\r\n" + smuggled,
+    )
+    assert r.status == 400 and r.header(b"connection") == b"close", r.body
+    assert b"Transfer-Encoding" in r.body
+    rest = b""
+    with contextlib.suppress(ConnectionError, OSError):
+        rest = await asyncio.wait_for(reader.read(), 5)
+    assert b"HTTP/1.1" not in rest and b"smuggled" not in rest, rest
