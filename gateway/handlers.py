@@ -181,7 +181,8 @@ class Handlers:
     def refused(self, r: Refusal) -> list[tuple[bytes, bytes]]:
         """The HTTP server's hook (`on_refusal`) for a request it answered itself, before any
         handler (413 body too large, 431, 400 malformed or a bad Content-Length, 408, 501 a
-        transfer coding other than chunked, 414, 417, 505): the client's request id when its
+        transfer coding other than chunked, 414, 417, 505, 503 while shutting down, with
+        Retry-After): the client's request id when its
         headers were read (else a new one) is echoed, the request counted (route: the
         generation route named by its path, else "other"; outcome: the refusal's code) and
         logged, at stage "http"."""
@@ -205,7 +206,10 @@ class Handlers:
                 param=None,
                 duration_ms=round(r.elapsed_s * 1000, 3),
             )
-        return [(b"x-request-id", request_id.encode())]
+        out = [(b"x-request-id", request_id.encode())]
+        if r.status == 503:  # shutting down, or out of connections: try again (elsewhere)
+            out.append((b"retry-after", str(max(1, round(self.admission.retry_after_s))).encode()))
+        return out
 
     def stalled(self, res: HttpResponder | None, stalled_s: float) -> None:
         """The HTTP server's hook (`on_stall`): it is cutting a client that took no byte of its

@@ -138,6 +138,7 @@ class HttpResponder:
         "_chunked",
         "_conn",
         "_cork",
+        "_drain_close",
         "_finished",
         "_head_only",
         "_http10",
@@ -156,6 +157,7 @@ class HttpResponder:
         self._head_only = request.method == "HEAD"
         self._http10 = request.http_version == "1.0"
         self._chunked = False
+        self._drain_close = False  # Connection: close only because the server is shutting down
         self._cork: list[bytes | bytearray] | None = None
         # the Task running the handler (set at dispatch): known here, a handler need not ask
         # asyncio.current_task(), which costs a getpid() system call on Python 3.11
@@ -185,8 +187,9 @@ class HttpResponder:
 
     def _head(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bytearray:
         conn = self._conn
-        if conn._server._draining:
+        if conn._server._draining and self._keep_alive:
             self._keep_alive = False
+            self._drain_close = True
         buf = bytearray(_status_line(status))
         for n, v in headers:
             buf += n
@@ -342,6 +345,8 @@ class HttpResponder:
         if conn._listeners:
             conn._listeners.clear()
         if not self._keep_alive and not conn._closed:
+            if self._drain_close and conn._queue:
+                return  # what the client sent after it is answered first (503s), then closed
             conn._transport.close()
 
 
@@ -744,9 +749,12 @@ class _HttpConnection(asyncio.Protocol):
                 f"Unsupported transfer coding {te.decode('latin-1')!r}; only chunked is accepted.",
                 "not_implemented",
             )
-        keep_alive = parser.should_keep_alive()
         if self._server._draining:
-            keep_alive = False
+            # a request that arrives while the server shuts down (on a keep-alive connection:
+            # the listening socket is closed) is answered 503 and its connection closed, not
+            # reset: the client learns why, and the refusal is logged through on_refusal
+            raise _RequestError(503, "The server is shutting down.", "shutting_down")
+        keep_alive = parser.should_keep_alive()
         cl = self._content_length
         if cl is not None:
             try:
@@ -866,7 +874,9 @@ class _HttpConnection(asyncio.Protocol):
 
     def _write_error(self, err: _Err) -> None:
         self._last = None  # (an answer of the server's own: no request of the application's)
-        body = error_body(err.message, code=err.code)
+        # (a 503 is the server's state, not the request's fault; 501 and 505 are the request's)
+        kind = "server_error" if err.status == 503 else "invalid_request_error"
+        body = error_body(err.message, type=kind, code=err.code)
         extra = b""
         hook = self._server._on_refusal
         if hook is not None:
@@ -984,14 +994,14 @@ class HttpServer:
                 w.set_result(None)
 
     def stop_accepting(self) -> None:
-        """Stop listening; idle keep-alive connections are closed, in-flight responses are sent
-        with ``Connection: close``."""
+        """Stop listening. Responses in flight are sent with ``Connection: close``; a request
+        that arrives from now on (on a keep-alive connection, idle or not) is answered 503
+        ``shutting_down`` with ``Connection: close`` by the server itself (through
+        ``on_refusal``) instead of finding its connection reset. Idle connections stay open
+        until `close()` or their keep-alive timeout."""
         self._draining = True
         if self._server is not None:
             self._server.close()
-        for c in list(self._conns):
-            if c._task is None and not c._queue and c._cur is None and not c._in_headers:
-                c._transport.close()
 
     async def wait_idle(self, timeout: float) -> bool:  # noqa: ASYNC109 (the contract)
         """Wait until no request is in flight; False if ``timeout`` passed first."""

@@ -399,14 +399,24 @@ async def test_graceful_shutdown() -> None:
 
     srv = await start_server(h, "127.0.0.1", 0)
     # one idle keep-alive connection and one in flight
-    r, idle_reader, _ = await request(srv.port, b"GET /fast HTTP/1.1\r\nHost: t\r\n\r\n")
+    r, idle_reader, idle_w = await request(srv.port, b"GET /fast HTTP/1.1\r\nHost: t\r\n\r\n")
     reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
     w.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
     await asyncio.sleep(0.05)
     srv.stop_accepting()
-    assert await is_closed(idle_reader)
+    assert not await is_closed(idle_reader, timeout=0.1)  # kept: a request on it gets a 503
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", srv.port)
+    idle_w.write(b"GET /fast HTTP/1.1\r\nHost: t\r\n\r\n")
+    late = await read_response(idle_reader)
+    assert late.status == 503 and late.header(b"connection") == b"close"
+    assert json.loads(late.body)["error"] == {
+        "message": "The server is shutting down.",
+        "type": "server_error",
+        "param": None,
+        "code": "shutting_down",
+    }
+    assert await is_closed(idle_reader)
     assert not await srv.wait_idle(0.05)
     release.set()
     assert await srv.wait_idle(2)
