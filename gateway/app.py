@@ -190,11 +190,16 @@ class Gateway:
                 )
             await self.health.probe_all()
             lim = self.cfg.limits
+            most = lim.max_connections or default_max_connections()
             limits = ServerLimits(
                 max_body_bytes=lim.max_body_bytes,
                 max_header_bytes=lim.max_header_bytes,
                 read_timeout_s=lim.read_timeout_s,
+                keepalive_timeout_s=lim.keepalive_timeout_s,
                 client_stall_s=self.cfg.timeouts.client_stall_s,
+                max_connections=most,
+                reserved_connections=min(lim.reserved_connections, most // 2),
+                reserved_paths=RESERVED_PATHS,
             )
             sock = socks[0] if len(socks) == 1 else None
             if sock is None:  # several addresses (e.g. "localhost"): the server binds them all again
@@ -216,6 +221,10 @@ class Gateway:
             for sock in socks:
                 sock.close()
             raise
+        server = self.server
+        self.metrics.watch_connections(
+            lambda: (server.connections, server.limits.max_connections, server.connections_refused)
+        )
         self._tasks = [
             asyncio.create_task(self.health.run_probes(), name="health-probes"),
             asyncio.create_task(self.health.run_scrapes(), name="metric-scrapes"),
@@ -280,6 +289,24 @@ class Gateway:
             if not idle.done():
                 idle.cancel()
         return idle.done() and not idle.cancelled() and idle.result()
+
+
+# what a connection accepted into the reserve (limits.reserved_connections) may ask for: the load
+# balancer's and the operator's view of the gateway, never generation
+RESERVED_PATHS = ("/health", "/readiness", "/metrics", "/admin/")
+
+
+def default_max_connections() -> int:
+    """`limits.max_connections` when not configured: half this process's open-files limit (the
+    other half for upstream connections, a P/D request holding two, and files), at most 65536."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Windows
+        return 4096
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(64, min(65536, soft // 2))
 
 
 def _listen_error(host: str, port: int, e: OSError) -> ListenError:

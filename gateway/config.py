@@ -264,6 +264,12 @@ class LimitsConfig(_Section, frozen=True):
     max_inflight_tokens: int | None = None  # prompt + max_tokens estimate in flight; None: no limit
     retry_after_s: float = 1.0  # Retry-After of 429/503: admission control, no route, no fallback left
     max_inflight_per_worker: int = 0  # a worker at this many requests is skipped (0 = no cap)
+    # open client connections at most; 0: half the process's open-files limit, at most 65536
+    # (the rest is for upstream connections: a P/D request holds two)
+    max_connections: int = 0
+    # of max_connections, the last this many serve only /health, /readiness, /metrics, /admin/
+    reserved_connections: int = 32
+    keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this long
 
     def __post_init__(self) -> None:
         _positive(
@@ -286,7 +292,12 @@ class LimitsConfig(_Section, frozen=True):
             _positive("limits", max_tokens_cap=self.max_tokens_cap)
         if self.max_inflight_tokens is not None:
             _positive("limits", max_inflight_tokens=self.max_inflight_tokens)
-        _positive("limits", retry_after_s=self.retry_after_s)
+        _positive("limits", retry_after_s=self.retry_after_s, keepalive_timeout_s=self.keepalive_timeout_s)
+        _non_negative(
+            "limits", max_connections=self.max_connections, reserved_connections=self.reserved_connections
+        )
+        if self.max_connections and self.reserved_connections >= self.max_connections:
+            raise ValueError("limits.reserved_connections must be below limits.max_connections")
 
 
 class GuardsConfig(_Section, frozen=True):

@@ -61,6 +61,9 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # after an error answered before its request was read to the end (413, 431...): how long the rest
 # of what the client sends is read and dropped, so that it reads the answer, not a reset
 _LINGER_S = 2.0
+# the same for a connection refused past limits.max_connections: short, as it holds a descriptor
+# beyond the limit
+_REFUSED_LINGER_S = 0.5
 _LAST_CHUNK = b"0\r\n\r\n"
 _SMALL = 16 * 1024  # below this, header+body / chunk framing+data are joined into one write
 
@@ -456,6 +459,7 @@ class _HttpConnection(asyncio.Protocol):
         "_raw_hdr",
         "_reading_paused",
         "_req_t0",
+        "_reserved",
         "_responder",
         "_server",
         "_stall_mark",
@@ -513,6 +517,9 @@ class _HttpConnection(asyncio.Protocol):
         self._stall_mark = 0
         self._stall_timer: asyncio.TimerHandle | None = None
         self._stalled_s = 0.0  # set when the connection is cut for a stalled client
+        # accepted into the reserve (ServerLimits.reserved_connections): one request on a reserved
+        # path, then closed
+        self._reserved = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -528,7 +535,26 @@ class _HttpConnection(asyncio.Protocol):
         if isinstance(peer, tuple) and len(peer) >= 2:
             self._client = (str(peer[0]), int(peer[1]))
         self._idle_t0 = self._loop.time()
-        self._server._conns.add(self)
+        server = self._server
+        conns = server._conns
+        conns.add(self)
+        most = self._limits.max_connections
+        if most and len(conns) > most - self._limits.reserved_connections:
+            if len(conns) > most:
+                self._refuse_connection()
+            else:
+                self._reserved = True
+
+    def _refuse_connection(self) -> None:
+        """Past `max_connections`: a 503 at once (nothing read: there is no room to read it) and
+        close; told to `on_refusal` like the other refusals."""
+        self._stop_parsing = True
+        self._server.connections_refused += 1
+        err = _Err(503, "Too many open connections; try again later.", "too_many_connections")
+        self._transport.write(self._error_bytes(err))
+        # (not a bare close: the request the client sent at once would be unread, and closing
+        # with unread bytes sends a reset that can destroy the answer before it is read)
+        self._linger_close(_REFUSED_LINGER_S)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -755,6 +781,12 @@ class _HttpConnection(asyncio.Protocol):
             # reset: the client learns why, and the refusal is logged through on_refusal
             raise _RequestError(503, "The server is shutting down.", "shutting_down")
         keep_alive = parser.should_keep_alive()
+        if self._reserved:
+            if not path.startswith(self._limits.reserved_paths):
+                raise _RequestError(
+                    503, "Too many open connections; try again later.", "too_many_connections"
+                )
+            keep_alive = False  # one request: the slot is free again at once
         cl = self._content_length
         if cl is not None:
             try:
@@ -874,6 +906,11 @@ class _HttpConnection(asyncio.Protocol):
 
     def _write_error(self, err: _Err) -> None:
         self._last = None  # (an answer of the server's own: no request of the application's)
+        self._transport.write(self._error_bytes(err))
+        self._linger_close()
+
+    def _error_bytes(self, err: _Err) -> bytes:
+        """The whole answer to a refusal (Connection: close), told to `on_refusal`."""
         # (a 503 is the server's state, not the request's fault; 501 and 505 are the request's)
         kind = "server_error" if err.status == 503 else "invalid_request_error"
         body = error_body(err.message, type=kind, code=err.code)
@@ -894,13 +931,14 @@ class _HttpConnection(asyncio.Protocol):
                 extra = b"".join(b"%s: %s\r\n" % (n, v) for n, v in hook(refusal))
             except Exception:
                 log.exception("the refusal hook failed")
-        self._transport.write(
-            b"%s%bcontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
-            % (_status_line(err.status), extra, len(body), body)
+        return b"%s%bcontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b" % (
+            _status_line(err.status),
+            extra,
+            len(body),
+            body,
         )
-        self._linger_close()
 
-    def _linger_close(self) -> None:
+    def _linger_close(self, linger_s: float = _LINGER_S) -> None:
         """Close after an error answer. The request may not have been read to its end (a 413 or
         431 while the client is still sending): closing with unread bytes makes the kernel send a
         reset, which can destroy the answer before the client reads it. So the write side is shut
@@ -918,7 +956,7 @@ class _HttpConnection(asyncio.Protocol):
         if self._reading_paused:
             self._reading_paused = False
             t.resume_reading()
-        self._loop.call_later(_LINGER_S, t.close)
+        self._loop.call_later(linger_s, t.close)
 
     def _fail(self, err: _Err) -> None:
         """A protocol-level error: answer it after what is in flight, then close."""
@@ -959,6 +997,7 @@ class HttpServer:
         self._idle_waiters: list[asyncio.Future[None]] = []
         self._sweep_handle: asyncio.TimerHandle | None = None
         self.active_requests = 0
+        self.connections_refused = 0  # connections answered 503 past limits.max_connections
         self.host = ""
         self.port = 0
 
@@ -971,18 +1010,21 @@ class HttpServer:
 
     def _sweep_interval(self) -> float:
         lim = self.limits
-        return max(0.02, min(1.0, lim.read_timeout_s / 4, lim.keepalive_timeout_s / 4))
+        short = lim.reserved_timeout_s if lim.reserved_connections else 60.0
+        return max(0.02, min(1.0, lim.read_timeout_s / 4, lim.keepalive_timeout_s / 4, short / 4))
 
     def _sweep(self) -> None:
         now = self._loop.time()
-        read_to = self.limits.read_timeout_s
-        ka_to = self.limits.keepalive_timeout_s
+        lim = self.limits
+        read_to = lim.read_timeout_s
+        ka_to = lim.keepalive_timeout_s
+        short = lim.reserved_timeout_s
         for c in list(self._conns):
             if c._closed:
                 continue
-            if c._req_t0 and now - c._req_t0 > read_to:
+            if c._req_t0 and now - c._req_t0 > (min(read_to, short) if c._reserved else read_to):
                 c._fail(_Err(408, "Timed out reading the request.", "request_timeout"))
-            elif c._idle_t0 and now - c._idle_t0 > ka_to:
+            elif c._idle_t0 and now - c._idle_t0 > (min(ka_to, short) if c._reserved else ka_to):
                 c._transport.close()
         self._sweep_handle = self._loop.call_later(self._sweep_interval(), self._sweep)
 

@@ -710,3 +710,28 @@ async def test_http10_with_transfer_encoding_is_refused_and_closed(server: HttpS
     with contextlib.suppress(ConnectionError, OSError):
         rest = await asyncio.wait_for(reader.read(), 5)
     assert b"HTTP/1.1" not in rest and b"smuggled" not in rest, rest
+
+
+async def test_a_reserved_connection_is_closed_soon_when_idle() -> None:
+    """A connection accepted into the reserve (`reserved_connections`) that sends nothing is
+    closed after `reserved_timeout_s`, not after the keep-alive timeout: a client cannot hold
+    the slots kept for health checks by connecting and waiting."""
+    srv = await start_server(
+        echo,
+        "127.0.0.1",
+        0,
+        limits=ServerLimits(
+            max_connections=3, reserved_connections=2, reserved_paths=("/health",), reserved_timeout_s=0.3
+        ),
+    )
+    try:
+        ordinary, w1 = await asyncio.open_connection("127.0.0.1", srv.port)
+        reserved, w2 = await asyncio.open_connection("127.0.0.1", srv.port)
+        t0 = time.monotonic()
+        assert await is_closed(reserved, timeout=3.0)
+        assert time.monotonic() - t0 < 1.5
+        assert not await is_closed(ordinary, timeout=0.2)  # (keep-alive timeout: 75 s)
+        w1.close()
+        w2.close()
+    finally:
+        await srv.close()
