@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -134,12 +135,14 @@ class Gateway:
             max_tokens_cap=lim.max_tokens_cap,
             client_key_header=lim.client_key_header,
             admission=self.admission,
-            admin=self.admin,
+            # on its own listener (admin.listen_port), /admin/ is not served on the gateway's
+            admin=self.admin if cfg.admin.listen_port is None else None,
         )
         if self.admin is not None:
             self.admin.unstarted = self.handlers.unstarted
-            self.admin.own_address = self._own_address
+            self.admin.own_addresses = self._own_addresses
         self.server: HttpServer | None = None
+        self.admin_server: HttpServer | None = None  # the admin API's own listener, when configured
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
         self._hurry = asyncio.Event()
@@ -162,8 +165,12 @@ class Gateway:
             authorization=f"Bearer {key}".encode() if key else None,
         )
 
-    def _own_address(self) -> tuple[str, int] | None:
-        return None if self.server is None else (self.cfg.listen.host, self.server.port)
+    def _own_addresses(self) -> list[tuple[str, int]]:
+        """Where the gateway listens: its own listener and the admin API's, when started."""
+        out = [] if self.server is None else [(self.cfg.listen.host, self.server.port)]
+        if self.admin_server is not None:
+            out.append((self.admin_server.host, self.admin_server.port))
+        return out
 
     @property
     def port(self) -> int:
@@ -180,7 +187,11 @@ class Gateway:
         probe timeout), then listen."""
         host, port = self.cfg.listen.host, self.cfg.listen.port
         socks = await _bind(host, port)
+        admin_socks: list[socket.socket] = []
         try:
+            admin_cfg = self.cfg.admin
+            if self.admin is not None and admin_cfg.listen_port is not None:
+                admin_socks = await _bind(admin_cfg.listen_host, admin_cfg.listen_port)
             twins = await first_duplicate(self.registry.workers())
             if twins is not None:
                 a, b, (addr, aport) = twins
@@ -217,9 +228,14 @@ class Gateway:
                 )
             except OSError as e:  # listen() itself (the port was taken since the bind), or a bind
                 raise _listen_error(host, port, e) from None
+            if admin_socks:
+                await self._start_admin(admin_socks)
         except BaseException:
-            for sock in socks:
+            for sock in [*socks, *admin_socks]:
                 sock.close()
+            if self.server is not None:
+                await self.server.close()
+                self.server = None
             raise
         server = self.server
         self.metrics.watch_connections(
@@ -246,6 +262,33 @@ class Gateway:
             ],
         )
 
+    async def _start_admin(self, socks: list[socket.socket]) -> None:
+        """The admin API on its own listener (`admin.listen_port`), e.g. on a management
+        network or loopback only while the gateway's own listener faces clients."""
+        assert self.admin is not None
+        a = self.cfg.admin
+        sock = socks[0] if len(socks) == 1 else None
+        if sock is None:
+            for s in socks:
+                s.close()
+        try:
+            self.admin_server = await start_server(
+                functools.partial(self.handlers.admin_listener, self.admin),
+                a.listen_host,
+                a.listen_port or 0,
+                limits=ServerLimits(max_body_bytes=1 << 20, read_timeout_s=self.cfg.limits.read_timeout_s),
+                sock=sock,
+                on_refusal=self.handlers.refused,
+            )
+        except OSError as e:
+            raise _listen_error(a.listen_host, a.listen_port or 0, e) from None
+
+    @property
+    def admin_url(self) -> str | None:
+        """The admin API's own listener's URL, when it has one."""
+        s = self.admin_server
+        return None if s is None else f"http://{url_host(self.cfg.admin.listen_host)}:{s.port}"
+
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop accepting (queued requests get a 503), let in-flight requests finish for
         `grace_s`, then end the rest with a clear error (an SSE error event mid-stream) and
@@ -263,6 +306,8 @@ class Gateway:
                 # let the cancelled handlers unwind (abort calls are queued as they do)
                 await self.server.wait_idle(min(5.0, max(1.0, grace_s)))
             await self.server.close()
+        if self.admin_server is not None:
+            await self.admin_server.close()
         if self.admin is not None:
             await self.admin.close()
         for task in self._tasks:

@@ -342,6 +342,10 @@ class AdminConfig(_Section, frozen=True):
     token_env: str | None = None  # env var holding the bearer token (preferred)
     token: str | None = None  # the token itself (avoid in shared files)
     drain_timeout_s: float = 30.0  # DELETE /admin/workers/{id}: longest wait for its in-flight requests
+    # serve the admin API on its own listener (listen_host:listen_port) instead of the gateway's
+    # (where /admin/ then is a 404); None: on the gateway's listener
+    listen_port: int | None = None
+    listen_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.token_env is not None and self.token is not None:
@@ -349,6 +353,11 @@ class AdminConfig(_Section, frozen=True):
         if self.token == "" or self.token_env == "":
             raise ValueError("admin: token / token_env must not be empty")
         _non_negative("admin", drain_timeout_s=self.drain_timeout_s)
+        if self.listen_port is not None:
+            if not 0 <= self.listen_port <= 65535:
+                raise ValueError(f"admin.listen_port must be in [0, 65535], got {self.listen_port}")
+            if not self.enabled:
+                raise ValueError("admin.listen_port needs a token (admin.token_env or admin.token)")
 
     @property
     def enabled(self) -> bool:

@@ -148,6 +148,14 @@ class Handlers:
             return
         res.send(status, [JSON, (b"x-request-id", request_id.encode())], body)
 
+    async def admin_listener(self, admin: Admin, req: HttpRequest, res: HttpResponder) -> None:
+        """The handler of the admin API's own listener (`admin.listen_port`): `/admin/...` and
+        nothing else (a 404 as on the gateway's listener, logged and counted the same)."""
+        if req.path.startswith("/admin/"):
+            await self.admin_request(admin, req, res)
+            return
+        self._refuse(req, res, NotFound(f"no route for {req.method} {req.path} on the admin listener"))
+
     def _error(self, res: HttpResponder, e: GatewayError, request_id: str | None) -> None:
         headers = e.headers()
         if request_id is not None:
