@@ -45,7 +45,7 @@ from emulator.echo import NO_ECHO, Echo, echo, echoed
 from emulator.faults import Fault
 from emulator.flows import MidStreamFault, admit_and_compute, env_float, sglang_fetch_kv, tokens
 from emulator.kvtransfer import Room, TransferError
-from emulator.lax import coerce_openai, normalize_openai_prompt
+from emulator.lax import coerce_openai, lax_token_ids, normalize_openai_prompt
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs, sglang_offsets
 from emulator.metrics import render_sglang
 from emulator.sampling_checks import sglang_generate_refusal, sglang_openai_refusal
@@ -674,6 +674,14 @@ def setup(s: EmulatorServer) -> None:
                 # request gets no answer
                 s.fatal()
                 crash(request)
+            stop = it.stop
+            if stop is not None and stop.min_tokens > 0 and stop.ids:
+                if min(stop.ids) < 0 or max(stop.ids) >= tokenizer.VOCAB_SIZE:
+                    # nor its stop_token_ids: with a minimum length, the min-new-tokens penalizer
+                    # scatters them into a vocabulary-wide tensor (penaltylib/min_new_tokens.py,
+                    # `scatter_add_` over `vocab_size + 1` columns), which raises in the scheduler
+                    s.fatal()
+                    crash(request)
 
     async def run_nonstream(request: web.Request, items: list[Item], hit: dict[str, Fault]) -> list[Result]:
         tasks = [asyncio.ensure_future(api.execute(it, hit, None)) for it in items]
@@ -873,7 +881,20 @@ def setup(s: EmulatorServer) -> None:
             if (why := normalize_openai_prompt(body, chat) or refused) is not None:
                 return _error_openai(400, why, "Bad Request")
             req_model = body.get("model") or model_path
-            if chat:
+            if chat and body.get("input_ids") is not None:
+                # SGLang 0.5.23's chat takes `input_ids` as the prompt itself, the template skipped
+                # (openai/protocol.py ChatCompletionRequest.input_ids, a pydantic list[int];
+                # serving_chat.py:1947 and :1343)
+                ids = lax_token_ids(body["input_ids"])
+                if ids is None:
+                    return _error_openai(
+                        400,
+                        "1 validation error: input_ids: Input should be a valid list of integers",
+                        "Bad Request",
+                    )
+                prompts = [ids]
+                mt = body.get("max_completion_tokens") or body.get("max_tokens")
+            elif chat:
                 prompts = [tokenizer.encode_chat(body.get("messages") or [])]
                 # SGLang's budget is ``max_completion_tokens or max_tokens`` (protocol.py:1214,
                 # serving_chat.py:1180): a 0 or null max_completion_tokens falls through
