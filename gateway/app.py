@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
 from gateway.registry import BreakerSettings, Registry, Worker
 from policies.build import build_policy
+from policies.snapshot import Engine
 
 log = get_logger("pd_gateway")
 
@@ -245,6 +246,19 @@ class Gateway:
             asyncio.create_task(self.health.run_probes(), name="health-probes"),
             asyncio.create_task(self.health.run_scrapes(), name="metric-scrapes"),
         ]
+        unchecked = sorted(
+            w.id for w in self.registry.workers() if w.engine is Engine.SGLANG and w.vocab_size is None
+        )
+        if unchecked:
+            # neither SGLang 0.5.23 (/server_info, /model_info) nor vLLM 0.32 says its vocabulary
+            # size over HTTP, so it cannot be learnt: only configuration tells it
+            log.warning(
+                "workers.vocab_size_unknown",
+                workers=unchecked,
+                detail="SGLang does not check prompt token ids: one id outside its vocabulary kills "
+                "the server. Set vocab_size on these workers (--vocab-size) so the gateway refuses "
+                "such requests with a 400",
+            )
         snap = self.registry.snapshot()
         log.info(
             "gateway.started",

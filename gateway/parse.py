@@ -26,6 +26,7 @@ class _SamplingParams(msgspec.Struct):
     top_k: int | None = None
     n: int | None = None
     sampling_seed: msgspec.Raw = msgspec.Raw()  # empty: absent
+    stop_token_ids: msgspec.Raw = msgspec.Raw()  # empty: absent (token ids: checked like a prompt's)
 
 
 class _Message(msgspec.Struct):
@@ -71,6 +72,7 @@ class _Fields(msgspec.Struct):
     prompt_logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent (vLLM's extension)
     top_logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent
     rid: msgspec.Raw = msgspec.Raw()  # empty: absent
+    stop_token_ids: msgspec.Raw = msgspec.Raw()  # empty: absent (token ids: checked like a prompt's)
     user: str | None = None
     session_id: Any = None  # not an engine field: a routing hint when a string or an integer
     # fields the gateway owns on the way to engines; a client must not smuggle them in
@@ -108,6 +110,7 @@ class ParsedRequest:
         "fields",
         "greedy",
         "has_owned_fields",
+        "id_param",
         "include_usage",
         "is_batch",
         "local_prefill",
@@ -156,6 +159,13 @@ class ParsedRequest:
             self.prompt_is_ids,
             self.max_id,
         ) = _measure_prompt(route, f)
+        # the request's largest token id wherever an engine reads ids (the prompt, a chat's
+        # `input_ids`, `stop_token_ids`), and the parameter that holds it, for the vocabulary
+        # check against the chosen workers (a negative id is a 400 here already)
+        self.id_param = _prompt_param(route, f)
+        for top, param in _other_ids(route, f):
+            if top > self.max_id:
+                self.max_id, self.id_param = top, param
         sp = f.sampling_params
         pairs: tuple[tuple[int, int], ...] | None = None
         if route is not RouteKind.GENERATE:
@@ -369,9 +379,9 @@ def _generate_prompt_sizes(f: _Fields) -> list[int]:
     """Each prompt's size in a `/generate` batch, measured as `_measure_prompt` measures it (UTF-8
     bytes of a text, the count of token ids); only read for per-prompt budgets, after
     `_measure_prompt` has checked the shape."""
-    if f.text:
-        return [len(x.encode()) for x in _texts_decoder.decode(bytes(f.text))]
-    return [len(x) for x in _id_lists_decoder.decode(bytes(f.input_ids))]
+    if f.input_ids:  # (SGLang reads them when both are given)
+        return [len(x) for x in _id_lists_decoder.decode(bytes(f.input_ids))]
+    return [len(x.encode()) for x in _texts_decoder.decode(bytes(f.text))]
 
 
 def _id_range(ids: list[int], param: str) -> int:
@@ -383,7 +393,7 @@ def _id_range(ids: list[int], param: str) -> int:
 
 def _prompt_param(route: RouteKind, f: _Fields) -> str:
     if route is RouteKind.GENERATE:
-        return "text" if f.text else "input_ids"
+        return "input_ids" if f.input_ids else "text"
     return "messages" if route is RouteKind.CHAT else "prompt"
 
 
@@ -422,10 +432,16 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, int, 
         return 1, False, len(data), sum(_content_floor(bytes(m.content)) for m in messages), False, -1
     if route is RouteKind.COMPLETIONS:
         raw, param, texts, ids = f.prompt, "prompt", True, True
-    elif f.text:
-        raw, param, texts, ids = f.text, "text", True, False
-    else:
+    elif f.input_ids:
+        # SGLang reads `input_ids` whenever they are given, `text` beside them or not
+        # (tokenizer_manager.py `_tokenize_one_request`), and takes the batch's size from `text`
+        # (io_struct.py `_determine_batch_size`): the two must agree, else SGLang would pair
+        # prompt i's text with another prompt's ids
+        if f.text:
+            _same_batch(bytes(f.text), bytes(f.input_ids))
         raw, param, texts, ids = f.input_ids, "input_ids", False, True
+    else:
+        raw, param, texts, ids = f.text, "text", True, False
     data = bytes(raw).strip()
     head = data[:1]
     if head == b'"' and texts:
@@ -455,27 +471,88 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, int, 
         raise BadRequest(f"{_shape_message(param, texts, ids)} ({e})", param=param) from None
 
 
+def _same_batch(text: bytes, input_ids: bytes) -> None:
+    """`/generate` with both `text` and `input_ids`: one prompt each, or batches of one size."""
+    text_batch = text.lstrip()[:1] == b"["
+    ids = input_ids.strip()
+    ids_batch = ids[1:].lstrip()[:1] == b"["
+    sizes_differ = False
+    if text_batch and ids_batch:
+        try:
+            sizes_differ = len(_texts_decoder.decode(text)) != len(_any_decoder.decode(ids))
+        except msgspec.ValidationError:
+            return  # a wrong shape: the prompt's own check says which
+    if text_batch != ids_batch or sizes_differ:
+        raise BadRequest(
+            "'text' and 'input_ids' are both given and are not one prompt each or batches of the "
+            "same size; SGLang reads 'input_ids' (give only one of them)",
+            param="input_ids",
+        )
+
+
+def _other_ids(route: RouteKind, f: _Fields) -> list[tuple[int, str]]:
+    """(largest id, parameter) of the token ids an engine reads besides the prompt: SGLang's
+    chat `input_ids` (its prompt when given: the template is skipped, serving_chat.py:1947),
+    and `stop_token_ids` (top level, or in `/generate`'s `sampling_params`, one object or a
+    list): with a minimum length, SGLang 0.5.23 scatters them into a vocabulary-wide tensor
+    (penaltylib/min_new_tokens.py) and its scheduler dies on one outside the vocabulary; vLLM
+    refuses those itself. Negative ids and shapes no engine reads as ids are a 400."""
+    out: list[tuple[int, str]] = []
+    if route is RouteKind.CHAT and given(f.input_ids):
+        out.append((_lax_id_list(bytes(f.input_ids), "input_ids", empty_ok=False), "input_ids"))
+    if given(f.stop_token_ids):
+        out.append((_lax_id_list(bytes(f.stop_token_ids), "stop_token_ids"), "stop_token_ids"))
+    sp = f.sampling_params
+    for x in sp if isinstance(sp, list) else (sp,) if sp is not None else ():
+        if given(x.stop_token_ids):
+            out.append((_lax_id_list(bytes(x.stop_token_ids), "stop_token_ids"), "stop_token_ids"))
+    return out
+
+
+def _lax_id_list(raw: bytes, param: str, *, empty_ok: bool = True) -> int:
+    """The largest id of a list of token ids read as pydantic's lax mode reads a `list[int]`
+    (`5`, `5.0`, `"5"`, `true`), -1 when empty; a 400 for a negative id or anything else."""
+    try:
+        ids = _ids_decoder.decode(raw)
+    except msgspec.ValidationError:
+        value = _any_decoder.decode(raw)
+        lax = _lax_ids(value) if isinstance(value, list) else None
+        if lax is None:
+            raise BadRequest(f"'{param}' must be a list of token ids", param=param) from None
+        ids = lax
+    if not ids:
+        if not empty_ok:
+            raise BadRequest(f"'{param}' must not be empty", param=param)
+        return -1
+    return _id_range(ids, param)
+
+
+def _lax_ids(items: list[Any]) -> list[int] | None:
+    """Token ids as pydantic's lax `int` reads them (`true` is 1, `2.0` is 2, `"7"` is 7), or
+    None if one is no integer in any of those forms."""
+    out: list[int] = []
+    for x in items:
+        if isinstance(x, int):  # (bool too)
+            out.append(int(x))
+        elif isinstance(x, float) and x.is_integer():
+            out.append(int(x))
+        elif isinstance(x, str) and x.strip().lstrip("+-").isdecimal():
+            try:
+                out.append(int(x))
+            except ValueError:
+                return None
+        else:
+            return None
+    return out
+
+
 def _lax_token_ids(value: list[Any]) -> tuple[int, bool, int, int, bool, int] | None:
     """A completions prompt list read as both engines' schemas read it where it is not plain
     JSON integers: pydantic's lax mode takes `true` as 1, `2.0` as 2 and `"7"` as 7 for a token
     id (a list of strings that are not all numbers stays text, which the strict decode took).
     None when it is no token-id prompt either. The engine gets the client's bytes as sent."""
 
-    def ids(items: list[Any]) -> list[int] | None:
-        out: list[int] = []
-        for x in items:
-            if isinstance(x, int):  # (bool too)
-                out.append(int(x))
-            elif isinstance(x, float) and x.is_integer():
-                out.append(int(x))
-            elif isinstance(x, str) and x.strip().lstrip("+-").isdecimal():
-                try:
-                    out.append(int(x))
-                except ValueError:
-                    return None
-            else:
-                return None
-        return out
+    ids = _lax_ids
 
     if value and all(isinstance(x, list) for x in value):
         lists = [ids(x) for x in value]
