@@ -25,6 +25,7 @@ from gateway.http.server import HttpServer, start_server
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
+from gateway.parse import WorkLimits
 from gateway.registry import BreakerSettings, Registry, Worker
 from policies.build import build_policy
 from policies.snapshot import Engine
@@ -134,6 +135,12 @@ class Gateway:
             request_id_headers=cfg.request_id_headers,
             max_n=lim.max_n,
             max_tokens_cap=lim.max_tokens_cap,
+            work=WorkLimits(
+                max_batch=lim.max_batch,
+                max_request_tokens=lim.max_request_tokens,
+                max_json_values=lim.max_json_values,
+                chars_per_token=cfg.guards.chars_per_token_estimate,
+            ),
             client_key_header=lim.client_key_header,
             admission=self.admission,
             # on its own listener (admin.listen_port), /admin/ is not served on the gateway's

@@ -253,6 +253,12 @@ class LimitsConfig(_Section, frozen=True):
     queue_timeout_s: float = 30.0  # longest wait for a slot
     max_tokens_cap: int | None = None  # reject (400) larger max_tokens; None: no cap
     max_n: int = 128  # largest `n`
+    # one request's work: completions asked for (prompts x n), tokens (prompts + max_tokens for
+    # each of those), JSON values in its body (bounds its decoding: a larger body is refused
+    # with a 413 before it is decoded)
+    max_batch: int = 1024
+    max_request_tokens: int = 2_097_152
+    max_json_values: int = 131_072
     # handoffs of one split request (`n > 1` or a batch on SGLang P/D: one handoff per prompt and
     # sample) in flight at once; the rest wait their turn (one request cannot take every socket)
     split_concurrency: int = 32
@@ -281,6 +287,9 @@ class LimitsConfig(_Section, frozen=True):
             queue_timeout_s=self.queue_timeout_s,
             max_n=self.max_n,
             split_concurrency=self.split_concurrency,
+            max_batch=self.max_batch,
+            max_request_tokens=self.max_request_tokens,
+            max_json_values=self.max_json_values,
         )
         _non_negative(
             "limits", max_queue=self.max_queue, per_client_max_concurrent=self.per_client_max_concurrent

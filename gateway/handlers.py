@@ -13,6 +13,7 @@ from urllib.parse import parse_qs, unquote
 import msgspec
 
 from gateway.admission import Admission
+from gateway.bodyscan import SCAN_FROM
 from gateway.errors import (
     SHUTDOWN_CANCEL,
     BadRequest,
@@ -32,7 +33,7 @@ from gateway.ids import IdGenerator
 from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
-from gateway.parse import parse_request
+from gateway.parse import WorkLimits, parse_large_request, parse_request
 from gateway.registry import Registry
 from policies.snapshot import ClusterSnapshot, Engine, Role, RouteKind
 
@@ -77,6 +78,7 @@ class Handlers:
         request_id_headers: tuple[str, ...] = ("x-request-id",),
         max_n: int = 128,
         max_tokens_cap: int | None = None,
+        work: WorkLimits | None = None,
         client_key_header: str = "",
         admission: Admission | None = None,
         admin: Admin | None = None,
@@ -88,6 +90,7 @@ class Handlers:
         self.id_headers = tuple(h.lower().encode() for h in request_id_headers)
         self.max_n = max_n
         self.max_tokens_cap = max_tokens_cap
+        self.work = work or WorkLimits()
         self.client_key = client_key_reader(client_key_header)
         self.admission = admission or Admission(1 << 30, 0, 1.0)
         self._count_tokens = self.admission.max_tokens is not None
@@ -296,14 +299,27 @@ class Handlers:
             # clients still reach the SGLang one); with none on the route, to the one model
             # served, whose answer then names the route it lacks
             serving = self.registry.models_for(route) or models
-            parsed = parse_request(
-                route,
-                req.path,
-                req.body,
-                default_model=serving[0] if len(serving) == 1 else None,
-                max_n=self.max_n,
-                max_tokens_cap=self.max_tokens_cap,
-            )
+            default_model = serving[0] if len(serving) == 1 else None
+            if len(req.body) <= SCAN_FROM:
+                parsed = parse_request(
+                    route,
+                    req.path,
+                    req.body,
+                    default_model=default_model,
+                    max_n=self.max_n,
+                    max_tokens_cap=self.max_tokens_cap,
+                    work=self.work,
+                )
+            else:  # measured in slices first, the event loop free between them
+                parsed = await parse_large_request(
+                    route,
+                    req.path,
+                    req.body,
+                    default_model=default_model,
+                    max_n=self.max_n,
+                    max_tokens_cap=self.max_tokens_cap,
+                    work=self.work,
+                )
         except GatewayError as e:
             self.metrics.child(self.metrics.requests, route.value, "", "none", e.code.value).inc()
             self._error(res, e, request_id)

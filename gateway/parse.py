@@ -7,10 +7,12 @@ key). The prompt is not decoded when it is a string: its size is read off its JS
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
 
+from gateway.bodyscan import scan_body
 from gateway.errors import BadRequest
 from gateway.jsonbytes import splice
 from gateway.lax import coerce_openai_fields
@@ -163,10 +165,15 @@ class ParsedRequest:
         # `input_ids`, `stop_token_ids`), and the parameter that holds it, for the vocabulary
         # check against the chosen workers (a negative id is a 400 here already)
         self.id_param = _prompt_param(route, f)
-        for top, param in _other_ids(route, f):
-            if top > self.max_id:
-                self.max_id, self.id_param = top, param
         sp = f.sampling_params
+        if (
+            f.stop_token_ids
+            or (f.input_ids and route is RouteKind.CHAT)
+            or (sp is not None and (sp.__class__ is list or sp.stop_token_ids))  # type: ignore[union-attr]
+        ):
+            for top, param in _other_ids(route, f):
+                if top > self.max_id:
+                    self.max_id, self.id_param = top, param
         pairs: tuple[tuple[int, int], ...] | None = None
         if route is not RouteKind.GENERATE:
             explicit = f.max_tokens
@@ -213,6 +220,15 @@ class ParsedRequest:
         return out
 
 
+class WorkLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request may ask of the gateway and its engines (`[limits]`)."""
+
+    max_batch: int = 1024  # completions asked for: prompts x n
+    max_request_tokens: int = 2_097_152  # prompt tokens + prompts x n x max_tokens
+    max_json_values: int = 131_072  # JSON values in the body (bounds its decoding)
+    chars_per_token: float = 4.0  # a text prompt's token estimate (guards.chars_per_token_estimate)
+
+
 def parse_request(
     route: RouteKind,
     path: str,
@@ -221,14 +237,44 @@ def parse_request(
     default_model: str | None,
     max_n: int,
     max_tokens_cap: int | None,
+    work: WorkLimits | None = None,
 ) -> ParsedRequest:
-    if not body.strip():
+    """Parse a client request; BadRequest (a 400, 413 past `work.max_json_values`) says what is
+    wrong. A body larger than `bodyscan.SCAN_FROM` should go through `parse_large_request`,
+    which keeps the event loop free while it is measured."""
+    if not body or body.isspace():  # (stops at the first byte that is not a space: no copy)
         raise BadRequest("request body is empty; expected a JSON object")
     if not body.isascii():  # (fast for the usual ASCII body) JSON is UTF-8: check it once here,
         try:  # so no later decode of a raw field (prompt, rid...) meets invalid bytes
             body.decode()
         except UnicodeDecodeError as e:
             raise BadRequest(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    f = _decode_fields(route, body)
+    return _build(route, path, body, f, default_model, max_n, max_tokens_cap, work)
+
+
+async def parse_large_request(
+    route: RouteKind,
+    path: str,
+    body: bytes,
+    *,
+    default_model: str | None,
+    max_n: int,
+    max_tokens_cap: int | None,
+    work: WorkLimits,
+) -> ParsedRequest:
+    """`parse_request` for a large body, in slices: its UTF-8 and JSON values are checked
+    window by window first (`bodyscan.scan_body`: a 413 past `work.max_json_values` before any
+    decode), then it is decoded (a time that limit bounds), the event loop let run between."""
+    if not body or body.isspace():  # (stops at the first byte that is not a space: no copy)
+        raise BadRequest("request body is empty; expected a JSON object")
+    await scan_body(body, work.max_json_values)
+    f = _decode_fields(route, body)
+    await asyncio.sleep(0)
+    return _build(route, path, body, f, default_model, max_n, max_tokens_cap, work)
+
+
+def _decode_fields(route: RouteKind, body: bytes) -> _Fields:
     try:
         f = _decoder.decode(body)
     except msgspec.ValidationError as e:
@@ -237,6 +283,19 @@ def parse_request(
         raise BadRequest(f"request body is not valid JSON: {e}", code=None) from None
     except RecursionError:  # msgspec's decoder recurses once per level of nesting
         raise BadRequest("request body is nested too deeply to be decoded", code=None) from None
+    return f
+
+
+def _build(
+    route: RouteKind,
+    path: str,
+    body: bytes,
+    f: _Fields,
+    default_model: str | None,
+    max_n: int,
+    max_tokens_cap: int | None,
+    work: WorkLimits | None,
+) -> ParsedRequest:
     model = f.model
     if not model:
         # as the engines do (vLLM: its served model; SGLang: "default"), where one model is served
@@ -275,7 +334,41 @@ def parse_request(
             raise BadRequest(f"'{name}' must be at most {max_tokens_cap}", param=name)
     if not 1 <= req.n <= max_n:
         raise BadRequest(f"'n' must be between 1 and {max_n}", param="n")
+    if work is not None:
+        _check_work(req, work)
     return req
+
+
+def _check_work(req: ParsedRequest, work: WorkLimits) -> None:
+    """The request's size against `work`: the completions it asks for (each prompt of a batch
+    times `n`: on SGLang P/D each is a handoff of its own) and the tokens (its prompts, as
+    token ids or the text's estimate, and `max_tokens` for each of those completions; the
+    route's accounting default where none is given) of a request of several completions; one
+    alone is bounded by the context length of the workers it goes to."""
+    units = req.batch * req.n
+    if units > work.max_batch:
+        param = _prompt_param(req.route, req.fields) if req.is_batch else "n"
+        raise BadRequest(
+            f"the request asks for {units} completions ({req.batch} prompt(s) x n={req.n}); at most "
+            f"{work.max_batch} are served per request (limits.max_batch)",
+            param=param,
+        )
+    if units == 1:
+        return  # one completion: the workers' context length bounds it (the length preflight's 400)
+    # (a chat's text only: its images' base64 is no measure of its tokens)
+    size = req.prompt_peak if req.route is RouteKind.CHAT else req.prompt_units
+    prompt = size if req.prompt_is_ids else int(size / work.chars_per_token) + 1
+    tokens = prompt + req.accounting_max_tokens * units
+    if tokens > work.max_request_tokens:
+        name = "max_new_tokens" if req.route is RouteKind.GENERATE else "max_tokens"
+        raise BadRequest(
+            f"the request asks for about {tokens} tokens (its prompts, and {name} for each of its "
+            f"{units} completion(s)); at most {work.max_request_tokens} are served per request "
+            "(limits.max_request_tokens)",
+            param=name
+            if req.accounting_max_tokens * units >= prompt
+            else _prompt_param(req.route, req.fields),
+        )
 
 
 def _lax_fields(route: RouteKind, body: bytes, error: msgspec.ValidationError) -> _Fields:
@@ -384,9 +477,11 @@ def _generate_prompt_sizes(f: _Fields) -> list[int]:
     return [len(x.encode()) for x in _texts_decoder.decode(bytes(f.text))]
 
 
-def _id_range(ids: list[int], param: str) -> int:
-    """The largest id of a token-id prompt; a negative id is a 400."""
-    if min(ids) < 0:
+def _id_range(ids: list[int], param: str, raw: bytes | None = None) -> int:
+    """The largest id of a token-id prompt; a negative id is a 400. `raw`: the ids' JSON,
+    when they were read from it as plain integers (no `-` in it: none is negative, and the
+    pass for the smallest is saved)."""
+    if (raw is None or b"-" in raw) and min(ids) < 0:
         raise BadRequest(f"Token id {min(ids)} is out of vocabulary", param=param)
     return max(ids)
 
@@ -459,10 +554,10 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, int, 
         if item == b"[":
             lists = _id_lists_decoder.decode(data)
             _no_empty(lists, param)
-            top = max((_id_range(x, param) for x in lists if x), default=-1)
+            top = max((_id_range(x, param, data) for x in lists if x), default=-1)
             return len(lists), True, sum(len(x) for x in lists), max(len(x) for x in lists), True, top
         one = _ids_decoder.decode(data)
-        return 1, False, len(one), len(one), True, _id_range(one, param)
+        return 1, False, len(one), len(one), True, _id_range(one, param, data)
     except msgspec.ValidationError as e:
         if route is RouteKind.COMPLETIONS:
             lax = _lax_token_ids(_any_decoder.decode(data))
