@@ -51,7 +51,14 @@ class Gateway:
         self.environ = os.environ if environ is None else environ
         b = cfg.breaker
         self.registry = Registry(
-            BreakerSettings(b.failure_threshold, b.success_threshold, b.open_s),
+            BreakerSettings(
+                b.failure_threshold,
+                b.success_threshold,
+                b.open_s,
+                max_open_s=b.max_open_s,
+                max_ejected_share=b.max_ejected_share,
+                eject_failure_share=b.eject_failure_share,
+            ),
             inflight_cap=cfg.limits.max_inflight_per_worker,
         )
         for wc in cfg.workers:

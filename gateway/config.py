@@ -222,7 +222,12 @@ class BreakerConfig(_Section, frozen=True):
 
     failure_threshold: int = 5  # consecutive failures that open it
     success_threshold: int = 2  # successes in half-open that close it
-    open_s: float = 30.0  # time open before a half-open trial
+    open_s: float = 30.0  # time open before a half-open trial (times the ejections in a row)
+    max_open_s: float = 300.0  # the longest an ejection lasts
+    # at most this share of a pool (a role's workers of one model; one model's pairs) open at once,
+    # unless the worker's recent failures (its last 20 outcomes) reach eject_failure_share
+    max_ejected_share: float = 0.5
+    eject_failure_share: float = 0.85
 
     def __post_init__(self) -> None:
         _positive(
@@ -230,7 +235,16 @@ class BreakerConfig(_Section, frozen=True):
             failure_threshold=self.failure_threshold,
             success_threshold=self.success_threshold,
             open_s=self.open_s,
+            max_open_s=self.max_open_s,
         )
+        if self.max_open_s < self.open_s:
+            raise ValueError("breaker.max_open_s must be at least breaker.open_s")
+        for name, share in (
+            ("max_ejected_share", self.max_ejected_share),
+            ("eject_failure_share", self.eject_failure_share),
+        ):
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"breaker.{name} must be in [0, 1], got {share!r}")
 
 
 class HealthConfig(_Section, frozen=True):
