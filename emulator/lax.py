@@ -302,6 +302,12 @@ def normalize_openai_prompt(body: dict[str, Any], chat: bool) -> str | None:
     )
 
 
+def lax_token_ids(value: Any) -> list[int] | None:
+    """A `list[int]` field read as pydantic's lax mode reads it (SGLang's chat `input_ids`), or
+    None when it refuses it."""
+    return _lax_ids(value) if isinstance(value, list) else None
+
+
 def _lax_ids(items: list[Any]) -> list[int] | None:
     """Token ids as pydantic's lax int reads each (`true`, `2.0`, `" 7"`; not `"²"` or other
     scripts' digits, which Python's int() would take), or None if one is refused."""

@@ -49,7 +49,7 @@ import msgspec
 from gateway.admission import Admission
 from gateway.breaker import BreakerState
 from gateway.config import ConfigError, WorkerConfig
-from gateway.endpoints import same_server
+from gateway.endpoints import reaches_self, same_server
 from gateway.errors import (
     BadRequest,
     Conflict,
@@ -116,8 +116,9 @@ class Admin:
         self.admission = admission
         # set by the gateway: generation requests whose response has not started yet
         self.unstarted: Callable[[], list[HttpResponder]] = list
-        # set by the gateway: the (host, port) it listens on, to refuse a worker that is itself
-        self.own_address: Callable[[], tuple[str, int] | None] = lambda: None
+        # set by the gateway: the (host, port) pairs it listens on (its own and the admin API's
+        # listener), to refuse a worker that is itself
+        self.own_addresses: Callable[[], list[tuple[str, int]]] = list
         self._adding: dict[str, Worker] = {}  # workers being probed, by id
         self._removing: dict[str, asyncio.Task[dict[str, Any]]] = {}
 
@@ -203,7 +204,7 @@ class Admin:
             w = self.make_worker(wc)
         except (ValueError, ConfigError) as e:
             raise BadRequest(f"invalid worker: {e}") from None
-        if self._is_self(w):
+        if await reaches_self(w.host, w.port, self.own_addresses()):
             await w.pool.close()
             raise BadRequest(f"{w.url} is this gateway itself (a request loop)", param="url")
         taken = [o.id for o in self.registry.workers() if o.url == w.url]
@@ -250,12 +251,6 @@ class Admin:
             healthy=w.healthy,
         )
         return 201, worker_json(w)
-
-    def _is_self(self, w: Worker) -> bool:
-        own = self.own_address()
-        if own is None or w.port != own[1]:
-            return False
-        return w.host in (own[0], "localhost", "127.0.0.1", "::1", "0.0.0.0", "::")
 
     def set_draining(self, wid: str, draining: bool) -> dict[str, Any]:
         w = self._get(wid)

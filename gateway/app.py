@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -24,8 +25,10 @@ from gateway.http.server import HttpServer, start_server
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
+from gateway.parse import WorkLimits
 from gateway.registry import BreakerSettings, Registry, Worker
 from policies.build import build_policy
+from policies.snapshot import Engine
 
 log = get_logger("pd_gateway")
 
@@ -48,7 +51,14 @@ class Gateway:
         self.environ = os.environ if environ is None else environ
         b = cfg.breaker
         self.registry = Registry(
-            BreakerSettings(b.failure_threshold, b.success_threshold, b.open_s),
+            BreakerSettings(
+                b.failure_threshold,
+                b.success_threshold,
+                b.open_s,
+                max_open_s=b.max_open_s,
+                max_ejected_share=b.max_ejected_share,
+                eject_failure_share=b.eject_failure_share,
+            ),
             inflight_cap=cfg.limits.max_inflight_per_worker,
         )
         for wc in cfg.workers:
@@ -132,14 +142,22 @@ class Gateway:
             request_id_headers=cfg.request_id_headers,
             max_n=lim.max_n,
             max_tokens_cap=lim.max_tokens_cap,
+            work=WorkLimits(
+                max_batch=lim.max_batch,
+                max_request_tokens=lim.max_request_tokens,
+                max_json_values=lim.max_json_values,
+                chars_per_token=cfg.guards.chars_per_token_estimate,
+            ),
             client_key_header=lim.client_key_header,
             admission=self.admission,
-            admin=self.admin,
+            # on its own listener (admin.listen_port), /admin/ is not served on the gateway's
+            admin=self.admin if cfg.admin.listen_port is None else None,
         )
         if self.admin is not None:
             self.admin.unstarted = self.handlers.unstarted
-            self.admin.own_address = self._own_address
+            self.admin.own_addresses = self._own_addresses
         self.server: HttpServer | None = None
+        self.admin_server: HttpServer | None = None  # the admin API's own listener, when configured
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
         self._hurry = asyncio.Event()
@@ -162,8 +180,12 @@ class Gateway:
             authorization=f"Bearer {key}".encode() if key else None,
         )
 
-    def _own_address(self) -> tuple[str, int] | None:
-        return None if self.server is None else (self.cfg.listen.host, self.server.port)
+    def _own_addresses(self) -> list[tuple[str, int]]:
+        """Where the gateway listens: its own listener and the admin API's, when started."""
+        out = [] if self.server is None else [(self.cfg.listen.host, self.server.port)]
+        if self.admin_server is not None:
+            out.append((self.admin_server.host, self.admin_server.port))
+        return out
 
     @property
     def port(self) -> int:
@@ -180,7 +202,11 @@ class Gateway:
         probe timeout), then listen."""
         host, port = self.cfg.listen.host, self.cfg.listen.port
         socks = await _bind(host, port)
+        admin_socks: list[socket.socket] = []
         try:
+            admin_cfg = self.cfg.admin
+            if self.admin is not None and admin_cfg.listen_port is not None:
+                admin_socks = await _bind(admin_cfg.listen_host, admin_cfg.listen_port)
             twins = await first_duplicate(self.registry.workers())
             if twins is not None:
                 a, b, (addr, aport) = twins
@@ -190,11 +216,16 @@ class Gateway:
                 )
             await self.health.probe_all()
             lim = self.cfg.limits
+            most = lim.max_connections or default_max_connections()
             limits = ServerLimits(
                 max_body_bytes=lim.max_body_bytes,
                 max_header_bytes=lim.max_header_bytes,
                 read_timeout_s=lim.read_timeout_s,
+                keepalive_timeout_s=lim.keepalive_timeout_s,
                 client_stall_s=self.cfg.timeouts.client_stall_s,
+                max_connections=most,
+                reserved_connections=min(lim.reserved_connections, most // 2),
+                reserved_paths=RESERVED_PATHS,
             )
             sock = socks[0] if len(socks) == 1 else None
             if sock is None:  # several addresses (e.g. "localhost"): the server binds them all again
@@ -212,14 +243,36 @@ class Gateway:
                 )
             except OSError as e:  # listen() itself (the port was taken since the bind), or a bind
                 raise _listen_error(host, port, e) from None
+            if admin_socks:
+                await self._start_admin(admin_socks)
         except BaseException:
-            for sock in socks:
+            for sock in [*socks, *admin_socks]:
                 sock.close()
+            if self.server is not None:
+                await self.server.close()
+                self.server = None
             raise
+        server = self.server
+        self.metrics.watch_connections(
+            lambda: (server.connections, server.limits.max_connections, server.connections_refused)
+        )
         self._tasks = [
             asyncio.create_task(self.health.run_probes(), name="health-probes"),
             asyncio.create_task(self.health.run_scrapes(), name="metric-scrapes"),
         ]
+        unchecked = sorted(
+            w.id for w in self.registry.workers() if w.engine is Engine.SGLANG and w.vocab_size is None
+        )
+        if unchecked:
+            # neither SGLang 0.5.23 (/server_info, /model_info) nor vLLM 0.32 says its vocabulary
+            # size over HTTP, so it cannot be learnt: only configuration tells it
+            log.warning(
+                "workers.vocab_size_unknown",
+                workers=unchecked,
+                detail="SGLang does not check prompt token ids: one id outside its vocabulary kills "
+                "the server. Set vocab_size on these workers (--vocab-size) so the gateway refuses "
+                "such requests with a 400",
+            )
         snap = self.registry.snapshot()
         log.info(
             "gateway.started",
@@ -236,6 +289,33 @@ class Gateway:
                 for w in snap.workers
             ],
         )
+
+    async def _start_admin(self, socks: list[socket.socket]) -> None:
+        """The admin API on its own listener (`admin.listen_port`), e.g. on a management
+        network or loopback only while the gateway's own listener faces clients."""
+        assert self.admin is not None
+        a = self.cfg.admin
+        sock = socks[0] if len(socks) == 1 else None
+        if sock is None:
+            for s in socks:
+                s.close()
+        try:
+            self.admin_server = await start_server(
+                functools.partial(self.handlers.admin_listener, self.admin),
+                a.listen_host,
+                a.listen_port or 0,
+                limits=ServerLimits(max_body_bytes=1 << 20, read_timeout_s=self.cfg.limits.read_timeout_s),
+                sock=sock,
+                on_refusal=self.handlers.refused,
+            )
+        except OSError as e:
+            raise _listen_error(a.listen_host, a.listen_port or 0, e) from None
+
+    @property
+    def admin_url(self) -> str | None:
+        """The admin API's own listener's URL, when it has one."""
+        s = self.admin_server
+        return None if s is None else f"http://{url_host(self.cfg.admin.listen_host)}:{s.port}"
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop accepting (queued requests get a 503), let in-flight requests finish for
@@ -254,6 +334,8 @@ class Gateway:
                 # let the cancelled handlers unwind (abort calls are queued as they do)
                 await self.server.wait_idle(min(5.0, max(1.0, grace_s)))
             await self.server.close()
+        if self.admin_server is not None:
+            await self.admin_server.close()
         if self.admin is not None:
             await self.admin.close()
         for task in self._tasks:
@@ -280,6 +362,24 @@ class Gateway:
             if not idle.done():
                 idle.cancel()
         return idle.done() and not idle.cancelled() and idle.result()
+
+
+# what a connection accepted into the reserve (limits.reserved_connections) may ask for: the load
+# balancer's and the operator's view of the gateway, never generation
+RESERVED_PATHS = ("/health", "/readiness", "/metrics", "/admin/")
+
+
+def default_max_connections() -> int:
+    """`limits.max_connections` when not configured: half this process's open-files limit (the
+    other half for upstream connections, a P/D request holding two, and files), at most 65536."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on Windows
+        return 4096
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(64, min(65536, soft // 2))
 
 
 def _listen_error(host: str, port: int, e: OSError) -> ListenError:

@@ -222,7 +222,12 @@ class BreakerConfig(_Section, frozen=True):
 
     failure_threshold: int = 5  # consecutive failures that open it
     success_threshold: int = 2  # successes in half-open that close it
-    open_s: float = 30.0  # time open before a half-open trial
+    open_s: float = 30.0  # time open before a half-open trial (times the ejections in a row)
+    max_open_s: float = 300.0  # the longest an ejection lasts
+    # at most this share of a pool (a role's workers of one model; one model's pairs) open at once,
+    # unless the worker's recent failures (its last 20 outcomes) reach eject_failure_share
+    max_ejected_share: float = 0.5
+    eject_failure_share: float = 0.85
 
     def __post_init__(self) -> None:
         _positive(
@@ -230,7 +235,16 @@ class BreakerConfig(_Section, frozen=True):
             failure_threshold=self.failure_threshold,
             success_threshold=self.success_threshold,
             open_s=self.open_s,
+            max_open_s=self.max_open_s,
         )
+        if self.max_open_s < self.open_s:
+            raise ValueError("breaker.max_open_s must be at least breaker.open_s")
+        for name, share in (
+            ("max_ejected_share", self.max_ejected_share),
+            ("eject_failure_share", self.eject_failure_share),
+        ):
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"breaker.{name} must be in [0, 1], got {share!r}")
 
 
 class HealthConfig(_Section, frozen=True):
@@ -253,6 +267,12 @@ class LimitsConfig(_Section, frozen=True):
     queue_timeout_s: float = 30.0  # longest wait for a slot
     max_tokens_cap: int | None = None  # reject (400) larger max_tokens; None: no cap
     max_n: int = 128  # largest `n`
+    # one request's work: completions asked for (prompts x n), tokens (prompts + max_tokens for
+    # each of those), JSON values in its body (bounds its decoding: a larger body is refused
+    # with a 413 before it is decoded)
+    max_batch: int = 1024
+    max_request_tokens: int = 2_097_152
+    max_json_values: int = 131_072
     # handoffs of one split request (`n > 1` or a batch on SGLang P/D: one handoff per prompt and
     # sample) in flight at once; the rest wait their turn (one request cannot take every socket)
     split_concurrency: int = 32
@@ -264,6 +284,12 @@ class LimitsConfig(_Section, frozen=True):
     max_inflight_tokens: int | None = None  # prompt + max_tokens estimate in flight; None: no limit
     retry_after_s: float = 1.0  # Retry-After of 429/503: admission control, no route, no fallback left
     max_inflight_per_worker: int = 0  # a worker at this many requests is skipped (0 = no cap)
+    # open client connections at most; 0: half the process's open-files limit, at most 65536
+    # (the rest is for upstream connections: a P/D request holds two)
+    max_connections: int = 0
+    # of max_connections, the last this many serve only /health, /readiness, /metrics, /admin/
+    reserved_connections: int = 32
+    keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this long
 
     def __post_init__(self) -> None:
         _positive(
@@ -275,6 +301,9 @@ class LimitsConfig(_Section, frozen=True):
             queue_timeout_s=self.queue_timeout_s,
             max_n=self.max_n,
             split_concurrency=self.split_concurrency,
+            max_batch=self.max_batch,
+            max_request_tokens=self.max_request_tokens,
+            max_json_values=self.max_json_values,
         )
         _non_negative(
             "limits", max_queue=self.max_queue, per_client_max_concurrent=self.per_client_max_concurrent
@@ -286,7 +315,12 @@ class LimitsConfig(_Section, frozen=True):
             _positive("limits", max_tokens_cap=self.max_tokens_cap)
         if self.max_inflight_tokens is not None:
             _positive("limits", max_inflight_tokens=self.max_inflight_tokens)
-        _positive("limits", retry_after_s=self.retry_after_s)
+        _positive("limits", retry_after_s=self.retry_after_s, keepalive_timeout_s=self.keepalive_timeout_s)
+        _non_negative(
+            "limits", max_connections=self.max_connections, reserved_connections=self.reserved_connections
+        )
+        if self.max_connections and self.reserved_connections >= self.max_connections:
+            raise ValueError("limits.reserved_connections must be below limits.max_connections")
 
 
 class GuardsConfig(_Section, frozen=True):
@@ -331,6 +365,10 @@ class AdminConfig(_Section, frozen=True):
     token_env: str | None = None  # env var holding the bearer token (preferred)
     token: str | None = None  # the token itself (avoid in shared files)
     drain_timeout_s: float = 30.0  # DELETE /admin/workers/{id}: longest wait for its in-flight requests
+    # serve the admin API on its own listener (listen_host:listen_port) instead of the gateway's
+    # (where /admin/ then is a 404); None: on the gateway's listener
+    listen_port: int | None = None
+    listen_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.token_env is not None and self.token is not None:
@@ -338,6 +376,11 @@ class AdminConfig(_Section, frozen=True):
         if self.token == "" or self.token_env == "":
             raise ValueError("admin: token / token_env must not be empty")
         _non_negative("admin", drain_timeout_s=self.drain_timeout_s)
+        if self.listen_port is not None:
+            if not 0 <= self.listen_port <= 65535:
+                raise ValueError(f"admin.listen_port must be in [0, 65535], got {self.listen_port}")
+            if not self.enabled:
+                raise ValueError("admin.listen_port needs a token (admin.token_env or admin.token)")
 
     @property
     def enabled(self) -> bool:

@@ -93,3 +93,62 @@ async def first_duplicate(workers: Iterable[W]) -> tuple[W, W, tuple[str, int]] 
         for addr in addrs:
             seen.setdefault(addr, []).append(w)
     return None
+
+
+def _loopback_or_any(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """127.0.0.0/8, ::1, 0.0.0.0, ::, and the IPv4 ones written as IPv6 (`::ffff:127.0.0.1`,
+    the IPv4-mapped form, which Python's `is_loopback` does not see before 3.13, and the old
+    IPv4-compatible `::127.0.0.1`): an address that reaches this machine itself."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif int(ip) >> 32 == 0 and int(ip) > 1:  # ::a.b.c.d (IPv4-compatible)
+            ip = ipaddress.IPv4Address(int(ip))
+    return ip.is_loopback or ip.is_unspecified
+
+
+def _is_local(addr: str) -> bool:
+    """Is `addr` one of this machine's own addresses (a socket can be bound to it)?"""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((addr, 0))
+    except OSError:
+        return False
+    return True
+
+
+def _ip(addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(addr.partition("%")[0])  # (without an IPv6 zone)
+    except ValueError:
+        return None
+
+
+async def reaches_self(host: str, port: int, listening: Iterable[tuple[str, int]]) -> bool:
+    """Would a worker at `host`:`port` be this gateway itself (a request loop)? `listening`: the
+    (host, port) pairs the gateway listens on. Every spelling of an address counts as the address
+    it resolves to (`localhost`, `127.1`, `2130706433`, `[::ffff:127.0.0.1]`, `[::1]`, a name of
+    this host): any loopback or unspecified address, or one of this machine's addresses when
+    the gateway listens on all of them, or the very address it listens on, on one of its ports."""
+    hosts = [h for h, p in listening if p == port]
+    if not hosts:
+        return False
+    resolved = {a for a, _ in await addresses(host, port)}
+    literal = _ip(host.strip("[]"))
+    if literal is not None:
+        resolved.add(str(literal))
+    own: set[str] = set()
+    for h in hosts:
+        own |= {a for a, _ in await addresses(h, port)}
+    wildcard = any((ip := _ip(a)) is not None and ip.is_unspecified for a in own) or "" in hosts
+    for a in resolved:
+        ip = _ip(a)
+        if ip is None:
+            continue
+        if _loopback_or_any(ip) or a in own or (wildcard and _is_local(a)):
+            return True
+        mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+        if mapped is not None and (str(mapped) in own or (wildcard and _is_local(str(mapped)))):
+            return True
+    return False

@@ -16,6 +16,7 @@ class ErrorCode(enum.StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    REQUEST_TOO_LARGE = "request_too_large"
     NO_WORKER = "no_worker_available"
     OVERLOADED = "overloaded"
     QUEUE_TIMEOUT = "queue_timeout"

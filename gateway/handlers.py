@@ -13,6 +13,7 @@ from urllib.parse import parse_qs, unquote
 import msgspec
 
 from gateway.admission import Admission
+from gateway.bodyscan import SCAN_FROM
 from gateway.errors import (
     SHUTDOWN_CANCEL,
     BadRequest,
@@ -32,7 +33,7 @@ from gateway.ids import IdGenerator
 from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
-from gateway.parse import parse_request
+from gateway.parse import WorkLimits, parse_large_request, parse_request
 from gateway.registry import Registry
 from policies.snapshot import ClusterSnapshot, Engine, Role, RouteKind
 
@@ -77,6 +78,7 @@ class Handlers:
         request_id_headers: tuple[str, ...] = ("x-request-id",),
         max_n: int = 128,
         max_tokens_cap: int | None = None,
+        work: WorkLimits | None = None,
         client_key_header: str = "",
         admission: Admission | None = None,
         admin: Admin | None = None,
@@ -88,6 +90,7 @@ class Handlers:
         self.id_headers = tuple(h.lower().encode() for h in request_id_headers)
         self.max_n = max_n
         self.max_tokens_cap = max_tokens_cap
+        self.work = work or WorkLimits()
         self.client_key = client_key_reader(client_key_header)
         self.admission = admission or Admission(1 << 30, 0, 1.0)
         self._count_tokens = self.admission.max_tokens is not None
@@ -148,6 +151,14 @@ class Handlers:
             return
         res.send(status, [JSON, (b"x-request-id", request_id.encode())], body)
 
+    async def admin_listener(self, admin: Admin, req: HttpRequest, res: HttpResponder) -> None:
+        """The handler of the admin API's own listener (`admin.listen_port`): `/admin/...` and
+        nothing else (a 404 as on the gateway's listener, logged and counted the same)."""
+        if req.path.startswith("/admin/"):
+            await self.admin_request(admin, req, res)
+            return
+        self._refuse(req, res, NotFound(f"no route for {req.method} {req.path} on the admin listener"))
+
     def _error(self, res: HttpResponder, e: GatewayError, request_id: str | None) -> None:
         headers = e.headers()
         if request_id is not None:
@@ -181,7 +192,8 @@ class Handlers:
     def refused(self, r: Refusal) -> list[tuple[bytes, bytes]]:
         """The HTTP server's hook (`on_refusal`) for a request it answered itself, before any
         handler (413 body too large, 431, 400 malformed or a bad Content-Length, 408, 501 a
-        transfer coding other than chunked, 414, 417, 505): the client's request id when its
+        transfer coding other than chunked, 414, 417, 505, 503 while shutting down, with
+        Retry-After): the client's request id when its
         headers were read (else a new one) is echoed, the request counted (route: the
         generation route named by its path, else "other"; outcome: the refusal's code) and
         logged, at stage "http"."""
@@ -205,7 +217,10 @@ class Handlers:
                 param=None,
                 duration_ms=round(r.elapsed_s * 1000, 3),
             )
-        return [(b"x-request-id", request_id.encode())]
+        out = [(b"x-request-id", request_id.encode())]
+        if r.status == 503:  # shutting down, or out of connections: try again (elsewhere)
+            out.append((b"retry-after", str(max(1, round(self.admission.retry_after_s))).encode()))
+        return out
 
     def stalled(self, res: HttpResponder | None, stalled_s: float) -> None:
         """The HTTP server's hook (`on_stall`): it is cutting a client that took no byte of its
@@ -284,14 +299,27 @@ class Handlers:
             # clients still reach the SGLang one); with none on the route, to the one model
             # served, whose answer then names the route it lacks
             serving = self.registry.models_for(route) or models
-            parsed = parse_request(
-                route,
-                req.path,
-                req.body,
-                default_model=serving[0] if len(serving) == 1 else None,
-                max_n=self.max_n,
-                max_tokens_cap=self.max_tokens_cap,
-            )
+            default_model = serving[0] if len(serving) == 1 else None
+            if len(req.body) <= SCAN_FROM:
+                parsed = parse_request(
+                    route,
+                    req.path,
+                    req.body,
+                    default_model=default_model,
+                    max_n=self.max_n,
+                    max_tokens_cap=self.max_tokens_cap,
+                    work=self.work,
+                )
+            else:  # measured in slices first, the event loop free between them
+                parsed = await parse_large_request(
+                    route,
+                    req.path,
+                    req.body,
+                    default_model=default_model,
+                    max_n=self.max_n,
+                    max_tokens_cap=self.max_tokens_cap,
+                    work=self.work,
+                )
         except GatewayError as e:
             self.metrics.child(self.metrics.requests, route.value, "", "none", e.code.value).inc()
             self._error(res, e, request_id)

@@ -230,8 +230,28 @@ class GatewayMetrics:
         """Admission counters and gauges, read from the controller's ints at scrape time."""
         self.registry.register(_AdmissionCollector(stats))
 
+    def watch_connections(self, stats: Callable[[], tuple[int, int, int]]) -> None:
+        """Client connections: (open now, limits.max_connections, refused past it so far), read
+        from the HTTP server at scrape time."""
+        self.registry.register(_ConnectionsCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ConnectionsCollector(Collector):
+    def __init__(self, stats: Callable[[], tuple[int, int, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        open_now, most, refused = self._stats()
+        yield GaugeMetricFamily("pdgw_client_connections", "Open client connections", value=open_now)
+        yield GaugeMetricFamily("pdgw_max_connections", "limits.max_connections in effect", value=most)
+        yield CounterMetricFamily(
+            "pdgw_connections_refused",
+            "Client connections answered 503 too_many_connections at once (past limits.max_connections)",
+            value=refused,
+        )
 
 
 class _ClusterCollector(Collector):

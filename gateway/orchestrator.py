@@ -1429,7 +1429,7 @@ def _check_vocab(req: ParsedRequest, chosen: tuple[WorkerState, ...]) -> None:
         if w.vocab_size is not None and req.max_id >= w.vocab_size:
             raise BadRequest(
                 f"Token id {req.max_id} is out of vocabulary (the model has {w.vocab_size} tokens)",
-                param="input_ids" if req.route is RouteKind.GENERATE else "prompt",
+                param=req.id_param,
             )
 
 

@@ -7,10 +7,12 @@ key). The prompt is not decoded when it is a string: its size is read off its JS
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
 
+from gateway.bodyscan import scan_body
 from gateway.errors import BadRequest
 from gateway.jsonbytes import splice
 from gateway.lax import coerce_openai_fields
@@ -26,6 +28,7 @@ class _SamplingParams(msgspec.Struct):
     top_k: int | None = None
     n: int | None = None
     sampling_seed: msgspec.Raw = msgspec.Raw()  # empty: absent
+    stop_token_ids: msgspec.Raw = msgspec.Raw()  # empty: absent (token ids: checked like a prompt's)
 
 
 class _Message(msgspec.Struct):
@@ -71,6 +74,7 @@ class _Fields(msgspec.Struct):
     prompt_logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent (vLLM's extension)
     top_logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent
     rid: msgspec.Raw = msgspec.Raw()  # empty: absent
+    stop_token_ids: msgspec.Raw = msgspec.Raw()  # empty: absent (token ids: checked like a prompt's)
     user: str | None = None
     session_id: Any = None  # not an engine field: a routing hint when a string or an integer
     # fields the gateway owns on the way to engines; a client must not smuggle them in
@@ -108,6 +112,7 @@ class ParsedRequest:
         "fields",
         "greedy",
         "has_owned_fields",
+        "id_param",
         "include_usage",
         "is_batch",
         "local_prefill",
@@ -156,7 +161,19 @@ class ParsedRequest:
             self.prompt_is_ids,
             self.max_id,
         ) = _measure_prompt(route, f)
+        # the request's largest token id wherever an engine reads ids (the prompt, a chat's
+        # `input_ids`, `stop_token_ids`), and the parameter that holds it, for the vocabulary
+        # check against the chosen workers (a negative id is a 400 here already)
+        self.id_param = _prompt_param(route, f)
         sp = f.sampling_params
+        if (
+            f.stop_token_ids
+            or (f.input_ids and route is RouteKind.CHAT)
+            or (sp is not None and (sp.__class__ is list or sp.stop_token_ids))  # type: ignore[union-attr]
+        ):
+            for top, param in _other_ids(route, f):
+                if top > self.max_id:
+                    self.max_id, self.id_param = top, param
         pairs: tuple[tuple[int, int], ...] | None = None
         if route is not RouteKind.GENERATE:
             explicit = f.max_tokens
@@ -203,6 +220,15 @@ class ParsedRequest:
         return out
 
 
+class WorkLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request may ask of the gateway and its engines (`[limits]`)."""
+
+    max_batch: int = 1024  # completions asked for: prompts x n
+    max_request_tokens: int = 2_097_152  # prompt tokens + prompts x n x max_tokens
+    max_json_values: int = 131_072  # JSON values in the body (bounds its decoding)
+    chars_per_token: float = 4.0  # a text prompt's token estimate (guards.chars_per_token_estimate)
+
+
 def parse_request(
     route: RouteKind,
     path: str,
@@ -211,14 +237,44 @@ def parse_request(
     default_model: str | None,
     max_n: int,
     max_tokens_cap: int | None,
+    work: WorkLimits | None = None,
 ) -> ParsedRequest:
-    if not body.strip():
+    """Parse a client request; BadRequest (a 400, 413 past `work.max_json_values`) says what is
+    wrong. A body larger than `bodyscan.SCAN_FROM` should go through `parse_large_request`,
+    which keeps the event loop free while it is measured."""
+    if not body or body.isspace():  # (stops at the first byte that is not a space: no copy)
         raise BadRequest("request body is empty; expected a JSON object")
     if not body.isascii():  # (fast for the usual ASCII body) JSON is UTF-8: check it once here,
         try:  # so no later decode of a raw field (prompt, rid...) meets invalid bytes
             body.decode()
         except UnicodeDecodeError as e:
             raise BadRequest(f"request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    f = _decode_fields(route, body)
+    return _build(route, path, body, f, default_model, max_n, max_tokens_cap, work)
+
+
+async def parse_large_request(
+    route: RouteKind,
+    path: str,
+    body: bytes,
+    *,
+    default_model: str | None,
+    max_n: int,
+    max_tokens_cap: int | None,
+    work: WorkLimits,
+) -> ParsedRequest:
+    """`parse_request` for a large body, in slices: its UTF-8 and JSON values are checked
+    window by window first (`bodyscan.scan_body`: a 413 past `work.max_json_values` before any
+    decode), then it is decoded (a time that limit bounds), the event loop let run between."""
+    if not body or body.isspace():  # (stops at the first byte that is not a space: no copy)
+        raise BadRequest("request body is empty; expected a JSON object")
+    await scan_body(body, work.max_json_values)
+    f = _decode_fields(route, body)
+    await asyncio.sleep(0)
+    return _build(route, path, body, f, default_model, max_n, max_tokens_cap, work)
+
+
+def _decode_fields(route: RouteKind, body: bytes) -> _Fields:
     try:
         f = _decoder.decode(body)
     except msgspec.ValidationError as e:
@@ -227,6 +283,19 @@ def parse_request(
         raise BadRequest(f"request body is not valid JSON: {e}", code=None) from None
     except RecursionError:  # msgspec's decoder recurses once per level of nesting
         raise BadRequest("request body is nested too deeply to be decoded", code=None) from None
+    return f
+
+
+def _build(
+    route: RouteKind,
+    path: str,
+    body: bytes,
+    f: _Fields,
+    default_model: str | None,
+    max_n: int,
+    max_tokens_cap: int | None,
+    work: WorkLimits | None,
+) -> ParsedRequest:
     model = f.model
     if not model:
         # as the engines do (vLLM: its served model; SGLang: "default"), where one model is served
@@ -265,7 +334,41 @@ def parse_request(
             raise BadRequest(f"'{name}' must be at most {max_tokens_cap}", param=name)
     if not 1 <= req.n <= max_n:
         raise BadRequest(f"'n' must be between 1 and {max_n}", param="n")
+    if work is not None:
+        _check_work(req, work)
     return req
+
+
+def _check_work(req: ParsedRequest, work: WorkLimits) -> None:
+    """The request's size against `work`: the completions it asks for (each prompt of a batch
+    times `n`: on SGLang P/D each is a handoff of its own) and the tokens (its prompts, as
+    token ids or the text's estimate, and `max_tokens` for each of those completions; the
+    route's accounting default where none is given) of a request of several completions; one
+    alone is bounded by the context length of the workers it goes to."""
+    units = req.batch * req.n
+    if units > work.max_batch:
+        param = _prompt_param(req.route, req.fields) if req.is_batch else "n"
+        raise BadRequest(
+            f"the request asks for {units} completions ({req.batch} prompt(s) x n={req.n}); at most "
+            f"{work.max_batch} are served per request (limits.max_batch)",
+            param=param,
+        )
+    if units == 1:
+        return  # one completion: the workers' context length bounds it (the length preflight's 400)
+    # (a chat's text only: its images' base64 is no measure of its tokens)
+    size = req.prompt_peak if req.route is RouteKind.CHAT else req.prompt_units
+    prompt = size if req.prompt_is_ids else int(size / work.chars_per_token) + 1
+    tokens = prompt + req.accounting_max_tokens * units
+    if tokens > work.max_request_tokens:
+        name = "max_new_tokens" if req.route is RouteKind.GENERATE else "max_tokens"
+        raise BadRequest(
+            f"the request asks for about {tokens} tokens (its prompts, and {name} for each of its "
+            f"{units} completion(s)); at most {work.max_request_tokens} are served per request "
+            "(limits.max_request_tokens)",
+            param=name
+            if req.accounting_max_tokens * units >= prompt
+            else _prompt_param(req.route, req.fields),
+        )
 
 
 def _lax_fields(route: RouteKind, body: bytes, error: msgspec.ValidationError) -> _Fields:
@@ -369,21 +472,23 @@ def _generate_prompt_sizes(f: _Fields) -> list[int]:
     """Each prompt's size in a `/generate` batch, measured as `_measure_prompt` measures it (UTF-8
     bytes of a text, the count of token ids); only read for per-prompt budgets, after
     `_measure_prompt` has checked the shape."""
-    if f.text:
-        return [len(x.encode()) for x in _texts_decoder.decode(bytes(f.text))]
-    return [len(x) for x in _id_lists_decoder.decode(bytes(f.input_ids))]
+    if f.input_ids:  # (SGLang reads them when both are given)
+        return [len(x) for x in _id_lists_decoder.decode(bytes(f.input_ids))]
+    return [len(x.encode()) for x in _texts_decoder.decode(bytes(f.text))]
 
 
-def _id_range(ids: list[int], param: str) -> int:
-    """The largest id of a token-id prompt; a negative id is a 400."""
-    if min(ids) < 0:
+def _id_range(ids: list[int], param: str, raw: bytes | None = None) -> int:
+    """The largest id of a token-id prompt; a negative id is a 400. `raw`: the ids' JSON,
+    when they were read from it as plain integers (no `-` in it: none is negative, and the
+    pass for the smallest is saved)."""
+    if (raw is None or b"-" in raw) and min(ids) < 0:
         raise BadRequest(f"Token id {min(ids)} is out of vocabulary", param=param)
     return max(ids)
 
 
 def _prompt_param(route: RouteKind, f: _Fields) -> str:
     if route is RouteKind.GENERATE:
-        return "text" if f.text else "input_ids"
+        return "input_ids" if f.input_ids else "text"
     return "messages" if route is RouteKind.CHAT else "prompt"
 
 
@@ -422,10 +527,16 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, int, 
         return 1, False, len(data), sum(_content_floor(bytes(m.content)) for m in messages), False, -1
     if route is RouteKind.COMPLETIONS:
         raw, param, texts, ids = f.prompt, "prompt", True, True
-    elif f.text:
-        raw, param, texts, ids = f.text, "text", True, False
-    else:
+    elif f.input_ids:
+        # SGLang reads `input_ids` whenever they are given, `text` beside them or not
+        # (tokenizer_manager.py `_tokenize_one_request`), and takes the batch's size from `text`
+        # (io_struct.py `_determine_batch_size`): the two must agree, else SGLang would pair
+        # prompt i's text with another prompt's ids
+        if f.text:
+            _same_batch(bytes(f.text), bytes(f.input_ids))
         raw, param, texts, ids = f.input_ids, "input_ids", False, True
+    else:
+        raw, param, texts, ids = f.text, "text", True, False
     data = bytes(raw).strip()
     head = data[:1]
     if head == b'"' and texts:
@@ -443,10 +554,10 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, int, 
         if item == b"[":
             lists = _id_lists_decoder.decode(data)
             _no_empty(lists, param)
-            top = max((_id_range(x, param) for x in lists if x), default=-1)
+            top = max((_id_range(x, param, data) for x in lists if x), default=-1)
             return len(lists), True, sum(len(x) for x in lists), max(len(x) for x in lists), True, top
         one = _ids_decoder.decode(data)
-        return 1, False, len(one), len(one), True, _id_range(one, param)
+        return 1, False, len(one), len(one), True, _id_range(one, param, data)
     except msgspec.ValidationError as e:
         if route is RouteKind.COMPLETIONS:
             lax = _lax_token_ids(_any_decoder.decode(data))
@@ -455,27 +566,88 @@ def _measure_prompt(route: RouteKind, f: _Fields) -> tuple[int, bool, int, int, 
         raise BadRequest(f"{_shape_message(param, texts, ids)} ({e})", param=param) from None
 
 
+def _same_batch(text: bytes, input_ids: bytes) -> None:
+    """`/generate` with both `text` and `input_ids`: one prompt each, or batches of one size."""
+    text_batch = text.lstrip()[:1] == b"["
+    ids = input_ids.strip()
+    ids_batch = ids[1:].lstrip()[:1] == b"["
+    sizes_differ = False
+    if text_batch and ids_batch:
+        try:
+            sizes_differ = len(_texts_decoder.decode(text)) != len(_any_decoder.decode(ids))
+        except msgspec.ValidationError:
+            return  # a wrong shape: the prompt's own check says which
+    if text_batch != ids_batch or sizes_differ:
+        raise BadRequest(
+            "'text' and 'input_ids' are both given and are not one prompt each or batches of the "
+            "same size; SGLang reads 'input_ids' (give only one of them)",
+            param="input_ids",
+        )
+
+
+def _other_ids(route: RouteKind, f: _Fields) -> list[tuple[int, str]]:
+    """(largest id, parameter) of the token ids an engine reads besides the prompt: SGLang's
+    chat `input_ids` (its prompt when given: the template is skipped, serving_chat.py:1947),
+    and `stop_token_ids` (top level, or in `/generate`'s `sampling_params`, one object or a
+    list): with a minimum length, SGLang 0.5.23 scatters them into a vocabulary-wide tensor
+    (penaltylib/min_new_tokens.py) and its scheduler dies on one outside the vocabulary; vLLM
+    refuses those itself. Negative ids and shapes no engine reads as ids are a 400."""
+    out: list[tuple[int, str]] = []
+    if route is RouteKind.CHAT and given(f.input_ids):
+        out.append((_lax_id_list(bytes(f.input_ids), "input_ids", empty_ok=False), "input_ids"))
+    if given(f.stop_token_ids):
+        out.append((_lax_id_list(bytes(f.stop_token_ids), "stop_token_ids"), "stop_token_ids"))
+    sp = f.sampling_params
+    for x in sp if isinstance(sp, list) else (sp,) if sp is not None else ():
+        if given(x.stop_token_ids):
+            out.append((_lax_id_list(bytes(x.stop_token_ids), "stop_token_ids"), "stop_token_ids"))
+    return out
+
+
+def _lax_id_list(raw: bytes, param: str, *, empty_ok: bool = True) -> int:
+    """The largest id of a list of token ids read as pydantic's lax mode reads a `list[int]`
+    (`5`, `5.0`, `"5"`, `true`), -1 when empty; a 400 for a negative id or anything else."""
+    try:
+        ids = _ids_decoder.decode(raw)
+    except msgspec.ValidationError:
+        value = _any_decoder.decode(raw)
+        lax = _lax_ids(value) if isinstance(value, list) else None
+        if lax is None:
+            raise BadRequest(f"'{param}' must be a list of token ids", param=param) from None
+        ids = lax
+    if not ids:
+        if not empty_ok:
+            raise BadRequest(f"'{param}' must not be empty", param=param)
+        return -1
+    return _id_range(ids, param)
+
+
+def _lax_ids(items: list[Any]) -> list[int] | None:
+    """Token ids as pydantic's lax `int` reads them (`true` is 1, `2.0` is 2, `"7"` is 7), or
+    None if one is no integer in any of those forms."""
+    out: list[int] = []
+    for x in items:
+        if isinstance(x, int):  # (bool too)
+            out.append(int(x))
+        elif isinstance(x, float) and x.is_integer():
+            out.append(int(x))
+        elif isinstance(x, str) and x.strip().lstrip("+-").isdecimal():
+            try:
+                out.append(int(x))
+            except ValueError:
+                return None
+        else:
+            return None
+    return out
+
+
 def _lax_token_ids(value: list[Any]) -> tuple[int, bool, int, int, bool, int] | None:
     """A completions prompt list read as both engines' schemas read it where it is not plain
     JSON integers: pydantic's lax mode takes `true` as 1, `2.0` as 2 and `"7"` as 7 for a token
     id (a list of strings that are not all numbers stays text, which the strict decode took).
     None when it is no token-id prompt either. The engine gets the client's bytes as sent."""
 
-    def ids(items: list[Any]) -> list[int] | None:
-        out: list[int] = []
-        for x in items:
-            if isinstance(x, int):  # (bool too)
-                out.append(int(x))
-            elif isinstance(x, float) and x.is_integer():
-                out.append(int(x))
-            elif isinstance(x, str) and x.strip().lstrip("+-").isdecimal():
-                try:
-                    out.append(int(x))
-                except ValueError:
-                    return None
-            else:
-                return None
-        return out
+    ids = _lax_ids
 
     if value and all(isinstance(x, list) for x in value):
         lists = [ids(x) for x in value]

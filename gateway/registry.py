@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -30,9 +30,23 @@ class BreakerSettings(msgspec.Struct, frozen=True):
     failure_threshold: int = 5
     success_threshold: int = 2
     open_s: float = 30.0
+    max_open_s: float = 300.0  # a repeated ejection lasts open_s x its count, at most this long
+    # at most this share of a pool (a role's workers of a model; a model's pairs) ejected at once,
+    # unless a worker's recent failures reach eject_failure_share (gateway/breaker.py)
+    max_ejected_share: float = 0.5
+    eject_failure_share: float = 0.85
 
-    def new(self) -> CircuitBreaker:
-        return CircuitBreaker(self.failure_threshold, self.success_threshold, self.open_s)
+    def new(self, guard: Callable[[], bool] | None = None) -> CircuitBreaker:
+        b = CircuitBreaker(
+            self.failure_threshold,
+            self.success_threshold,
+            self.open_s,
+            max_open_s=self.max_open_s,
+            eject_failure_share=self.eject_failure_share,
+        )
+        if guard is not None:
+            b.guard = guard
+        return b
 
 
 class Worker:
@@ -183,7 +197,7 @@ class Registry:
     def add(self, worker: Worker) -> None:
         if worker.id in self._workers:
             raise ValueError(f"a worker with id {worker.id!r} already exists")
-        worker.breaker = self._breaker.new()
+        worker.breaker = self._breaker.new(guard=lambda: self._may_eject(worker))
         self._workers[worker.id] = worker
         self.changed()
 
@@ -308,12 +322,50 @@ class Registry:
         key = f"{prefill_id}|{decode_id}"
         b = self._pair_breakers.get(key)
         if b is None:
-            b = self._breaker.new()
+            b = self._breaker.new(guard=lambda: self._may_eject_pair(prefill_id, decode_id))
             # not kept for a pair whose worker was removed while the request ran (a worker added
             # again under its id must not inherit it)
             if prefill_id in self._workers and decode_id in self._workers:
                 self._pair_breakers[key] = b
         return b
+
+    def _may_eject(self, w: Worker) -> bool:
+        """May `w`'s breaker open now (for failures short of `eject_failure_share`)? Only while
+        its pool, the workers of its role, engine and model, keeps more than
+        `1 - max_ejected_share` of them in routing: a pool of one never loses its worker to a
+        partial failure."""
+        pool = [
+            o
+            for o in self._workers.values()
+            if o.role is w.role and o.engine is w.engine and o.model == w.model
+        ]
+        out = sum(1 for o in pool if o is not w and o.breaker.state is not _CLOSED)
+        return out + 1 <= self._breaker.max_ejected_share * max(1, len(pool))
+
+    def _may_eject_pair(self, prefill_id: str, decode_id: str) -> bool:
+        """The same for a pair's breaker: its pool is every (prefill, decode) pair of the
+        prefill's engine and model."""
+        p, d = self._workers.get(prefill_id), self._workers.get(decode_id)
+        if p is None or d is None:
+            return True
+        pre = [
+            o.id
+            for o in self._workers.values()
+            if o.role is Role.PREFILL and o.engine is p.engine and o.model == p.model
+        ]
+        dec = [
+            o.id
+            for o in self._workers.values()
+            if o.role is Role.DECODE and o.engine is d.engine and o.model == d.model
+        ]
+        key = f"{prefill_id}|{decode_id}"
+        out = 0
+        for a in pre:
+            for b in dec:
+                other = self._pair_breakers.get(f"{a}|{b}")
+                if other is not None and f"{a}|{b}" != key and other.state is not _CLOSED:
+                    out += 1
+        return out + 1 <= self._breaker.max_ejected_share * max(1, len(pre) * len(dec))
 
     def open_pairs(self) -> frozenset[str]:
         """Pair ids ("prefill|decode") whose breaker refuses traffic now.

@@ -20,7 +20,7 @@ from aiohttp import web
 from emulator import tokenizer
 from emulator.echo import NO_ECHO, Echo, echoed
 from emulator.faults import Fault
-from emulator.lax import coerce_openai, normalize_openai_prompt
+from emulator.lax import coerce_openai, lax_token_ids, normalize_openai_prompt
 from emulator.logprobs import LogprobAsk, logprob_ask, logprobs, sglang_offsets
 from emulator.sampling_checks import sglang_openai_refusal
 from emulator.sglang.errors import error_openai, max_tokens_error
@@ -96,6 +96,16 @@ class OpenAICall:
     def _prompts(self) -> tuple[list[list[int]], Any] | web.Response:
         """The prompts and the output budget as asked (or a 400 for completions' `max_tokens`)."""
         body = self.body
+        if self.chat and body.get("input_ids") is not None:
+            # SGLang 0.5.23's chat takes `input_ids` as the prompt itself, the template skipped
+            # (openai/protocol.py ChatCompletionRequest.input_ids, a pydantic list[int];
+            # serving_chat.py:1947 and :1343)
+            ids = lax_token_ids(body["input_ids"])
+            if ids is None:
+                return error_openai(
+                    400, "1 validation error: input_ids: Input should be a valid list of integers", "Bad Request"
+                )
+            return [ids], body.get("max_completion_tokens") or body.get("max_tokens")
         if self.chat:
             # SGLang's budget is ``max_completion_tokens or max_tokens`` (protocol.py:1214,
             # serving_chat.py:1180): a 0 or null max_completion_tokens falls through

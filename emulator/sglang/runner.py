@@ -82,6 +82,14 @@ class SglangRunner:
                 # request gets no answer
                 self.s.fatal()
                 crash(request)
+            stop = it.stop
+            if stop is not None and stop.min_tokens > 0 and stop.ids:
+                if min(stop.ids) < 0 or max(stop.ids) >= tokenizer.VOCAB_SIZE:
+                    # nor its stop_token_ids: with a minimum length, the min-new-tokens penalizer
+                    # scatters them into a vocabulary-wide tensor (penaltylib/min_new_tokens.py,
+                    # `scatter_add_` over `vocab_size + 1` columns), which raises in the scheduler
+                    self.s.fatal()
+                    crash(request)
 
     # ------------------------------------------------------------------ running
     def mode(self, item: Item) -> str:

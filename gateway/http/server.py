@@ -61,6 +61,9 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # after an error answered before its request was read to the end (413, 431...): how long the rest
 # of what the client sends is read and dropped, so that it reads the answer, not a reset
 _LINGER_S = 2.0
+# the same for a connection refused past limits.max_connections: short, as it holds a descriptor
+# beyond the limit
+_REFUSED_LINGER_S = 0.5
 _LAST_CHUNK = b"0\r\n\r\n"
 _SMALL = 16 * 1024  # below this, header+body / chunk framing+data are joined into one write
 
@@ -138,6 +141,7 @@ class HttpResponder:
         "_chunked",
         "_conn",
         "_cork",
+        "_drain_close",
         "_finished",
         "_head_only",
         "_http10",
@@ -156,6 +160,7 @@ class HttpResponder:
         self._head_only = request.method == "HEAD"
         self._http10 = request.http_version == "1.0"
         self._chunked = False
+        self._drain_close = False  # Connection: close only because the server is shutting down
         self._cork: list[bytes | bytearray] | None = None
         # the Task running the handler (set at dispatch): known here, a handler need not ask
         # asyncio.current_task(), which costs a getpid() system call on Python 3.11
@@ -185,8 +190,9 @@ class HttpResponder:
 
     def _head(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> bytearray:
         conn = self._conn
-        if conn._server._draining:
+        if conn._server._draining and self._keep_alive:
             self._keep_alive = False
+            self._drain_close = True
         buf = bytearray(_status_line(status))
         for n, v in headers:
             buf += n
@@ -342,6 +348,8 @@ class HttpResponder:
         if conn._listeners:
             conn._listeners.clear()
         if not self._keep_alive and not conn._closed:
+            if self._drain_close and conn._queue:
+                return  # what the client sent after it is answered first (503s), then closed
             conn._transport.close()
 
 
@@ -451,6 +459,7 @@ class _HttpConnection(asyncio.Protocol):
         "_raw_hdr",
         "_reading_paused",
         "_req_t0",
+        "_reserved",
         "_responder",
         "_server",
         "_stall_mark",
@@ -508,6 +517,9 @@ class _HttpConnection(asyncio.Protocol):
         self._stall_mark = 0
         self._stall_timer: asyncio.TimerHandle | None = None
         self._stalled_s = 0.0  # set when the connection is cut for a stalled client
+        # accepted into the reserve (ServerLimits.reserved_connections): one request on a reserved
+        # path, then closed
+        self._reserved = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -523,7 +535,26 @@ class _HttpConnection(asyncio.Protocol):
         if isinstance(peer, tuple) and len(peer) >= 2:
             self._client = (str(peer[0]), int(peer[1]))
         self._idle_t0 = self._loop.time()
-        self._server._conns.add(self)
+        server = self._server
+        conns = server._conns
+        conns.add(self)
+        most = self._limits.max_connections
+        if most and len(conns) > most - self._limits.reserved_connections:
+            if len(conns) > most:
+                self._refuse_connection()
+            else:
+                self._reserved = True
+
+    def _refuse_connection(self) -> None:
+        """Past `max_connections`: a 503 at once (nothing read: there is no room to read it) and
+        close; told to `on_refusal` like the other refusals."""
+        self._stop_parsing = True
+        self._server.connections_refused += 1
+        err = _Err(503, "Too many open connections; try again later.", "too_many_connections")
+        self._transport.write(self._error_bytes(err))
+        # (not a bare close: the request the client sent at once would be unread, and closing
+        # with unread bytes sends a reset that can destroy the answer before it is read)
+        self._linger_close(_REFUSED_LINGER_S)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -730,6 +761,13 @@ class _HttpConnection(asyncio.Protocol):
             what = "Missing" if not self._hosts else "Duplicate"
             raise _RequestError(400, f"{what} Host header.", "bad_request")
         te = self._te
+        if te is not None and version == "1.0":
+            # RFC 9112 6.1: Transfer-Encoding in an HTTP/1.0 message means faulty framing (1.0
+            # has no chunked coding; a proxy between may frame it otherwise): what follows the
+            # body cannot be trusted to be a request, so it is refused and the connection closed
+            raise _RequestError(
+                400, "Transfer-Encoding is not allowed in an HTTP/1.0 request.", "bad_request"
+            )
         if te is not None and te.strip().lower() != b"chunked":
             # the parser frames `gzip, chunked` as chunked and would hand on the coded bytes
             raise _RequestError(
@@ -737,9 +775,18 @@ class _HttpConnection(asyncio.Protocol):
                 f"Unsupported transfer coding {te.decode('latin-1')!r}; only chunked is accepted.",
                 "not_implemented",
             )
-        keep_alive = parser.should_keep_alive()
         if self._server._draining:
-            keep_alive = False
+            # a request that arrives while the server shuts down (on a keep-alive connection:
+            # the listening socket is closed) is answered 503 and its connection closed, not
+            # reset: the client learns why, and the refusal is logged through on_refusal
+            raise _RequestError(503, "The server is shutting down.", "shutting_down")
+        keep_alive = parser.should_keep_alive()
+        if self._reserved:
+            if not path.startswith(self._limits.reserved_paths):
+                raise _RequestError(
+                    503, "Too many open connections; try again later.", "too_many_connections"
+                )
+            keep_alive = False  # one request: the slot is free again at once
         cl = self._content_length
         if cl is not None:
             try:
@@ -859,7 +906,14 @@ class _HttpConnection(asyncio.Protocol):
 
     def _write_error(self, err: _Err) -> None:
         self._last = None  # (an answer of the server's own: no request of the application's)
-        body = error_body(err.message, code=err.code)
+        self._transport.write(self._error_bytes(err))
+        self._linger_close()
+
+    def _error_bytes(self, err: _Err) -> bytes:
+        """The whole answer to a refusal (Connection: close), told to `on_refusal`."""
+        # (a 503 is the server's state, not the request's fault; 501 and 505 are the request's)
+        kind = "server_error" if err.status == 503 else "invalid_request_error"
+        body = error_body(err.message, type=kind, code=err.code)
         extra = b""
         hook = self._server._on_refusal
         if hook is not None:
@@ -877,13 +931,14 @@ class _HttpConnection(asyncio.Protocol):
                 extra = b"".join(b"%s: %s\r\n" % (n, v) for n, v in hook(refusal))
             except Exception:
                 log.exception("the refusal hook failed")
-        self._transport.write(
-            b"%s%bcontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
-            % (_status_line(err.status), extra, len(body), body)
+        return b"%s%bcontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b" % (
+            _status_line(err.status),
+            extra,
+            len(body),
+            body,
         )
-        self._linger_close()
 
-    def _linger_close(self) -> None:
+    def _linger_close(self, linger_s: float = _LINGER_S) -> None:
         """Close after an error answer. The request may not have been read to its end (a 413 or
         431 while the client is still sending): closing with unread bytes makes the kernel send a
         reset, which can destroy the answer before the client reads it. So the write side is shut
@@ -901,7 +956,7 @@ class _HttpConnection(asyncio.Protocol):
         if self._reading_paused:
             self._reading_paused = False
             t.resume_reading()
-        self._loop.call_later(_LINGER_S, t.close)
+        self._loop.call_later(linger_s, t.close)
 
     def _fail(self, err: _Err) -> None:
         """A protocol-level error: answer it after what is in flight, then close."""
@@ -942,6 +997,7 @@ class HttpServer:
         self._idle_waiters: list[asyncio.Future[None]] = []
         self._sweep_handle: asyncio.TimerHandle | None = None
         self.active_requests = 0
+        self.connections_refused = 0  # connections answered 503 past limits.max_connections
         self.host = ""
         self.port = 0
 
@@ -954,18 +1010,21 @@ class HttpServer:
 
     def _sweep_interval(self) -> float:
         lim = self.limits
-        return max(0.02, min(1.0, lim.read_timeout_s / 4, lim.keepalive_timeout_s / 4))
+        short = lim.reserved_timeout_s if lim.reserved_connections else 60.0
+        return max(0.02, min(1.0, lim.read_timeout_s / 4, lim.keepalive_timeout_s / 4, short / 4))
 
     def _sweep(self) -> None:
         now = self._loop.time()
-        read_to = self.limits.read_timeout_s
-        ka_to = self.limits.keepalive_timeout_s
+        lim = self.limits
+        read_to = lim.read_timeout_s
+        ka_to = lim.keepalive_timeout_s
+        short = lim.reserved_timeout_s
         for c in list(self._conns):
             if c._closed:
                 continue
-            if c._req_t0 and now - c._req_t0 > read_to:
+            if c._req_t0 and now - c._req_t0 > (min(read_to, short) if c._reserved else read_to):
                 c._fail(_Err(408, "Timed out reading the request.", "request_timeout"))
-            elif c._idle_t0 and now - c._idle_t0 > ka_to:
+            elif c._idle_t0 and now - c._idle_t0 > (min(ka_to, short) if c._reserved else ka_to):
                 c._transport.close()
         self._sweep_handle = self._loop.call_later(self._sweep_interval(), self._sweep)
 
@@ -977,14 +1036,14 @@ class HttpServer:
                 w.set_result(None)
 
     def stop_accepting(self) -> None:
-        """Stop listening; idle keep-alive connections are closed, in-flight responses are sent
-        with ``Connection: close``."""
+        """Stop listening. Responses in flight are sent with ``Connection: close``; a request
+        that arrives from now on (on a keep-alive connection, idle or not) is answered 503
+        ``shutting_down`` with ``Connection: close`` by the server itself (through
+        ``on_refusal``) instead of finding its connection reset. Idle connections stay open
+        until `close()` or their keep-alive timeout."""
         self._draining = True
         if self._server is not None:
             self._server.close()
-        for c in list(self._conns):
-            if c._task is None and not c._queue and c._cur is None and not c._in_headers:
-                c._transport.close()
 
     async def wait_idle(self, timeout: float) -> bool:  # noqa: ASYNC109 (the contract)
         """Wait until no request is in flight; False if ``timeout`` passed first."""

@@ -356,6 +356,12 @@ async def test_return_token_ids_shapes(emu: Factory, http: aiohttp.ClientSession
     [
         ("/generate", {"input_ids": [5, 300], "sampling_params": {}}),
         ("/v1/completions", {"model": "m", "prompt": [5, 10**6], "max_tokens": 2}),
+        # 0.5.23's chat takes `input_ids` as its prompt, a pydantic list[int] (lax: "999" is 999)
+        ("/v1/chat/completions", {"model": "m", "messages": [], "input_ids": [5, "999"], "max_tokens": 2}),
+        # with a minimum length, stop ids go into the min-new-tokens penalizer's vocabulary-wide
+        # scatter, which raises in the scheduler
+        ("/generate", {"text": "hi", "sampling_params": {"min_new_tokens": 1, "stop_token_ids": [10**6]}}),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "min_tokens": 1, "stop_token_ids": [-1]}),
     ],
 )
 async def test_out_of_vocabulary_token_ids_kill_the_server(
@@ -368,6 +374,19 @@ async def test_out_of_vocabulary_token_ids_kill_the_server(
         async with http.post(s.url + path, json=body) as r:
             await r.read()
     assert s.dead
+
+
+async def test_chat_input_ids_are_the_prompt(emu: Factory, http: aiohttp.ClientSession) -> None:
+    """SGLang 0.5.23's chat `input_ids` replace the templated messages (serving_chat.py:1947)."""
+    s = await emu("sglang", "both")
+    body = {"model": "m", "messages": [{"role": "user", "content": "a long question"}], "max_tokens": 2}
+    async with http.post(s.url + "/v1/chat/completions", json={**body, "input_ids": [5, 6.0, "7"]}) as r:
+        assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] == 3
+    async with http.post(s.url + "/v1/chat/completions", json={**body, "input_ids": ["x"]}) as r:
+        assert r.status == 400
+    async with http.post(s.url + "/v1/chat/completions", json={**body, "input_ids": None}) as r:
+        assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] > 3
+    assert not s.dead
 
 
 async def test_stop_strings(emu: Factory, http: aiohttp.ClientSession) -> None:

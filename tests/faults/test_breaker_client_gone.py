@@ -37,7 +37,10 @@ async def test_a_client_leaving_neither_closes_a_breaker_nor_resets_its_failures
             health=HealthConfig(interval_s=3600.0, timeout_s=2.0),
             timeouts=TimeoutsConfig(prefill_s=0.4),  # a stream's headers come within this
             retries=RetriesConfig(max_attempts=1),
-            breaker=BreakerConfig(failure_threshold=2, success_threshold=1, open_s=0.3),
+            # (alone in its pool: may be ejected for any failures, the mechanics under test here)
+            breaker=BreakerConfig(
+                failure_threshold=2, success_threshold=1, open_s=0.3, max_ejected_share=1.0
+            ),
         )
     )
     await gw.start()

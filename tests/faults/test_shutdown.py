@@ -264,3 +264,53 @@ async def test_a_second_sigterm_ends_the_grace_period_now(tmp_path: Path) -> Non
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         await stop_cluster(c)
+
+
+async def test_a_keep_alive_request_during_shutdown_is_answered_503_and_logged() -> None:
+    """Raw sockets: a client holding an idle keep-alive connection sends its next request while
+    the gateway drains (a stream keeps the grace period going). It gets a 503 `shutting_down`
+    with Connection: close and Retry-After, not a reset; the refusal has its access-log line
+    and is counted. A request pipelined behind the running stream's own request, on its
+    connection, is answered the same way after the stream."""
+    from structlog.testing import capture_logs
+
+    from tests.http._util import read_response
+
+    c = await build_cluster(time_scale=1.0)
+    try:
+        host, port = "127.0.0.1", c.gateway.port
+        idle_r, idle_w = await asyncio.open_connection(host, port)
+        idle_w.write(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n")
+        assert (await read_response(idle_r)).status == 200
+        stream = (await open_streams(c.url, 1, 60))[0]  # ~0.6 s: the grace period runs meanwhile
+        busy_r, busy_w = await asyncio.open_connection(host, port)
+        req = json.dumps(body("m-colocated", 30)).encode()
+        busy_w.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(req), req)
+        )
+        await asyncio.sleep(0.1)  # its stream has started
+        with capture_logs() as logs:
+            stopping = asyncio.create_task(c.gateway.stop(grace_s=10.0))
+            await asyncio.sleep(0.05)
+            idle_w.write(b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nx-request-id: late-1\r\n\r\n")
+            busy_w.write(b"GET /health HTTP/1.1\r\nHost: gw\r\nx-request-id: late-2\r\n\r\n")
+            late = await asyncio.wait_for(read_response(idle_r), 5)
+            first = await asyncio.wait_for(read_response(busy_r), 5)
+            second = await asyncio.wait_for(read_response(busy_r), 5)
+            await stream.done
+            await stopping
+        assert late.status == 503, late.body
+        assert late.header(b"connection") == b"close" and late.header(b"retry-after") == b"1"
+        assert late.header(b"x-request-id") == b"late-1"
+        assert json.loads(late.body)["error"]["code"] == "shutting_down"
+        assert await asyncio.wait_for(idle_r.read(), 5) == b""  # then closed, not reset
+        assert first.status == 200  # (its head went out before the shutdown began)
+        assert second.status == 503 and second.header(b"x-request-id") == b"late-2"
+        done = [e for e in logs if e.get("event") == "request.done" and e.get("outcome") == "shutting_down"]
+        assert {e["request_id"] for e in done} >= {"late-1", "late-2"}, done
+        assert all(
+            e["status"] == 503 and e["stage"] == "http" for e in done if e["request_id"].startswith("late")
+        )
+    finally:
+        await stop_cluster(c)

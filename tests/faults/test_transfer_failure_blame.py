@@ -115,7 +115,10 @@ async def test_a_decode_whose_handoffs_fail_with_every_prefill_opens_its_own_bre
 
 
 def test_failures_with_one_partner_stay_the_pair_s_and_a_good_handoff_clears_them() -> None:
-    reg = Registry(BreakerSettings(failure_threshold=1, success_threshold=1, open_s=60.0))
+    # (the decode alone in its pool may be ejected for any failure here: blame is under test)
+    reg = Registry(
+        BreakerSettings(failure_threshold=1, success_threshold=1, open_s=60.0, max_ejected_share=1.0)
+    )
     p1, p2, p3, d = (
         Worker(i, f"http://127.0.0.1:{n}", r, Engine.SGLANG)
         for i, n, r in (

@@ -68,10 +68,10 @@ async def is_closed(reader: asyncio.StreamReader, timeout: float = 2.0) -> bool:
     """True if the peer closed (EOF or reset) within ``timeout``."""
     try:
         data = await asyncio.wait_for(reader.read(1), timeout)
+    except TimeoutError:  # (first: a TimeoutError is an OSError)
+        return False
     except (ConnectionError, OSError):
         return True
-    except TimeoutError:
-        return False
     return data == b""
 
 

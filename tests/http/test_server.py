@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -398,14 +399,24 @@ async def test_graceful_shutdown() -> None:
 
     srv = await start_server(h, "127.0.0.1", 0)
     # one idle keep-alive connection and one in flight
-    r, idle_reader, _ = await request(srv.port, b"GET /fast HTTP/1.1\r\nHost: t\r\n\r\n")
+    r, idle_reader, idle_w = await request(srv.port, b"GET /fast HTTP/1.1\r\nHost: t\r\n\r\n")
     reader, w = await asyncio.open_connection("127.0.0.1", srv.port)
     w.write(b"GET /slow HTTP/1.1\r\nHost: t\r\n\r\n")
     await asyncio.sleep(0.05)
     srv.stop_accepting()
-    assert await is_closed(idle_reader)
+    assert not await is_closed(idle_reader, timeout=0.1)  # kept: a request on it gets a 503
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", srv.port)
+    idle_w.write(b"GET /fast HTTP/1.1\r\nHost: t\r\n\r\n")
+    late = await read_response(idle_reader)
+    assert late.status == 503 and late.header(b"connection") == b"close"
+    assert json.loads(late.body)["error"] == {
+        "message": "The server is shutting down.",
+        "type": "server_error",
+        "param": None,
+        "code": "shutting_down",
+    }
+    assert await is_closed(idle_reader)
     assert not await srv.wait_idle(0.05)
     release.set()
     assert await srv.wait_idle(2)
@@ -679,5 +690,48 @@ async def test_without_client_stall_s_a_client_that_reads_nothing_is_kept() -> N
         await asyncio.sleep(1.0)
         assert srv.connections == 1 and not stalls
         sock.close()
+    finally:
+        await srv.close()
+
+
+async def test_http10_with_transfer_encoding_is_refused_and_closed(server: HttpServer) -> None:
+    """RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing. What follows
+    its chunked body must not be served as another request (request smuggling): the server
+    answers 400 and closes, whatever the Connection header says."""
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: t\r\n\r\n"
+    r, reader, _ = await request(
+        server.port,
+        b"POST /raw HTTP/1.0\r\nHost: t\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"4\r\nabcd\r\n0\r\n\r\n" + smuggled,
+    )
+    assert r.status == 400 and r.header(b"connection") == b"close", r.body
+    assert b"Transfer-Encoding" in r.body
+    rest = b""
+    with contextlib.suppress(ConnectionError, OSError):
+        rest = await asyncio.wait_for(reader.read(), 5)
+    assert b"HTTP/1.1" not in rest and b"smuggled" not in rest, rest
+
+
+async def test_a_reserved_connection_is_closed_soon_when_idle() -> None:
+    """A connection accepted into the reserve (`reserved_connections`) that sends nothing is
+    closed after `reserved_timeout_s`, not after the keep-alive timeout: a client cannot hold
+    the slots kept for health checks by connecting and waiting."""
+    srv = await start_server(
+        echo,
+        "127.0.0.1",
+        0,
+        limits=ServerLimits(
+            max_connections=3, reserved_connections=2, reserved_paths=("/health",), reserved_timeout_s=0.3
+        ),
+    )
+    try:
+        ordinary, w1 = await asyncio.open_connection("127.0.0.1", srv.port)
+        reserved, w2 = await asyncio.open_connection("127.0.0.1", srv.port)
+        t0 = time.monotonic()
+        assert await is_closed(reserved, timeout=3.0)
+        assert time.monotonic() - t0 < 1.5
+        assert not await is_closed(ordinary, timeout=0.2)  # (keep-alive timeout: 75 s)
+        w1.close()
+        w2.close()
     finally:
         await srv.close()

@@ -328,6 +328,62 @@ async def test_add_is_validated_like_the_config_file(
     assert len(c.gateway.registry) == 5
 
 
+@pytest.mark.parametrize(
+    "host",
+    [
+        "[::ffff:127.0.0.1]",  # IPv4-mapped IPv6: Python's is_loopback misses it before 3.13
+        "[::ffff:7f00:1]",
+        "[::1]",
+        "[0:0:0:0:0:0:0:1]",
+        "127.1",
+        "127.0.0.2",  # all of 127/8 is loopback
+        "2130706433",  # 127.0.0.1 as one number, as inet_aton reads it
+        "0x7f000001",
+        "0.0.0.0",
+        "[::]",
+        "LOCALHOST",
+    ],
+)
+async def test_every_spelling_of_the_gateway_itself_is_refused_as_a_loop(
+    admin_cluster: Cluster, host: str
+) -> None:
+    """A worker whose URL is the gateway's own listener under any spelling of a loopback
+    address would send each request back to the gateway (a request loop): refused, and the
+    gateway's own port is never probed."""
+    c = admin_cluster
+    url = f"http://{host}:{c.gateway.port}"
+    got, _, out = await req(c, "POST", "/admin/workers", {"url": url, "role": "colocated", "id": "loop"})
+    assert got == 400 and "gateway itself" in out["error"]["message"], out
+    assert len(c.gateway.registry) == 5
+
+
+async def test_the_admin_api_on_its_own_listener() -> None:
+    """`admin.listen_port`: the admin API answers there and only there (a 404 on the gateway's
+    listener, as without a token); other paths there are a 404; a worker pointing at either
+    listener is a request loop."""
+    c = await build_cluster(admin=AdminConfig(token=TOKEN, listen_port=0))
+    try:
+        admin_url = c.gateway.admin_url
+        assert admin_url is not None and c.gateway.admin_server is not None
+        assert c.gateway.admin_server.port != c.gateway.port
+        async with aiohttp.ClientSession(headers=AUTH) as s:
+            async with s.get(c.url + "/admin/workers") as r:
+                assert r.status == 404
+            async with s.get(admin_url + "/admin/workers") as r:
+                assert r.status == 200 and len((await r.json())["workers"]) == 5
+            async with s.get(admin_url + "/v1/models") as r:
+                assert r.status == 404
+            async with s.get(admin_url + "/admin/workers", headers={"Authorization": "Bearer nope"}) as r:
+                assert r.status == 401
+            for port in (c.gateway.port, c.gateway.admin_server.port):
+                body = {"url": f"http://[::ffff:127.0.0.1]:{port}", "role": "colocated", "id": f"loop{port}"}
+                async with s.post(admin_url + "/admin/workers", json=body) as r:
+                    out = await r.json()
+                    assert r.status == 400 and "gateway itself" in out["error"]["message"], out
+    finally:
+        await stop_cluster(c)
+
+
 async def test_add_unhealthy_on_request_then_the_health_loop_brings_it_in(admin_cluster: Cluster) -> None:
     c = admin_cluster
     status, _, out = await req(

@@ -74,12 +74,19 @@ def test_the_openai_client_gets_answers_from_every_demo_model(demo: str, model: 
         assert r.usage is not None and r.usage.completion_tokens == 8 and r.choices[0].text
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["prompt", "chat_input_ids"])
 @pytest.mark.parametrize("model", MODELS)
-def test_a_token_id_beyond_the_vocabulary_is_a_400_and_kills_no_worker(demo: str, model: str) -> None:
+def test_a_token_id_beyond_the_vocabulary_is_a_400_and_kills_no_worker(
+    demo: str, model: str, chat: bool
+) -> None:
     """The emulator's SGLang dies on such an id, as the real one does: the demo tells the gateway
-    the emulator's vocabulary, so the gateway refuses the id instead."""
-    body = json.dumps({"model": model, "prompt": [1, 2, 1_000_000], "max_tokens": 2}).encode()
-    rq = urllib.request.Request(demo + "/v1/completions", body, {"content-type": "application/json"})
+    the emulator's vocabulary, so the gateway refuses the id instead (SGLang's chat reads
+    `input_ids` as its prompt)."""
+    ids = [1, 2, 1_000_000]
+    fields = {"messages": [{"role": "user", "content": "hi"}], "input_ids": ids} if chat else {"prompt": ids}
+    body = json.dumps({"model": model, **fields, "max_tokens": 2}).encode()
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    rq = urllib.request.Request(demo + path, body, {"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as ei:
         urllib.request.urlopen(rq, timeout=30)
     assert ei.value.code == 400

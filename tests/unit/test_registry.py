@@ -10,7 +10,11 @@ from policies.snapshot import Engine, Role
 
 
 def _registry(open_s: float = 30.0) -> tuple[Registry, Worker, Worker, Worker]:
-    reg = Registry(BreakerSettings(failure_threshold=2, success_threshold=1, open_s=open_s))
+    """Three workers, each alone in its pool: any share of a pool may be ejected here (the
+    breaker's mechanics; the share cap has tests of its own, tests/unit/test_breaker.py)."""
+    reg = Registry(
+        BreakerSettings(failure_threshold=2, success_threshold=1, open_s=open_s, max_ejected_share=1.0)
+    )
     ws = []
     for i, role in enumerate((Role.PREFILL, Role.DECODE, Role.COLOCATED)):
         w = Worker(f"w{i}", f"http://127.0.0.1:{9000 + i}", role, Engine.SGLANG, model="m")
@@ -66,7 +70,9 @@ def test_open_worker_breaker_recovers_after_open_s() -> None:
 
 
 def test_half_open_lets_one_trial_at_a_time_until_closed() -> None:
-    reg = Registry(BreakerSettings(failure_threshold=1, success_threshold=2, open_s=0.05))
+    reg = Registry(
+        BreakerSettings(failure_threshold=1, success_threshold=2, open_s=0.05, max_ejected_share=1.0)
+    )
     w = Worker("w", "http://127.0.0.1:9100", Role.DECODE, Engine.SGLANG, model="m")
     w.healthy = True
     reg.add(w)
@@ -87,9 +93,12 @@ def test_half_open_failure_reopens() -> None:
     reg.record(p, False)
     time.sleep(0.06)
     assert _state(reg, "w0").healthy
-    reg.record(p, False)  # the trial failed
+    reg.record(p, False)  # the trial failed: ejected again, for twice as long
     assert not _state(reg, "w0").healthy
+    assert p.breaker.ejection_s == 0.1
     time.sleep(0.06)
+    assert not _state(reg, "w0").healthy
+    time.sleep(0.05)
     assert _state(reg, "w0").healthy
 
 
