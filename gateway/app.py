@@ -11,10 +11,12 @@ import os
 import signal
 import socket
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from gateway.admin import Admin
 from gateway.admission import Admission
 from gateway.config import ConfigError, GatewayConfig, WorkerConfig
+from gateway.discovery.sync import WorkerSync
 from gateway.endpoints import first_duplicate, url_host
 from gateway.guards import GuardSettings
 from gateway.handlers import Handlers
@@ -26,6 +28,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
 from gateway.registry import BreakerSettings, Registry, Worker
 from policies.build import build_policy
+
+if TYPE_CHECKING:
+    from gateway.discovery.kubernetes import KubernetesDiscovery
 
 log = get_logger("pd_gateway")
 
@@ -139,6 +144,19 @@ class Gateway:
         if self.admin is not None:
             self.admin.unstarted = self.handlers.unstarted
             self.admin.own_address = self._own_address
+        self.discovery: KubernetesDiscovery | None = None
+        if cfg.kubernetes is not None:
+            from gateway.discovery.kubernetes import KubernetesDiscovery
+
+            sync = WorkerSync(
+                self.registry,
+                self.health,
+                self.make_worker,
+                self.handlers.unstarted,
+                drain_timeout_s=cfg.kubernetes.drain_timeout_s,
+                source="kubernetes",
+            )
+            self.discovery = KubernetesDiscovery(cfg.kubernetes, sync)
         self.server: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
@@ -189,6 +207,8 @@ class Gateway:
                     "list each server once"
                 )
             await self.health.probe_all()
+            if self.discovery is not None:  # the pods ready now are workers before it listens
+                await self.discovery.start()
             lim = self.cfg.limits
             limits = ServerLimits(
                 max_body_bytes=lim.max_body_bytes,
@@ -256,6 +276,8 @@ class Gateway:
             await self.server.close()
         if self.admin is not None:
             await self.admin.close()
+        if self.discovery is not None:
+            await self.discovery.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
