@@ -226,7 +226,7 @@ def setup(s: EmulatorServer) -> None:
             "remote_block_ids": [blocks],
             "remote_engine_id": s.engine_id,
             "remote_request_id": request_id,
-            "remote_host": s.spec.host,
+            "remote_host": s.advertised_host,
             "remote_port": s.kv_port,
             "tp_size": 1,
             "dcp_size": 1,
