@@ -430,3 +430,11 @@ def test_help_names_what_each_router_flag_does() -> None:
     assert "--cb-window-duration-secs" in text and "ignored: the gateway's breakers count" in text
     assert "--retry-max-retries" in text and "maps to retries.max_attempts" in text
     assert "refused: a key on the command line" in text
+
+
+def test_migration_guide_lists_every_flag_as_the_code_does() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "migration.md").read_text()
+    for f in ROUTER_FLAGS:
+        assert f"| `{f.flag}` | {f.text} |" in doc, f.flag
