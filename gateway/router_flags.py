@@ -390,9 +390,12 @@ def apply_router_flags(
 
     def section(name: str) -> dict[str, Any]:
         table = doc.get(name)
-        if not isinstance(table, dict):
-            table = {} if table is None else table
-            doc[name] = table
+        if table is None:
+            table = doc[name] = {}
+        elif not isinstance(table, dict):
+            raise ConfigError(f"{name} must be a table, got {type(table).__name__}")
+        else:
+            table = doc[name] = dict(table)
         return typing.cast(dict[str, Any], table)
 
     def put(flag: str, sect: str | None, key: str, convert: Callable[[Any], Any] = lambda v: v) -> None:

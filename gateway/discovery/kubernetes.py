@@ -120,16 +120,22 @@ class KubernetesDiscovery:
         self.watch_versions: list[str | None] = []  # the resourceVersion each watch started from
 
     async def _client(self) -> Any:
+        """An API client for `api_url`, `kubeconfig` or the pod's service account; ConfigError
+        when none can be made (not in a cluster, an unreadable kubeconfig)."""
         from kubernetes_asyncio import client, config
 
-        if self.cfg.api_url:
-            conf = client.Configuration(host=self.cfg.api_url.rstrip("/"))
-        elif self.cfg.kubeconfig:
-            conf = client.Configuration()
-            await config.load_kube_config(config_file=self.cfg.kubeconfig, client_configuration=conf)
-        else:
-            conf = client.Configuration()
-            config.load_incluster_config(client_configuration=conf)
+        try:
+            if self.cfg.api_url:
+                conf = client.Configuration(host=self.cfg.api_url.rstrip("/"))
+            elif self.cfg.kubeconfig:
+                conf = client.Configuration()
+                await config.load_kube_config(config_file=self.cfg.kubeconfig, client_configuration=conf)
+            else:
+                conf = client.Configuration()
+                config.load_incluster_config(client_configuration=conf)
+        except (config.ConfigException, OSError, ValueError) as e:
+            where = self.cfg.kubeconfig or "the pod's service account (not running in a cluster?)"
+            raise ConfigError(f"kubernetes: cannot reach the API with {where}: {e}") from None
         return client.ApiClient(conf)
 
     async def start(self, first_list_timeout_s: float = 10.0) -> None:

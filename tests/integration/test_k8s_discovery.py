@@ -271,3 +271,22 @@ async def test_410_gone_relists_and_catches_up_with_what_was_missed(setup: Setup
     assert len(s.api.lists) == lists + 3
     status, out = await complete(s.gw, "m")
     assert status == 200, out
+
+
+async def test_outside_a_cluster_without_api_url_is_a_clear_start_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gateway.config import ConfigError
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    cfg = GatewayConfig(
+        listen=ListenConfig(host="127.0.0.1", port=0), kubernetes=KubernetesConfig(decode_selector="a=b")
+    )
+    gw = Gateway(cfg)
+    try:
+        with pytest.raises(
+            ConfigError, match="kubernetes: cannot reach the API with the pod's service account"
+        ):
+            await gw.start()
+    finally:
+        await gw.stop(grace_s=0.1)
