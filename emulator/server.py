@@ -100,6 +100,18 @@ class EmulatorServer:
         return f"{scheme}://{url_host(self.spec.host)}:{self.port}"
 
     @property
+    def advertised_host(self) -> str:
+        """The address peers reach this server's KV at: the listening host, or this machine's
+        own address when it listens on every interface (as SGLang and vLLM advertise theirs:
+        a container's peers cannot reach its 0.0.0.0)."""
+        if self.spec.host not in ("0.0.0.0", "::", ""):
+            return self.spec.host
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+    @property
     def kv_scale(self) -> int:
         return max(1, self.spec.kv_scale)
 
@@ -169,7 +181,7 @@ class EmulatorServer:
                 "pp_rank": 0,
                 "system_dp_size": 1,
                 "system_dp_rank": 0,
-                "rank_ip": spec.host,
+                "rank_ip": self.advertised_host,
                 "rank_port": self.kv_port,
                 "page_size": self.block_size,
                 "kv_cache_dtype": "auto",

@@ -273,53 +273,7 @@ class Admin:
         return await asyncio.shield(task)
 
     async def _remove(self, w: Worker, timeout_s: float) -> dict[str, Any]:
-        if not w.draining:
-            w.draining = True
-            self.registry.changed()
-        # Requests planned for it before the drain may hold this worker without counting in its
-        # `inflight` yet (a vLLM decode is acquired only after its prefill): wait until each of
-        # them has started its response (its workers are then fixed and counted) or ended.
-        # Requests planned after the drain never pick it.
-        planned_before = [r for r in self.unstarted() if w.id in r.planned]
-        t0 = time.monotonic()
-        log.info("admin.worker_removing", worker=w.id, inflight=w.inflight, timeout_s=timeout_s)
-        deadline = t0 + timeout_s
-        # polled: the request path's release() stays a bare decrement, no waiter check
-        while time.monotonic() < deadline:
-            if planned_before:
-                # (a request whose vLLM decode leg moved to another decode no longer names it)
-                planned_before = [
-                    r for r in planned_before if not r.started and not r.closed and w.id in r.planned
-                ]
-            if w.inflight == 0 and not planned_before:
-                break
-            await asyncio.sleep(_POLL_S)
-        left = w.inflight
-        # planned for it before the drain, response not started: such a request's next leg
-        # finds the worker gone (a retry elsewhere, or a 503), so it was not drained either
-        pending = sum(1 for r in planned_before if not r.started and not r.closed and w.id in r.planned)
-        await self.registry.remove(w.id)
-        self.health.forget(w.id)
-        self.health.check_models()
-        await w.pool.close()  # idle connections now; those in use when their request ends
-        waited = round(time.monotonic() - t0, 3)
-        drained = left == 0 and pending == 0
-        log.info(
-            "admin.worker_removed",
-            worker=w.id,
-            drained=drained,
-            inflight=left,
-            pending=pending,
-            waited_s=waited,
-        )
-        return {
-            "id": w.id,
-            "removed": True,
-            "drained": drained,
-            "inflight": left,
-            "pending": pending,
-            "waited_s": waited,
-        }
+        return await drain_and_remove(w, self.registry, self.health, self.unstarted, timeout_s)
 
     async def close(self) -> None:
         tasks = list(self._removing.values())
@@ -328,6 +282,66 @@ class Admin:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+
+
+async def drain_and_remove(
+    w: Worker,
+    registry: Registry,
+    health: HealthChecker,
+    unstarted: Callable[[], list[HttpResponder]],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Drain `w`, wait (at most `timeout_s`) for its in-flight requests and for those planned on it
+    before the drain, then remove it and close its pool: the admin API's DELETE and Kubernetes
+    discovery's removals (`unstarted`: the gateway's generation requests whose response has not
+    started, `Handlers.unstarted`)."""
+    if not w.draining:
+        w.draining = True
+        registry.changed()
+    # Requests planned for it before the drain may hold this worker without counting in its
+    # `inflight` yet (a vLLM decode is acquired only after its prefill): wait until each of
+    # them has started its response (its workers are then fixed and counted) or ended.
+    # Requests planned after the drain never pick it.
+    planned_before = [r for r in unstarted() if w.id in r.planned]
+    t0 = time.monotonic()
+    log.info("admin.worker_removing", worker=w.id, inflight=w.inflight, timeout_s=timeout_s)
+    deadline = t0 + timeout_s
+    # polled: the request path's release() stays a bare decrement, no waiter check
+    while time.monotonic() < deadline:
+        if planned_before:
+            # (a request whose vLLM decode leg moved to another decode no longer names it)
+            planned_before = [
+                r for r in planned_before if not r.started and not r.closed and w.id in r.planned
+            ]
+        if w.inflight == 0 and not planned_before:
+            break
+        await asyncio.sleep(_POLL_S)
+    left = w.inflight
+    # planned for it before the drain, response not started: such a request's next leg
+    # finds the worker gone (a retry elsewhere, or a 503), so it was not drained either
+    pending = sum(1 for r in planned_before if not r.started and not r.closed and w.id in r.planned)
+    await registry.remove(w.id)
+    health.forget(w.id)
+    health.check_models()
+    await w.pool.close()  # idle connections now; those in use when their request ends
+    waited = round(time.monotonic() - t0, 3)
+    drained = left == 0 and pending == 0
+    log.info(
+        "admin.worker_removed",
+        worker=w.id,
+        drained=drained,
+        inflight=left,
+        pending=pending,
+        waited_s=waited,
+    )
+    return {
+        "id": w.id,
+        "removed": True,
+        "drained": drained,
+        "inflight": left,
+        "pending": pending,
+        "waited_s": waited,
+    }
 
 
 def _decode_worker(body: bytes) -> WorkerConfig:

@@ -12,10 +12,12 @@ import os
 import signal
 import socket
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from gateway.admin import Admin
 from gateway.admission import Admission
 from gateway.config import ConfigError, GatewayConfig, WorkerConfig
+from gateway.discovery.sync import WorkerSync
 from gateway.endpoints import first_duplicate, url_host
 from gateway.guards import GuardSettings
 from gateway.handlers import Handlers
@@ -29,6 +31,9 @@ from gateway.parse import WorkLimits
 from gateway.registry import BreakerSettings, Registry, Worker
 from policies.build import build_policy
 from policies.snapshot import Engine
+
+if TYPE_CHECKING:
+    from gateway.discovery.kubernetes import KubernetesDiscovery
 
 log = get_logger("pd_gateway")
 
@@ -156,6 +161,19 @@ class Gateway:
         if self.admin is not None:
             self.admin.unstarted = self.handlers.unstarted
             self.admin.own_addresses = self._own_addresses
+        self.discovery: KubernetesDiscovery | None = None
+        if cfg.kubernetes is not None:
+            from gateway.discovery.kubernetes import KubernetesDiscovery
+
+            sync = WorkerSync(
+                self.registry,
+                self.health,
+                self.make_worker,
+                self.handlers.unstarted,
+                drain_timeout_s=cfg.kubernetes.drain_timeout_s,
+                source="kubernetes",
+            )
+            self.discovery = KubernetesDiscovery(cfg.kubernetes, sync)
         self.server: HttpServer | None = None
         self.admin_server: HttpServer | None = None  # the admin API's own listener, when configured
         self._tasks: list[asyncio.Task[None]] = []
@@ -215,6 +233,8 @@ class Gateway:
                     "list each server once"
                 )
             await self.health.probe_all()
+            if self.discovery is not None:  # the pods ready now are workers before it listens
+                await self.discovery.start()
             lim = self.cfg.limits
             most = lim.max_connections or default_max_connections()
             limits = ServerLimits(
@@ -338,6 +358,8 @@ class Gateway:
             await self.admin_server.close()
         if self.admin is not None:
             await self.admin.close()
+        if self.discovery is not None:
+            await self.discovery.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

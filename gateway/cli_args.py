@@ -9,6 +9,9 @@ value. `--engine` and `--model` apply only to the workers given by flags. For an
 `--prefill URL` without a port the bootstrap port is SGLang's default, 8998; `none` means the
 prefill has no bootstrap server. The merged document is decoded and validated once, so a flag
 error reads like a file error.
+
+sglang-router's and vllm-router's other flags are accepted too (`gateway/router_flags.py`): mapped
+to a setting, or ignored / refused with a reason (`parse_serve_command` returns the notes).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from gateway.config import (
     normalize_raw,
     read_toml,
 )
+from gateway.router_flags import add_router_flags, apply_router_flags, prepare_router_flags
 from policies.config import policy_shorthand
 from policies.snapshot import Engine
 
@@ -55,8 +59,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--engine",
         choices=[e.value for e in Engine],
-        default=Engine.SGLANG.value,
-        help="engine of the workers given by flags (default: sglang)",
+        default=None,
+        help="engine of the workers given by flags (default: sglang; vllm with --vllm-pd-disaggregation)",
     )
     w.add_argument(
         "--model", default=None, help="model served by the workers given by flags (default: probed)"
@@ -76,7 +80,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
-    s.add_argument("--log-level", choices=_LOG_LEVELS, default=None)
+    s.add_argument("--log-level", choices=(*_LOG_LEVELS, "warn"), default=None)
     s.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None, help="JSON log lines")
 
     r = p.add_argument_group("routing")
@@ -124,6 +128,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
         metavar="VAR",
         help="enable the admin API with this env var's token",
     )
+    add_router_flags(p)
     return p
 
 
@@ -155,7 +160,7 @@ def _prefill_worker(
 def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Apply parsed flags over a raw (file) document: workers appended, scalars replaced."""
     doc = normalize_raw(raw)
-    engine = Engine(args.engine)
+    engine = Engine(args.engine or Engine.SGLANG.value)
     vocab = getattr(args, "vocab_size", None)
     flag_workers: list[dict[str, Any]] = [_prefill_worker(v, engine, args.model, vocab) for v in args.prefill]
     for role, urls in (("decode", args.decode), ("colocated", args.worker)):
@@ -219,7 +224,15 @@ def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_serve_args(argv: Sequence[str]) -> GatewayConfig:
     """Flags (and `--config FILE`) to a validated config. Raises ConfigError; argparse exits on bad syntax."""
+    return parse_serve_command(argv)[0]
+
+
+def parse_serve_command(argv: Sequence[str]) -> tuple[GatewayConfig, list[str]]:
+    """As `parse_serve_args`, with the notes on router flags that were ignored or mapped loosely."""
     args = build_serve_parser().parse_args(list(argv))
+    notes = prepare_router_flags(args)
     raw = read_toml(args.config) if args.config is not None else {}
     source = f"{args.config} + flags" if args.config is not None else "flags"
-    return config_from_raw(merge_args(raw, args), source)
+    doc = merge_args(raw, args)
+    apply_router_flags(doc, args, notes, len(args.prefill) + len(args.decode) + len(args.worker))
+    return config_from_raw(doc, source), notes

@@ -369,6 +369,9 @@ class AdminConfig(_Section, frozen=True):
     # (where /admin/ then is a 404); None: on the gateway's listener
     listen_port: int | None = None
     listen_host: str = "127.0.0.1"
+    # true: a `token_env` variable that is unset or empty turns the admin API off instead of being
+    # an error (one image and config for deployments with and without an admin token)
+    token_optional: bool = False
 
     def __post_init__(self) -> None:
         if self.token_env is not None and self.token is not None:
@@ -394,8 +397,59 @@ class AdminConfig(_Section, frozen=True):
             return None
         value = environ.get(self.token_env)
         if not value:
+            if self.token_optional:
+                return None
             raise ConfigError(f"admin.token_env: environment variable {self.token_env} is not set")
         return value
+
+
+class KubernetesConfig(_Section, frozen=True):
+    """Kubernetes pod discovery (`gateway/discovery/`): the workers are the ready pods that each
+    role's label selector matches, added and removed as pods become ready, unready or deleted."""
+
+    namespace: str = ""  # "": every namespace (the service account then needs cluster-wide list/watch)
+    # label selectors, one per role ("app=sglang,component=prefill"); "" = no pods of that role
+    prefill_selector: str = ""
+    decode_selector: str = ""
+    colocated_selector: str = ""
+    port: int = 8000  # the engine's HTTP port in each pod, unless the pod's `port_annotation` says
+    port_annotation: str = "pd-gateway/port"
+    # an SGLang prefill's bootstrap port (the annotation sglang-router reads; default 8998)
+    bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"
+    engine_label: str = "pd-gateway/engine"  # sglang | vllm | openai; absent: `engine`
+    engine: Engine = Engine.SGLANG
+    model_label: str = "pd-gateway/model"  # absent: the model is probed from the engine
+    scheme: Literal["http", "https"] = "http"
+    # where the API server is: "" = in the cluster (the pod's service account); else a URL, e.g.
+    # `kubectl proxy`'s http://127.0.0.1:8001; `kubeconfig` = a kubeconfig file instead
+    api_url: str = ""
+    kubeconfig: str = ""
+    watch_timeout_s: float = 240.0  # each watch asks the server to end it after this; then re-watched
+    retry_s: float = 2.0  # after a failed list or watch
+    drain_timeout_s: float = 30.0  # an unready or deleted pod's in-flight requests: longest wait
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_selector or self.decode_selector or self.colocated_selector):
+            raise ValueError(
+                "kubernetes: give at least one of prefill_selector, decode_selector, colocated_selector"
+            )
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"kubernetes.port must be in 1..65535, got {self.port}")
+        if self.api_url and self.kubeconfig:
+            raise ValueError("kubernetes: set api_url or kubeconfig, not both")
+        if self.api_url and urlsplit(self.api_url).scheme not in ("http", "https"):
+            raise ValueError(f"kubernetes.api_url {self.api_url!r} must be an http(s):// URL")
+        _positive("kubernetes", watch_timeout_s=self.watch_timeout_s, retry_s=self.retry_s)
+        _non_negative("kubernetes", drain_timeout_s=self.drain_timeout_s)
+
+    def selectors(self) -> dict[Role, str]:
+        """The configured selector of each role that has one."""
+        pairs = (
+            (Role.PREFILL, self.prefill_selector),
+            (Role.DECODE, self.decode_selector),
+            (Role.COLOCATED, self.colocated_selector),
+        )
+        return {role: sel for role, sel in pairs if sel}
 
 
 class GatewayConfig(_Section, frozen=True):
@@ -415,6 +469,7 @@ class GatewayConfig(_Section, frozen=True):
     request_id_headers: tuple[str, ...] = ("x-request-id", "x-correlation-id")
     forward_authorization: bool = False  # pass the client's Authorization header to workers
     admin: AdminConfig = AdminConfig()
+    kubernetes: KubernetesConfig | None = None  # pod discovery; None: only the configured workers
     shutdown_grace_s: float = 10.0  # SIGTERM: how long in-flight requests may finish before they are cut
     log_level: LogLevel = "info"
     log_json: bool = True

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from gateway.app import Gateway, ListenError, run_forever
-from gateway.cli_args import parse_serve_args
+from gateway.cli_args import parse_serve_command
 from gateway.config import ConfigError
 from gateway.logging import configure, get_logger
 from policies.build import PolicyBuildError
@@ -53,13 +53,16 @@ def main(argv: Sequence[str]) -> int:
 
 def _serve(argv: Sequence[str]) -> int:
     try:
-        cfg = parse_serve_args(list(argv))
+        cfg, notes = parse_serve_command(list(argv))
     except ConfigError as e:
         print(f"pd-gateway serve: {e}", file=sys.stderr)
         return 2
-    if not cfg.workers:
+    for note in notes:  # router flags (sglang-router / vllm-router) ignored or mapped loosely
+        print(f"pd-gateway serve: note: {note}", file=sys.stderr)
+    if not cfg.workers and cfg.kubernetes is None:
         print(
-            "pd-gateway serve: no workers; give --prefill/--decode/--worker or a --config file",
+            "pd-gateway serve: no workers; give --prefill/--decode/--worker, a --config file "
+            "or Kubernetes discovery ([kubernetes], --service-discovery)",
             file=sys.stderr,
         )
         return 2

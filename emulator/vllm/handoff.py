@@ -27,7 +27,7 @@ def make_params(server: EmulatorServer, seq: Seq, request_id: str, blocks: list[
         "remote_block_ids": [blocks],
         "remote_engine_id": server.engine_id,
         "remote_request_id": request_id,
-        "remote_host": server.spec.host,
+        "remote_host": server.advertised_host,
         "remote_port": server.kv_port,
         "tp_size": 1,
         "dcp_size": 1,
