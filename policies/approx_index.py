@@ -117,17 +117,18 @@ class ApproxIndex:
             over = index.slot_entries(slot) - cap
             if over > 0:
                 self.evicted_capacity += index.evict(slot, over)
-        over = index.entries - self.budget_entries
-        if over > 0:
-            self._trim(m, over)
+        if index.entries > self.budget_entries:
+            self._trim(m, slot)
 
-    def _trim(self, m: _ModelIndex, over: int) -> None:
+    def _trim(self, m: _ModelIndex, keep: int) -> None:
         # down to a little under the budget (so that the pass over the slots to find the
-        # largest is not paid on every insert), the largest worker's oldest entries first
+        # largest is not paid on every insert): the oldest entries of the largest worker other
+        # than the one just written to (`keep`: its newest prompt stays), then its own
         index = m.index
         target = self.budget_entries - self.budget_entries // 64
         while index.entries > target:
-            slot = max(m.slot_of.values(), key=index.slot_entries)
+            others = [s for s in m.slot_of.values() if s != keep and index.slot_entries(s)]
+            slot = max(others, key=index.slot_entries) if others else keep
             n = min(index.entries - target, max(1, index.slot_entries(slot) // 8))
             dropped = index.evict(slot, n)
             self.evicted_budget += dropped

@@ -65,7 +65,7 @@ from policies.base import (
 )
 from policies.least_load import LoadScorer, LoadWeights
 from policies.prefill_cost import PrefillQueues, RateSettings
-from policies.prefix_source import NO_LOOKUP, Lookup, PrefixSource
+from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
 from policies.snapshot import RequestView, WorkerState
 
 
@@ -190,7 +190,7 @@ class CacheState:
         k = self.settings.max_candidates
         precise = None if self.precise is None else self.precise.lookup(req.model, key, k)
         approx = self.approx.lookup(req.model, key, k)
-        return precise, approx if approx is not None else NO_LOOKUP
+        return precise, approx if approx is not None else EMPTY_LOOKUP
 
     @staticmethod
     def cached(lookups: tuple[Lookup | None, Lookup], worker_id: str) -> tuple[int, str]:
@@ -283,7 +283,7 @@ class CacheState:
         if key is not None:
             precise = None if self.precise is None else self.precise.lookup(ev.model, key, 1)
             approx = self.approx.lookup(ev.model, key, 1)
-            cached, source = self.cached((precise, approx if approx is not None else NO_LOOKUP), wid)
+            cached, source = self.cached((precise, approx if approx is not None else EMPTY_LOOKUP), wid)
             cached = min(cached, req_tokens - 1)
         uncached = req_tokens - cached
         backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)

@@ -98,4 +98,5 @@ class NoLookup:
         return 0
 
 
-NO_LOOKUP = NoLookup()
+NO_LOOKUP = NoLookup()  # a request without a key
+EMPTY_LOOKUP = NoLookup()  # a keyed request where nothing is indexed yet
