@@ -155,6 +155,9 @@ class ApproxIndex:
         elif scale < 1.0:
             self._scale[worker_id] = min(1.0, scale * 1.02)
 
+    def outcome(self, worker_id: str, predicted: int, reported: int) -> None:
+        """(`PrefixSource`; the policy calls `feedback`, which also knows the model and capacity.)"""
+
     def forget(self, worker_id: str) -> int:
         """Drop everything known about a worker (removed, or restarted with an empty cache)."""
         dropped = 0

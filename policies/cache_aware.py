@@ -308,6 +308,8 @@ class CacheState:
             self.accuracy.record(p.worker, p.source, p.predicted, ev.cached_tokens)
             if p.source == "approx":
                 self.approx.feedback(p.model, p.worker, p.predicted, ev.cached_tokens, p.capacity)
+            elif p.source == "kv_events" and self.precise is not None:
+                self.precise.outcome(p.worker, p.predicted, ev.cached_tokens)
 
     def _sweep(self, now: float) -> None:
         """Every `eviction_interval`: forget requests routed longer ago than that whose outcome

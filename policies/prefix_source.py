@@ -41,6 +41,11 @@ class PrefixSource(Protocol):
         """None when the source has nothing for this model or kind of prompt."""
         ...
 
+    def outcome(self, worker_id: str, predicted: int, reported: int) -> None:
+        """A request this source predicted `predicted` cached tokens for on the worker found
+        `reported` (the engine's own count): how the source checks itself."""
+        ...
+
 
 class IndexLookup:
     """A `Lookup` over one `BlockIndex` for one request's chain of block keys."""
