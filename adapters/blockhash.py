@@ -127,14 +127,21 @@ def _vllm_fn(algo: str) -> Callable[[Any], bytes]:
 
 class BlockHasherBase:
     """Chains of one scheme. `extend` fills index keys (the `BlockHasher` protocol of
-    policies/prompt_key.py); `chain` gives (key, chain state) pairs for verification."""
+    policies/prompt_key.py); `chain` gives (key, chain state) pairs for verification.
+
+    `extend` remembers the digests it computed (at most `memo_size`, keyed by a fast chained
+    hash of the same token blocks), so prefixes many requests share (system prompts, earlier
+    turns) are hashed the engine's way once, not once per request: a remembered block costs a
+    dict lookup instead of a pickle and a SHA-256."""
 
     spec: HashSpec
 
-    def __init__(self, spec: HashSpec) -> None:
+    def __init__(self, spec: HashSpec, memo_size: int = 1 << 18) -> None:
         self.spec = spec
         self.block_size = spec.block_size
         self.key = f"{spec.scheme}:{spec.algo if spec.scheme == 'vllm' else ''}:{spec.seed}:{spec.block_size}"
+        self.memo_size = memo_size
+        self._memo: dict[int, tuple[int, bytes]] = {}
 
     def digest(self, parent: bytes | None, tokens: Sequence[int]) -> bytes:
         raise NotImplementedError
@@ -143,13 +150,23 @@ class BlockHasherBase:
         raise NotImplementedError
 
     def extend(self, token_ids: Sequence[int], keys: list[int], state: object, upto: int) -> object:
-        parent = state if isinstance(state, bytes) else None
+        parent, fast = state if isinstance(state, tuple) else (None, hash(self.key))
         bs = self.block_size
-        digest, to_key = self.digest, self.to_key
+        digest, to_key, memo = self.digest, self.to_key, self._memo
         for j in range(len(keys), upto):
-            parent = digest(parent, token_ids[j * bs : (j + 1) * bs])
-            keys.append(to_key(parent))
-        return parent
+            block = token_ids[j * bs : (j + 1) * bs]
+            fast = hash((fast, tuple(block)))
+            got = memo.get(fast)
+            if got is None:
+                parent = digest(parent, block)
+                got = (to_key(parent), parent)
+                if len(memo) >= self.memo_size:
+                    memo.clear()
+                memo[fast] = got
+            else:
+                parent = got[1]
+            keys.append(got[0])
+        return (parent, fast)
 
     def chain(self, parent: bytes | None, tokens: Sequence[int]) -> list[tuple[int, bytes]]:
         """(key, digest) of each full block of `tokens` after the block whose digest is `parent`."""
@@ -166,8 +183,8 @@ class BlockHasherBase:
 
 
 class VllmHasher(BlockHasherBase):
-    def __init__(self, spec: HashSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: HashSpec, memo_size: int = 1 << 18) -> None:
+        super().__init__(spec, memo_size)
         self._fn = _vllm_fn(spec.algo)
         self.none_hash = self._fn(spec.seed if spec.seed is not None else VLLM_DEFAULT_SEED)
 

@@ -48,8 +48,9 @@ from __future__ import annotations
 import random as _random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -412,18 +413,78 @@ class _NoEvent:
     """Never sent: `observes` of a selector whose state another selector forwards events to."""
 
 
+class PositionMemo:
+    """Where the workers sit in the candidate lists a selector is handed, so that a large pool is
+    narrowed to its matched workers without a pass over it (a cache that never changes a result
+    it is checked for).
+
+    A layout is recognised by its length and its first and last `WorkerState` objects (the
+    registry makes new ones for every worker when membership or health changes); a position is
+    used only after checking that the worker is there. A worker the layout did not have when it
+    was mapped is taken as absent without a check: the one case a changed layout could go
+    unnoticed (two retries excluding different workers of equal count in turn), which can only
+    leave a matched worker out of one decision's candidates, never admit an invalid one. Layouts
+    are re-mapped every `refresh_every` uses all the same. Up to `layouts` layouts are kept (a
+    prefill role sees one per decode engine)."""
+
+    __slots__ = ("_maps", "layouts", "refresh_every")
+
+    def __init__(self, refresh_every: int = 256, layouts: int = 8) -> None:
+        self.refresh_every = refresh_every
+        self.layouts = layouts
+        # (len, first, last) -> [position by id, uses]
+        self._maps: OrderedDict[tuple[int, int, int], list[Any]] = OrderedDict()
+
+    def find(self, cands: Sequence[WorkerState], wanted: Iterable[str]) -> list[WorkerState]:
+        """The candidates whose id is in `wanted`, in `wanted`'s order."""
+        n = len(cands)
+        first, last = cands[0], cands[-1]
+        shape = (n, id(first), id(last))
+        entry = self._maps.get(shape)
+        if entry is None or entry[1] >= self.refresh_every or entry[2] is not first or entry[3] is not last:
+            entry = self._map(cands, shape)
+        entry[1] += 1
+        pos: dict[str, int] = entry[0]
+        out: list[WorkerState] = []
+        for wid in wanted:
+            i = pos.get(wid)
+            if i is None:
+                continue
+            w = cands[i] if i < n else None
+            if w is None or w.id != wid:  # moved: map this layout again
+                pos = self._map(cands, shape)[0]
+                i = pos.get(wid)
+                if i is None:
+                    continue
+                w = cands[i]
+            out.append(w)
+        return out
+
+    def _map(self, cands: Sequence[WorkerState], shape: tuple[int, int, int]) -> list[Any]:
+        entry = [{w.id: i for i, w in enumerate(cands)}, 0, cands[0], cands[-1]]
+        maps = self._maps
+        maps[shape] = entry
+        maps.move_to_end(shape)
+        if len(maps) > self.layouts:
+            maps.popitem(last=False)
+        return entry
+
+
 def _narrow(
     cands: Sequence[WorkerState],
-    wanted: set[str],
+    wanted: Iterable[str],
     settings: CacheAwareSettings,
     rng: _random.Random,
+    memo: PositionMemo,
 ) -> Sequence[WorkerState]:
-    """The pool itself when small, else the wanted workers plus a random sample."""
+    """The pool itself when small, else its wanted workers plus a random sample."""
     if len(cands) <= settings.scan_limit:
         return cands
-    pool = [w for w in cands if w.id in wanted] if wanted else []
+    pool = memo.find(cands, wanted)
     seen = {w.id for w in pool}
-    for w in rng.sample(list(cands) if not isinstance(cands, list) else cands, settings.sample):
+    n = len(cands)
+    for _ in range(settings.sample):
+        w = cands[rng.randrange(n)]
         if w.id not in seen:
             seen.add(w.id)
             pool.append(w)
@@ -442,6 +503,7 @@ class CacheAwareSelector:
         self.rng = rng if rng is not None else _random.Random()
         self.picker = BalanceGatePicker(s.balance_abs_threshold, s.balance_rel_threshold, self.rng)
         self.observes: tuple[type, ...] = EVENT_TYPES if owner else (_NoEvent,)
+        self.memo = PositionMemo()
 
     def select(self, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState:
         return self.decide(req, cands, record=False)[0]
@@ -455,8 +517,10 @@ class CacheAwareSelector:
         state = self.state
         lookups = state.lookups(req)
         if len(cands) > state.settings.scan_limit:
-            wanted = {wid for lk in lookups if lk is not None for wid, _ in lk.top}
-            cands = _narrow(cands, wanted, state.settings, self.rng)
+            wanted = dict.fromkeys(wid for lk in lookups if lk is not None for wid, _ in lk.top)
+            cands = _narrow(cands, wanted, state.settings, self.rng, self.memo)
+        if not record:
+            return self._choose(req, cands, lookups), None
         est = state.estimates(req, cands, lookups)
         pairs = list(zip(cands, est, strict=True))
         ok = [(w, e) for w, e in pairs if not e.saturated]
@@ -465,8 +529,6 @@ class CacheAwareSelector:
             ok = pairs
         scores = ttft_scores([e for _, e in ok])
         chosen, why = self.picker.pick_why([(w, scores[w.id]) for w, _ in ok])
-        if not record:
-            return chosen, None
         key = req.prompt_key
         return chosen, DecisionRecord(
             role=self.name,
@@ -477,6 +539,54 @@ class CacheAwareSelector:
             chosen=chosen.id,
             reason="all_saturated" if all_saturated else why,
         )
+
+    def _choose(
+        self, req: RequestView, cands: Sequence[WorkerState], lookups: tuple[Lookup | None, Lookup]
+    ) -> WorkerState:
+        """`decide` without the record, in one loop (the same choice: the tests compare them)."""
+        state = self.state
+        s = state.settings
+        now = state.clock()
+        prompt = req.prompt_tokens if req.prompt_tokens > 0 else 1
+        limit = prompt - 1
+        threshold = s.cache_threshold * prompt
+        factor = s.inflight_factor
+        saturation = s.saturation_wait_s
+        backlog_rate = state.queues.backlog_rate
+        precise, approx = lookups
+        from_precise = None if precise is None else precise.cached_tokens
+        from_approx = approx.cached_tokens
+        rows: list[tuple[float, int, WorkerState]] = []
+        saturated: list[tuple[float, int, WorkerState]] = []
+        for w in cands:
+            wid = w.id
+            cached = from_precise(wid) if from_precise is not None else None
+            if cached is None:
+                cached = from_approx(wid) or 0
+            if cached > limit:
+                cached = limit
+            backlog, rate = backlog_rate(wid, now, w.load.waiting)
+            wait = backlog / rate
+            cost = (wait + (prompt - (cached if cached > threshold else 0)) / rate) * (
+                1.0 + factor * w.inflight
+            )
+            (saturated if wait > saturation else rows).append((cost, w.inflight, w))
+        if not rows:
+            rows = saturated
+        best = min(r[0] for r in rows)
+        ties = [r for r in rows if r[0] <= best * (1.0 + 1e-12)]
+        if len(ties) > 1:
+            fewest = min(r[1] for r in ties)
+            ties = [r for r in ties if r[1] == fewest]
+        chosen = ties[0][2] if len(ties) == 1 else self.rng.choice(ties)[2]
+        least = min(rows, key=lambda r: (r[1], r[0]))[2]
+        p = self.picker
+        if (
+            chosen.inflight - least.inflight > p.abs_threshold
+            and chosen.inflight > p.rel_threshold * least.inflight
+        ):
+            return least
+        return chosen
 
     def observe(self, event: PolicyEvent) -> None:
         self.state.observe(event)
@@ -500,13 +610,14 @@ class LoadSelector:
         self.scorer = LoadScorer(weights)
         self.rng = rng if rng is not None else _random.Random()
         self.picker = RandomTiePicker(self.rng)
+        self.memo = PositionMemo()
 
     def select(self, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState:
         if not cands:
             raise NoCandidates("input")
         if len(cands) == 1:
             return cands[0]
-        cands = _narrow(cands, set(), self.settings, self.rng)
+        cands = _narrow(cands, (), self.settings, self.rng, self.memo)
         scores = self.scorer.score(req, cands)
         return self.picker.pick(req, [(w, scores[w.id]) for w in cands])
 

@@ -59,6 +59,18 @@ class PrefillQueues:
             fluid = max(0.0, tokens - self.rate(worker_id) * max(0.0, now - at))
         return max(fluid, waiting * self._mean_uncached)
 
+    def backlog_rate(self, worker_id: str, now: float, waiting: int = 0) -> tuple[float, float]:
+        """(backlog, rate) in one call (the policy's loop over candidates)."""
+        rate = self._rate.get(worker_id, self.settings.default_rate)
+        q = self._queue.get(worker_id)
+        fluid = 0.0
+        if q is not None:
+            fluid = q[0] - rate * (now - q[1])
+            if fluid < 0.0:
+                fluid = 0.0
+        floor = waiting * self._mean_uncached
+        return (fluid if fluid > floor else floor), rate
+
     def ttft(self, worker_id: str, uncached: float, now: float, waiting: int = 0) -> float:
         """Predicted seconds to the first token of a request with `uncached` tokens to prefill."""
         return (self.backlog(worker_id, now, waiting) + uncached) / self.rate(worker_id)

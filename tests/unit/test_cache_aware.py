@@ -451,3 +451,40 @@ def test_bad_knobs_are_refused(bad: dict[str, object]) -> None:
 @pytest.mark.parametrize("spec", ["cache_aware", {"type": "cache_aware", "scan_limit": 2, "sample": 1}])
 def test_cache_aware_conforms(spec: str | dict[str, object]) -> None:
     run_conformance(build_policy(parse_policy(spec)), n=400, seed=7)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_fast_path_chooses_as_the_recorded_one(seed: int) -> None:
+    """`select` (one loop, no record) and `decide(record=True)` (estimates, scores, picker)
+    make the same choice, ties drawn from identically seeded generators."""
+    rng = random.Random(seed)
+    clock = Clock()
+    st = state(clock, prefill_rate=1000.0, saturation_wait_s=rng.choice([0.5, 5.0]), balance_abs_threshold=2)
+    workers = [
+        make_worker(f"w{i}", inflight=rng.randrange(0, 6), waiting=rng.randrange(0, 2)) for i in range(6)
+    ]
+    for i in range(rng.randrange(1, 12)):
+        route(
+            st,
+            req(PREFIX[: rng.randrange(16, 800)] + [i] * rng.randrange(0, 300), f"o{i}"),
+            rng.choice(workers),
+        )
+        clock.t += rng.random()
+    ask = req(PREFIX[: rng.randrange(16, 800)] + [99] * 50)
+    a = CacheAwareSelector("x", st, rng=random.Random(seed))
+    b = CacheAwareSelector("x", st, rng=random.Random(seed))
+    chosen, record = b.decide(ask, workers)
+    assert a.select(ask, workers) is chosen
+    assert record is not None and record.chosen == chosen.id
+
+
+def test_position_memo_finds_workers_without_a_pass_and_notices_changes() -> None:
+    from policies.cache_aware import PositionMemo
+
+    memo = PositionMemo(refresh_every=1000)
+    pool = [make_worker(f"w{i}") for i in range(300)]
+    assert [w.id for w in memo.find(pool, ["w7", "w250", "nope"])] == ["w7", "w250"]
+    moved = pool[:5] + pool[6:] + [pool[5]]  # new layout, new last element: mapped again
+    assert [w.id for w in memo.find(moved, ["w7", "w5"])] == ["w7", "w5"]
+    same_shape = [pool[0], *reversed(pool[1:-1]), pool[-1]]  # same ends, moved middle: checked
+    assert [w.id for w in memo.find(same_shape, ["w7"])] == ["w7"]

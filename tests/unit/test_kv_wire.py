@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from adapters.blockhash import HashSpec, cbor, make_hasher
+from adapters.blockhash import HashSpec, VllmHasher, cbor, make_hasher
 from adapters.kvevents import (
     Batch,
     Cleared,
@@ -249,3 +249,17 @@ def test_frames() -> None:
     assert replay_request(5) == [b"", (5).to_bytes(8, "big")]
     with pytest.raises(KvEventError):
         split_live([b"", b"short", b"p"])
+
+
+def test_remembered_blocks_hash_the_same() -> None:
+    """Prompts sharing a prefix: the second one's shared blocks come from the memo, and every
+    key is what hashing from scratch gives."""
+    h = VllmHasher(HashSpec(scheme="vllm", block_size=4), memo_size=16)
+    shared = list(range(100, 140))  # 10 blocks
+    for tail in range(6):
+        ids = [*shared, *range(tail, tail + 9)]
+        keys: list[int] = []
+        state = h.extend(ids, keys, None, 5)  # in two steps, as a lookup reads them
+        h.extend(ids, keys, state, len(ids) // 4)
+        assert keys == [k for k, _ in h.chain(None, ids)]
+        assert len(h._memo) <= 16
