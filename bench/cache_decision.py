@@ -8,7 +8,8 @@ pool, as `PDPolicy.plan` hands it) and each decision is timed. The request's key
 computed before the clock starts (it is made once per request however many workers there are,
 and is reported on its own: "keying"). `--precise` does the same against the KV-event index
 (engine block hashes, the emulator's scheme), where a request's engine hashes are computed
-during the lookup as far as it reads ("cold"), or were computed already ("warm").
+during the lookup as far as it reads, from the hasher's memo where a prefix was hashed before
+("cold"), or were all computed before the clock starts ("warm").
 
 Memory: tracemalloc around building an index of 1,000,000 (block, worker) entries (every
 block held by one worker; then with each block held by two), per million entries.
@@ -89,12 +90,13 @@ def fill_approx(state: CacheState, workers: list[WorkerState], work: Workload, b
 
 
 def fill_precise(index: KvEventIndex, workers: list[WorkerState], work: Workload, blocks: int) -> int:
-    """Entries straight into the index's block index (hashing `blocks` blocks once)."""
-    hasher = make_hasher(HashSpec(scheme="emulator", block_size=BLOCK))
+    """Entries straight into the index's block index, hashed by the index's own hasher (whose
+    memo then holds the most recent prefixes, as an earlier turn's lookup leaves them)."""
     for w in workers:
         index.add_worker(w.id, endpoint="tcp://bench:1", scheme="emulator", block_size=BLOCK)
         index.set_state(w.id, "live")
     group = next(iter(index._groups.values()))
+    hasher = group.hasher
     total = 0
     while total < blocks:
         ids = work.new_conversation(work.rng.randrange(512, 4096))
