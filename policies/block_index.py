@@ -146,9 +146,6 @@ class BlockIndex:
     def holders(self, key: int) -> int:
         return self._holders.get(key, 0)
 
-    def holds(self, slot: int, key: int) -> bool:
-        return key in self._lru[slot]
-
     def slot_keys(self, slot: int) -> list[int]:
         """The slot's keys, least recently used first."""
         return list(self._lru[slot])

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -225,13 +225,3 @@ def render_chat(messages: Sequence[Any], tools: Any = None) -> str | None:
         if call_id is not None:
             out.append(f"{_FIELD}{call_id}")
     return "".join(out)
-
-
-def common_prefix_blocks(a: Iterable[int], b: Iterable[int]) -> int:
-    """How many leading keys two chains share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
