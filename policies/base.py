@@ -153,7 +153,8 @@ class Policy(Protocol):
 
     Invariants every implementation keeps (`policies.testing.check_plan` checks them):
     - `plan()` is a pure read of `snap`: no I/O, no mutation of the policy (drawing from an
-      injected RNG is the one allowed exception);
+      injected RNG is allowed, and so is a cache whose use never makes a plan invalid, as
+      cache_aware's `PositionMemo`);
     - a returned worker is usable (`healthy and not draining`), serves `req.model`, and its id
       is not in `exclude`; a disaggregated pair has a PREFILL and a DECODE worker of the same
       engine and its pair id (`pair_id(p, d)`) is not in `exclude`;
