@@ -10,6 +10,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "bench.overhead",
         "CPU per request and added latency of the gateway vs sglang-router and vllm-router",
     ),
+    "cache-decision": (
+        "bench.cache_decision",
+        "cache_aware's decision time (8 to 1,000 workers, millions of blocks) and index memory",
+    ),
 }
 
 

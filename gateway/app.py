@@ -24,6 +24,7 @@ from gateway.handlers import Handlers
 from gateway.health import HealthChecker, HealthSettings
 from gateway.http.limits import ServerLimits
 from gateway.http.server import HttpServer, start_server
+from gateway.kvevents.hub import KvEventCollector, KvEventHub
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
@@ -68,10 +69,20 @@ class Gateway:
         )
         for wc in cfg.workers:
             self.registry.add(self.make_worker(wc))
+        try:  # the workers' KV-event streams: the cache-aware policy's precise index
+            self.kv_events = KvEventHub.for_workers(cfg.workers, self._model_of)
+        except ValueError as e:
+            raise ConfigError(f"kv_events: {e}") from None
         self.policy = build_policy(
-            cfg.policy, prefill=cfg.prefill_policy, decode=cfg.decode_policy, decider=cfg.decider
+            cfg.policy,
+            prefill=cfg.prefill_policy,
+            decode=cfg.decode_policy,
+            decider=cfg.decider,
+            precise=None if self.kv_events is None else self.kv_events.index,
         )
         self.metrics = metrics or GatewayMetrics()
+        if self.kv_events is not None:
+            self.metrics.registry.register(KvEventCollector(self.kv_events))
         self.metrics.watch_cluster(self.registry.snapshot, self.registry.pair_states)
         t, r = cfg.timeouts, cfg.retries
         self.orchestrator = Orchestrator(
@@ -198,6 +209,10 @@ class Gateway:
             authorization=f"Bearer {key}".encode() if key else None,
         )
 
+    def _model_of(self, worker_id: str) -> str | None:
+        w = self.registry.find(worker_id)
+        return None if w is None else w.model
+
     def _own_addresses(self) -> list[tuple[str, int]]:
         """Where the gateway listens: its own listener and the admin API's, when started."""
         out = [] if self.server is None else [(self.cfg.listen.host, self.server.port)]
@@ -293,6 +308,8 @@ class Gateway:
                 "the server. Set vocab_size on these workers (--vocab-size) so the gateway refuses "
                 "such requests with a 400",
             )
+        if self.kv_events is not None:
+            await self.kv_events.start()
         snap = self.registry.snapshot()
         log.info(
             "gateway.started",
@@ -366,6 +383,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         await self.orchestrator.drain_background()
         await self.registry.close()
 

@@ -68,6 +68,47 @@ class ListenConfig(_Section, frozen=True):
             raise ValueError(f"listen.port must be in 0..65535, got {self.port}")
 
 
+class KvEventsConfig(_Section, frozen=True):
+    """A worker's KV-cache event stream (`[workers.kv_events]`), read by the `cache_aware`
+    policy's precise index (docs/policies.md). The engine publishes it with
+    `--kv-events-config '{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint":
+    "tcp://*:5558", ...}'` (vLLM: also `"enable_kv_cache_events": true`)."""
+
+    endpoint: str  # the engine's PUB socket as the gateway reaches it: tcp://host:port
+    replay_endpoint: str | None = None  # its ROUTER replay socket (gaps and restarts are repaired from it)
+    topic: str = ""
+    # tokens per KV block (vLLM --block-size, SGLang --page-size); None: taken from the events
+    block_size: int | None = None
+    # how the engine hashes blocks: None = the worker's engine; "emulator": pd-gateway's emulator
+    hash: Literal["vllm", "sglang", "emulator"] | None = None
+    hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] = "sha256"  # vLLM's
+    hash_seed: str | None = None  # the vLLM engine's PYTHONHASHSEED, if it sets one
+    max_blocks: int = 1 << 20  # blocks indexed for this worker at most (the oldest go first)
+
+    def __post_init__(self) -> None:
+        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if value is None:
+                continue
+            head, sep, port = value.rpartition(":")
+            if not value.startswith(("tcp://", "ipc://", "inproc://")) or (
+                value.startswith("tcp://") and not (sep and port.isdigit() and head != "tcp:/")
+            ):
+                raise ValueError(f"kv_events.{name} {value!r} must be tcp://host:port (or ipc://, inproc://)")
+            if "*" in value:
+                raise ValueError(
+                    f"kv_events.{name} {value!r}: the gateway connects; give the engine's address"
+                )
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError("kv_events.block_size must be >= 1")
+        if self.max_blocks < 1:
+            raise ValueError("kv_events.max_blocks must be >= 1")
+        if self.hash_algo.startswith("xxhash") and self.hash_seed is None:
+            raise ValueError(
+                f"kv_events.hash_algo {self.hash_algo}: vLLM seeds it at random per process unless "
+                "the engine sets PYTHONHASHSEED; set that and give it as hash_seed"
+            )
+
+
 class WorkerConfig(_Section, frozen=True):
     """One upstream server. `worker_id` (id, else name, else URL) is its stable key."""
 
@@ -87,6 +128,7 @@ class WorkerConfig(_Section, frozen=True):
     # https:// workers: the certificate is checked against the system's CAs, or this PEM bundle
     tls_ca_file: str | None = None
     tls_verify: bool = True  # false: no certificate check at all (a test setup, never production)
+    kv_events: KvEventsConfig | None = None  # its KV-cache events (cache_aware's precise index)
 
     def __post_init__(self) -> None:
         try:
@@ -118,6 +160,10 @@ class WorkerConfig(_Section, frozen=True):
             raise ValueError(f"worker url {self.url!r}: {e}") from None
         if self.engine is Engine.OPENAI and self.role is not Role.COLOCATED:
             raise ValueError(f"worker {self.url}: engine openai can only be colocated, not {self.role}")
+        if self.kv_events is not None and self.engine is Engine.OPENAI and self.kv_events.hash is None:
+            raise ValueError(
+                f"worker {self.url}: an openai worker's KV events need kv_events.hash (vllm or sglang)"
+            )
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"worker {self.url}: vocab_size must be at least 1")
         if self.bootstrap_port is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
@@ -29,6 +29,9 @@ from policies.snapshot import (
     Role,
     WorkerState,
 )
+
+if TYPE_CHECKING:
+    from policies.prompt_key import PromptKey
 
 
 def pair_id(prefill_id: str, decode_id: str) -> str:
@@ -51,6 +54,8 @@ class Routed(msgspec.Struct, frozen=True, tag="routed"):
     roles: tuple[Role, ...]
     prompt_tokens: int = 0
     max_tokens: int = 0
+    prompt_key: PromptKey | None = None  # the request's `RequestView.prompt_key`
+    workers: tuple[WorkerState, ...] = ()  # the plan's worker states, in `worker_ids` order
 
     @property
     def disaggregated(self) -> bool:
@@ -58,12 +63,18 @@ class Routed(msgspec.Struct, frozen=True, tag="routed"):
 
 
 class Completed(msgspec.Struct, frozen=True, tag="completed"):
-    """The request finished successfully on these workers."""
+    """The request finished successfully on these workers.
+
+    `cached_tokens`: the prompt tokens the engine that prefilled it found in its prefix cache,
+    as it reported them (SGLang `meta_info.cached_tokens`, OpenAI
+    `usage.prompt_tokens_details.cached_tokens`); None where it reported nothing. The
+    cache-aware policy compares it with its prediction (accuracy, capacity correction)."""
 
     request_id: str
     worker_ids: tuple[str, ...]
     ttft_s: float | None = None
     output_tokens: int = 0
+    cached_tokens: int | None = None
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed"):
@@ -74,7 +85,17 @@ class Failed(msgspec.Struct, frozen=True, tag="failed"):
     phase: str
 
 
-PolicyEvent = Routed | Completed | Failed
+class WorkerGone(msgspec.Struct, frozen=True, tag="worker_gone"):
+    """A worker left the cluster, or came back with an empty cache (an engine restart): state
+    kept about it (cache indexes, queues) is stale."""
+
+    worker_id: str
+    reason: str = "removed"  # "removed" | "restarted"
+
+
+PolicyEvent = Routed | Completed | Failed | WorkerGone
+
+EVENT_TYPES: tuple[type, ...] = (Routed, Completed, Failed, WorkerGone)
 
 
 def observers_by_event(
@@ -82,7 +103,7 @@ def observers_by_event(
 ) -> dict[type, tuple[Callable[[PolicyEvent], None], ...]]:
     """For each event type, the observers that want it (see `Observer.observes`)."""
     out: dict[type, tuple[Callable[[PolicyEvent], None], ...]] = {}
-    for kind in (Routed, Completed, Failed):
+    for kind in EVENT_TYPES:
         out[kind] = tuple(
             f
             for f in observers
@@ -118,6 +139,8 @@ def routed_event(req: RequestView, plan: Colocated | Disaggregated) -> Routed:
         roles=roles,
         prompt_tokens=req.prompt_tokens,
         max_tokens=req.max_tokens,
+        prompt_key=req.prompt_key,
+        workers=(plan.prefill, plan.decode) if isinstance(plan, Disaggregated) else (plan.worker,),
     )
 
 
@@ -130,7 +153,8 @@ class Policy(Protocol):
 
     Invariants every implementation keeps (`policies.testing.check_plan` checks them):
     - `plan()` is a pure read of `snap`: no I/O, no mutation of the policy (drawing from an
-      injected RNG is the one allowed exception);
+      injected RNG is allowed, and so is a cache whose use never makes a plan invalid, as
+      cache_aware's `PositionMemo`);
     - a returned worker is usable (`healthy and not draining`), serves `req.model`, and its id
       is not in `exclude`; a disaggregated pair has a PREFILL and a DECODE worker of the same
       engine and its pair id (`pair_id(p, d)`) is not in `exclude`;
@@ -331,6 +355,7 @@ __all__ = [
     "RoleSelector",
     "Routed",
     "Scorer",
+    "WorkerGone",
     "observers_by_event",
     "pair_id",
     "plan_worker_ids",

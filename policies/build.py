@@ -9,11 +9,15 @@ other role policies must also implement `RoleSelector` (`select` + `observe`).
 from __future__ import annotations
 
 import random as _random
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import assert_never
 
-from policies.base import NonCachedTokensDecider, Policy, RoleSelector
+from policies.base import CacheEstimator, NonCachedTokensDecider, Policy, RoleSelector
+from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState, LoadSelector
 from policies.config import (
+    CacheAwareCfg,
     DeciderCfg,
     LeastLoadCfg,
     PluginCfg,
@@ -27,6 +31,7 @@ from policies.least_load import LoadWeights, least_load_profile
 from policies.pd import PDPolicy
 from policies.plugins import PluginError, PolicyFactory, load_plugin, make_plugin_policy
 from policies.power_of_two import power_of_two_profile
+from policies.prefix_source import PrefixSource
 from policies.random import random_profile
 from policies.round_robin import round_robin_profile
 
@@ -49,8 +54,52 @@ def _rng(seed: int | None, role: str) -> _random.Random:
     return _random.Random(None if seed is None else f"{seed}:{role}")
 
 
+@dataclass
+class BuildContext:
+    """What the selectors of one policy share: the precise prefix index the gateway maintains
+    from the engines' KV events (None: approximate only), the clock, and each `cache_aware`
+    config's state (one per config, shared by the roles that use it)."""
+
+    precise: PrefixSource | None = None
+    clock: Callable[[], float] = time.monotonic
+    states: dict[CacheAwareCfg, CacheState] = field(default_factory=dict)
+    owners: set[CacheAwareCfg] = field(default_factory=set)
+
+    def state(self, cfg: CacheAwareCfg) -> CacheState:
+        st = self.states.get(cfg)
+        if st is None:
+            st = self.states[cfg] = CacheState(
+                cache_aware_settings(cfg), precise=self.precise, clock=self.clock
+            )
+        return st
+
+
+def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
+    return CacheAwareSettings(
+        cache_threshold=cfg.cache_threshold,
+        balance_abs_threshold=cfg.balance_abs_threshold,
+        balance_rel_threshold=cfg.balance_rel_threshold,
+        eviction_interval_s=cfg.eviction_interval,
+        max_tree_size=cfg.max_tree_size,
+        block_tokens=cfg.block_tokens,
+        chars_per_token=cfg.chars_per_token,
+        worker_cache_tokens=cfg.worker_cache_tokens,
+        prefill_rate=cfg.prefill_rate,
+        inflight_factor=cfg.inflight_factor,
+        saturation_wait_s=cfg.saturation_wait_s,
+        max_candidates=cfg.max_candidates,
+        scan_limit=cfg.scan_limit,
+        sample=cfg.sample,
+        use_kv_events=cfg.index == "auto",
+    )
+
+
 def build_selector(
-    cfg: PolicyCfg, role: str, *, loader: Callable[[str], PolicyFactory] = load_plugin
+    cfg: PolicyCfg,
+    role: str,
+    *,
+    loader: Callable[[str], PolicyFactory] = load_plugin,
+    context: BuildContext | None = None,
 ) -> RoleSelector:
     """The selector for one role ("prefill", "decode" or "colocated")."""
     match cfg:
@@ -62,6 +111,14 @@ def build_selector(
             return least_load_profile(_weights(cfg), f"least_load/{role}")
         case PowerOfTwoCfg():
             return power_of_two_profile(_weights(cfg), _rng(cfg.seed, role), f"power_of_two/{role}")
+        case CacheAwareCfg():
+            ctx = context if context is not None else BuildContext()
+            state = ctx.state(cfg)
+            if role == "decode":  # a decode's cache saves no prefill work: load alone
+                return LoadSelector(f"cache_aware/{role}", state.settings, rng=_rng(cfg.seed, role))
+            owner = cfg not in ctx.owners  # one selector per state forwards the events to it
+            ctx.owners.add(cfg)
+            return CacheAwareSelector(f"cache_aware/{role}", state, rng=_rng(cfg.seed, role), owner=owner)
         case PluginCfg():
             policy = _plugin(cfg, loader)
             if not isinstance(policy, RoleSelector):
@@ -92,8 +149,11 @@ def build_policy(
     decode: PolicyCfg | None = None,
     decider: DeciderCfg | None = None,
     loader: Callable[[str], PolicyFactory] = load_plugin,
+    precise: PrefixSource | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Policy:
-    """The gateway's policy. Raises `PolicyBuildError`."""
+    """The gateway's policy. `precise`: the prefix index kept from the engines' KV events (for
+    `cache_aware`). Raises `PolicyBuildError`."""
     decider = decider if decider is not None else DeciderCfg()
     prefill_cfg = prefill if prefill is not None else cfg
     decode_cfg = decode if decode is not None else cfg
@@ -101,10 +161,22 @@ def build_policy(
         return _plugin(cfg, loader)
     labels = [_label(cfg), _label(prefill_cfg), _label(decode_cfg)]
     name = labels[0] if len(set(labels)) == 1 else f"{labels[0]}(prefill={labels[1]},decode={labels[2]})"
+    ctx = BuildContext(precise=precise, clock=clock)
+    prefill_sel = build_selector(prefill_cfg, "prefill", loader=loader, context=ctx)
+    colocated_sel = build_selector(cfg, "colocated", loader=loader, context=ctx)
+    decode_sel = build_selector(decode_cfg, "decode", loader=loader, context=ctx)
+    # a prompt-length decider weighs the decode worker's cache where a cache_aware config keeps
+    # one (with no threshold it always disaggregates: nothing to ask)
+    cache: CacheEstimator | None = None
+    for c in (cfg, prefill_cfg, decode_cfg):
+        if isinstance(c, CacheAwareCfg) and decider.min_prefill_tokens > 0:
+            cache = ctx.state(c)
+            break
     return PDPolicy(
         name,
-        decode=build_selector(decode_cfg, "decode", loader=loader),
-        prefill=build_selector(prefill_cfg, "prefill", loader=loader),
-        colocated=build_selector(cfg, "colocated", loader=loader),
+        decode=decode_sel,
+        prefill=prefill_sel,
+        colocated=colocated_sel,
         decider=NonCachedTokensDecider(decider.min_prefill_tokens),
+        cache=cache,
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -58,6 +58,57 @@ class PowerOfTwoCfg(_LoadCfg, tag="power_of_two", frozen=True):
     seed: int | None = None
 
 
+class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
+    """`policies.cache_aware`: the lowest predicted time to first token, from the prefix caches
+    (docs/policies.md). The first five keys are sglang-router's / vllm-router's, same meaning."""
+
+    # a match counts only when matched / prompt tokens exceeds this (sglang-router: 0.3)
+    cache_threshold: float = 0.0
+    # the chosen worker is replaced by the least loaded when it has more requests in flight than
+    # the least loaded by more than balance_abs_threshold AND more than balance_rel_threshold x
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    # seconds between sweeps of stale state (requests whose outcome never came); the index
+    # itself is trimmed as entries are added, so it never exceeds max_tree_size
+    eviction_interval: float = 120.0
+    # the approximate index's budget per model, in tokens (sglang-router: characters or tokens)
+    max_tree_size: int = 1 << 24
+    block_tokens: int = 16  # tokens per block of the approximate index (text: x chars_per_token bytes)
+    chars_per_token: float = 4.0  # text prompts: bytes per token for the index's blocks
+    # each worker's KV cache in tokens where the engine does not report it; None: no per-worker
+    # bound (only max_tree_size)
+    worker_cache_tokens: int | None = None
+    prefill_rate: float = 10_000.0  # tokens/s a worker prefills, until measured
+    # cost = predicted TTFT x (1 + inflight_factor x requests in flight): LMetric's batch term at
+    # 1.0; 0: the predicted TTFT alone
+    inflight_factor: float = 1.0
+    saturation_wait_s: float = 10.0  # queued prefill beyond this: no new work while others have less
+    max_candidates: int = 16  # deepest-matching workers considered in a large pool
+    scan_limit: int = 64  # pools up to this size are scored whole
+    sample: int = 4  # larger pools: this many random workers are scored besides the matches
+    index: Literal["auto", "approximate"] = "auto"  # auto: the KV-event index where live and verified
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0:
+            raise ValueError("balance_abs_threshold must be >= 0")
+        if not (math.isfinite(self.balance_rel_threshold) and self.balance_rel_threshold >= 1.0):
+            raise ValueError("balance_rel_threshold must be a finite number >= 1")
+        for name in ("eviction_interval", "chars_per_token", "prefill_rate", "saturation_wait_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        for name in ("max_tree_size", "block_tokens", "max_candidates", "scan_limit", "sample"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not (math.isfinite(self.inflight_factor) and self.inflight_factor >= 0):
+            raise ValueError(f"inflight_factor must be a finite number >= 0, got {self.inflight_factor}")
+        if self.worker_cache_tokens is not None and self.worker_cache_tokens < 1:
+            raise ValueError("worker_cache_tokens must be >= 1")
+
+
 class PluginCfg(_Cfg, tag="plugin", frozen=True):
     """A policy from the `pd_gateway.policies` entry point group; `options` go to its factory."""
 
@@ -69,9 +120,15 @@ class PluginCfg(_Cfg, tag="plugin", frozen=True):
             raise ValueError("plugin name must not be empty")
 
 
-PolicyCfg = RoundRobinCfg | RandomCfg | LeastLoadCfg | PowerOfTwoCfg | PluginCfg
+PolicyCfg = RoundRobinCfg | RandomCfg | LeastLoadCfg | PowerOfTwoCfg | CacheAwareCfg | PluginCfg
 
-BUILTIN_POLICY_NAMES: tuple[str, ...] = ("round_robin", "random", "least_load", "power_of_two")
+BUILTIN_POLICY_NAMES: tuple[str, ...] = (
+    "round_robin",
+    "random",
+    "least_load",
+    "power_of_two",
+    "cache_aware",
+)
 
 
 class DeciderCfg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

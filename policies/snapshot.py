@@ -8,8 +8,12 @@ policies only read it. Nothing in this module does I/O.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:
+    from policies.prompt_key import PromptKey
 
 
 class Role(enum.StrEnum):
@@ -49,6 +53,7 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     bootstrap_port: int | None = None  # SGLang prefill only
     block_size: int | None = None  # KV block size the engine reports (vLLM: cache_config_info)
     vocab_size: int | None = None  # configured: prompt token ids must be below it
+    kv_capacity_tokens: int | None = None  # KV cache size in tokens, where known (cache-aware routing)
     weight: float = 1.0
     labels: tuple[tuple[str, str], ...] = ()
     inflight: int = 0  # requests the gateway has in flight on it
@@ -102,6 +107,9 @@ class RequestView(msgspec.Struct, frozen=True, gc=False):
     prefix_hashes: tuple[int, ...] = ()  # chained hashes of fixed-size prompt blocks
     session_key: str | None = None
     greedy: bool = False
+    # the prompt for prefix matching (token ids, else canonical text); None: not keyed (a
+    # batch, or a request path that does not key requests) -- see policies/prompt_key.py
+    prompt_key: PromptKey | None = None
 
 
 # ---- plans -------------------------------------------------------------------------------

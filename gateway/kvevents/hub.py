@@ -1,0 +1,159 @@
+"""The gateway's KV-event subscriptions: one `KvEventSubscriber` task per worker with a
+`kv_events` table, all feeding one `KvEventIndex`; started and stopped with the gateway, its
+state exported as Prometheus metrics (`KvEventCollector`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.config import KvEventsConfig, WorkerConfig
+from gateway.kvevents.index import KvEventIndex, WorkerStatus
+from gateway.kvevents.subscriber import KvEventSubscriber
+from gateway.logging import get_logger
+from policies.snapshot import Engine
+
+log = get_logger("pd_gateway.kvevents")
+
+
+class KvEventHub:
+    """Subscriptions of the workers that publish KV events (see the module docstring)."""
+
+    def __init__(self, model_of: Callable[[str], str | None] | None = None) -> None:
+        self.index = KvEventIndex(model_of)
+        self._subs: dict[str, KvEventSubscriber] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+
+    @classmethod
+    def for_workers(
+        cls, workers: Sequence[WorkerConfig], model_of: Callable[[str], str | None] | None = None
+    ) -> KvEventHub | None:
+        """A hub for the workers that have `kv_events`, None when none has. ValueError when a
+        worker's hash scheme cannot be computed here."""
+        hub = cls(model_of)
+        for wc in workers:
+            if wc.kv_events is not None:
+                hub.add(wc.worker_id, wc.engine, wc.kv_events)
+        return hub if hub._subs else None
+
+    def add(self, worker_id: str, engine: Engine, kv: KvEventsConfig) -> None:
+        """Index a worker's events (its subscription starts now if the hub is running)."""
+        scheme = kv.hash or ("sglang" if engine is Engine.SGLANG else "vllm")
+        self.index.add_worker(
+            worker_id,
+            endpoint=kv.endpoint,
+            scheme=scheme,
+            block_size=kv.block_size,
+            algo=kv.hash_algo,
+            seed=kv.hash_seed,
+            max_blocks=kv.max_blocks,
+        )
+        wire = "sglang" if engine is Engine.SGLANG else "vllm"
+        self._subs[worker_id] = KvEventSubscriber(
+            self.index,
+            worker_id,
+            wire,
+            kv.endpoint,
+            replay_endpoint=kv.replay_endpoint,
+            topic=kv.topic,
+            ctx=self._ctx,
+        )
+        if self._ctx is not None:
+            self._start(worker_id)
+
+    async def remove(self, worker_id: str) -> None:
+        task = self._tasks.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._subs.pop(worker_id, None)
+        self.index.remove_worker(worker_id)
+
+    def _start(self, worker_id: str) -> None:
+        sub = self._subs[worker_id]
+        assert self._ctx is not None
+        sub.ctx = self._ctx
+        task = asyncio.get_running_loop().create_task(sub.run(), name=f"kv-events-{worker_id}")
+        task.add_done_callback(self._ended)
+        self._tasks[worker_id] = task
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("kv_events.subscriber_failed", task=task.get_name(), error=repr(task.exception()))
+
+    async def start(self) -> None:
+        if self._ctx is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        for wid in self._subs:
+            self._start(wid)
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def status(self) -> list[WorkerStatus]:
+        return self.index.status()
+
+
+class KvEventCollector(Collector):
+    """`pdgw_kv_index_*` metrics from the index's status at scrape time."""
+
+    def __init__(self, hub: KvEventHub) -> None:
+        self.hub = hub
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        rows = self.hub.status()
+        usable = GaugeMetricFamily(
+            "pdgw_kv_index_usable",
+            "1 when the worker's KV-event index is live and verified (else the approximate index is used)",
+            labels=["worker", "state"],
+        )
+        aligned = GaugeMetricFamily(
+            "pdgw_kv_index_misaligned",
+            "1 when the worker's block hashes or cached-token reports disagree with the index (see the log)",
+            labels=["worker"],
+        )
+        blocks = GaugeMetricFamily("pdgw_kv_index_blocks", "Blocks indexed per worker", labels=["worker"])
+        counters = {
+            name: CounterMetricFamily(f"pdgw_kv_index_{name}", text, labels=["worker"])
+            for name, text in (
+                ("events", "KV events applied"),
+                ("stored", "Blocks the engine announced stored"),
+                ("removed", "Blocks the engine announced evicted"),
+                ("gaps", "Sequence gaps seen in the event stream"),
+                ("replays", "Replays asked from the engine"),
+                ("resyncs", "Index rebuilds after a gap that could not be filled"),
+                ("restarts", "Engine restarts detected (new epochs)"),
+                ("evicted", "Blocks dropped because the worker reached max_blocks"),
+                ("verified", "Stored events whose hashes were recomputed and matched"),
+            )
+        }
+        for r in rows:
+            usable.add_metric([r.worker, r.state], 1.0 if r.usable else 0.0)
+            aligned.add_metric([r.worker], 1.0 if r.state == "misaligned" else 0.0)
+            blocks.add_metric([r.worker], r.blocks)
+            for name, fam in counters.items():
+                fam.add_metric([r.worker], getattr(r, name))
+        memory = GaugeMetricFamily("pdgw_kv_index_bytes", "Estimated memory of the KV-event index")
+        memory.add_metric([], self.hub.index.memory_bytes())
+        yield usable
+        yield aligned
+        yield blocks
+        yield memory
+        yield from counters.values()

@@ -1,0 +1,211 @@
+"""A prefix index of chained block keys: which workers hold which blocks, with LRU order per worker.
+
+Both cache indexes use it: the approximate one (what the gateway sent where) and the precise one
+(what the engines' KV events say they hold). A block key identifies a whole prefix (block `j`'s
+key is chained over blocks `0..j`), so "worker w holds key k_j" means w holds the prompt's
+first `j + 1` blocks. The data structure (the one the anchors converge on: Dynamo, llm-d, not a
+per-character radix tree):
+
+- `holders: dict[key, int]`: a bit mask of the worker slots holding the block (one int per
+  block, whatever the number of workers; an intersection is one `&`);
+- one `OrderedDict[key, None]` per slot: that worker's blocks in LRU order (oldest first), so a
+  worker's entries can be evicted, counted and cleared without scanning the others'.
+
+A chain is inserted deepest block first, so a prefix's first blocks are always at least as
+recent as its later ones and LRU eviction takes leaves before their parents. With that
+invariant (a worker holding block `j` also holds blocks `0..j-1`) the deepest block a worker
+holds is found by a galloping binary search over the request's chain: O(log blocks) dict
+lookups, not a walk over every block. `levels()` returns the workers grouped by how deep they
+match, deepest first, one galloping search per group.
+
+Memory (measured by `bench/cache_decision.py`): one dict entry and one int per block, one
+OrderedDict entry per (block, worker).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+
+def iter_bits(mask: int) -> Iterator[int]:
+    """The slots set in `mask`, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class BlockIndex:
+    """Block key -> holder slots, with per-slot LRU. Not thread-safe (one event loop owns it)."""
+
+    __slots__ = ("_free", "_holders", "_lru", "entries")
+
+    def __init__(self) -> None:
+        self._holders: dict[int, int] = {}
+        self._lru: list[OrderedDict[int, None]] = []
+        self._free: list[int] = []
+        self.entries = 0  # (block, slot) pairs
+
+    # -- slots --------------------------------------------------------------------------------
+
+    def new_slot(self) -> int:
+        """A slot for a new worker (a freed one is reused: masks stay small)."""
+        if self._free:
+            return self._free.pop()
+        self._lru.append(OrderedDict())
+        return len(self._lru) - 1
+
+    def free_slot(self, slot: int) -> int:
+        """Drop the slot's entries and let the slot be reused; returns the entries dropped."""
+        n = self.clear_slot(slot)
+        self._free.append(slot)
+        return n
+
+    def slot_entries(self, slot: int) -> int:
+        return len(self._lru[slot])
+
+    @property
+    def blocks(self) -> int:
+        """Distinct blocks held by anyone."""
+        return len(self._holders)
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def add(self, slot: int, keys: Sequence[int]) -> int:
+        """Record that `slot` holds `keys` (a chain, parent first): new entries are added and
+        known ones refreshed, deepest first. Returns how many entries are new."""
+        bit = 1 << slot
+        lru = self._lru[slot]
+        holders = self._holders
+        move = lru.move_to_end
+        added = 0
+        for k in reversed(keys):
+            m = holders.get(k, 0)
+            if m & bit:
+                move(k)
+            else:
+                holders[k] = m | bit
+                lru[k] = None
+                added += 1
+        self.entries += added
+        return added
+
+    def remove(self, slot: int, keys: Sequence[int]) -> int:
+        """`slot` no longer holds `keys` (unknown ones are ignored); returns how many it held."""
+        bit = 1 << slot
+        lru = self._lru[slot]
+        holders = self._holders
+        removed = 0
+        for k in keys:
+            if lru.pop(k, 0) is None:  # present (its value is None)
+                m = holders[k] & ~bit
+                if m:
+                    holders[k] = m
+                else:
+                    del holders[k]
+                removed += 1
+        self.entries -= removed
+        return removed
+
+    def evict(self, slot: int, n: int) -> int:
+        """Drop the slot's `n` least recently used entries; returns how many were dropped."""
+        lru = self._lru[slot]
+        holders = self._holders
+        bit = 1 << slot
+        n = min(n, len(lru))
+        pop = lru.popitem
+        for _ in range(n):
+            k, _ = pop(last=False)
+            m = holders[k] & ~bit
+            if m:
+                holders[k] = m
+            else:
+                del holders[k]
+        self.entries -= n
+        return n
+
+    def clear_slot(self, slot: int) -> int:
+        lru = self._lru[slot]
+        n = len(lru)
+        holders = self._holders
+        keep = ~(1 << slot)
+        for k in lru:
+            m = holders[k] & keep
+            if m:
+                holders[k] = m
+            else:
+                del holders[k]
+        lru.clear()
+        self.entries -= n
+        return n
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def holders(self, key: int) -> int:
+        return self._holders.get(key, 0)
+
+    def slot_keys(self, slot: int) -> list[int]:
+        """The slot's keys, least recently used first."""
+        return list(self._lru[slot])
+
+    def depth(self, keys: Sequence[int], mask: int) -> int:
+        """The deepest `d` (0..len(keys)) such that a slot of `mask` holds `keys[d - 1]`."""
+        holders = self._holders
+        if not keys or not holders.get(keys[0], 0) & mask:
+            return 0
+        return self._deepest(keys, mask)
+
+    def _deepest(self, keys: Sequence[int], mask: int) -> int:
+        # galloping from the front (known: keys[0] is held by someone in mask), then bisection
+        holders = self._holders
+        n = len(keys)
+        lo, step = 1, 1
+        while True:
+            probe = lo + step
+            if probe >= n:
+                if holders.get(keys[n - 1], 0) & mask:
+                    return n
+                hi = n - 1
+                break
+            if holders.get(keys[probe - 1], 0) & mask:
+                lo = probe
+                step <<= 1
+            else:
+                hi = probe - 1
+                break
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if holders.get(keys[mid - 1], 0) & mask:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def levels(self, keys: Sequence[int], max_levels: int) -> list[tuple[int, int]]:
+        """Workers matching a prefix of `keys`, grouped by depth, deepest first: `(mask, depth)`
+        pairs, at most `max_levels` of them (the shallowest groups are left out)."""
+        if not keys:
+            return []
+        holders = self._holders
+        remaining = holders.get(keys[0], 0)
+        out: list[tuple[int, int]] = []
+        while remaining and len(out) < max_levels:
+            d = self._deepest(keys, remaining)
+            m = holders.get(keys[d - 1], 0) & remaining
+            if not m:  # a slot broke the prefix invariant: stop rather than loop
+                break
+            out.append((m, d))
+            remaining &= ~m
+        return out
+
+    def memory_bytes(self) -> int:
+        """An estimate of the memory this index holds (dicts, keys, masks)."""
+        total = sys.getsizeof(self._holders) + sum(sys.getsizeof(lru) for lru in self._lru)
+        total += 32 * len(self._holders)  # one int object per block key (64-bit: 32 bytes)
+        return total + 28 * len(self._holders) + self._mask_bytes()
+
+    def _mask_bytes(self) -> int:
+        slots = len(self._lru)
+        return 0 if slots <= 30 else (slots // 8) * len(self._holders) // 2

@@ -1,0 +1,95 @@
+"""Predicted prefill work per worker: a fluid queue drained at the worker's measured prefill rate.
+
+Every routed request adds its uncached prompt tokens to its worker's backlog; the backlog drains
+at the worker's prefill rate (tokens per second) as time passes, so no "prefill finished" event
+is needed (Dynamo's decaying active-prefill tokens). The predicted time to first token of a
+request on a worker is then
+
+    ttft(w) = (backlog(w) + uncached(w)) / rate(w)
+
+in seconds, the unit-consistent cost the cache-aware policy minimises (the anchors' cache-vs-load
+constants become one quantity: SMG's expected wait, Mooncake's T_queue + T_prefill).
+
+The rate starts at `default_rate` and is learned from what requests took: a request routed when
+the worker's backlog was `B` with `U` uncached tokens, whose first token came after `t` seconds,
+saw the worker prefill about `(B + U) / t` tokens per second (an exponentially weighted average,
+only from requests with enough work to dominate their fixed overheads; clamped to a sane range).
+The engine's own report of waiting requests puts a floor under the backlog (work other gateway
+replicas sent): `waiting * mean uncached tokens per request`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RateSettings:
+    default_rate: float = 10_000.0  # tokens/s before any measurement
+    min_rate: float = 100.0
+    max_rate: float = 10_000_000.0
+    learn_min_tokens: int = 256  # requests with less work are not measured (overheads dominate)
+    smoothing: float = 0.2  # weight of a new measurement
+
+
+class PrefillQueues:
+    """Per worker: queued prefill tokens (fluid), its prefill rate, and the mean request size.
+
+    Reads (`backlog`, `rate`, `ttft`) take `now` and change nothing; `add`, `learn` and
+    `forget` are called from the policy's `observe`.
+    """
+
+    __slots__ = ("_mean_uncached", "_queue", "_rate", "settings")
+
+    def __init__(self, settings: RateSettings | None = None) -> None:
+        self.settings = settings or RateSettings()
+        self._queue: dict[str, tuple[float, float]] = {}  # worker -> (tokens, as of)
+        self._rate: dict[str, float] = {}
+        self._mean_uncached = 1024.0  # SMG's mean_prefill_tokens default, until measured
+
+    def rate(self, worker_id: str) -> float:
+        return self._rate.get(worker_id, self.settings.default_rate)
+
+    def backlog(self, worker_id: str, now: float, waiting: int = 0) -> float:
+        """Tokens still queued for prefill on the worker at `now`."""
+        q = self._queue.get(worker_id)
+        fluid = 0.0
+        if q is not None:
+            tokens, at = q
+            fluid = max(0.0, tokens - self.rate(worker_id) * max(0.0, now - at))
+        return max(fluid, waiting * self._mean_uncached)
+
+    def backlog_rate(self, worker_id: str, now: float, waiting: int = 0) -> tuple[float, float]:
+        """(backlog, rate) in one call (the policy's loop over candidates)."""
+        rate = self._rate.get(worker_id, self.settings.default_rate)
+        q = self._queue.get(worker_id)
+        fluid = 0.0
+        if q is not None:
+            fluid = q[0] - rate * (now - q[1])
+            if fluid < 0.0:
+                fluid = 0.0
+        floor = waiting * self._mean_uncached
+        return (fluid if fluid > floor else floor), rate
+
+    def ttft(self, worker_id: str, uncached: float, now: float, waiting: int = 0) -> float:
+        """Predicted seconds to the first token of a request with `uncached` tokens to prefill."""
+        return (self.backlog(worker_id, now, waiting) + uncached) / self.rate(worker_id)
+
+    def add(self, worker_id: str, tokens: float, now: float) -> None:
+        self._queue[worker_id] = (self.backlog(worker_id, now) + tokens, now)
+        m = self._mean_uncached
+        self._mean_uncached = m + 0.05 * (tokens - m)
+
+    def learn(self, worker_id: str, work_tokens: float, seconds: float) -> None:
+        """A request that had `work_tokens` (backlog + its own uncached) ahead of its first token
+        took `seconds`."""
+        s = self.settings
+        if work_tokens < s.learn_min_tokens or seconds <= 0:
+            return
+        sample = min(max(work_tokens / seconds, s.min_rate), s.max_rate)
+        old = self._rate.get(worker_id)
+        self._rate[worker_id] = sample if old is None else old + s.smoothing * (sample - old)
+
+    def forget(self, worker_id: str) -> None:
+        self._queue.pop(worker_id, None)
+        self._rate.pop(worker_id, None)

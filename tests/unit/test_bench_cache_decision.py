@@ -1,0 +1,21 @@
+"""`pd-gateway bench cache-decision` runs end to end at a small size (the figures themselves are
+docs/policies.md's, measured at full size)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.cache_decision import main
+
+
+def test_the_micro_benchmark_runs(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    argv = ["--workers", "8,80", "--blocks", "3000", "--decisions", "30", "--precise", "--no-memory"]
+    assert main([*argv, "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [p["workers"] for p in r["pools"]] == [8, 80]
+    for p in r["pools"]:
+        assert p["approx_entries"] >= 3000 and p["precise_entries"] >= 3000
+        assert 0 < p["approx"]["p50_us"] <= p["approx"]["p99_us"]
+    assert set(r["engine_hash_us_per_block"]) == {"vllm", "sglang", "emulator"}

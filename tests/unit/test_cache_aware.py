@@ -1,0 +1,490 @@
+"""cache_aware: prompt keys, the scorer, filter and pickers (tables), the selectors and the state
+they share (observe: routed, completed, failed, gone). Pure: no event loop, an injected clock."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+
+from policies.base import Completed, Failed, Routed, WorkerGone, routed_event
+from policies.build import build_policy
+from policies.cache_aware import (
+    BalanceGatePicker,
+    CacheAwareSelector,
+    CacheAwareSettings,
+    CacheState,
+    LoadSelector,
+    PredictedTTFTScorer,
+    RandomTiePicker,
+    SaturationFilter,
+)
+from policies.config import CacheAwareCfg, DeciderCfg, parse_policy
+from policies.prefill_cost import PrefillQueues, RateSettings
+from policies.prompt_key import PromptKey, render_chat
+from policies.snapshot import Colocated, Disaggregated, RequestView, RouteKind, WorkerState
+from policies.testing import make_snapshot, make_worker, run_conformance
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def req(ids: list[int] | None, rid: str = "r", model: str = "m", text: str | None = None) -> RequestView:
+    key = PromptKey.from_token_ids(ids) if ids is not None else (PromptKey.from_text(text) if text else None)
+    n = len(ids) if ids is not None else (len(text) // 4 + 1 if text else 100)
+    return RequestView(rid, model, RouteKind.COMPLETIONS, n, 16, prompt_key=key)
+
+
+def state(clock: Clock | None = None, **kw: object) -> CacheState:
+    return CacheState(CacheAwareSettings(**kw), clock=clock or Clock())  # type: ignore[arg-type]
+
+
+def route(st: CacheState, r: RequestView, w: WorkerState) -> None:
+    st.observe(routed_event(r, Colocated(w)))
+
+
+PREFIX = list(range(1000, 1800))  # 800 tokens = 50 blocks of 16
+
+
+# ---- prompt keys ---------------------------------------------------------------------------------
+
+
+def test_chat_turns_share_a_prefix() -> None:
+    turn1 = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    a, b = render_chat(turn1), render_chat(turn2)
+    assert a is not None and b is not None and b.startswith(a) and len(b) > len(a)
+
+
+@pytest.mark.parametrize(
+    ("one", "other"),
+    [
+        ([{"role": "user", "content": "hi"}], [{"role": "system", "content": "hi"}]),  # roles differ
+        (  # the same text, two images
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:a"}}]}],
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:b"}}]}],
+        ),
+        (
+            [{"role": "user", "content": "ab"}, {"role": "user", "content": "c"}],
+            [{"role": "user", "content": "abc"}],
+        ),
+    ],
+)
+def test_different_conversations_render_differently(one: list[dict], other: list[dict]) -> None:
+    assert render_chat(one) != render_chat(other)
+
+
+def test_chat_text_parts_render_like_a_string() -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert render_chat(parts) == render_chat([{"role": "user", "content": "ab"}])
+
+
+def test_malformed_chat_has_no_key() -> None:
+    assert PromptKey.from_chat({"role": "user"}) is None  # type: ignore[arg-type]
+    assert PromptKey.from_chat(["not a message"]) is None
+    assert PromptKey.from_token_ids([1, 2**70]) is None
+
+
+def test_token_ids_and_text_never_share_keys() -> None:
+    ids = PromptKey.from_token_ids([72, 105] * 64)
+    text = PromptKey.from_text("Hi" * 64)
+    assert ids is not None
+    assert not set(ids.approx_chain(16)) & set(text.approx_chain(16))
+
+
+def test_chains_share_exactly_the_common_blocks() -> None:
+    a = PromptKey.from_token_ids(PREFIX + [1] * 40)
+    b = PromptKey.from_token_ids(PREFIX + [2] * 40)
+    assert a is not None and b is not None
+    ca, cb = a.approx_chain(16), b.approx_chain(16)
+    assert ca[:50] == cb[:50] and ca[50] != cb[50] and len(ca) == 52
+    assert a.approx_chain(16) is ca  # remembered
+
+
+def test_ids_that_look_alike_share_nothing_beyond_their_blocks() -> None:
+    # "session-1" vs "session-12" (vllm-router RFC #219): keys come from content blocks only
+    one = PromptKey.from_text("session-1" + "x" * 200)
+    two = PromptKey.from_text("session-12" + "x" * 200)
+    assert one.approx_chain(64)[0] != two.approx_chain(64)[0]
+
+
+# ---- prefill queues ------------------------------------------------------------------------------
+
+
+def test_backlog_drains_at_the_rate_and_is_floored_by_engine_waiting() -> None:
+    q = PrefillQueues(RateSettings(default_rate=1000.0))
+    q.add("w", 3000, now=0.0)
+    assert q.backlog("w", 1.0) == pytest.approx(2000)
+    assert q.backlog("w", 5.0) == 0.0
+    assert q.backlog("w", 5.0, waiting=2) == pytest.approx(2 * q._mean_uncached)
+    assert q.ttft("w", 500, 1.0) == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize(
+    ("work", "seconds", "expect"),
+    [(10_000, 2.0, 5000.0), (100, 2.0, 1000.0), (10_000, 0.0, 1000.0), (10**9, 1e-6, 10_000_000.0)],
+)
+def test_rate_is_learned_from_outcomes(work: float, seconds: float, expect: float) -> None:
+    q = PrefillQueues(RateSettings(default_rate=1000.0))
+    q.learn("w", work, seconds)
+    assert q.rate("w") == pytest.approx(expect)
+
+
+# ---- scorer / filter / pickers (tables) -------------------------------------------------------------
+
+
+@dataclass
+class ScoreCase:
+    name: str
+    routed: list[tuple[list[int], str]]  # prompts routed before, and where
+    ask: list[int]
+    best: str
+    settings: dict[str, object]
+    inflight: dict[str, int] | None = None
+    advance_s: float = 0.0
+
+
+SCORE_CASES = [
+    ScoreCase("no key history: all equal", [], PREFIX, "*", {}),
+    ScoreCase(
+        "idle: the cached worker",
+        [(PREFIX + [5] * 16, "b")],
+        PREFIX + [9] * 100,
+        "b",
+        {"prefill_rate": 1e6},
+        advance_s=1.0,
+    ),
+    ScoreCase(
+        "the cached worker's queue outweighs its cache",
+        [(list(range(5000, 13000)), "b"), (PREFIX, "b")],
+        PREFIX + [9] * 100,
+        "a",
+        {"prefill_rate": 1000.0},
+    ),
+    ScoreCase(
+        "the queue has drained: the cache wins again",
+        [(list(range(5000, 13000)), "b"), (PREFIX, "b")],
+        PREFIX + [9] * 100,
+        "b",
+        {"prefill_rate": 1000.0},
+        advance_s=60.0,
+    ),
+    ScoreCase(
+        "below cache_threshold a match gives no credit",
+        [(PREFIX[:160], "b")],
+        PREFIX,
+        "*",
+        {"cache_threshold": 0.3, "prefill_rate": 1e6},
+        advance_s=1.0,
+    ),
+    ScoreCase(
+        "requests in flight weigh against the cache",
+        [(PREFIX, "b")],
+        PREFIX + [9] * 1000,
+        "a",
+        {"prefill_rate": 1e6},
+        inflight={"b": 3},
+        advance_s=1.0,
+    ),
+    ScoreCase(
+        "inflight_factor 0: the predicted TTFT alone",
+        [(PREFIX, "b")],
+        PREFIX + [9] * 1000,
+        "b",
+        {"prefill_rate": 1e6, "inflight_factor": 0.0},
+        inflight={"b": 3},
+        advance_s=1.0,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", SCORE_CASES, ids=lambda c: c.name)
+def test_predicted_ttft_scorer(case: ScoreCase) -> None:
+    clock = Clock()
+    st = state(clock, **case.settings)
+    workers = {n: make_worker(n) for n in "ab"}
+    for i, (ids, where) in enumerate(case.routed):
+        route(st, req(ids, f"old{i}"), workers[where])
+    clock.t += case.advance_s
+    cands = [
+        msgspec.structs.replace(w, inflight=(case.inflight or {}).get(w.id, 0)) for w in workers.values()
+    ]
+    scores = PredictedTTFTScorer(st).score(req(case.ask), cands)
+    assert max(scores.values()) == 1.0
+    if case.best == "*":
+        assert scores["a"] == scores["b"]
+    else:
+        other = "a" if case.best == "b" else "b"
+        assert scores[case.best] == 1.0 and scores[other] < 1.0
+
+
+def test_saturation_filter_drops_saturated_workers_unless_all_are() -> None:
+    clock = Clock()
+    st = state(clock, prefill_rate=1000.0, saturation_wait_s=2.0)
+    a, b = make_worker("a"), make_worker("b")
+    route(st, req(list(range(3000))), a)  # a: 3 s queued
+    f = SaturationFilter(st)
+    assert [w.id for w in f.filter(req(PREFIX), [a, b])] == ["b"]
+    route(st, req(list(range(5000, 8000)), "r2"), b)
+    assert [w.id for w in f.filter(req(PREFIX), [a, b])] == ["a", "b"]
+
+
+def test_a_saturated_cached_worker_is_not_chosen() -> None:
+    clock = Clock()
+    st = state(clock, prefill_rate=1000.0, saturation_wait_s=2.0)
+    a, b = make_worker("a"), make_worker("b")
+    route(st, req(PREFIX + list(range(2400)), "big"), b)  # b holds the prefix, 3.2 s of queue
+    sel = CacheAwareSelector("x", st, rng=random.Random(0))
+    chosen, record = sel.decide(req(PREFIX + [7] * 10000), [a, b])
+    assert chosen.id == "a" and record is not None
+    by = {e.worker: e for e in record.candidates}
+    assert by["b"].saturated and by["b"].cached_tokens >= 800 and not by["a"].saturated
+
+
+def w_(name: str, inflight: int) -> WorkerState:
+    return make_worker(name, inflight=inflight)
+
+
+@pytest.mark.parametrize(
+    ("name", "scored", "abs_t", "rel_t", "expect", "why"),
+    [
+        ("best score", [(w_("a", 0), 0.5), (w_("b", 0), 1.0)], 64, 1.5, "b", "min_ttft"),
+        ("tie: fewer in flight", [(w_("a", 3), 1.0), (w_("b", 1), 1.0)], 64, 1.5, "b", "min_ttft"),
+        ("gate fires: abs and rel", [(w_("a", 100), 1.0), (w_("b", 10), 0.2)], 64, 1.5, "b", "balance_gate"),
+        ("abs only: no gate", [(w_("a", 100), 1.0), (w_("b", 70), 0.2)], 20, 1.5, "a", "min_ttft"),
+        ("rel only: no gate", [(w_("a", 30), 1.0), (w_("b", 1), 0.2)], 64, 1.5, "a", "min_ttft"),
+        (
+            "gate prefers the better of the least loaded",
+            [(w_("a", 9), 1.0), (w_("b", 0), 0.1), (w_("c", 0), 0.3)],
+            4,
+            1.5,
+            "c",
+            "balance_gate",
+        ),
+    ],
+)
+def test_balance_gate_picker(
+    name: str, scored: list[tuple[WorkerState, float]], abs_t: int, rel_t: float, expect: str, why: str
+) -> None:
+    chosen, reason = BalanceGatePicker(abs_t, rel_t, random.Random(0)).pick_why(scored)
+    assert (chosen.id, reason) == (expect, why), name
+
+
+def test_ties_are_broken_at_random_not_by_position() -> None:
+    picker = RandomTiePicker(random.Random(3))
+    scored = [(make_worker(n), 1.0) for n in "abcd"]
+    picks = {picker.pick(req(None), scored).id for _ in range(200)}
+    assert picks == set("abcd")
+    assert RandomTiePicker().pick(req(None), [(make_worker("a"), 0.2), (make_worker("b"), 0.9)]).id == "b"
+
+
+# ---- selectors and policies ----------------------------------------------------------------------
+
+
+def test_conversations_stick_and_load_spreads() -> None:
+    """16 conversations over a shared system prompt on 4 workers, each request in flight 2 s:
+    every conversation stays on one worker and the workers get equal shares."""
+    clock = Clock()
+    policy = build_policy(parse_policy({"type": "cache_aware", "seed": 1}), clock=clock)
+    workers = {f"w{i}": make_worker(f"w{i}") for i in range(4)}
+    homes: dict[int, set[str]] = {}
+    live: list[tuple[str, str, float]] = []
+    for i in range(200):
+        for rid, wid, t0 in list(live):
+            if clock.t - t0 > 2.0:
+                live.remove((rid, wid, t0))
+                workers[wid] = msgspec.structs.replace(workers[wid], inflight=workers[wid].inflight - 1)
+                policy.observe(Completed(rid, (wid,), ttft_s=0.1))
+        conv = i % 16
+        r = req(PREFIX * 2 + [conv + 5] * 500 + [i + 100] * 50, f"r{i}")
+        plan = policy.plan(r, make_snapshot(*workers.values()))
+        assert isinstance(plan, Colocated)
+        policy.observe(routed_event(r, plan))
+        wid = plan.worker.id
+        workers[wid] = msgspec.structs.replace(workers[wid], inflight=workers[wid].inflight + 1)
+        live.append((r.request_id, wid, clock.t))
+        homes.setdefault(conv, set()).add(wid)
+        clock.t += 0.1
+    assert all(len(h) == 1 for h in homes.values()), homes
+    shares = [sum(1 for h in homes.values() if w in h) for w in workers]
+    assert shares == [4, 4, 4, 4]
+
+
+def test_pd_prefill_on_cache_decode_on_load() -> None:
+    clock = Clock()
+    policy = build_policy(parse_policy({"type": "cache_aware", "seed": 2}), clock=clock)
+    p1, p2 = make_worker("p1", "prefill"), make_worker("p2", "prefill")
+    d1, d2 = make_worker("d1", "decode", inflight=5), make_worker("d2", "decode", inflight=1)
+    snap = make_snapshot(p1, p2, d1, d2)
+    first = policy.plan(req(PREFIX + [1] * 50, "r1"), snap)
+    assert isinstance(first, Disaggregated)
+    policy.observe(routed_event(req(PREFIX + [1] * 50, "r1"), first))
+    clock.t += 1.0  # its prefill is done
+    for i in range(5):
+        plan = policy.plan(req(PREFIX + [i] * 50, f"x{i}"), snap)
+        assert isinstance(plan, Disaggregated)
+        assert plan.prefill.id == first.prefill.id  # the prefill holding the prefix
+        assert plan.decode.id == "d2"  # the less loaded decode, whatever its cache
+
+
+def test_decider_uses_the_decode_cache() -> None:
+    """With a prompt-length decider, a vLLM decode predicted to hold most of the prompt
+    prefills it itself."""
+    clock = Clock()
+    policy = build_policy(
+        parse_policy({"type": "cache_aware", "seed": 2}),
+        decider=DeciderCfg(min_prefill_tokens=200),
+        clock=clock,
+    )
+    p, d = make_worker("p", "prefill", "vllm"), make_worker("d", "decode", "vllm")
+    snap = make_snapshot(p, d)
+    long = req(PREFIX + [3] * 300, "a")
+    assert isinstance(policy.plan(long, snap), Disaggregated)
+    policy.observe(routed_event(long, Colocated(d)))  # d served it alone once: it holds it now
+    again = req(PREFIX + [3] * 300 + [4] * 20, "b")
+    assert policy.plan(again, snap) == Colocated(d, reason="decider: decode self-prefill")
+
+
+def test_a_large_pool_is_narrowed_to_matches_and_a_sample() -> None:
+    clock = Clock()
+    st = state(clock, scan_limit=8, sample=2, prefill_rate=1e9)
+    pool = [make_worker(f"w{i}") for i in range(300)]
+    route(st, req(PREFIX), pool[217])
+    clock.t += 1.0
+    sel = CacheAwareSelector("x", st, rng=random.Random(5))
+    chosen, record = sel.decide(req(PREFIX + [1] * 16), pool)
+    assert chosen.id == "w217" and record is not None
+    assert 2 <= len(record.candidates) <= 3
+
+
+def test_load_selector_samples_large_pools() -> None:
+    sel = LoadSelector("d", CacheAwareSettings(scan_limit=4, sample=3), rng=random.Random(1))
+    pool = [make_worker(f"w{i}", inflight=100 - i) for i in range(100)]
+    picks = {sel.select(req(None), pool).id for _ in range(50)}
+    assert len(picks) > 5  # not always the global minimum: a sample of three each time
+    assert sel.select(req(None), pool[:3]).id == "w2"  # small pools: the least loaded
+
+
+# ---- observe ----------------------------------------------------------------------------------
+
+
+def test_outcomes_feed_accuracy_rates_and_capacity() -> None:
+    clock = Clock()
+    st = state(clock, worker_cache_tokens=1600, prefill_rate=1000.0)
+    a = make_worker("a")
+    route(st, req(PREFIX, "r1"), a)
+    st.observe(Completed("r1", ("a",), ttft_s=0.4, cached_tokens=0))
+    route(st, req(PREFIX + [1] * 32, "r2"), a)  # predicted: the 800 tokens of PREFIX
+    st.observe(Completed("r2", ("a",), ttft_s=0.1, cached_tokens=96))  # the engine had evicted
+    acc = st.accuracy.summary()[("a", "approx")]
+    assert acc[0] == 2 and acc[2] == 800 and acc[3] == 96
+    assert st.queues.rate("a") != 1000.0  # learned from the first outcome (800 tokens in 0.4 s)
+    assert st.approx._scale["a"] == pytest.approx(0.9)  # the modelled capacity shrank
+
+
+def test_failed_requests_leave_the_queue_and_gone_workers_are_forgotten() -> None:
+    clock = Clock()
+    st = state(clock, prefill_rate=1000.0)
+    a = make_worker("a")
+    route(st, req(PREFIX, "r1"), a)
+    assert st.queues.backlog("a", clock.t) == 800
+    st.observe(Failed("r1", ("a",), "prefill"))
+    assert st.queues.backlog("a", clock.t) == 0
+    assert st.approx.worker_entries("a") == 50
+    st.observe(WorkerGone("a", "restarted"))
+    assert st.approx.worker_entries("a") == 0
+    assert st.cached((None, st.approx.lookup("m", req(PREFIX).prompt_key, 4)), "a")[0] == 0  # type: ignore[arg-type]
+
+
+def test_stale_pending_requests_are_swept() -> None:
+    clock = Clock()
+    st = state(clock, eviction_interval_s=10.0)
+    for i in range(5):
+        route(st, req(PREFIX, f"r{i}"), make_worker("a"))
+    clock.t += 11
+    st.observe(Routed("late", "m", ("a",), (make_worker("a").role,), prompt_tokens=10))
+    assert list(st._pending) == ["late"]
+
+
+# ---- config --------------------------------------------------------------------------------------
+
+
+def test_sglang_router_knobs_are_accepted() -> None:
+    cfg = parse_policy(
+        {
+            "type": "cache_aware",
+            "cache_threshold": 0.3,
+            "balance_abs_threshold": 64,
+            "balance_rel_threshold": 1.5,
+            "eviction_interval": 120,
+            "max_tree_size": 67108864,
+        }
+    )
+    assert isinstance(cfg, CacheAwareCfg) and cfg.max_tree_size == 1 << 26
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"cache_threshold": 1.5},
+        {"balance_rel_threshold": 0.5},
+        {"balance_abs_threshold": -1},
+        {"eviction_interval": 0},
+        {"max_tree_size": 0},
+        {"inflight_factor": -1.0},
+        {"index": "precise"},
+        {"unknown_knob": 1},
+    ],
+)
+def test_bad_knobs_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        parse_policy({"type": "cache_aware", **bad})
+
+
+@pytest.mark.parametrize("spec", ["cache_aware", {"type": "cache_aware", "scan_limit": 2, "sample": 1}])
+def test_cache_aware_conforms(spec: str | dict[str, object]) -> None:
+    run_conformance(build_policy(parse_policy(spec)), n=400, seed=7)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_fast_path_chooses_as_the_recorded_one(seed: int) -> None:
+    """`select` (one loop, no record) and `decide(record=True)` (estimates, scores, picker)
+    make the same choice, ties drawn from identically seeded generators."""
+    rng = random.Random(seed)
+    clock = Clock()
+    st = state(clock, prefill_rate=1000.0, saturation_wait_s=rng.choice([0.5, 5.0]), balance_abs_threshold=2)
+    workers = [
+        make_worker(f"w{i}", inflight=rng.randrange(0, 6), waiting=rng.randrange(0, 2)) for i in range(6)
+    ]
+    for i in range(rng.randrange(1, 12)):
+        route(
+            st,
+            req(PREFIX[: rng.randrange(16, 800)] + [i] * rng.randrange(0, 300), f"o{i}"),
+            rng.choice(workers),
+        )
+        clock.t += rng.random()
+    ask = req(PREFIX[: rng.randrange(16, 800)] + [99] * 50)
+    a = CacheAwareSelector("x", st, rng=random.Random(seed))
+    b = CacheAwareSelector("x", st, rng=random.Random(seed))
+    chosen, record = b.decide(ask, workers)
+    assert a.select(ask, workers) is chosen
+    assert record is not None and record.chosen == chosen.id
+
+
+def test_position_memo_finds_workers_without_a_pass_and_notices_changes() -> None:
+    from policies.cache_aware import PositionMemo
+
+    memo = PositionMemo(refresh_every=1000)
+    pool = [make_worker(f"w{i}") for i in range(300)]
+    assert [w.id for w in memo.find(pool, ["w7", "w250", "nope"])] == ["w7", "w250"]
+    moved = pool[:5] + pool[6:] + [pool[5]]  # new layout, new last element: mapped again
+    assert [w.id for w in memo.find(moved, ["w7", "w5"])] == ["w7", "w5"]
+    same_shape = [pool[0], *reversed(pool[1:-1]), pool[-1]]  # same ends, moved middle: checked
+    assert [w.id for w in memo.find(same_shape, ["w7"])] == ["w7"]
