@@ -103,7 +103,9 @@ class OpenAICall:
             ids = lax_token_ids(body["input_ids"])
             if ids is None:
                 return error_openai(
-                    400, "1 validation error: input_ids: Input should be a valid list of integers", "Bad Request"
+                    400,
+                    "1 validation error: input_ids: Input should be a valid list of integers",
+                    "Bad Request",
                 )
             return [ids], body.get("max_completion_tokens") or body.get("max_tokens")
         if self.chat:
