@@ -10,6 +10,7 @@ from __future__ import annotations
 import ssl
 import time
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
@@ -47,6 +48,8 @@ class Worker:
         "draining",
         "engine",
         "failed_partners",
+        "foreign_inflight",
+        "foreign_tokens",
         "healthy",
         "host",
         "id",
@@ -62,6 +65,7 @@ class Worker:
         "probe_failures",
         "probe_successes",
         "role",
+        "shared",
         "url",
         "vocab_size",
         "weight",
@@ -109,8 +113,12 @@ class Worker:
         self.authorization = authorization
         self.healthy = False  # until the first probe says otherwise
         self.draining = False
-        self.inflight = 0
+        self.inflight = 0  # this process's requests on it (what acquire/release count)
         self.inflight_tokens = 0
+        # the other processes' (`serve --workers N`; gateway/multiprocess/): added in snapshots
+        self.foreign_inflight = 0
+        self.foreign_tokens = 0
+        self.shared: Any = None  # its cells in the shared table (gateway/multiprocess/registry.py)
         self.load = WorkerLoad()
         self.load_path: str | None = None  # which of the adapter's load_paths answered last
         self.info = ProbeInfo()
@@ -147,8 +155,8 @@ class Worker:
             block_size=self.info.block_size,
             labels=self.labels,
             vocab_size=self.vocab_size,
-            inflight=self.inflight,
-            inflight_tokens=self.inflight_tokens,
+            inflight=self.inflight + self.foreign_inflight,
+            inflight_tokens=self.inflight_tokens + self.foreign_tokens,
             load=self.load,
         )
 
@@ -280,8 +288,10 @@ class Registry:
             for w in self._moved:
                 i = index[w.id]
                 old = states[i]
-                if old.inflight != w.inflight or old.inflight_tokens != w.inflight_tokens:
-                    states[i] = _replace(old, inflight=w.inflight, inflight_tokens=w.inflight_tokens)
+                n = w.inflight + w.foreign_inflight
+                tok = w.inflight_tokens + w.foreign_tokens
+                if old.inflight != n or old.inflight_tokens != tok:
+                    states[i] = _replace(old, inflight=n, inflight_tokens=tok)
             self._moved.clear()
             workers = tuple(states)
         else:
@@ -376,6 +386,11 @@ class Registry:
     def full(self) -> set[str]:
         """Workers at their in-flight cap (the KV-transfer cliff under concurrency, sglang #9266)."""
         return self._full
+
+    def inflight_of(self, w: Worker) -> tuple[int, int]:
+        """(requests, tokens) the gateway has in flight on `w` now: this process's, and with
+        several processes every one's (the admin API's figures)."""
+        return w.inflight, w.inflight_tokens
 
     def record(self, w: Worker, ok: bool | None) -> None:
         """One request's outcome on `w`: True, False, or None for no verdict (see
