@@ -23,6 +23,7 @@ from gateway.http.limits import ServerLimits
 from gateway.http.server import HttpServer, start_server
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
+from gateway.multiprocess.siblings import ControlServer, ProcessContext, Siblings
 from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
 from gateway.registry import BreakerSettings, Registry, Worker
 from policies.build import build_policy
@@ -41,16 +42,26 @@ class Gateway:
         cfg: GatewayConfig,
         metrics: GatewayMetrics | None = None,
         environ: Mapping[str, str] | None = None,
+        process: ProcessContext | None = None,
     ) -> None:
         """`environ` (default `os.environ`) is where `api_key_env` / `admin.token_env` are read.
-        Raises ConfigError when a named variable is unset."""
+        Raises ConfigError when a named variable is unset. `process`: this gateway is one of
+        several processes on one port (`serve --workers N`, gateway/multiprocess/): in-flight
+        counts and breakers are shared with the others, admission limits split between them,
+        and admin changes and metrics span them all."""
         self.cfg = cfg
         self.environ = os.environ if environ is None else environ
+        self.process = process
         b = cfg.breaker
-        self.registry = Registry(
-            BreakerSettings(b.failure_threshold, b.success_threshold, b.open_s),
-            inflight_cap=cfg.limits.max_inflight_per_worker,
-        )
+        breakers = BreakerSettings(b.failure_threshold, b.success_threshold, b.open_s)
+        if process is not None:
+            from gateway.multiprocess.registry import SharedRegistry
+
+            self.registry: Registry = SharedRegistry(
+                process.table, breakers, inflight_cap=cfg.limits.max_inflight_per_worker
+            )
+        else:
+            self.registry = Registry(breakers, inflight_cap=cfg.limits.max_inflight_per_worker)
         for wc in cfg.workers:
             self.registry.add(self.make_worker(wc))
         self.policy = build_policy(
@@ -104,16 +115,21 @@ class Gateway:
             ),
         )
         lim = cfg.limits
+        # with several processes each takes its share of the gateway-wide limits
+        share = process.share if process is not None else (lambda v: v)
         self.admission = Admission(
-            lim.max_concurrent,
-            lim.max_queue,
+            share(lim.max_concurrent),
+            share(lim.max_queue) if lim.max_queue else 0,
             lim.queue_timeout_s,
-            per_client_max_concurrent=lim.per_client_max_concurrent,
-            max_inflight_tokens=lim.max_inflight_tokens,
+            per_client_max_concurrent=share(lim.per_client_max_concurrent)
+            if lim.per_client_max_concurrent
+            else 0,
+            max_inflight_tokens=share(lim.max_inflight_tokens) if lim.max_inflight_tokens else None,
             retry_after_s=lim.retry_after_s,
         )
         self.metrics.watch_admission(self.admission.stats)
         token = cfg.admin.resolve_token(self.environ)
+        self.siblings = Siblings(process) if process is not None else None
         self.admin: Admin | None = None
         if token is not None:
             self.admin = Admin(
@@ -124,6 +140,7 @@ class Gateway:
                 drain_timeout_s=cfg.admin.drain_timeout_s,
                 allowed_key_envs=frozenset(w.api_key_env for w in cfg.workers if w.api_key_env),
                 admission=self.admission,
+                siblings=self.siblings,
             )
         self.handlers = Handlers(
             self.registry,
@@ -135,7 +152,11 @@ class Gateway:
             client_key_header=lim.client_key_header,
             admission=self.admission,
             admin=self.admin,
+            metrics_source=self._all_metrics if process is not None else None,
         )
+        self.control: ControlServer | None = None
+        if process is not None:
+            self.control = ControlServer(process, self.metrics, self.admission, self.admin)
         if self.admin is not None:
             self.admin.unstarted = self.handlers.unstarted
             self.admin.own_address = self._own_address
@@ -162,6 +183,16 @@ class Gateway:
             authorization=f"Bearer {key}".encode() if key else None,
         )
 
+    async def _all_metrics(self) -> bytes:
+        """`/metrics` with several processes: every process's, added up."""
+        from gateway.multiprocess.metrics_merge import merge_pages
+
+        assert self.siblings is not None and self.process is not None
+        own = self.metrics.render()
+        answers = await self.siblings.ask("GET", "/local/metrics", timeout_s=2.0)
+        pages = [own] + [a.body for a in answers if a.status == 200]
+        return merge_pages(pages, self.process.count)
+
     def _own_address(self) -> tuple[str, int] | None:
         return None if self.server is None else (self.cfg.listen.host, self.server.port)
 
@@ -179,7 +210,7 @@ class Gateway:
         are one server under two names (ConfigError), probe every worker once (bounded by the
         probe timeout), then listen."""
         host, port = self.cfg.listen.host, self.cfg.listen.port
-        socks = await _bind(host, port)
+        socks = await _bind(host, port, reuse_port=self.process is not None)
         try:
             twins = await first_duplicate(self.registry.workers())
             if twins is not None:
@@ -206,6 +237,7 @@ class Gateway:
                     host,
                     port,
                     limits=limits,
+                    reuse_port=self.process is not None,
                     sock=sock,
                     on_refusal=self.handlers.refused,
                     on_stall=self.handlers.stalled,
@@ -216,11 +248,15 @@ class Gateway:
             for sock in socks:
                 sock.close()
             raise
+        if self.control is not None:
+            await self.control.start()
         self._tasks = [
             asyncio.create_task(self.health.run_probes(), name="health-probes"),
             asyncio.create_task(self.health.run_scrapes(), name="metric-scrapes"),
         ]
         snap = self.registry.snapshot()
+        if self.process is not None:
+            self.process.started()
         log.info(
             "gateway.started",
             url=self.url,
@@ -256,6 +292,10 @@ class Gateway:
             await self.server.close()
         if self.admin is not None:
             await self.admin.close()
+        if self.control is not None:
+            await self.control.close()
+        if self.siblings is not None:
+            await self.siblings.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -286,9 +326,10 @@ def _listen_error(host: str, port: int, e: OSError) -> ListenError:
     return ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}")
 
 
-async def _bind(host: str, port: int) -> list[socket.socket]:
+async def _bind(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
     """Sockets bound (not yet listening: connections are refused until the server starts) to
-    every address `host` resolves to, with the options asyncio's create_server sets."""
+    every address `host` resolves to, with the options asyncio's create_server sets.
+    `reuse_port`: SO_REUSEPORT, so that the gateway's processes each listen on the port."""
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(
@@ -302,6 +343,8 @@ async def _bind(host: str, port: int) -> list[socket.socket]:
             sock = socket.socket(family, kind, proto)
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.setblocking(False)
@@ -318,10 +361,14 @@ async def _bind(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
-async def run_forever(gw: Gateway, grace_s: float = 10.0) -> None:
+async def run_forever(gw: Gateway, grace_s: float = 10.0, *, hurry_signal: int | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then shut down gracefully; a second signal cuts the grace
     period short. A signal while the gateway starts (probing its workers, before it listens)
-    ends the start: `gateway.interrupted` is logged and this returns, as after a shutdown."""
+    ends the start: `gateway.interrupted` is logged and this returns, as after a shutdown.
+
+    `hurry_signal` (a process of `serve --workers N`): only that signal cuts the grace period
+    short; a second SIGINT/SIGTERM does not (a terminal's Ctrl-C reaches every process of the
+    group and the supervisor passes it on too: one Ctrl-C must stay one)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     starting = asyncio.ensure_future(gw.start())
@@ -329,14 +376,24 @@ async def run_forever(gw: Gateway, grace_s: float = 10.0) -> None:
     def on_signal() -> None:
         if not starting.done():
             starting.cancel()
-        elif stop.is_set():
+        elif stop.is_set() and hurry_signal is None:
             log.warning("gateway.hurry", reason="second signal: ending the grace period now")
+            gw.hurry()
+        stop.set()
+
+    def on_hurry() -> None:
+        if not starting.done():
+            starting.cancel()
+        elif stop.is_set():
+            log.warning("gateway.hurry", reason="the supervisor ends the grace period now")
             gw.hurry()
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal)
+    if hurry_signal is not None:
+        loop.add_signal_handler(hurry_signal, on_hurry)
     try:
         await asyncio.wait((starting,))
     finally:
