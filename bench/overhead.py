@@ -34,12 +34,13 @@ from typing import Any
 from bench import nginx_upstream, procs
 from bench import wrk as bench_wrk
 from bench.loadgen import (
+    CLIENTS,
     LoadResult,
     Session,
     SglangPDSession,
     SimpleSession,
     VllmPDSession,
-    build_request,
+    client_request,
     new_event_loop,
     run_load,
 )
@@ -84,6 +85,9 @@ class Row:
     cpu_us_per_req: float | None  # the target's process tree; None for direct
     upstream_cpu_us_per_req: float | None
     sys_us_per_req: float | None = None  # the kernel's share (stime) of cpu_us_per_req
+    # the target's voluntary context switches per request: the wake-ups it paid (an idle target
+    # pays one per upstream event, a busy one finds several events per wake-up)
+    wakeups_per_req: float | None = None
     added_p50_ms: float | None = None
     cpu_vs_router: float | None = None  # gateway only: / the same engine's router
     rounds: int = 1  # > 1: each figure is the median over this many interleaved rounds
@@ -239,6 +243,7 @@ def measure(
     target_cpus: str | None = None,
     loadgen: str = "python",
     load_cpus: str | None = None,
+    client: str = "openai",
 ) -> Row:
     path = "/v1/completions"
     tail = b"[DONE]" if mode == "stream64" else None
@@ -258,12 +263,14 @@ def measure(
             (procs.HOST, pre.port), (procs.HOST, dec.port), path, bdict, tail
         )
     else:
-        req = build_request(procs.HOST, target.port, path, request_body(mode, target.engine))
-        make_session = lambda: SimpleSession(procs.HOST, target.port, req, tail)  # noqa: E731
+        req = client_request(client, procs.HOST, target.port, path, request_body(mode, target.engine))
+        quick = client == "raw-quickack"
+        make_session = lambda: SimpleSession(procs.HOST, target.port, req, tail, quickack=quick)  # noqa: E731
     if target.proc is not None:
         pid = target.proc.pid
         probes["target"] = lambda: procs.tree_cpu_seconds(pid)
         probes["target_sys"] = lambda: procs.tree_cpu_times(pid)[1]
+        probes["target_wakeups"] = lambda: float(procs.tree_wakeups(pid))
     elif target.kind == "direct":
         both_pid = cluster.both.proc.pid
         probes["upstream"] = lambda: procs.tree_cpu_seconds(both_pid)
@@ -281,6 +288,7 @@ def measure(
             warmup_s=warmup,
             cpu_probes=probes,
             cpus=load_cpus,
+            headers=bench_wrk.client_headers(client),
         )
     else:
         loop = new_event_loop()
@@ -295,6 +303,7 @@ def measure(
     n = max(res.completed, 1)
     tcpu = res.cpu_s.get("target")
     tsys = res.cpu_s.get("target_sys")
+    twake = res.cpu_s.get("target_wakeups")
     return Row(
         target=target.kind,
         engine=target.engine,
@@ -309,6 +318,7 @@ def measure(
         cpu_us_per_req=(tcpu / n * 1e6) if tcpu is not None and res.completed else None,
         upstream_cpu_us_per_req=res.cpu_s["upstream"] / n * 1e6 if res.completed else None,
         sys_us_per_req=(tsys / n * 1e6) if tsys is not None and res.completed else None,
+        wakeups_per_req=(twake / n) if twake is not None and res.completed else None,
         error_samples=res.error_samples,
     )
 
@@ -346,6 +356,7 @@ def median_row(rounds: list[Row]) -> Row:
         cpu_us_per_req=_median([r.cpu_us_per_req for r in rounds]),
         upstream_cpu_us_per_req=_median([r.upstream_cpu_us_per_req for r in rounds]),
         sys_us_per_req=_median([r.sys_us_per_req for r in rounds]),
+        wakeups_per_req=_median([r.wakeups_per_req for r in rounds]),
         error_samples=[e for r in rounds for e in r.error_samples][:5],
         rounds=len(rounds),
     )
@@ -384,15 +395,17 @@ def _ratio(v: float | None) -> str:
 def markdown_table(rows: list[Row]) -> str:
     head = (
         "| engine | target | mode | conns | req/s | p50 ms | p90 ms | p99 ms | added p50 ms "
-        "| target CPU/req µs | of which kernel µs | vs router | upstream CPU/req µs | errors |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| target CPU/req µs | of which kernel µs | wake-ups/req | vs router | upstream CPU/req µs "
+        "| errors |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         lines.append(
             f"| {r.engine} | {r.target} | {r.mode} | {r.conns} | {r.rps:.0f} | {_f(r.p50_ms, '.3f')} "
             f"| {_f(r.p90_ms, '.3f')} | {_f(r.p99_ms, '.3f')} | {_f(r.added_p50_ms, '+.3f')} "
-            f"| {_f(r.cpu_us_per_req, '.0f')} | {_f(r.sys_us_per_req, '.0f')} | {_ratio(r.cpu_vs_router)} "
+            f"| {_f(r.cpu_us_per_req, '.0f')} | {_f(r.sys_us_per_req, '.0f')} "
+            f"| {_f(r.wakeups_per_req, '.1f')} | {_ratio(r.cpu_vs_router)} "
             f"| {_f(r.upstream_cpu_us_per_req, '.0f')} | {r.errors} |"
         )
     return head + "\n".join(lines) + "\n"
@@ -407,6 +420,8 @@ def doc_section(rows: list[Row], meta: dict[str, Any], begin: str = DOC_BEGIN, e
         + f"; pinning: {meta['pinning']}"
         + (f"; targets' settings: {meta['settings']}" if "settings" in meta else "")
         + ("; load from wrk" if meta.get("loadgen") == "wrk" else "")
+        + (f"; client: {meta['client']}" if "client" in meta else "")
+        + (f"; upstream: {meta['upstream']}" if "upstream" in meta else "")
         + ".\n\n"
         f"```\n{meta['command']}\n```\n\n"
         f"{markdown_table(rows)}"
@@ -424,7 +439,11 @@ only thing that costs anything on its core.
 
 * Each target (sglang-router, vllm-router, `pd-gateway serve`, `bare-pd`, `callback-pd`) is pinned with
   `taskset -c 0`; the emulated prefill, decode and colocated servers and the load generator
-  (closed loop, raw asyncio + httptools, `bench/loadgen.py`) share core 1. All targets are
+  (closed loop, raw asyncio + httptools, `bench/loadgen.py`) share core 1. The load generator
+  sends each request as the `openai` client does (`--client openai`, the default since
+  2026-12-04: its seventeen header fields, the head and the body in two writes, keep-alive
+  connections as `AsyncOpenAI` keeps them); `--client raw` sends four header fields in one
+  write, as wrk does and as every table measured before that date did. All targets are
   started first; with `--rounds N` every row is measured N times, the targets in turn each
   round, and each figure is the median of its rounds (a noisy minute of this shared machine
   then lands on every target alike).
@@ -446,6 +465,11 @@ only thing that costs anything on its core.
 * `target CPU/req` = (utime+stime of the target's process tree over the window) / completed
   requests, `of which kernel` its stime part; `vs router` is the gateway's (or a floor's) figure over the same engine's Rust
   router in the same run. `upstream CPU/req` is the emulated prefill+decode (direct: the colocated server).
+  `wake-ups/req` (tables from 2026-12-04 on) is the target's voluntary context switches per
+  request, all its threads: how often it went to sleep waiting for the next event. An idle
+  target pays about one per upstream event; a busy one finds several events per wake-up, and
+  its CPU per request falls with them (docs/benchmarks.md, "Why two measurements of streams
+  disagree").
 * Requests: `POST /v1/completions`, greedy; `nonstream` asks for 8 tokens, `stream64` for a
   64-token SSE stream (`ignore_eos`).
 * sglang-router 0.3.2, `stream64` at 1 connection: on a reused keep-alive connection the
@@ -512,11 +536,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"({bench_wrk.INSTALL_HINT})",
     )
     p.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="openai",
+        help="how the load generator sends each request: openai (the default: the openai Python "
+        "client's header fields, head and body in two writes, as it sends them), raw (four "
+        "header fields in one write, as wrk sends them) or raw-quickack (raw, every answer's "
+        "segments ACKed at once: no Nagle stall at any target); see docs/benchmarks.md",
+    )
+    p.add_argument(
         "--as-shipped",
         action="store_true",
         help="run the routers and the gateway with their own default policy and log level "
         "(the Rust routers: cache_aware, info; the gateway: round_robin, info) instead of round "
         "robin with warnings only",
+    )
+    p.add_argument(
+        "--token-interval-ms",
+        type=float,
+        default=1.0,
+        help="with --upstream nginx: a stream's events leave one per write, this far apart, every "
+        "stream in step (as an engine sends a decode step's tokens; default 1, nginx's least); 0: "
+        "the whole stream in one write (the tables before 2026-12-04)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-going", action="store_true", help="a target that fails to start is skipped")
@@ -602,6 +643,7 @@ def main(argv: list[str]) -> int:
         else "none",
         "versions": _versions(),
         "loadgen": args.loadgen,
+        "client": args.client,
         "rounds": args.rounds,
         "settings": "as shipped (default policy and log level)"
         if args.as_shipped
@@ -648,6 +690,7 @@ def main(argv: list[str]) -> int:
                                 target_cpus,
                                 loadgen=args.loadgen,
                                 load_cpus=up_cpus,
+                                client=args.client,
                             )
                             per_row.setdefault((target.kind, mode, c), []).append(row)
                             print(
@@ -664,7 +707,9 @@ def main(argv: list[str]) -> int:
                         all_rounds.extend(rounds)
 
     if args.upstream == "nginx":
-        meta["upstream"] = "nginx (fixed answers, echo module)"
+        meta["upstream"] = "nginx (fixed answers, echo module)" + (
+            f", stream events {args.token_interval_ms:g} ms apart" if args.token_interval_ms > 0 else ""
+        )
         with procs.process_group() as upstreams:
             print("starting nginx upstreams", file=sys.stderr)
             nginx, layout, bport = nginx_upstream.start(
@@ -672,6 +717,7 @@ def main(argv: list[str]) -> int:
                 engines,
                 modes,
                 prompt_tokens=len(PROMPT) // 4,
+                token_interval_ms=args.token_interval_ms,
                 max_tokens=NONSTREAM_MAX_TOKENS,
                 cpus=up_cpus,
                 log_dir=log_dir,
