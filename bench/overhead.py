@@ -52,6 +52,7 @@ TARGET_KINDS = (
     "bare-pd",
     "callback-pd",
     "gateway",
+    "gateway-x2",
     "gateway-noguards",
     "sglang-router",
     "vllm-router",
@@ -68,6 +69,8 @@ NGINX_DOC_BEGIN = "<!-- bench:overhead-nginx:begin -->"
 NGINX_DOC_END = "<!-- bench:overhead-nginx:end -->"
 WRK_DOC_BEGIN = "<!-- bench:overhead-wrk:begin -->"
 WRK_DOC_END = "<!-- bench:overhead-wrk:end -->"
+MULTI_DOC_BEGIN = "<!-- bench:overhead-multicore:begin -->"
+MULTI_DOC_END = "<!-- bench:overhead-multicore:end -->"
 
 
 @dataclass
@@ -194,20 +197,39 @@ def start_target(
         )
         proc.wait_http(f"http://{procs.HOST}:{port}/health", timeout=90.0)
         return Target(kind, cluster.engine, proc, port)
-    elif kind in ("gateway", "gateway-noguards"):
+    elif kind in ("gateway", "gateway-noguards", "gateway-x2"):
+        extra = {"gateway-noguards": ["--no-guards"], "gateway-x2": ["--workers", "2"]}.get(kind, [])
         argv = procs.gateway_argv(
             cluster.engine,
             port,
             [(pre.url, pre.bootstrap_port)],
             [dec.url],
             log_level=None if as_shipped else "warning",
-            extra=["--no-guards"] if kind == "gateway-noguards" else [],
+            extra=extra,
         )
     else:
         raise ValueError(kind)
     proc = group.add(procs.start_process(f"{kind}-{cluster.engine}", argv, cpus=cpus, log_dir=log_dir))
     proc.wait_http(f"http://{procs.HOST}:{port}/readiness", timeout=90.0)
+    if kind == "gateway-x2":
+        _wait_processes(proc, port, 2)
     return Target(kind, cluster.engine, proc, port)
+
+
+def _wait_processes(proc: procs.ManagedProcess, port: int, n: int, timeout: float = 90.0) -> None:
+    """Until every process of a `serve --workers n` listens (their metrics answer together)."""
+    deadline = time.monotonic() + timeout
+    want = f"pdgw_processes_scraped {float(n)}".encode()
+    while True:
+        proc.check_alive()
+        try:
+            if want in procs.http_get(f"http://{procs.HOST}:{port}/metrics")[1]:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{proc.name}: not all {n} processes up after {timeout:g}s")
+        time.sleep(0.1)
 
 
 def smoke(target: Target, mode: str) -> None:
@@ -425,8 +447,48 @@ def doc_section(rows: list[Row], meta: dict[str, Any], begin: str = DOC_BEGIN, e
         + ".\n\n"
         f"```\n{meta['command']}\n```\n\n"
         f"{markdown_table(rows)}"
-        f"{end}\n"
+        + (f"\n{processes_table(rows)}" if any(r.target == "gateway-x2" for r in rows) else "")
+        + f"{end}\n"
     )
+
+
+def processes_table(rows: list[Row]) -> str:
+    """The gateway in one and two processes (`serve --workers 2`) beside the Rust router: CPU per
+    request, requests/s measured, and requests/s per core (what one core serves at that cost:
+    1e6 / CPU µs per request)."""
+    by = {(r.engine, r.target, r.mode, r.conns): r for r in rows}
+    head = (
+        "| engine | mode | conns | router CPU/req µs | gateway 1 process: CPU/req µs (vs router) "
+        "| 2 processes: CPU/req µs (vs router) | 2 / 1 process CPU/req | req/s, 1 process "
+        "| req/s, 2 processes | req/s per core: router | 1 process | 2 processes |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        if r.target != "gateway-x2":
+            continue
+        one = by.get((r.engine, "gateway", r.mode, r.conns))
+        rt = by.get((r.engine, f"{r.engine}-router", r.mode, r.conns))
+
+        def cpu(x: Row | None) -> str:
+            if x is None or x.cpu_us_per_req is None:
+                return "—"
+            return f"{x.cpu_us_per_req:.0f}" + (f" ({_ratio(x.cpu_vs_router)})" if x.cpu_vs_router else "")
+
+        def per_core(x: Row | None) -> str:
+            return "—" if x is None or not x.cpu_us_per_req else f"{1e6 / x.cpu_us_per_req:.0f}"
+
+        ratio = (
+            _ratio(r.cpu_us_per_req / one.cpu_us_per_req)
+            if one is not None and one.cpu_us_per_req and r.cpu_us_per_req
+            else "—"
+        )
+        lines.append(
+            f"| {r.engine} | {r.mode} | {r.conns} | {_f(rt.cpu_us_per_req if rt else None, '.0f')} "
+            f"| {cpu(one)} | {cpu(r)} | {ratio} | {_f(one.rps if one else None, '.0f')} | {r.rps:.0f} "
+            f"| {per_core(rt)} | {per_core(one)} | {per_core(r)} |"
+        )
+    return head + "\n".join(lines) + "\n"
 
 
 DOC_HEADER = """# Benchmarks
@@ -591,6 +653,7 @@ def plan(targets: list[str], engines: list[str]) -> list[tuple[str, list[str]]]:
             "callback-pd",
             f"{engine}-router",
             "gateway",
+            "gateway-x2",
             "gateway-noguards",
         )
         kinds = [k for k in order if k in targets]
@@ -757,7 +820,9 @@ def main(argv: list[str]) -> int:
     print(markdown_table(rows))
     print(f"results: {json_path}", file=sys.stderr)
     if args.out:
-        if args.loadgen == "wrk":
+        if "gateway-x2" in targets:
+            marks = (MULTI_DOC_BEGIN, MULTI_DOC_END)
+        elif args.loadgen == "wrk":
             marks = (WRK_DOC_BEGIN, WRK_DOC_END)
         elif args.upstream == "nginx":
             marks = (NGINX_DOC_BEGIN, NGINX_DOC_END)

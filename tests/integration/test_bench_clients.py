@@ -19,6 +19,7 @@ import pytest
 
 from bench import nginx_upstream, procs
 from bench.loadgen import OPENAI_HEAD, SimpleSession, client_request, new_event_loop, run_load
+from bench.overhead import Row, processes_table
 from bench.wrk import client_headers
 
 
@@ -176,6 +177,25 @@ def test_wakeups_are_counted_per_thread() -> None:
     for _ in range(20):
         time.sleep(0.001)  # each sleep blocks: one voluntary context switch
     assert procs.tree_wakeups(os.getpid()) >= before + 20
+
+
+def test_the_processes_table_puts_two_processes_beside_one_and_the_router() -> None:
+    def row(target: str, cpu: float, rps: float, vs: float | None) -> Row:
+        r = Row(target, "sglang", "nonstream", 64, rps, 1.0, 2.0, 3.0, 100, 0, cpu, 10.0)
+        r.cpu_vs_router = vs
+        return r
+
+    table = processes_table(
+        [
+            row("sglang-router", 200.0, 1000, None),
+            row("gateway", 250.0, 900, 1.25),
+            row("gateway-x2", 275.0, 1500, 1.375),
+        ]
+    )
+    line = table.splitlines()[-1]
+    assert line == (
+        "| sglang | nonstream | 64 | 200 | 250 (1.25x) | 275 (1.38x) | 1.10x | 900 | 1500 | 5000 | 4000 | 3636 |"
+    )
 
 
 def test_run_load_counts_requests_with_the_openai_client_shape() -> None:
