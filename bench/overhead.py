@@ -537,7 +537,9 @@ only thing that costs anything on its core.
 * sglang-router 0.3.2, `stream64` at 1 connection: on a reused keep-alive connection the
   first body byte comes ~40 ms after the headers (the first request on a connection is
   fast), which is the signature of Nagle's algorithm on the router's client socket meeting
-  the client's delayed ACK. Any keep-alive client (the `openai` client included) sees it.
+  the client's delayed ACK (it sets no `TCP_NODELAY`: "Why two measurements of streams
+  disagree"). Any keep-alive client sees it, `AsyncOpenAI` included; the sync `OpenAI` client
+  does not, as it opens a connection per stream.
 * The machine may be shared with other work: rerun, and compare figures only within one run: CPU per request depends on load (events batched per
   wake-up), and latencies on the contended upstream core (see ../../shared/PERF_NOTES.md).
 
