@@ -54,6 +54,16 @@ _sequence = itertools.count(int.from_bytes(os.urandom(8), "big"))
 _MASK = (1 << 64) - 1
 
 
+def _new_sequence() -> None:
+    """A forked process (`serve --workers N`) starts its own: copies of the parent's would send
+    one rid from two processes (SGLang refuses the second, and aborts both by name)."""
+    global _sequence
+    _sequence = itertools.count(int.from_bytes(os.urandom(8), "big"))
+
+
+os.register_at_fork(after_in_child=_new_sequence)
+
+
 def _sent_here(req: ParsedRequest) -> dict[str, tuple[int, bytes] | str]:
     """What was last sent to an engine as the rid of this client request, per request id (a
     split request's samples have their own): (the unique part, `"rid":"<unique>-<request id>"`

@@ -68,10 +68,58 @@ def build_request(host: str, port: int, path: str, body: bytes, extra_headers: s
     return head.encode("latin-1") + body
 
 
+CLIENTS = ("openai", "raw", "raw-quickack")
+
+# The header fields the `openai` Python client (AsyncOpenAI 3.60.0 on httpx/httpcore, CPython
+# 3.11, Linux) sends with a completion, in its order, as captured on loopback; `{host}`, `{port}`
+# and `{length}` are filled in per request.
+OPENAI_HEAD = (
+    "POST {path} HTTP/1.1\r\n"
+    "Host: {host}:{port}\r\n"
+    "Accept-Encoding: gzip, deflate\r\n"
+    "Connection: keep-alive\r\n"
+    "authorization: Bearer unused\r\n"
+    "accept: application/json\r\n"
+    "content-type: application/json\r\n"
+    "user-agent: AsyncOpenAI/Python 3.60.0\r\n"
+    "x-stainless-lang: python\r\n"
+    "x-stainless-package-version: 3.60.0\r\n"
+    "x-stainless-os: Linux\r\n"
+    "x-stainless-arch: x64\r\n"
+    "x-stainless-runtime: CPython\r\n"
+    "x-stainless-runtime-version: 3.11.7\r\n"
+    "x-stainless-async: async:asyncio\r\n"
+    "x-stainless-retry-count: 0\r\n"
+    "x-stainless-read-timeout: 600\r\n"
+    "Content-Length: {length}\r\n"
+    "\r\n"
+)
+
+
+def client_request(client: str, host: str, port: int, path: str, body: bytes) -> tuple[bytes, ...]:
+    """One request as a client sends it, as the pieces it writes one `send` each.
+
+    `raw`: four header fields, head and body in one write (as wrk and the emulator's routers
+    do). `openai`: what the `openai` client sends: its seventeen header fields, then the body in
+    a second write (httpcore writes h11's events one by one: the head, then the body; with
+    TCP_NODELAY each goes out as its own segment, so a server mostly reads them apart).
+    `raw-quickack` is `raw` on a socket that acknowledges every segment at once (TCP_QUICKACK
+    set after each request is sent; see `_ClientProtocol`): no client does this, it shows what a
+    target costs when its own Nagle algorithm never waits for a delayed ACK."""
+    if client in ("raw", "raw-quickack"):
+        return (build_request(host, port, path, body),)
+    if client == "openai":
+        head = OPENAI_HEAD.format(path=path, host=host, port=port, length=len(body))
+        return (head.encode("latin-1"), body)
+    raise ValueError(f"unknown client {client!r} (choose from {', '.join(CLIENTS)})")
+
+
 class _ClientProtocol(asyncio.Protocol):
     """One keep-alive connection; `send()` returns a future resolved at the end of the response."""
 
-    def __init__(self, check_tail: bytes | None) -> None:
+    def __init__(self, check_tail: bytes | None, quickack: bool = False) -> None:
+        self.quickack = quickack
+        self.sock: socket.socket | None = None
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.fut: asyncio.Future[tuple[int, bool]] | None = None
@@ -87,6 +135,7 @@ class _ClientProtocol(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = sock
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -124,12 +173,24 @@ class _ClientProtocol(asyncio.Protocol):
         if fut is not None and not fut.done():
             fut.set_exception(ConnectionError(why))
 
-    def send(self, request: bytes, collect: list[bytes] | None = None) -> asyncio.Future[tuple[int, bool]]:
+    def send(
+        self, request: bytes | tuple[bytes, ...], collect: list[bytes] | None = None
+    ) -> asyncio.Future[tuple[int, bool]]:
+        """Write the request (a tuple: one write per piece) and return the response's future."""
         fut: asyncio.Future[tuple[int, bool]] = asyncio.get_running_loop().create_future()
         self.fut = fut
         self.collect = collect
         assert self.transport is not None
-        self.transport.write(request)
+        if isinstance(request, bytes):
+            self.transport.write(request)
+        else:
+            for piece in request:
+                self.transport.write(piece)
+        if self.quickack and self.sock is not None:
+            # out of Linux's "pingpong" (interactive) mode, which a request sent soon after the
+            # last answer puts the socket in: the answer's first segment is ACKed at once, so
+            # a server's Nagle algorithm never holds the next one for a delayed ACK (~40 ms)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
         return fut
 
 
@@ -222,8 +283,8 @@ async def run_load(
 class Conn:
     """A keep-alive connection to one origin, reopened when the server closes it."""
 
-    def __init__(self, host: str, port: int, check_tail: bytes | None = None) -> None:
-        self.host, self.port, self.check_tail = host, port, check_tail
+    def __init__(self, host: str, port: int, check_tail: bytes | None = None, quickack: bool = False) -> None:
+        self.host, self.port, self.check_tail, self.quickack = host, port, check_tail, quickack
         self.proto: _ClientProtocol | None = None
 
     async def ready(self) -> _ClientProtocol:
@@ -231,7 +292,7 @@ class Conn:
         if p is None or p.transport is None or p.transport.is_closing():
             loop = asyncio.get_running_loop()
             _, p = await loop.create_connection(
-                lambda: _ClientProtocol(self.check_tail), self.host, self.port
+                lambda: _ClientProtocol(self.check_tail, self.quickack), self.host, self.port
             )
             self.proto = p
         return p
@@ -259,8 +320,16 @@ class Session:
 class SimpleSession(Session):
     """The same request, again and again, on one keep-alive connection."""
 
-    def __init__(self, host: str, port: int, request: bytes, check_tail: bytes | None = None) -> None:
-        self.conn = Conn(host, port, check_tail)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        request: bytes | tuple[bytes, ...],
+        check_tail: bytes | None = None,
+        *,
+        quickack: bool = False,
+    ) -> None:
+        self.conn = Conn(host, port, check_tail, quickack)
         self.request = request
 
     async def once(self) -> int:

@@ -9,7 +9,8 @@ enough that the router under test becomes the bottleneck (the regime of
 Per engine and mode, one port each for the prefill, the decode and a colocated server. The
 answers are fixed but shaped like the engines' (the gateway's guards accept them): the prefill
 answers one token "a" and the prompt's token count; the decode answers `NONSTREAM_MAX_TOKENS`
-tokens starting with "a", or a 64-event stream; vLLM's prefill answer carries
+tokens starting with "a", or a 64-event stream (in one write, or with `token_interval_ms` one
+event per write that far apart, as an engine sends one per decode step); vLLM's prefill answer carries
 `kv_transfer_params` whose `remote_request_id` embeds the request's `X-Request-Id`, as vLLM's does.
 """
 
@@ -114,7 +115,14 @@ def _stream(tokens: int) -> list[str]:
 
 
 def _server(
-    port: int, role: str, engine: str, mode: str, prompt_tokens: int, max_tokens: int, bport: int
+    port: int,
+    role: str,
+    engine: str,
+    mode: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    bport: int,
+    token_interval_ms: float = 0.0,
 ) -> str:
     models = json.dumps(
         {
@@ -150,7 +158,12 @@ def _server(
         gen = [f"echo -n {_nginx_str(body)};"]
         ctype = "application/json"
     elif mode == "stream64":
-        gen = [f"echo -n {_nginx_str(ev)};" for ev in _stream(64)]
+        gen = []
+        for i, ev in enumerate(_stream(64)):
+            if i and token_interval_ms > 0:  # the previous event leaves now, this one later
+                # (echo_sleep takes seconds with at most 3 decimals: 1 ms is the least)
+                gen += ["echo_flush;", f"echo_sleep {max(token_interval_ms, 1.0) / 1000:.3f};"]
+            gen.append(f"echo -n {_nginx_str(ev)};")
         ctype = "text/event-stream"
     else:
         gen = [f"echo -n {_nginx_str(_completion('a' + 'b' * (max_tokens - 1), prompt_tokens, max_tokens))};"]
@@ -167,13 +180,19 @@ def _server(
 
 
 def write_config(
-    prefix: Path, layout: dict[tuple[str, str], Ports], prompt_tokens: int, max_tokens: int, bport: int
+    prefix: Path,
+    layout: dict[tuple[str, str], Ports],
+    prompt_tokens: int,
+    max_tokens: int,
+    bport: int,
+    token_interval_ms: float = 0.0,
 ) -> Path:
     servers = []
     for (engine, mode), ports in layout.items():
-        servers.append(_server(ports.prefill, "prefill", engine, mode, prompt_tokens, max_tokens, bport))
-        servers.append(_server(ports.decode, "decode", engine, mode, prompt_tokens, max_tokens, bport))
-        servers.append(_server(ports.both, "both", engine, mode, prompt_tokens, max_tokens, bport))
+        for port, role in ((ports.prefill, "prefill"), (ports.decode, "decode"), (ports.both, "both")):
+            servers.append(
+                _server(port, role, engine, mode, prompt_tokens, max_tokens, bport, token_interval_ms)
+            )
     conf = f"""load_module {ECHO_MODULE};
 daemon off;
 master_process off;
@@ -208,9 +227,11 @@ def start(
     max_tokens: int,
     cpus: str | None,
     log_dir: Path,
+    token_interval_ms: float = 0.0,
 ) -> tuple[procs.ManagedProcess, dict[tuple[str, str], Ports], int]:
     """One nginx process serving every (engine, mode) trio; returns it, the ports, and the
-    (unused, but required by SGLang's protocol) bootstrap port the prefills announce."""
+    (unused, but required by SGLang's protocol) bootstrap port the prefills announce.
+    `token_interval_ms` > 0: a stream's events leave one per write, that far apart."""
     missing = available()
     if missing is not None:
         raise RuntimeError(missing)
@@ -221,7 +242,7 @@ def start(
             layout[(engine, mode)] = Ports(p, d, b)
     bport = procs.free_port()
     prefix = log_dir / "nginx"
-    conf = write_config(prefix, layout, prompt_tokens, max_tokens, bport)
+    conf = write_config(prefix, layout, prompt_tokens, max_tokens, bport, token_interval_ms)
     proc = group.add(
         procs.start_process("nginx", [NGINX, "-c", str(conf), "-p", str(prefix)], cpus=cpus, log_dir=log_dir)
     )

@@ -34,12 +34,13 @@ from typing import Any
 from bench import nginx_upstream, procs
 from bench import wrk as bench_wrk
 from bench.loadgen import (
+    CLIENTS,
     LoadResult,
     Session,
     SglangPDSession,
     SimpleSession,
     VllmPDSession,
-    build_request,
+    client_request,
     new_event_loop,
     run_load,
 )
@@ -51,6 +52,7 @@ TARGET_KINDS = (
     "bare-pd",
     "callback-pd",
     "gateway",
+    "gateway-x2",
     "gateway-noguards",
     "sglang-router",
     "vllm-router",
@@ -67,6 +69,8 @@ NGINX_DOC_BEGIN = "<!-- bench:overhead-nginx:begin -->"
 NGINX_DOC_END = "<!-- bench:overhead-nginx:end -->"
 WRK_DOC_BEGIN = "<!-- bench:overhead-wrk:begin -->"
 WRK_DOC_END = "<!-- bench:overhead-wrk:end -->"
+MULTI_DOC_BEGIN = "<!-- bench:overhead-multicore:begin -->"
+MULTI_DOC_END = "<!-- bench:overhead-multicore:end -->"
 
 
 @dataclass
@@ -84,6 +88,9 @@ class Row:
     cpu_us_per_req: float | None  # the target's process tree; None for direct
     upstream_cpu_us_per_req: float | None
     sys_us_per_req: float | None = None  # the kernel's share (stime) of cpu_us_per_req
+    # the target's voluntary context switches per request: the wake-ups it paid (an idle target
+    # pays one per upstream event, a busy one finds several events per wake-up)
+    wakeups_per_req: float | None = None
     added_p50_ms: float | None = None
     cpu_vs_router: float | None = None  # gateway only: / the same engine's router
     rounds: int = 1  # > 1: each figure is the median over this many interleaved rounds
@@ -190,20 +197,39 @@ def start_target(
         )
         proc.wait_http(f"http://{procs.HOST}:{port}/health", timeout=90.0)
         return Target(kind, cluster.engine, proc, port)
-    elif kind in ("gateway", "gateway-noguards"):
+    elif kind in ("gateway", "gateway-noguards", "gateway-x2"):
+        extra = {"gateway-noguards": ["--no-guards"], "gateway-x2": ["--workers", "2"]}.get(kind, [])
         argv = procs.gateway_argv(
             cluster.engine,
             port,
             [(pre.url, pre.bootstrap_port)],
             [dec.url],
             log_level=None if as_shipped else "warning",
-            extra=["--no-guards"] if kind == "gateway-noguards" else [],
+            extra=extra,
         )
     else:
         raise ValueError(kind)
     proc = group.add(procs.start_process(f"{kind}-{cluster.engine}", argv, cpus=cpus, log_dir=log_dir))
     proc.wait_http(f"http://{procs.HOST}:{port}/readiness", timeout=90.0)
+    if kind == "gateway-x2":
+        _wait_processes(proc, port, 2)
     return Target(kind, cluster.engine, proc, port)
+
+
+def _wait_processes(proc: procs.ManagedProcess, port: int, n: int, timeout: float = 90.0) -> None:
+    """Until every process of a `serve --workers n` listens (their metrics answer together)."""
+    deadline = time.monotonic() + timeout
+    want = f"pdgw_processes_scraped {float(n)}".encode()
+    while True:
+        proc.check_alive()
+        try:
+            if want in procs.http_get(f"http://{procs.HOST}:{port}/metrics")[1]:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{proc.name}: not all {n} processes up after {timeout:g}s")
+        time.sleep(0.1)
 
 
 def smoke(target: Target, mode: str) -> None:
@@ -239,6 +265,7 @@ def measure(
     target_cpus: str | None = None,
     loadgen: str = "python",
     load_cpus: str | None = None,
+    client: str = "openai",
 ) -> Row:
     path = "/v1/completions"
     tail = b"[DONE]" if mode == "stream64" else None
@@ -258,12 +285,14 @@ def measure(
             (procs.HOST, pre.port), (procs.HOST, dec.port), path, bdict, tail
         )
     else:
-        req = build_request(procs.HOST, target.port, path, request_body(mode, target.engine))
-        make_session = lambda: SimpleSession(procs.HOST, target.port, req, tail)  # noqa: E731
+        req = client_request(client, procs.HOST, target.port, path, request_body(mode, target.engine))
+        quick = client == "raw-quickack"
+        make_session = lambda: SimpleSession(procs.HOST, target.port, req, tail, quickack=quick)  # noqa: E731
     if target.proc is not None:
         pid = target.proc.pid
         probes["target"] = lambda: procs.tree_cpu_seconds(pid)
         probes["target_sys"] = lambda: procs.tree_cpu_times(pid)[1]
+        probes["target_wakeups"] = lambda: float(procs.tree_wakeups(pid))
     elif target.kind == "direct":
         both_pid = cluster.both.proc.pid
         probes["upstream"] = lambda: procs.tree_cpu_seconds(both_pid)
@@ -281,6 +310,7 @@ def measure(
             warmup_s=warmup,
             cpu_probes=probes,
             cpus=load_cpus,
+            headers=bench_wrk.client_headers(client),
         )
     else:
         loop = new_event_loop()
@@ -295,6 +325,7 @@ def measure(
     n = max(res.completed, 1)
     tcpu = res.cpu_s.get("target")
     tsys = res.cpu_s.get("target_sys")
+    twake = res.cpu_s.get("target_wakeups")
     return Row(
         target=target.kind,
         engine=target.engine,
@@ -309,6 +340,7 @@ def measure(
         cpu_us_per_req=(tcpu / n * 1e6) if tcpu is not None and res.completed else None,
         upstream_cpu_us_per_req=res.cpu_s["upstream"] / n * 1e6 if res.completed else None,
         sys_us_per_req=(tsys / n * 1e6) if tsys is not None and res.completed else None,
+        wakeups_per_req=(twake / n) if twake is not None and res.completed else None,
         error_samples=res.error_samples,
     )
 
@@ -346,6 +378,7 @@ def median_row(rounds: list[Row]) -> Row:
         cpu_us_per_req=_median([r.cpu_us_per_req for r in rounds]),
         upstream_cpu_us_per_req=_median([r.upstream_cpu_us_per_req for r in rounds]),
         sys_us_per_req=_median([r.sys_us_per_req for r in rounds]),
+        wakeups_per_req=_median([r.wakeups_per_req for r in rounds]),
         error_samples=[e for r in rounds for e in r.error_samples][:5],
         rounds=len(rounds),
     )
@@ -384,15 +417,17 @@ def _ratio(v: float | None) -> str:
 def markdown_table(rows: list[Row]) -> str:
     head = (
         "| engine | target | mode | conns | req/s | p50 ms | p90 ms | p99 ms | added p50 ms "
-        "| target CPU/req µs | of which kernel µs | vs router | upstream CPU/req µs | errors |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| target CPU/req µs | of which kernel µs | wake-ups/req | vs router | upstream CPU/req µs "
+        "| errors |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
         lines.append(
             f"| {r.engine} | {r.target} | {r.mode} | {r.conns} | {r.rps:.0f} | {_f(r.p50_ms, '.3f')} "
             f"| {_f(r.p90_ms, '.3f')} | {_f(r.p99_ms, '.3f')} | {_f(r.added_p50_ms, '+.3f')} "
-            f"| {_f(r.cpu_us_per_req, '.0f')} | {_f(r.sys_us_per_req, '.0f')} | {_ratio(r.cpu_vs_router)} "
+            f"| {_f(r.cpu_us_per_req, '.0f')} | {_f(r.sys_us_per_req, '.0f')} "
+            f"| {_f(r.wakeups_per_req, '.1f')} | {_ratio(r.cpu_vs_router)} "
             f"| {_f(r.upstream_cpu_us_per_req, '.0f')} | {r.errors} |"
         )
     return head + "\n".join(lines) + "\n"
@@ -407,11 +442,53 @@ def doc_section(rows: list[Row], meta: dict[str, Any], begin: str = DOC_BEGIN, e
         + f"; pinning: {meta['pinning']}"
         + (f"; targets' settings: {meta['settings']}" if "settings" in meta else "")
         + ("; load from wrk" if meta.get("loadgen") == "wrk" else "")
+        + (f"; client: {meta['client']}" if "client" in meta else "")
+        + (f"; upstream: {meta['upstream']}" if "upstream" in meta else "")
         + ".\n\n"
         f"```\n{meta['command']}\n```\n\n"
         f"{markdown_table(rows)}"
-        f"{end}\n"
+        + (f"\n{processes_table(rows)}" if any(r.target == "gateway-x2" for r in rows) else "")
+        + f"{end}\n"
     )
+
+
+def processes_table(rows: list[Row]) -> str:
+    """The gateway in one and two processes (`serve --workers 2`) beside the Rust router: CPU per
+    request, requests/s measured, and requests/s per core (what one core serves at that cost:
+    1e6 / CPU µs per request)."""
+    by = {(r.engine, r.target, r.mode, r.conns): r for r in rows}
+    head = (
+        "| engine | mode | conns | router CPU/req µs | gateway 1 process: CPU/req µs (vs router) "
+        "| 2 processes: CPU/req µs (vs router) | 2 / 1 process CPU/req | req/s, 1 process "
+        "| req/s, 2 processes | req/s per core: router | 1 process | 2 processes |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        if r.target != "gateway-x2":
+            continue
+        one = by.get((r.engine, "gateway", r.mode, r.conns))
+        rt = by.get((r.engine, f"{r.engine}-router", r.mode, r.conns))
+
+        def cpu(x: Row | None) -> str:
+            if x is None or x.cpu_us_per_req is None:
+                return "—"
+            return f"{x.cpu_us_per_req:.0f}" + (f" ({_ratio(x.cpu_vs_router)})" if x.cpu_vs_router else "")
+
+        def per_core(x: Row | None) -> str:
+            return "—" if x is None or not x.cpu_us_per_req else f"{1e6 / x.cpu_us_per_req:.0f}"
+
+        ratio = (
+            _ratio(r.cpu_us_per_req / one.cpu_us_per_req)
+            if one is not None and one.cpu_us_per_req and r.cpu_us_per_req
+            else "—"
+        )
+        lines.append(
+            f"| {r.engine} | {r.mode} | {r.conns} | {_f(rt.cpu_us_per_req if rt else None, '.0f')} "
+            f"| {cpu(one)} | {cpu(r)} | {ratio} | {_f(one.rps if one else None, '.0f')} | {r.rps:.0f} "
+            f"| {per_core(rt)} | {per_core(one)} | {per_core(r)} |"
+        )
+    return head + "\n".join(lines) + "\n"
 
 
 DOC_HEADER = """# Benchmarks
@@ -424,7 +501,11 @@ only thing that costs anything on its core.
 
 * Each target (sglang-router, vllm-router, `pd-gateway serve`, `bare-pd`, `callback-pd`) is pinned with
   `taskset -c 0`; the emulated prefill, decode and colocated servers and the load generator
-  (closed loop, raw asyncio + httptools, `bench/loadgen.py`) share core 1. All targets are
+  (closed loop, raw asyncio + httptools, `bench/loadgen.py`) share core 1. The load generator
+  sends each request as the `openai` client does (`--client openai`, the default since
+  2026-12-04: its seventeen header fields, the head and the body in two writes, keep-alive
+  connections as `AsyncOpenAI` keeps them); `--client raw` sends four header fields in one
+  write, as wrk does and as every table measured before that date did. All targets are
   started first; with `--rounds N` every row is measured N times, the targets in turn each
   round, and each figure is the median of its rounds (a noisy minute of this shared machine
   then lands on every target alike).
@@ -446,12 +527,19 @@ only thing that costs anything on its core.
 * `target CPU/req` = (utime+stime of the target's process tree over the window) / completed
   requests, `of which kernel` its stime part; `vs router` is the gateway's (or a floor's) figure over the same engine's Rust
   router in the same run. `upstream CPU/req` is the emulated prefill+decode (direct: the colocated server).
+  `wake-ups/req` (tables from 2026-12-04 on) is the target's voluntary context switches per
+  request, all its threads: how often it went to sleep waiting for the next event. An idle
+  target pays about one per upstream event; a busy one finds several events per wake-up, and
+  its CPU per request falls with them (docs/benchmarks.md, "Why two measurements of streams
+  disagree").
 * Requests: `POST /v1/completions`, greedy; `nonstream` asks for 8 tokens, `stream64` for a
   64-token SSE stream (`ignore_eos`).
 * sglang-router 0.3.2, `stream64` at 1 connection: on a reused keep-alive connection the
   first body byte comes ~40 ms after the headers (the first request on a connection is
   fast), which is the signature of Nagle's algorithm on the router's client socket meeting
-  the client's delayed ACK. Any keep-alive client (the `openai` client included) sees it.
+  the client's delayed ACK (it sets no `TCP_NODELAY`: "Why two measurements of streams
+  disagree"). Any keep-alive client sees it, `AsyncOpenAI` included; the sync `OpenAI` client
+  does not, as it opens a connection per stream.
 * The machine may be shared with other work: rerun, and compare figures only within one run: CPU per request depends on load (events batched per
   wake-up), and latencies on the contended upstream core (see ../../shared/PERF_NOTES.md).
 
@@ -512,11 +600,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"({bench_wrk.INSTALL_HINT})",
     )
     p.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="openai",
+        help="how the load generator sends each request: openai (the default: the openai Python "
+        "client's header fields, head and body in two writes, as it sends them), raw (four "
+        "header fields in one write, as wrk sends them) or raw-quickack (raw, every answer's "
+        "segments ACKed at once: no Nagle stall at any target); see docs/benchmarks.md",
+    )
+    p.add_argument(
         "--as-shipped",
         action="store_true",
         help="run the routers and the gateway with their own default policy and log level "
         "(the Rust routers: cache_aware, info; the gateway: round_robin, info) instead of round "
         "robin with warnings only",
+    )
+    p.add_argument(
+        "--token-interval-ms",
+        type=float,
+        default=1.0,
+        help="with --upstream nginx: a stream's events leave one per write, this far apart, every "
+        "stream in step (as an engine sends a decode step's tokens; default 1, nginx's least); 0: "
+        "the whole stream in one write (the tables before 2026-12-04)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-going", action="store_true", help="a target that fails to start is skipped")
@@ -550,6 +655,7 @@ def plan(targets: list[str], engines: list[str]) -> list[tuple[str, list[str]]]:
             "callback-pd",
             f"{engine}-router",
             "gateway",
+            "gateway-x2",
             "gateway-noguards",
         )
         kinds = [k for k in order if k in targets]
@@ -602,6 +708,7 @@ def main(argv: list[str]) -> int:
         else "none",
         "versions": _versions(),
         "loadgen": args.loadgen,
+        "client": args.client,
         "rounds": args.rounds,
         "settings": "as shipped (default policy and log level)"
         if args.as_shipped
@@ -648,6 +755,7 @@ def main(argv: list[str]) -> int:
                                 target_cpus,
                                 loadgen=args.loadgen,
                                 load_cpus=up_cpus,
+                                client=args.client,
                             )
                             per_row.setdefault((target.kind, mode, c), []).append(row)
                             print(
@@ -664,7 +772,9 @@ def main(argv: list[str]) -> int:
                         all_rounds.extend(rounds)
 
     if args.upstream == "nginx":
-        meta["upstream"] = "nginx (fixed answers, echo module)"
+        meta["upstream"] = "nginx (fixed answers, echo module)" + (
+            f", stream events {args.token_interval_ms:g} ms apart" if args.token_interval_ms > 0 else ""
+        )
         with procs.process_group() as upstreams:
             print("starting nginx upstreams", file=sys.stderr)
             nginx, layout, bport = nginx_upstream.start(
@@ -672,6 +782,7 @@ def main(argv: list[str]) -> int:
                 engines,
                 modes,
                 prompt_tokens=len(PROMPT) // 4,
+                token_interval_ms=args.token_interval_ms,
                 max_tokens=NONSTREAM_MAX_TOKENS,
                 cpus=up_cpus,
                 log_dir=log_dir,
@@ -711,7 +822,9 @@ def main(argv: list[str]) -> int:
     print(markdown_table(rows))
     print(f"results: {json_path}", file=sys.stderr)
     if args.out:
-        if args.loadgen == "wrk":
+        if "gateway-x2" in targets:
+            marks = (MULTI_DOC_BEGIN, MULTI_DOC_END)
+        elif args.loadgen == "wrk":
             marks = (WRK_DOC_BEGIN, WRK_DOC_END)
         elif args.upstream == "nginx":
             marks = (NGINX_DOC_BEGIN, NGINX_DOC_END)

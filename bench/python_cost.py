@@ -117,8 +117,17 @@ class Rig:
         serve_args: str = "",
         apart: bool = False,
         log_file: str | None = None,
+        processes: int = 1,
     ) -> None:
         self.engine, self.mode = engine, mode
+        # processes > 1: the gateway as the first of that many (`serve --workers N`): its
+        # in-flight counts and breakers in a shared table (the other processes idle)
+        process = None
+        if processes > 1:
+            from gateway.multiprocess.siblings import ProcessContext
+            from gateway.multiprocess.table import SharedTable
+
+            process = ProcessContext(0, processes, SharedTable(processes), b"\0" * 16)
         argv = ["--engine", engine, "--prefill", "http://127.0.0.1:18001"]
         if engine == "sglang":
             argv.append("18100")
@@ -137,7 +146,7 @@ class Rig:
                 configure_logging(cfg.log_level, cfg.log_json)
             finally:
                 sys.stderr = saved_stderr
-            self.gw = Gateway(cfg)
+            self.gw = Gateway(cfg, process=process)
         else:
             # built at `serve`'s log level (warning: no per-request access line), without
             # touching the process's logging for good (structlog's configure caches loggers on
@@ -148,7 +157,7 @@ class Rig:
                 cache_logger_on_first_use=False,
             )
             try:
-                self.gw = Gateway(cfg)
+                self.gw = Gateway(cfg, process=process)
             finally:
                 structlog.configure(**saved)
         prompt_tokens = len(PROMPT) // 4
@@ -255,8 +264,9 @@ async def measure(
     serve_args: str = "",
     apart: bool = False,
     log_file: str | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
-    rig = Rig(engine, mode, target, serve_args, apart, log_file)
+    rig = Rig(engine, mode, target, serve_args, apart, log_file, processes)
     for i in range(min(2000, n)):  # warm-up: caches, pools, code paths
         await rig.one(-i - 1)
     per: list[float] = []
@@ -294,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
         help="log as `serve` does (its default level, info: one access-log line per request, "
         "unless --serve-args names another) into this file, instead of warnings only",
     )
+    ap.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="the gateway as one of this many processes (`serve --workers N`): in-flight counts "
+        "and breakers in the shared table",
+    )
     args = ap.parse_args(argv)
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
@@ -307,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.serve_args,
                     args.apart,
                     args.log_file,
+                    args.processes,
                 )
             )
             per = r["us_per_request"]

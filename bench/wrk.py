@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.loadgen import LoadResult
+from bench.loadgen import OPENAI_HEAD, LoadResult
 
 INSTALL_HINT = "apt-get install wrk"
 
@@ -27,6 +27,7 @@ INSTALL_HINT = "apt-get install wrk"
 _SCRIPT = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
+%s
 wrk.body = %s
 
 done = function(summary, latency, requests)
@@ -55,6 +56,20 @@ def _lua_string(b: bytes) -> str:
     return '"' + "".join(out) + '"'
 
 
+def client_headers(client: str) -> dict[str, str]:
+    """The header fields a `--client` sends besides Host, Content-Type and Content-Length (which
+    wrk writes itself). wrk writes the whole request at once whatever the client: the `openai`
+    client's second write (its body) is the Python load generator's alone."""
+    if client != "openai":
+        return {"Accept": "*/*"}
+    out: dict[str, str] = {}
+    for line in OPENAI_HEAD.split("\r\n")[1:]:
+        name, sep, value = line.partition(": ")
+        if sep and name.lower() not in ("host", "content-type", "content-length"):
+            out[name] = value
+    return out
+
+
 def _argv(url: str, script: Path, conns: int, seconds: float, cpus: str | None) -> list[str]:
     argv = ["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(seconds))}s", "--timeout", "30s", "-s", str(script)]
     argv.append(url)
@@ -70,11 +85,16 @@ def run_wrk(
     warmup_s: float,
     cpu_probes: dict[str, Callable[[], float]],
     cpus: str | None,
+    headers: dict[str, str] | None = None,
 ) -> LoadResult:
     """A warm-up run, then the measured run with `cpu_probes` read just around it."""
     with tempfile.TemporaryDirectory(prefix="pdgw-wrk-") as tmp:
         script = Path(tmp) / "post.lua"
-        script.write_text(_SCRIPT % _lua_string(body))
+        fields = "\n".join(
+            f"wrk.headers[{_lua_string(k.encode())}] = {_lua_string(v.encode())}"
+            for k, v in (headers or {}).items()
+        )
+        script.write_text(_SCRIPT % (fields, _lua_string(body)))
         if warmup_s > 0:
             subprocess.run(
                 _argv(url, script, conns, warmup_s, cpus),

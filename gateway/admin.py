@@ -30,6 +30,14 @@ the method or the body is looked at, so an unauthenticated caller can neither ad
 `{id}` is percent-decoded (a worker whose id is its URL is `/admin/workers/http%3A%2F%2Fh%3A1`).
 A worker added here may name `api_key_env` only if a configured worker already names that
 variable: the admin API cannot make the gateway send an arbitrary environment variable to a host.
+
+With several processes (`serve --workers N`) the process that receives an admin request applies
+it and passes it on to every other process (`siblings`, gateway/multiprocess/siblings.py): a
+change holds in every process, and the answer counts the whole gateway (in-flight figures are
+read from the shared table; a removal waits in every process and adds their figures up;
+`/admin/admission` adds up every process's counters). An added worker is probed by the process
+that got the request, and the others add it whatever their own probe says (it is the same
+server; their health loops carry on from there).
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
 import msgspec
@@ -64,6 +72,9 @@ from gateway.http.server import HttpRequest, HttpResponder
 from gateway.logging import get_logger
 from gateway.registry import Registry, Worker
 
+if TYPE_CHECKING:
+    from gateway.multiprocess.siblings import SiblingAnswer, Siblings
+
 log = get_logger("pd_gateway.admin")
 
 PREFIX = "/admin/"
@@ -72,7 +83,8 @@ _POLL_S = 0.02  # how often a removal checks the worker's in-flight count
 _MAX_TIMEOUT_S = 3600.0
 
 
-def worker_json(w: Worker) -> dict[str, Any]:
+def worker_json(w: Worker, registry: Registry | None = None) -> dict[str, Any]:
+    inflight, tokens = registry.inflight_of(w) if registry is not None else (w.inflight, w.inflight_tokens)
     return {
         "id": w.id,
         "url": w.url,
@@ -82,8 +94,8 @@ def worker_json(w: Worker) -> dict[str, Any]:
         "healthy": w.healthy,
         "draining": w.draining,
         "usable": w.state().usable,
-        "inflight": w.inflight,
-        "inflight_tokens": w.inflight_tokens,
+        "inflight": inflight,
+        "inflight_tokens": tokens,
         "load": msgspec.to_builtins(w.load),
         "breaker": w.breaker.state.value,
         "context_length": w.info.context_length,
@@ -104,6 +116,7 @@ class Admin:
         drain_timeout_s: float = 30.0,
         allowed_key_envs: frozenset[str] = frozenset(),
         admission: Admission | None = None,
+        siblings: Siblings | None = None,
     ) -> None:
         if not token:
             raise ValueError("the admin token must not be empty")
@@ -114,6 +127,7 @@ class Admin:
         self.drain_timeout_s = drain_timeout_s
         self.allowed_key_envs = allowed_key_envs
         self.admission = admission
+        self.siblings = siblings  # the other processes (serve --workers N); None: this one alone
         # set by the gateway: generation requests whose response has not started yet
         self.unstarted: Callable[[], list[HttpResponder]] = list
         # set by the gateway: the (host, port) pairs it listens on (its own and the admin API's
@@ -133,37 +147,48 @@ class Admin:
             return False
         return hmac.compare_digest(token.strip(), self._token)
 
-    async def answer(self, req: HttpRequest) -> tuple[int, bytes]:
+    async def answer(self, req: HttpRequest, *, local: bool = False) -> tuple[int, bytes]:
         """The status and JSON body of an admin request; a refusal (401 first, then 404, 405,
         400, 409, 422) is raised as a GatewayError. The gateway's handlers send either, with the
-        request id, and log and count the refusals as they do the data plane's."""
+        request id, and log and count the refusals as they do the data plane's. `local`: apply
+        it in this process only (another process of the group passed it on)."""
         if not self.authorized(req):
             raise Unauthorized("missing or wrong admin bearer token")
-        status, body = await self._route(req)
+        status, body = await self._route(req, None if local else self.siblings)
         return status, _encoder.encode(body)
 
-    async def _route(self, req: HttpRequest) -> tuple[int, Any]:
+    async def _route(self, req: HttpRequest, fan: Siblings | None) -> tuple[int, Any]:
         parts = req.path[len(PREFIX) :].split("/")
         m = req.method
         if parts == ["workers"] or parts == ["workers", ""]:
             if m in ("GET", "HEAD"):
-                return 200, {"workers": [worker_json(w) for w in self.registry.workers()]}
+                return 200, {"workers": [worker_json(w, self.registry) for w in self.registry.workers()]}
             if m == "POST":
-                return await self.add(req)
+                status, out = await self.add(req)
+                if fan is not None:
+                    target = f"{req.path}?require_healthy=false"
+                    out["processes"] = _applied(await _pass_on(fan, req, target), fan, ok=(201, 409))
+                return status, out
             raise _method(m, "GET, POST")
         if len(parts) >= 2 and parts[0] == "workers":
             wid = unquote(parts[1])
             action = parts[2:]
             if not action:
                 if m in ("GET", "HEAD"):
-                    return 200, worker_json(self._get(wid))
+                    return 200, worker_json(self._get(wid), self.registry)
                 if m == "DELETE":
-                    return 200, await self.remove(wid, _timeout(req.query, self.drain_timeout_s))
+                    timeout_s = _timeout(req.query, self.drain_timeout_s)
+                    if fan is None:
+                        return 200, await self.remove(wid, timeout_s)
+                    return 200, await self._remove_everywhere(fan, req, wid, timeout_s)
                 raise _method(m, "GET, DELETE")
             if action in (["drain"], ["resume"]):
                 if m != "POST":
                     raise _method(m, "POST")
-                return 200, self.set_draining(wid, action[0] == "drain")
+                out = self.set_draining(wid, action[0] == "drain")
+                if fan is not None:
+                    out["processes"] = _applied(await _pass_on(fan, req, req.path), fan, ok=(200,))
+                return 200, out
         if parts == ["pairs"]:
             if m not in ("GET", "HEAD"):
                 raise _method(m, "GET")
@@ -171,8 +196,34 @@ class Admin:
         if parts == ["admission"] and self.admission is not None:
             if m not in ("GET", "HEAD"):
                 raise _method(m, "GET")
-            return 200, msgspec.to_builtins(self.admission.stats())
+            own: dict[str, Any] = msgspec.to_builtins(self.admission.stats())
+            if fan is None:
+                return 200, own
+            answers = await fan.ask("GET", "/local/admission", timeout_s=5.0)
+            return 200, _add_admission(own, answers, fan)
         raise NotFound(f"no admin route for {m} {req.path}")
+
+    async def _remove_everywhere(
+        self, fan: Siblings, req: HttpRequest, wid: str, timeout_s: float
+    ) -> dict[str, Any]:
+        """A removal in every process at once (each waits for its own requests on the worker);
+        the answer adds their figures up."""
+        self._get(wid)  # 404 here first, as with one process
+        target = f"{req.path}?{req.query}" if req.query else req.path
+        mine, answers = await asyncio.gather(
+            self.remove(wid, timeout_s), _pass_on(fan, req, target, timeout_s=timeout_s + 30.0)
+        )
+        out = dict(mine)
+        for a in answers:
+            if a.status != 200:
+                continue
+            other = msgspec.json.decode(a.body)
+            out["drained"] = out["drained"] and bool(other.get("drained"))
+            out["inflight"] += int(other.get("inflight", 0))
+            out["pending"] += int(other.get("pending", 0))
+            out["waited_s"] = max(out["waited_s"], float(other.get("waited_s", 0.0)))
+        out["processes"] = _applied(answers, fan, ok=(200, 404))
+        return out
 
     def pairs_json(self) -> list[dict[str, Any]]:
         """Every (prefill, decode) pair that has carried a request, with its breaker: an open
@@ -250,7 +301,7 @@ class Admin:
             model=w.model,
             healthy=w.healthy,
         )
-        return 201, worker_json(w)
+        return 201, worker_json(w, self.registry)
 
     def set_draining(self, wid: str, draining: bool) -> dict[str, Any]:
         w = self._get(wid)
@@ -260,7 +311,7 @@ class Admin:
             w.draining = draining
             self.registry.changed()
             log.info("admin.worker_drain" if draining else "admin.worker_resume", worker=wid)
-        return worker_json(w)
+        return worker_json(w, self.registry)
 
     async def remove(self, wid: str, timeout_s: float) -> dict[str, Any]:
         if wid in self._removing:
@@ -342,6 +393,65 @@ async def drain_and_remove(
         "pending": pending,
         "waited_s": waited,
     }
+
+
+async def _pass_on(
+    fan: Siblings, req: HttpRequest, target: str, *, timeout_s: float = 60.0
+) -> list[SiblingAnswer]:
+    """The admin request, as received (its token included), to every other process."""
+    headers = [(b"authorization", req.header(b"authorization") or b"")]
+    if req.body:
+        headers.append((b"content-type", b"application/json"))
+    return await fan.ask(req.method, target, body=req.body, headers=headers, timeout_s=timeout_s)
+
+
+def _applied(answers: list[SiblingAnswer], fan: Siblings, *, ok: tuple[int, ...]) -> dict[str, Any]:
+    """How many processes hold the change (this one did), and what the others said if not."""
+    failed = [
+        {
+            "process": a.process,
+            "status": a.status,
+            "error": a.error or a.body.decode("utf-8", "replace")[:300],
+        }
+        for a in answers
+        if a.status not in ok
+    ]
+    if failed:
+        log.error("admin.not_applied_everywhere", failed=failed)
+    return {"count": fan.ctx.count, "applied": 1 + len(answers) - len(failed), "failed": failed}
+
+
+_ADMISSION_SUMS = (
+    "active",
+    "active_tokens",
+    "queued",
+    "clients",
+    "admitted",
+    "admitted_after_queue",
+    "queue_wait_s",
+    "max_concurrent",
+    "max_queue",
+)
+
+
+def _add_admission(own: dict[str, Any], answers: list[SiblingAnswer], fan: Siblings) -> dict[str, Any]:
+    """Every process's admission counters added up (each holds its share of the limits)."""
+    out = dict(own)
+    out["shed"] = dict(own.get("shed", {}))
+    answered = 1
+    for a in answers:
+        if a.status != 200:
+            continue
+        answered += 1
+        other = msgspec.json.decode(a.body)
+        for k in _ADMISSION_SUMS:
+            out[k] = out.get(k, 0) + other.get(k, 0)
+        if out.get("max_inflight_tokens") is not None and other.get("max_inflight_tokens") is not None:
+            out["max_inflight_tokens"] += other["max_inflight_tokens"]
+        for reason, n in other.get("shed", {}).items():
+            out["shed"][reason] = out["shed"].get(reason, 0) + n
+    out["processes"] = {"count": fan.ctx.count, "answered": answered}
+    return out
 
 
 def _decode_worker(body: bytes) -> WorkerConfig:

@@ -27,6 +27,7 @@ from gateway.http.server import HttpServer, start_server
 from gateway.kvevents.hub import KvEventCollector, KvEventHub
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
+from gateway.multiprocess.siblings import ControlServer, ProcessContext, Siblings
 from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
 from gateway.parse import WorkLimits
 from gateway.registry import BreakerSettings, Registry, Worker
@@ -50,23 +51,33 @@ class Gateway:
         cfg: GatewayConfig,
         metrics: GatewayMetrics | None = None,
         environ: Mapping[str, str] | None = None,
+        process: ProcessContext | None = None,
     ) -> None:
         """`environ` (default `os.environ`) is where `api_key_env` / `admin.token_env` are read.
-        Raises ConfigError when a named variable is unset."""
+        Raises ConfigError when a named variable is unset. `process`: this gateway is one of
+        several processes on one port (`serve --workers N`, gateway/multiprocess/): in-flight
+        counts and breakers are shared with the others, admission limits split between them,
+        and admin changes and metrics span them all."""
         self.cfg = cfg
         self.environ = os.environ if environ is None else environ
+        self.process = process
         b = cfg.breaker
-        self.registry = Registry(
-            BreakerSettings(
-                b.failure_threshold,
-                b.success_threshold,
-                b.open_s,
-                max_open_s=b.max_open_s,
-                max_ejected_share=b.max_ejected_share,
-                eject_failure_share=b.eject_failure_share,
-            ),
-            inflight_cap=cfg.limits.max_inflight_per_worker,
+        breakers = BreakerSettings(
+            b.failure_threshold,
+            b.success_threshold,
+            b.open_s,
+            max_open_s=b.max_open_s,
+            max_ejected_share=b.max_ejected_share,
+            eject_failure_share=b.eject_failure_share,
         )
+        if process is not None:
+            from gateway.multiprocess.registry import SharedRegistry
+
+            self.registry: Registry = SharedRegistry(
+                process.table, breakers, inflight_cap=cfg.limits.max_inflight_per_worker
+            )
+        else:
+            self.registry = Registry(breakers, inflight_cap=cfg.limits.max_inflight_per_worker)
         for wc in cfg.workers:
             self.registry.add(self.make_worker(wc))
         try:  # the workers' KV-event streams: the cache-aware policy's precise index
@@ -130,16 +141,21 @@ class Gateway:
             ),
         )
         lim = cfg.limits
+        # with several processes each takes its share of the gateway-wide limits
+        share = self._share
         self.admission = Admission(
-            lim.max_concurrent,
-            lim.max_queue,
+            share(lim.max_concurrent),
+            share(lim.max_queue) if lim.max_queue else 0,
             lim.queue_timeout_s,
-            per_client_max_concurrent=lim.per_client_max_concurrent,
-            max_inflight_tokens=lim.max_inflight_tokens,
+            per_client_max_concurrent=share(lim.per_client_max_concurrent)
+            if lim.per_client_max_concurrent
+            else 0,
+            max_inflight_tokens=share(lim.max_inflight_tokens) if lim.max_inflight_tokens else None,
             retry_after_s=lim.retry_after_s,
         )
         self.metrics.watch_admission(self.admission.stats)
         token = cfg.admin.resolve_token(self.environ)
+        self.siblings = Siblings(process) if process is not None else None
         self.admin: Admin | None = None
         if token is not None:
             self.admin = Admin(
@@ -150,6 +166,7 @@ class Gateway:
                 drain_timeout_s=cfg.admin.drain_timeout_s,
                 allowed_key_envs=frozenset(w.api_key_env for w in cfg.workers if w.api_key_env),
                 admission=self.admission,
+                siblings=self.siblings,
             )
         self.handlers = Handlers(
             self.registry,
@@ -168,7 +185,11 @@ class Gateway:
             admission=self.admission,
             # on its own listener (admin.listen_port), /admin/ is not served on the gateway's
             admin=self.admin if cfg.admin.listen_port is None else None,
+            metrics_source=self._all_metrics if process is not None else None,
         )
+        self.control: ControlServer | None = None
+        if process is not None:
+            self.control = ControlServer(process, self.metrics, self.admission, self.admin)
         if self.admin is not None:
             self.admin.unstarted = self.handlers.unstarted
             self.admin.own_addresses = self._own_addresses
@@ -209,6 +230,11 @@ class Gateway:
             authorization=f"Bearer {key}".encode() if key else None,
         )
 
+    def _share(self, limit: int) -> int:
+        """This process's part of a gateway-wide limit: all of it, or with several processes
+        ceil(limit / N) (at least 1)."""
+        return limit if self.process is None else self.process.share(limit)
+
     def _model_of(self, worker_id: str) -> str | None:
         w = self.registry.find(worker_id)
         return None if w is None else w.model
@@ -219,6 +245,16 @@ class Gateway:
         if self.admin_server is not None:
             out.append((self.admin_server.host, self.admin_server.port))
         return out
+
+    async def _all_metrics(self) -> bytes:
+        """`/metrics` with several processes: every process's, added up."""
+        from gateway.multiprocess.metrics_merge import merge_pages
+
+        assert self.siblings is not None and self.process is not None
+        own = self.metrics.render()
+        answers = await self.siblings.ask("GET", "/local/metrics", timeout_s=2.0)
+        pages = [own] + [a.body for a in answers if a.status == 200]
+        return merge_pages(pages, self.process.count)
 
     @property
     def port(self) -> int:
@@ -234,12 +270,14 @@ class Gateway:
         are one server under two names (ConfigError), probe every worker once (bounded by the
         probe timeout), then listen."""
         host, port = self.cfg.listen.host, self.cfg.listen.port
-        socks = await _bind(host, port)
+        # several processes (serve --workers N): each listens on the same ports (SO_REUSEPORT)
+        many = self.process is not None
+        socks = await _bind(host, port, reuse_port=many)
         admin_socks: list[socket.socket] = []
         try:
             admin_cfg = self.cfg.admin
             if self.admin is not None and admin_cfg.listen_port is not None:
-                admin_socks = await _bind(admin_cfg.listen_host, admin_cfg.listen_port)
+                admin_socks = await _bind(admin_cfg.listen_host, admin_cfg.listen_port, reuse_port=many)
             twins = await first_duplicate(self.registry.workers())
             if twins is not None:
                 a, b, (addr, aport) = twins
@@ -251,7 +289,9 @@ class Gateway:
             if self.discovery is not None:  # the pods ready now are workers before it listens
                 await self.discovery.start()
             lim = self.cfg.limits
-            most = lim.max_connections or default_max_connections()
+            # a configured limit is the gateway's, split between its processes like admission's;
+            # the default is per process already (half of each process's open-files limit)
+            most = self._share(lim.max_connections) if lim.max_connections else default_max_connections()
             limits = ServerLimits(
                 max_body_bytes=lim.max_body_bytes,
                 max_header_bytes=lim.max_header_bytes,
@@ -272,6 +312,7 @@ class Gateway:
                     host,
                     port,
                     limits=limits,
+                    reuse_port=many,
                     sock=sock,
                     on_refusal=self.handlers.refused,
                     on_stall=self.handlers.stalled,
@@ -291,6 +332,8 @@ class Gateway:
         self.metrics.watch_connections(
             lambda: (server.connections, server.limits.max_connections, server.connections_refused)
         )
+        if self.control is not None:
+            await self.control.start()
         self._tasks = [
             asyncio.create_task(self.health.run_probes(), name="health-probes"),
             asyncio.create_task(self.health.run_scrapes(), name="metric-scrapes"),
@@ -311,6 +354,8 @@ class Gateway:
         if self.kv_events is not None:
             await self.kv_events.start()
         snap = self.registry.snapshot()
+        if self.process is not None:
+            self.process.started()
         log.info(
             "gateway.started",
             url=self.url,
@@ -342,6 +387,7 @@ class Gateway:
                 a.listen_host,
                 a.listen_port or 0,
                 limits=ServerLimits(max_body_bytes=1 << 20, read_timeout_s=self.cfg.limits.read_timeout_s),
+                reuse_port=self.process is not None,
                 sock=sock,
                 on_refusal=self.handlers.refused,
             )
@@ -377,6 +423,10 @@ class Gateway:
             await self.admin.close()
         if self.discovery is not None:
             await self.discovery.stop()
+        if self.control is not None:
+            await self.control.close()
+        if self.siblings is not None:
+            await self.siblings.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -427,9 +477,10 @@ def _listen_error(host: str, port: int, e: OSError) -> ListenError:
     return ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}")
 
 
-async def _bind(host: str, port: int) -> list[socket.socket]:
+async def _bind(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
     """Sockets bound (not yet listening: connections are refused until the server starts) to
-    every address `host` resolves to, with the options asyncio's create_server sets."""
+    every address `host` resolves to, with the options asyncio's create_server sets.
+    `reuse_port`: SO_REUSEPORT, so that the gateway's processes each listen on the port."""
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(
@@ -443,6 +494,8 @@ async def _bind(host: str, port: int) -> list[socket.socket]:
             sock = socket.socket(family, kind, proto)
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.setblocking(False)
@@ -459,10 +512,14 @@ async def _bind(host: str, port: int) -> list[socket.socket]:
     return socks
 
 
-async def run_forever(gw: Gateway, grace_s: float = 10.0) -> None:
+async def run_forever(gw: Gateway, grace_s: float = 10.0, *, hurry_signal: int | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then shut down gracefully; a second signal cuts the grace
     period short. A signal while the gateway starts (probing its workers, before it listens)
-    ends the start: `gateway.interrupted` is logged and this returns, as after a shutdown."""
+    ends the start: `gateway.interrupted` is logged and this returns, as after a shutdown.
+
+    `hurry_signal` (a process of `serve --workers N`): only that signal cuts the grace period
+    short; a second SIGINT/SIGTERM does not (a terminal's Ctrl-C reaches every process of the
+    group and the supervisor passes it on too: one Ctrl-C must stay one)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     starting = asyncio.ensure_future(gw.start())
@@ -470,14 +527,24 @@ async def run_forever(gw: Gateway, grace_s: float = 10.0) -> None:
     def on_signal() -> None:
         if not starting.done():
             starting.cancel()
-        elif stop.is_set():
+        elif stop.is_set() and hurry_signal is None:
             log.warning("gateway.hurry", reason="second signal: ending the grace period now")
+            gw.hurry()
+        stop.set()
+
+    def on_hurry() -> None:
+        if not starting.done():
+            starting.cancel()
+        elif stop.is_set():
+            log.warning("gateway.hurry", reason="the supervisor ends the grace period now")
             gw.hurry()
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal)
+    if hurry_signal is not None:
+        loop.add_signal_handler(hurry_signal, on_hurry)
     try:
         await asyncio.wait((starting,))
     finally:

@@ -80,6 +80,14 @@ def build_serve_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="gateway processes on the port (listen.processes, default 1): one core each; "
+        "in-flight counts, breakers, admin and metrics span them (docs/operations.md)",
+    )
     s.add_argument("--log-level", choices=(*_LOG_LEVELS, "warn"), default=None)
     s.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None, help="JSON log lines")
 
@@ -184,6 +192,8 @@ def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         section("listen")["host"] = args.host
     if args.port is not None:
         section("listen")["port"] = args.port
+    if args.workers is not None:
+        section("listen")["processes"] = args.workers
     if args.log_level is not None:
         doc["log_level"] = args.log_level
     if args.log_json is not None:

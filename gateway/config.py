@@ -62,10 +62,14 @@ def _non_negative(section: str, **values: float) -> None:
 class ListenConfig(_Section, frozen=True):
     host: str = "127.0.0.1"
     port: int = 8000  # 0 picks a free port
+    # gateway processes on the port (SO_REUSEPORT; `serve --workers N`); each is one core's worth
+    processes: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"listen.port must be in 0..65535, got {self.port}")
+        if not 1 <= self.processes <= 62:
+            raise ValueError(f"listen.processes must be in 1..62, got {self.processes}")
 
 
 class KvEventsConfig(_Section, frozen=True):

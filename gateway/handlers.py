@@ -82,7 +82,10 @@ class Handlers:
         client_key_header: str = "",
         admission: Admission | None = None,
         admin: Admin | None = None,
+        metrics_source: Callable[[], Awaitable[bytes]] | None = None,
     ) -> None:
+        """`metrics_source`: what `/metrics` answers when it is more than this process's own
+        metrics (several processes: every process's, added up)."""
         self.registry = registry
         self.orchestrator = orchestrator
         self.metrics = metrics
@@ -111,6 +114,9 @@ class Handlers:
             "/v1/models": self.models,
             "/metrics": self.metrics_page,
         }
+        self._metrics_source = metrics_source
+        if metrics_source is not None:
+            self._get["/metrics"] = self.merged_metrics_page
 
     def request_id(self, req: HttpRequest) -> str:
         return self._client_id(req) or self.ids.next()
@@ -423,7 +429,16 @@ class Handlers:
         )
 
     def metrics_page(self, req: HttpRequest, res: HttpResponder) -> None:
-        res.send(200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")], self.metrics.render())
+        res.send(200, [_PROMETHEUS], self.metrics.render())
+
+    async def merged_metrics_page(self, req: HttpRequest, res: HttpResponder) -> None:
+        assert self._metrics_source is not None
+        page = await self._metrics_source()
+        if not res.closed:
+            res.send(200, [_PROMETHEUS], page)
+
+
+_PROMETHEUS = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
 
 
 def _routes(snap: ClusterSnapshot, model: str, open_pairs: frozenset[str]) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ssl
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
@@ -61,6 +62,8 @@ class Worker:
         "draining",
         "engine",
         "failed_partners",
+        "foreign_inflight",
+        "foreign_tokens",
         "healthy",
         "host",
         "id",
@@ -76,6 +79,7 @@ class Worker:
         "probe_failures",
         "probe_successes",
         "role",
+        "shared",
         "url",
         "vocab_size",
         "weight",
@@ -123,8 +127,12 @@ class Worker:
         self.authorization = authorization
         self.healthy = False  # until the first probe says otherwise
         self.draining = False
-        self.inflight = 0
+        self.inflight = 0  # this process's requests on it (what acquire/release count)
         self.inflight_tokens = 0
+        # the other processes' (`serve --workers N`; gateway/multiprocess/): added in snapshots
+        self.foreign_inflight = 0
+        self.foreign_tokens = 0
+        self.shared: Any = None  # its cells in the shared table (gateway/multiprocess/registry.py)
         self.load = WorkerLoad()
         self.load_path: str | None = None  # which of the adapter's load_paths answered last
         self.info = ProbeInfo()
@@ -161,8 +169,8 @@ class Worker:
             block_size=self.info.block_size,
             labels=self.labels,
             vocab_size=self.vocab_size,
-            inflight=self.inflight,
-            inflight_tokens=self.inflight_tokens,
+            inflight=self.inflight + self.foreign_inflight,
+            inflight_tokens=self.inflight_tokens + self.foreign_tokens,
             load=self.load,
         )
 
@@ -294,8 +302,10 @@ class Registry:
             for w in self._moved:
                 i = index[w.id]
                 old = states[i]
-                if old.inflight != w.inflight or old.inflight_tokens != w.inflight_tokens:
-                    states[i] = _replace(old, inflight=w.inflight, inflight_tokens=w.inflight_tokens)
+                n = w.inflight + w.foreign_inflight
+                tok = w.inflight_tokens + w.foreign_tokens
+                if old.inflight != n or old.inflight_tokens != tok:
+                    states[i] = _replace(old, inflight=n, inflight_tokens=tok)
             self._moved.clear()
             workers = tuple(states)
         else:
@@ -358,14 +368,17 @@ class Registry:
             for o in self._workers.values()
             if o.role is Role.DECODE and o.engine is d.engine and o.model == d.model
         ]
-        key = f"{prefill_id}|{decode_id}"
         out = 0
         for a in pre:
             for b in dec:
-                other = self._pair_breakers.get(f"{a}|{b}")
-                if other is not None and f"{a}|{b}" != key and other.state is not _CLOSED:
+                if (a != prefill_id or b != decode_id) and self._pair_ejected(a, b):
                     out += 1
         return out + 1 <= self._breaker.max_ejected_share * max(1, len(pre) * len(dec))
+
+    def _pair_ejected(self, prefill_id: str, decode_id: str) -> bool:
+        """Is this pair's breaker out of routing (not closed)? A pair without one never was."""
+        b = self._pair_breakers.get(f"{prefill_id}|{decode_id}")
+        return b is not None and b.state is not _CLOSED
 
     def open_pairs(self) -> frozenset[str]:
         """Pair ids ("prefill|decode") whose breaker refuses traffic now.
@@ -428,6 +441,11 @@ class Registry:
     def full(self) -> set[str]:
         """Workers at their in-flight cap (the KV-transfer cliff under concurrency, sglang #9266)."""
         return self._full
+
+    def inflight_of(self, w: Worker) -> tuple[int, int]:
+        """(requests, tokens) the gateway has in flight on `w` now: this process's, and with
+        several processes every one's (the admin API's figures)."""
+        return w.inflight, w.inflight_tokens
 
     def record(self, w: Worker, ok: bool | None) -> None:
         """One request's outcome on `w`: True, False, or None for no verdict (see

@@ -72,6 +72,12 @@ def _serve(argv: Sequence[str]) -> int:
     except (ConfigError, PolicyBuildError) as e:
         print(f"pd-gateway serve: {e}", file=sys.stderr)
         return 2
+    if cfg.listen.processes > 1:
+        # the gateway above only checked the config: each process builds its own after the fork
+        del gw
+        from gateway.multiprocess import supervisor
+
+        return supervisor.run(cfg)
     install_uvloop()
     raised = raise_open_files_limit()
     if raised is not None:

@@ -43,6 +43,19 @@ def test_every_router_flag_is_known(module: str) -> None:
 
 
 @pytest.mark.parametrize("module", ROUTERS)
+def test_workers_is_the_gateway_s_own_flag_beside_the_routers(module: str) -> None:
+    """`--workers N` (gateway processes, listen.processes) is no router's flag, nor taken for one
+    of theirs: a router's command line with it keeps its workers and gets N processes."""
+    assert "--workers" not in _options(_router_parser(module))
+    assert "--workers" not in router_flags._BY_FLAG and "--workers" not in SHARED_FLAGS
+    argv = ["--worker-urls", "http://w1:8000", "http://w2:8000", "--workers", "3"]
+    check_router_accepts(module, argv[:3])
+    c, _ = parse_serve_command(argv)
+    assert c.listen.processes == 3
+    assert [w.url for w in c.workers] == ["http://w1:8000", "http://w2:8000"]
+
+
+@pytest.mark.parametrize("module", ROUTERS)
 def test_flags_take_values_as_the_routers_do(module: str) -> None:
     """A flag that takes no value there takes none here (else a command line would be misread)."""
     theirs = {

@@ -1,0 +1,1 @@
+"""Several gateway processes on one port (`pd-gateway serve --workers N`)."""
