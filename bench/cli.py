@@ -10,6 +10,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "bench.overhead",
         "CPU per request and added latency of the gateway vs sglang-router and vllm-router",
     ),
+    "replay": (
+        "bench.replay.main",
+        "trace replay: goodput under SLOs, TTFT/TPOT, cache hits and load spread per router",
+    ),
 }
 
 
