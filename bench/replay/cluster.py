@@ -251,13 +251,15 @@ def start_cluster(group: procs.ProcessGroup, spec: ClusterSpec, log_dir: Path) -
                 role,
                 model=spec.model,
                 time_scale=spec.time_scale,
-                seed=n,
+                # one seed for all: the same "weights", so a decode continues its prefill's
+                # tokens (the gateway's guards check that) as real engines of one model do
+                seed=0,
                 log_dir=log_dir,
                 extra=extra,
                 wait=False,
             ),
         )
-        for n, (role, name) in enumerate(plan)
+        for role, name in plan
     ]
     for _, up in ups:
         procs.wait_upstream(up, timeout=90.0)
