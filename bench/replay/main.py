@@ -387,6 +387,7 @@ def reachable(
     cost = reference.emulator_prefill_time(spec.profile, spec.time_scale)
     return [
         reference.simulate(scaled, "ideal"),
+        reference.simulate(scaled, "cache_first", capacity_tokens=capacities, prefill_time=cost),
         reference.simulate(scaled, "reference", capacity_tokens=capacities, prefill_time=cost),
         reference.simulate(scaled, "round_robin", capacity_tokens=capacities),
     ]

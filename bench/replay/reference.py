@@ -9,6 +9,8 @@ Simulated in seconds, without servers, over the same rows at the same arrival ti
     Each row goes to the worker with the least predicted TTFT = wait for that worker's earlier
     prefills + the prefill of the tokens it does not hold (the emulator's timing model,
     emulator/timing.py, for the cluster's profile and time scale); ties go to more reuse.
+  * `cache_first`: the same LRUs, each row to the worker holding most of its prefix (ties: the
+    least busy), whatever the load: about the most reuse the capacities allow, load-blind;
   * `round_robin`: the same LRUs, rows dealt in turn: the floor a cache-blind router gets.
 
 An engine always computes a prompt's last token, so a row reuses at most `input_length - 1`.
@@ -27,7 +29,7 @@ import msgspec
 from bench.replay.trace import BLOCK_TOKENS, Row
 
 PrefillTime = Callable[[int, int], float]  # (new tokens, cached tokens) -> seconds
-POLICIES = ("ideal", "reference", "round_robin")
+POLICIES = ("ideal", "cache_first", "reference", "round_robin")
 
 
 class SimResult(msgspec.Struct):
@@ -99,6 +101,8 @@ def simulate(
         hits = [_reused(r, lru.prefix(r.hash_ids), block_tokens) for lru in lrus]
         if policy == "round_robin":
             w = i % len(lrus)
+        elif policy == "cache_first":
+            w = min(range(len(lrus)), key=lambda k: (-hits[k], max(r.t_s, busy[k])))
         else:
             scores = [
                 (max(r.t_s, busy[k]) - r.t_s + cost(r.input_length - hits[k], hits[k]), -hits[k], k)

@@ -117,3 +117,45 @@ def test_a_real_tokenizer_gets_exact_lengths_and_shared_token_ids(bpe_file: Path
         i for p in pieces[1:] for i in tok.encode(p, add_special_tokens=False).ids
     ]
     assert joined == ia
+
+
+def test_the_engines_tokenize_endpoint_builds_the_same_exact_prompts(bpe_file: Path) -> None:
+    """`--tokenize-url`: POST /tokenize in vLLM's shape ({"model", "prompt", "add_special_tokens"}
+    -> {"count", "max_model_len", "tokens"}, vllm/entrypoints/openai/protocol.py), served here by
+    the same tokenizer as the file; the prompts and their checks must come out the same."""
+    import json as _json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(bpe_file))
+    seen: list[dict[str, object]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            req = _json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(req)
+            ids = tok.encode(req["prompt"], add_special_tokens=req.get("add_special_tokens", True)).ids
+            body = _json.dumps({"count": len(ids), "max_model_len": 8192, "tokens": ids}).encode()
+            self.send_response(200 if self.path == "/tokenize" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        remote = prompts.RemoteTokenizer(f"http://127.0.0.1:{server.server_address[1]}", "m")
+        local = prompts.PromptBuilder(prompts.HFTokenizer(str(bpe_file)))
+        b = prompts.PromptBuilder(remote)
+        row = _row(1500, (3, 4, 5))
+        text = b.text(row)
+        b.check(row, text)
+        assert text == local.text(row)
+        assert seen[0]["model"] == "m" and seen[0]["add_special_tokens"] is True
+    finally:
+        server.shutdown()
