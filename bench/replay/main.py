@@ -533,18 +533,26 @@ def _run(
                     n += 1
                     d = f"{label} {t.label} {repeat + 1}/{args.repeats}"
                     warm = _tiny_items(builder, spec, args.warmup_requests, n, vllm_pd)
-                    records, extra = await one_run(
-                        spec=spec,
-                        target_spec=t,
-                        items=items,
-                        warm=warm,
-                        rate=rate,
-                        concurrency=conc,
-                        args=args,
-                        stopper=stopper,
-                        log_dir=log_dir,
-                        desc=d,
-                    )
+                    try:
+                        records, extra = await one_run(
+                            spec=spec,
+                            target_spec=t,
+                            items=items,
+                            warm=warm,
+                            rate=rate,
+                            concurrency=conc,
+                            args=args,
+                            stopper=stopper,
+                            log_dir=log_dir,
+                            desc=d,
+                        )
+                    except (procs.ProcessDied, RuntimeError, TimeoutError, OSError) as exc:
+                        # a target that cannot start or serve is a finding, not the end of the run
+                        why = f"{type(exc).__name__}: {str(exc).strip()[:600]}"
+                        rep.failures.append(report.Failure(t.label, label, repeat, why))
+                        print(f"{d}: FAILED {why}", file=sys.stderr)
+                        report.write(rep, out, plots=False)
+                        continue
                     summary = summarize(records, ttft_slo, tpot_slo, rep.calibration)
                     hit, spread = _spread(extra["workers"])
                     rep.runs.append(

@@ -41,6 +41,15 @@ class RunResult(msgspec.Struct, kw_only=True):
     records: list[Record]
 
 
+class Failure(msgspec.Struct):
+    """A run that did not happen: its target would not start or never answered."""
+
+    target: str
+    load: str
+    repeat: int
+    error: str
+
+
 class Report(msgspec.Struct, kw_only=True):
     command: str
     started: str
@@ -53,6 +62,7 @@ class Report(msgspec.Struct, kw_only=True):
     calibration: Any
     reachable: dict[str, list[SimResult]]  # load label -> simulated policies
     runs: list[RunResult]
+    failures: list[Failure] = []
     partial: bool = False
 
 
@@ -142,6 +152,11 @@ def markdown(rep: Report) -> str:
         + (f"; {unrep} reported none" if unrep else "")
         + "."
     )
+    for f in rep.failures:
+        lines += [
+            "",
+            f"**{f.target}** ({f.load}, repeat {f.repeat + 1}) did not run: {f.error.splitlines()[0]}",
+        ]
     if rep.partial:
         lines += ["", "**Partial**: the run was stopped before it finished; the figures cover what ran."]
     return "\n".join(lines) + "\n"

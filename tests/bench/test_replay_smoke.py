@@ -24,13 +24,17 @@ def test_a_tiny_replay_through_the_direct_baseline_and_the_gateway(tmp_path: Pat
         [
             "--synthetic", "chat", "--synthetic-requests", "4", "--synthetic-rate", "8",
             "--engine", "sglang", "--colocated", "2", "--time-scale", "0.02",
-            "--target", "direct", "--target", "gateway:round_robin",
+            "--target", "direct", "--target", "broken=gateway --config /nonexistent/gw.toml",
+            "--target", "gateway:round_robin",
             "--slo-ttft", "10", "--slo-tpot", "1", "--out", str(out), "--no-progress",
         ]
     )  # fmt: skip
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     assert [r["target"] for r in data["runs"]] == ["direct", "gateway:round_robin"]
+    # a target that cannot start is reported, and the run goes on
+    assert [f["target"] for f in data["failures"]] == ["broken"]
+    assert "ProcessDied" in data["failures"][0]["error"]
     for run in data["runs"]:
         s = run["summary"]
         assert (s["requests"], s["completed"], s["errors"], s["unfinished"]) == (4, 4, 0, 0), s
