@@ -301,8 +301,10 @@ class Direct:
         fp = asyncio.ensure_future(ppool.post(body, collect=sink))
         try:
             rec.status = await dpool.post(body, rec=rec)
-        finally:
-            pstatus = await fp
+        except BaseException:
+            fp.cancel()  # its connection closes: the prefill is not waited for
+            raise
+        pstatus = await fp
         if pstatus != 200 and not rec.error:
             rec.error = f"prefill HTTP {pstatus}: {b''.join(sink)[:200].decode('utf-8', 'replace')}"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,11 +214,17 @@ class Cluster:
                 out[w.name] = None
         return out
 
-    def flush(self) -> None:
-        """Drop every worker's prefix cache (given engines, between runs)."""
+    def flush(self) -> list[str]:
+        """Drop every worker's prefix cache (given engines, between runs); the workers that
+        refused (vLLM serves /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1) are returned."""
         path = "/flush_cache" if self.spec.engine == "sglang" else "/reset_prefix_cache"
+        refused = []
         for w in self.workers:
-            _post(w.url + path)
+            try:
+                _post(w.url + path)
+            except OSError as exc:
+                refused.append(f"{w.url}{path}: {exc}")
+        return refused
 
     def cpu_seconds(self) -> float:
         return sum(procs.tree_cpu_seconds(w.proc.pid) for w in self.workers if w.proc is not None)
@@ -233,7 +240,8 @@ def start_cluster(group: procs.ProcessGroup, spec: ClusterSpec, log_dir: Path) -
         ]
         workers += [Worker(f"decode{i}", "decode", u) for i, u in enumerate(spec.decode_urls)]
         cluster = Cluster(spec, workers)
-        cluster.flush()
+        for why in cluster.flush():
+            print(f"warning: prefix cache not flushed, the run starts warm: {why}", file=sys.stderr)
         return cluster
     extra = ["--profile", spec.profile, "--max-model-len", str(spec.max_model_len)]
     if spec.max_total_tokens is not None:

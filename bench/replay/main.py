@@ -211,12 +211,16 @@ def build_items(
 
 
 class Stopper:
-    """First Ctrl-C: stop the run and report what finished. Second: the usual KeyboardInterrupt."""
+    """First Ctrl-C: stop sending, let the run end and report what finished. Second: cancel the
+    run at once (its processes are still stopped, by the cancellation unwinding their groups).
+    Third: the usual KeyboardInterrupt."""
 
     def __init__(self) -> None:
         self.stopped = False
+        self.hard = False
         self.event: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.task: asyncio.Future[None] | None = None
         self._old: Any = None
 
     def install(self) -> None:
@@ -227,8 +231,14 @@ class Stopper:
             signal.signal(signal.SIGINT, self._old)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.stopped:
+        if self.hard or (self.stopped and (self.task is None or self.loop is None)):
             raise KeyboardInterrupt
+        if self.stopped:
+            self.hard = True
+            print("\ncancelling the run (Ctrl-C again to abort)", file=sys.stderr)
+            assert self.loop is not None and self.task is not None
+            self.loop.call_soon_threadsafe(self.task.cancel)
+            return
         self.stopped = True
         print("\nstopping: finishing up and writing what ran (Ctrl-C again to abort)", file=sys.stderr)
         if self.event is not None and self.loop is not None:
@@ -585,11 +595,14 @@ def _run(
                     report.write(rep, out, plots=False)
         rep.partial = rep.partial or stopper.stopped
 
+    task = loop.create_task(body())
+    stopper.task = task
     try:
-        loop.run_until_complete(body())
-    except KeyboardInterrupt:
+        loop.run_until_complete(task)
+    except (KeyboardInterrupt, asyncio.CancelledError):
         rep.partial = True
     finally:
+        stopper.task = None
         loop.close()
     files = report.write(rep, out, plots=not args.no_plots and not args.reference_only)
     print(report.markdown(rep))
