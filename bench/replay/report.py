@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -189,7 +190,7 @@ def plot(rep: Report, out: Path) -> list[Path]:
     targets = targets_in_order(rep.runs)
     loads = loads_in_order(rep.runs)
     # goodput vs rate (or concurrency)
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    fig, ax = plt.subplots(figsize=(7.5, 3.6), dpi=80)
     for t in targets:
         xs, med, lo, hi = [], [], [], []
         for load in loads:
@@ -208,14 +209,14 @@ def plot(rep: Report, out: Path) -> list[Path]:
     ax.set_ylabel("goodput (req/s meeting both SLOs)")
     ax.set_title(f"Goodput — {rep.cluster}", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     files.append(out / "goodput.png")
     fig.savefig(files[-1])
     plt.close(fig)
     # TTFT CDF at the heaviest load, first repeat
     load = loads[-1]
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    fig, ax = plt.subplots(figsize=(7.5, 3.6), dpi=80)
     for t in targets:
         runs = [r for r in rep.runs if r.target == t and r.load == load]
         if not runs:
@@ -228,13 +229,13 @@ def plot(rep: Report, out: Path) -> list[Path]:
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT CDF — {load}, {rep.cluster}", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     files.append(out / "ttft_cdf.png")
     fig.savefig(files[-1])
     plt.close(fig)
     # per-worker prefill tokens computed, heaviest load, first repeat
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    fig, ax = plt.subplots(figsize=(7.5, 3.6), dpi=80)
     names: list[str] = []
     for r in rep.runs:
         if r.load == load:
@@ -251,9 +252,25 @@ def plot(rep: Report, out: Path) -> list[Path]:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, fontsize=8)
     ax.set_ylabel("prefill tokens computed (M)")
     ax.set_title(f"Per-worker load — {load}, {rep.cluster}", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     files.append(out / "worker_load.png")
     fig.savefig(files[-1])
     plt.close(fig)
     return files
+
+
+def main(argv: list[str]) -> int:
+    """`python -m bench.replay.report DIR`: render DIR/results.json again (report.md, plots)."""
+    if len(argv) != 1:
+        print("usage: python -m bench.replay.report RESULTS_DIR", file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    rep = msgspec.json.decode((out / "results.json").read_bytes(), type=Report)
+    for f in write(rep, out):
+        print(f)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main(sys.argv[1:]))
