@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import random
 import socket
 import time
@@ -47,11 +48,14 @@ class LoadResult:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100) of unsorted `values`; NaN if empty."""
+    """Nearest-rank percentile (q in 0..100) of unsorted `values`: the smallest value with at
+    least q % of the values at or below it; NaN if empty."""
     if not values:
         return float("nan")
     s = sorted(values)
-    k = max(0, min(len(s) - 1, round(q / 100.0 * len(s) + 0.5) - 1))
+    # ceil(q * n / 100), with a tolerance for float error; round() rounded half to even, so
+    # p99 of 100 values was the 100th
+    k = max(0, min(len(s) - 1, math.ceil(q * len(s) / 100.0 - 1e-9) - 1))
     return s[k]
 
 

@@ -1,0 +1,105 @@
+"""`pd-gateway bench replay` end to end on a tiny workload (a few seconds): real emulated
+workers, the real gateway, the real client; and a Ctrl-C that leaves partial results and no
+process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench import procs
+from bench.replay import main as replay_main
+
+
+def test_a_tiny_replay_through_the_direct_baseline_and_the_gateway(tmp_path: Path) -> None:
+    out = tmp_path / "res"
+    rc = replay_main.main(
+        [
+            "--synthetic", "chat", "--synthetic-requests", "4", "--synthetic-rate", "8",
+            "--engine", "sglang", "--colocated", "2", "--time-scale", "0.02",
+            "--target", "direct", "--target", "broken=gateway --config /nonexistent/gw.toml",
+            "--target", "gateway:round_robin",
+            "--slo-ttft", "10", "--slo-tpot", "1", "--out", str(out), "--no-progress",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["target"] for r in data["runs"]] == ["direct", "gateway:round_robin"]
+    # a target that cannot start is reported, and the run goes on
+    assert [f["target"] for f in data["failures"]] == ["broken"]
+    assert "ProcessDied" in data["failures"][0]["error"]
+    for run in data["runs"]:
+        s = run["summary"]
+        assert (s["requests"], s["completed"], s["errors"], s["unfinished"]) == (4, 4, 0, 0), s
+        assert s["prompt_mismatches"] == 0 and s["prompt_unreported"] == 0
+        assert s["slo_attainment"] == 1.0 and s["goodput_rps"] > 0
+        # the engines' own counters, warm-up requests left out: the 4 rows and their tokens
+        workers = run["workers"].values()
+        assert sum(w["counters"]["requests"] for w in workers) == 4
+        rows_tokens = sum(r["input_length"] for r in run["records"])
+        assert sum(w["counters"]["prompt_tokens"] for w in workers) == rows_tokens
+        assert 0 < run["hit_rate"] < 1  # the shared system prompt
+    assert data["reachable"]["rate x1"][0]["policy"] == "ideal"
+    md = (out / "report.md").read_text()
+    assert "| gateway:round_robin |" in md and "reachable reuse" in md
+    for png in ("goodput.png", "ttft_cdf.png", "worker_load.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_stops_the_run_writes_partial_results_and_leaves_no_process(
+    tmp_path: Path, presses: int
+) -> None:
+    """One Ctrl-C ends the run in progress and reports it; a second cancels it at once. Either
+    way the results are written and every worker and router is stopped."""
+    out = tmp_path / "res"
+    argv = [
+        sys.executable, "-m", "bench.replay.main",
+        "--synthetic", "chat", "--synthetic-requests", "200", "--synthetic-rate", "4",
+        "--engine", "sglang", "--colocated", "1", "--time-scale", "1",
+        "--target", "direct", "--target", "gateway:round_robin",
+        "--slo-ttft", "10", "--slo-tpot", "1", "--out", str(out), "--no-progress", "--no-plots",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        cwd=procs.REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 60
+        for line in proc.stderr:
+            if b"reachable reuse" in line or time.monotonic() > deadline:
+                break
+        time.sleep(4.0)  # inside the first run: workers up, requests in flight
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the run started no worker"
+        for _ in range(presses):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130
+    data = json.loads((out / "results.json").read_text())
+    assert data["partial"] is True
+    if presses == 1:  # the run in progress ends and is reported
+        assert len(data["runs"]) == 1 and data["runs"][0]["partial"] is True
+        s = data["runs"][0]["summary"]
+        assert 0 < s["requests"] < 200
+    else:  # cancelled at once, or (if the first press already ended it) reported
+        assert len(data["runs"]) <= 1
+    assert "Partial" in (out / "report.md").read_text()
+    time.sleep(0.5)
+    assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
