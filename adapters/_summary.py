@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from gateway.guards import Summary
+from common.summary import Summary
 
 
 class _Usage(msgspec.Struct):

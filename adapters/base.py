@@ -19,9 +19,9 @@ from typing import ClassVar, Protocol
 
 import msgspec
 
-from gateway.guards import Summary
-from gateway.parse import ParsedRequest
-from policies.snapshot import Engine, RouteKind, WorkerLoad, WorkerState
+from common.request import ParsedRequest
+from common.summary import Summary
+from common.workers import Engine, RouteKind, WorkerLoad, WorkerState
 
 
 class HandoffMode(enum.Enum):

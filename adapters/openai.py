@@ -8,9 +8,9 @@ from typing import ClassVar
 from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
-from gateway.guards import Summary
-from gateway.parse import ParsedRequest
-from policies.snapshot import Engine, RouteKind, WorkerLoad
+from common.request import ParsedRequest
+from common.summary import Summary
+from common.workers import Engine, RouteKind, WorkerLoad
 
 
 class OpenAIAdapter:

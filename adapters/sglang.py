@@ -39,10 +39,10 @@ import msgspec
 from adapters._summary import summarize_generate, summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
-from gateway import jsonbytes as _body
-from gateway.guards import Summary
-from gateway.parse import ParsedRequest
-from policies.snapshot import Engine, RouteKind, WorkerLoad
+from common import jsonbytes as _body
+from common.request import ParsedRequest
+from common.summary import Summary
+from common.workers import Engine, RouteKind, WorkerLoad
 
 _OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # with the gateway's own rid: a client's `"rid": null` (parsed as no rid) goes too

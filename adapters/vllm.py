@@ -23,12 +23,12 @@ import msgspec
 from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
-from gateway import jsonbytes as _body
-from gateway.errors import BadRequest
-from gateway.guards import Summary
-from gateway.lax import lax_int
-from gateway.parse import ParsedRequest, given
-from policies.snapshot import Engine, RouteKind, WorkerLoad
+from common import jsonbytes as _body
+from common.errors import BadRequest
+from common.lax import lax_int
+from common.request import ParsedRequest, given
+from common.summary import Summary
+from common.workers import Engine, RouteKind, WorkerLoad
 
 _BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 

@@ -46,11 +46,7 @@ from urllib.parse import parse_qs, unquote
 
 import msgspec
 
-from gateway.admission import Admission
-from gateway.breaker import BreakerState
-from gateway.config import ConfigError, WorkerConfig
-from gateway.endpoints import same_server
-from gateway.errors import (
+from common.errors import (
     BadRequest,
     Conflict,
     ErrorCode,
@@ -59,6 +55,10 @@ from gateway.errors import (
     NotFound,
     Unauthorized,
 )
+from gateway.admission import Admission
+from gateway.breaker import BreakerState
+from gateway.config import ConfigError, WorkerConfig
+from gateway.endpoints import same_server
 from gateway.health import HealthChecker
 from gateway.http.server import HttpRequest, HttpResponder
 from gateway.logging import get_logger

@@ -28,7 +28,7 @@ from collections import deque
 
 import msgspec
 
-from gateway.errors import ErrorCode, GatewayError, Overloaded, Unavailable
+from common.errors import ErrorCode, GatewayError, Overloaded, Unavailable
 
 SHED_REASONS = ("queue_full", "queue_timeout", "per_client", "shutting_down")
 

@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from common.workers import Engine
 from gateway.config import (
     PHASE_TIMEOUTS,
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
@@ -29,7 +30,6 @@ from gateway.config import (
     read_toml,
 )
 from policies.config import policy_shorthand
-from policies.snapshot import Engine
 
 _LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 

@@ -16,13 +16,13 @@ from collections.abc import Sequence
 
 import msgspec
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from emulator.tokenizer import VOCAB_SIZE
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, ListenConfig, WorkerConfig
 from gateway.logging import configure
 from gateway.serve import install_uvloop
-from policies.snapshot import Engine, Role
 
 EXAMPLES = """
 Try it:

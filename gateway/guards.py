@@ -32,7 +32,8 @@ import enum
 
 import msgspec
 
-from policies.snapshot import WorkerState
+from common.summary import Summary
+from common.workers import WorkerState
 
 
 class Guard(enum.StrEnum):
@@ -54,25 +55,6 @@ class GuardSettings(msgspec.Struct, frozen=True):
     # decode whose first token is one within `near_tie_margin` (nats) of the best is a numerics tie
     near_tie_alternatives: int = 3
     near_tie_margin: float = 0.2
-
-
-class Summary(msgspec.Struct):
-    """What a response (or a stream, once read) says about itself, engine-neutral."""
-
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    finish_reason: str | None = None
-    first_token_id: int | None = None
-    first_text: str | None = None
-    error: str | None = None  # an error event, or an abort finish (SGLang), in the answer
-    # the engine parsed the text (a reasoning or tool-call parser: `reasoning_content`,
-    # `tool_calls`): its first text is no measure of the first token
-    parsed: bool = False
-    # (a prefill's) the texts of the other first tokens its logprobs put within the near-tie margin
-    # of the one it drew: a decode starting on one of them drew from near-tied logits
-    ties: tuple[str, ...] = ()
-    # (a decode's) its first token differed from the prefill's, but was one of the prefill's ties
-    tied: bool = False
 
 
 def preflight(

@@ -12,8 +12,7 @@ from urllib.parse import parse_qs, unquote
 
 import msgspec
 
-from gateway.admission import Admission
-from gateway.errors import (
+from common.errors import (
     SHUTDOWN_CANCEL,
     BadRequest,
     ErrorCode,
@@ -27,14 +26,16 @@ from gateway.errors import (
     error_body,
     sse_error_event,
 )
+from common.request import parse_request
+from common.workers import Engine, Role, RouteKind
+from gateway.admission import Admission
 from gateway.http.server import HttpRequest, HttpResponder, Refusal
 from gateway.ids import IdGenerator
 from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
-from gateway.parse import parse_request
 from gateway.registry import Registry
-from policies.snapshot import ClusterSnapshot, Engine, Role, RouteKind
+from policies.snapshot import ClusterSnapshot
 
 if TYPE_CHECKING:
     from gateway.admin import Admin

@@ -28,10 +28,10 @@ from collections.abc import Iterable
 import msgspec
 
 from adapters import ProbeInfo
+from common.workers import Engine, Role
 from gateway.http.errors import LocalResourceError, UpstreamError
 from gateway.logging import get_logger
 from gateway.registry import Registry, Worker
-from policies.snapshot import Engine, Role
 
 log = get_logger("pd_gateway.health")
 

@@ -23,8 +23,7 @@ from typing import Any
 import msgspec
 
 from adapters import EngineAdapter, HandoffCtx, HandoffMode, PrefillVerdict
-from gateway.deadlines import DeadlineWheel
-from gateway.errors import (
+from common.errors import (
     BadRequest,
     ContextLengthExceeded,
     GatewayError,
@@ -39,30 +38,24 @@ from gateway.errors import (
     cancelled_outcome,
     sse_error_event,
 )
-from gateway.guards import Guard, GuardSettings, Summary, check_decode, preflight
+from common.jsonbytes import iter_sse_data
+from common.jsonbytes import rewrite as _body_rewrite
+from common.request import ParsedRequest
+from common.summary import Summary
+from common.workers import Engine, Role, RouteKind, WorkerState
+from gateway.deadlines import DeadlineWheel
+from gateway.guards import Guard, GuardSettings, check_decode, preflight
 from gateway.http.client import UpstreamResponse
 from gateway.http.errors import LocalResourceError, UpstreamConnectError, UpstreamProtocolError
 from gateway.http.server import HttpResponder, Responder
 from gateway.ids import new_room
-from gateway.jsonbytes import iter_sse_data
-from gateway.jsonbytes import rewrite as _body_rewrite
 from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
-from gateway.parse import ParsedRequest
 from gateway.registry import Registry, Worker
 from gateway.samples import SampleMerger, sample_request, unit_count
 from gateway.streamwatch import StreamStopped, StreamWatch
 from policies.base import Completed, Failed, Policy, pair_id, plan_worker_ids, routed_event
-from policies.snapshot import (
-    Colocated,
-    Disaggregated,
-    Engine,
-    Reject,
-    RequestView,
-    Role,
-    RouteKind,
-    WorkerState,
-)
+from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
 
 log = get_logger("pd_gateway.request")
 

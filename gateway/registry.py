@@ -15,10 +15,11 @@ from urllib.parse import urlsplit
 import msgspec
 
 from adapters import ADAPTERS, EngineAdapter, ProbeInfo
+from common.workers import Engine, Role, RouteKind, WorkerLoad, WorkerState
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.endpoints import canonical_url
 from gateway.http.client import UpstreamPool
-from policies.snapshot import ClusterSnapshot, Engine, Role, RouteKind, WorkerLoad, WorkerState
+from policies.snapshot import ClusterSnapshot
 
 _replace = msgspec.structs.replace
 

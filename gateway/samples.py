@@ -42,9 +42,9 @@ from typing import Any
 
 import msgspec
 
+from common.request import ParsedRequest, parse_request
+from common.workers import RouteKind
 from gateway.http.server import Responder
-from gateway.parse import ParsedRequest, parse_request
-from policies.snapshot import RouteKind
 
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 
-from gateway.guards import Summary
+from common.summary import Summary
 
 _SEP = b"\n\n"
 # Both engines write compact JSON (orjson / pydantic): a finish reason that is set starts with a

@@ -11,6 +11,8 @@ from __future__ import annotations
 import aiohttp
 
 from adapters import ADAPTERS
+from common.request import parse_request
+from common.workers import Engine, Role, RouteKind
 from emulator.api import EmulatorSpec
 from gateway.breaker import BreakerState
 from gateway.config import (
@@ -18,9 +20,7 @@ from gateway.config import (
     BreakerConfig,
     RetriesConfig,
 )
-from gateway.parse import parse_request
 from gateway.registry import BreakerSettings, Registry, Worker
-from policies.snapshot import Engine, Role, RouteKind
 from tests.faults.sglang_pd import sglang_pd
 from tests.integration.test_engine_request_names import _ctx
 

@@ -13,10 +13,10 @@ import aiohttp
 import msgspec
 import pytest
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
-from policies.snapshot import Engine, Role
 
 ENGINES = [Engine.VLLM, Engine.SGLANG]
 

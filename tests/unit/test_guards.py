@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from adapters._summary import summarize_generate, summarize_openai
-from gateway.guards import GuardSettings, Summary, check_decode, preflight
+from common.summary import Summary
+from common.workers import Role
+from gateway.guards import GuardSettings, check_decode, preflight
 from gateway.orchestrator import texts_agree
 from gateway.streamwatch import StreamStopped, StreamWatch
-from policies.snapshot import Role
 from policies.testing import make_worker
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
+from common.workers import Engine, Role
 from gateway.registry import BreakerSettings, Registry, Worker
-from policies.snapshot import Engine, Role
 
 
 def _registry(open_s: float = 30.0) -> tuple[Registry, Worker, Worker, Worker]:

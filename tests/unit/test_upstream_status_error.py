@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import cast
 
-from gateway.errors import UpstreamFailure, UpstreamRejected
+from common.errors import UpstreamFailure, UpstreamRejected
 from gateway.orchestrator import _upstream_status_error
 from gateway.registry import Worker
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import msgspec
 
-from gateway.errors import BadRequest
-from gateway.jsonbytes import splice
-from gateway.lax import coerce_openai_fields
-from policies.snapshot import RouteKind
+from common.errors import BadRequest
+from common.jsonbytes import splice
+from common.lax import coerce_openai_fields
+from common.workers import RouteKind
 
 # Accounting defaults when the client gives no limit (engines differ; these only weigh load).
 DEFAULT_MAX_TOKENS = {RouteKind.COMPLETIONS: 16, RouteKind.CHAT: 256, RouteKind.GENERATE: 128}
