@@ -112,12 +112,43 @@ class EngineAdapter(Protocol):
     load_paths: ClassVar[tuple[str, ...]]
     info_paths: ClassVar[tuple[str, ...]]
 
+    # what marks the stream events that end an answer (a finish reason, an error event): the
+    # gateway holds a checked stream's end from the first of them (gateway/streamwatch.py)
+    stream_end_markers: ClassVar[tuple[bytes, ...]]
+
     def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
         """The body for a single worker doing both phases (usually the client's bytes)."""
         ...
 
     def summarize(self, req: ParsedRequest, payloads: Iterable[bytes]) -> Summary:
         """What an answer (a whole body, or a stream's `data:` payloads) says about itself."""
+        ...
+
+    def summarize_prefill(self, req: ParsedRequest, body: bytes) -> Summary:
+        """What a prefill's answer (read whole, whatever its form) says about itself."""
+        ...
+
+    def answer_text(self, req: ParsedRequest, body: bytes, *, stream: bool) -> str | None:
+        """The text of a one-answer body (or a stream's bytes), for shadow comparisons; None
+        where it has none."""
+        ...
+
+    def without_usage_chunk(self, events: bytes) -> bytes:
+        """Whole stream events less the usage chunk the gateway asked for and the client did not
+        (`HandoffCtx.stream_usage`), as the engine would have sent them without it."""
+        ...
+
+    def refused_in_stream(self, body: bytes) -> bool:
+        """Is this streamed answer (read whole) the engine refusing the request?"""
+        ...
+
+    def shadow_body(self, req: ParsedRequest, tokens: int) -> bytes:
+        """The body of a shadow re-run: the request, greedy as sent, for `tokens` tokens, whole,
+        without anything the gateway adds for P/D."""
+        ...
+
+    def split_units(self, req: ParsedRequest) -> list[ParsedRequest]:
+        """`req` as single-prompt, single-sample requests (only asked where `splits_samples`)."""
         ...
 
     def supports_pd(self, req: ParsedRequest) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import ClassVar
 
+from adapters._shapes import SharedShapes
 from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
@@ -13,7 +14,7 @@ from common.summary import Summary
 from common.workers import Engine, RouteKind, WorkerLoad
 
 
-class OpenAIAdapter:
+class OpenAIAdapter(SharedShapes):
     engine: ClassVar[Engine] = Engine.OPENAI
     handoff: ClassVar[HandoffMode] = HandoffMode.NONE
     splits_samples: ClassVar[bool] = False  # colocated only

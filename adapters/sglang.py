@@ -36,6 +36,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from adapters._shapes import SharedShapes
+from adapters._split import split_units
 from adapters._summary import summarize_generate, summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
@@ -117,7 +119,7 @@ def _bootstrap_prefix(prefill_url: str, bootstrap_port: int | None) -> bytes:
     )
 
 
-class SGLangAdapter:
+class SGLangAdapter(SharedShapes):
     engine: ClassVar[Engine] = Engine.SGLANG
     handoff: ClassVar[HandoffMode] = HandoffMode.CONCURRENT
     splits_samples: ClassVar[bool] = True  # 0.5.23 gives all samples one room: n > 1 hangs in P/D
@@ -218,6 +220,10 @@ class SGLangAdapter:
 
     def supports_pd(self, req: ParsedRequest) -> bool:
         return True
+
+    def split_units(self, req: ParsedRequest) -> list[ParsedRequest]:
+        # 0.5.23 gives all samples of a request one bootstrap room: n > 1 hangs in P/D
+        return split_units(req)
 
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
         return self._pd_body(req, ctx, prefill=True)

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import msgspec
 
+from adapters._shapes import SharedShapes
 from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
@@ -98,7 +99,7 @@ _completion_lp = msgspec.json.Decoder(_CompletionLogprobs)
 _chat_lp = msgspec.json.Decoder(_ChatLogprobs)
 
 
-class VLLMAdapter:
+class VLLMAdapter(SharedShapes):
     engine: ClassVar[Engine] = Engine.VLLM
     handoff: ClassVar[HandoffMode] = HandoffMode.SEQUENTIAL
     splits_samples: ClassVar[bool] = False  # n > 1 is served by the decode alone (supports_pd)

@@ -194,6 +194,11 @@ class ParsedRequest:
         )
 
     @property
+    def units(self) -> int:
+        """Prompts times samples: the single-prompt, single-sample requests it holds."""
+        return self.batch * self.n if self.is_batch else self.n
+
+    @property
     def accounting_max_tokens(self) -> int:
         return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS[self.route]
 

@@ -57,6 +57,9 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     bootstrap_port: int | None = None  # SGLang prefill only
     block_size: int | None = None  # KV block size the engine reports (vLLM: cache_config_info)
     vocab_size: int | None = None  # configured: prompt token ids must be below it
+    # a decode worker of this engine answers a request alone, prefill included (vLLM's kv_both
+    # can; an SGLang decode server cannot): its adapter's `decode_alone`
+    decode_alone: bool = False
     weight: float = 1.0
     labels: tuple[tuple[str, str], ...] = ()
     inflight: int = 0  # requests the gateway has in flight on it

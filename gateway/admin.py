@@ -41,7 +41,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
 import msgspec
@@ -60,9 +60,12 @@ from gateway.breaker import BreakerState
 from gateway.config import ConfigError, WorkerConfig
 from gateway.endpoints import same_server
 from gateway.health import HealthChecker
-from gateway.http.server import HttpRequest, HttpResponder
+from gateway.http.server import HttpRequest
 from gateway.logging import get_logger
 from gateway.registry import Registry, Worker
+
+if TYPE_CHECKING:
+    from gateway.orchestration import RequestContext
 
 log = get_logger("pd_gateway.admin")
 
@@ -115,7 +118,7 @@ class Admin:
         self.allowed_key_envs = allowed_key_envs
         self.admission = admission
         # set by the gateway: generation requests whose response has not started yet
-        self.unstarted: Callable[[], list[HttpResponder]] = list
+        self.unstarted: Callable[[], list[RequestContext]] = list
         # set by the gateway: the (host, port) it listens on, to refuse a worker that is itself
         self.own_address: Callable[[], tuple[str, int] | None] = lambda: None
         self._adding: dict[str, Worker] = {}  # workers being probed, by id
@@ -294,7 +297,7 @@ class Admin:
             if planned_before:
                 # (a request whose vLLM decode leg moved to another decode no longer names it)
                 planned_before = [
-                    r for r in planned_before if not r.started and not r.closed and w.id in r.planned
+                    r for r in planned_before if not r.responded and not r.closed and w.id in r.planned
                 ]
             if w.inflight == 0 and not planned_before:
                 break
@@ -302,7 +305,7 @@ class Admin:
         left = w.inflight
         # planned for it before the drain, response not started: such a request's next leg
         # finds the worker gone (a retry elsewhere, or a 503), so it was not drained either
-        pending = sum(1 for r in planned_before if not r.started and not r.closed and w.id in r.planned)
+        pending = sum(1 for r in planned_before if not r.responded and not r.closed and w.id in r.planned)
         await self.registry.remove(w.id)
         self.health.forget(w.id)
         self.health.check_models()

@@ -23,7 +23,7 @@ from gateway.http.limits import ServerLimits
 from gateway.http.server import HttpServer, start_server
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
+from gateway.orchestration import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
 from gateway.registry import BreakerSettings, Registry, Worker
 from policies.build import build_policy
 

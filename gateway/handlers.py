@@ -26,14 +26,14 @@ from common.errors import (
     error_body,
     sse_error_event,
 )
-from common.request import parse_request
-from common.workers import Engine, Role, RouteKind
+from common.request import ParsedRequest, parse_request
+from common.workers import Role, RouteKind
 from gateway.admission import Admission
 from gateway.http.server import HttpRequest, HttpResponder, Refusal
 from gateway.ids import IdGenerator
 from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import Orchestrator
+from gateway.orchestration import Orchestrator, RequestContext
 from gateway.registry import Registry
 from policies.snapshot import ClusterSnapshot
 
@@ -94,8 +94,10 @@ class Handlers:
         self._count_tokens = self.admission.max_tokens is not None
         self.admin = admin  # None: /admin/* is 404
         self._log_done = info_enabled(log)  # as the orchestrator: built only when it is written
-        # generation requests in flight: their responder and handler task (for shutdown)
-        self._live: dict[HttpResponder, asyncio.Task[None] | None] = {}
+        # generation requests in flight: their responder and context (for shutdown, admin)
+        self._live: dict[HttpResponder, RequestContext] = {}
+        # generation requests being handled (parsed, queued or in flight): their ids, for `stalled`
+        self._names: dict[HttpResponder, str] = {}
         self.started = int(time.time())
         post: dict[str, RouteKind] = {
             "/v1/chat/completions": RouteKind.CHAT,
@@ -216,9 +218,12 @@ class Handlers:
         `pdgw_requests_total` say outcome `client_stalled`); a whole answer already handed to the
         connection was served (its engines done) and keeps its outcome."""
         self.metrics.child(self.metrics.client_stalls).inc()
+        request_id = None
+        if res is not None:  # a request still handled, else the id its answer echoed
+            request_id = self._names.get(res) or _echoed_id(res)
         log.info(
             "request.client_stalled",
-            request_id=res.request_id if res is not None else None,
+            request_id=request_id,
             stalled_s=round(stalled_s, 3),
             answered=res is None or res.finished,  # the whole answer was written (to buffers)
         )
@@ -264,9 +269,37 @@ class Handlers:
         )
 
     async def generate(self, route: RouteKind, req: HttpRequest, res: HttpResponder) -> None:
+        """A generation request: parsed, admitted, then served by the orchestrator (each stage's
+        refusals answered, counted and logged here)."""
         started = time.monotonic()
         request_id = self.request_id(req)
-        res.request_id = request_id  # (named by `stalled` if its client stops reading)
+        names = self._names
+        names[res] = request_id  # (named by `stalled` if its client stops reading)
+        try:
+            parsed = self._parse(route, req, res, request_id, started)
+            if parsed is None:
+                return
+            task = res.task if res.task is not None else asyncio.current_task()
+            assert task is not None
+            ctx = self.orchestrator.context(parsed, request_id, res, task, req.header(b"authorization"))
+            client = self.client_key(req)
+            tokens = ctx.tokens if self._count_tokens else 0
+            if not await self._admit(route, req, res, ctx, client, tokens, started):
+                return
+            live = self._live
+            live[res] = ctx
+            try:
+                await self.orchestrator.serve(ctx)
+            finally:
+                del live[res]
+                self.admission.leave(client, tokens)
+        finally:
+            del names[res]
+
+    def _parse(
+        self, route: RouteKind, req: HttpRequest, res: HttpResponder, request_id: str, started: float
+    ) -> ParsedRequest | None:
+        """The request parsed, or None when it was refused (answered, counted and logged)."""
         ctype = req.header(b"content-type")
         try:
             if ctype is not None and b"json" not in ctype.lower():
@@ -279,13 +312,12 @@ class Handlers:
                     f"unsupported content-encoding {coding.decode(errors='replace')!r}; send the JSON "
                     "body uncompressed"
                 )
-            models = self.registry.models()
             # a request naming no model goes to the one model served on its route (SGLang's
             # /generate has no `model` field: behind a gateway that also serves vLLM models, its
             # clients still reach the SGLang one); with none on the route, to the one model
             # served, whose answer then names the route it lacks
-            serving = self.registry.models_for(route) or models
-            parsed = parse_request(
+            serving = self.registry.models_for(route) or self.registry.models()
+            return parse_request(
                 route,
                 req.path,
                 req.body,
@@ -298,45 +330,49 @@ class Handlers:
             self._error(res, e, request_id)
             if self._log_done:
                 self._log_early(req.path, route, request_id, None, e, started, "request")
-            return
-        adm = self.admission
-        client = self.client_key(req)
-        tokens = 0
-        if self._count_tokens:
-            v = self.orchestrator.view(parsed, request_id)
-            tokens = v.prompt_tokens + v.max_tokens
+            return None
+
+    async def _admit(
+        self,
+        route: RouteKind,
+        req: HttpRequest,
+        res: HttpResponder,
+        ctx: RequestContext,
+        client: str,
+        tokens: int,
+        started: float,
+    ) -> bool:
+        """Take an admission slot (waiting in its queue if need be): False when refused (answered,
+        counted and logged); a client that leaves while queued is counted and logged too."""
+        adm, parsed = self.admission, ctx.req
         try:
             if not adm.admit_now(client, tokens):
                 await adm.wait(client, tokens)
+            return True
         except GatewayError as e:
             # the model label only for a served model: client-chosen names would grow the series
-            model = parsed.model if parsed.model in models else ""
+            model = parsed.model if parsed.model in self.registry.models() else ""
             self.metrics.child(self.metrics.requests, route.value, model, "none", e.code.value).inc()
-            self._error(res, e, request_id)
+            self._error(res, e, ctx.request_id)
             if self._log_done:
-                self._log_early(req.path, route, request_id, parsed.model, e, started, "admission")
-            return
+                self._log_early(req.path, route, ctx.request_id, parsed.model, e, started, "admission")
+            return False
         except asyncio.CancelledError as c:  # the client went away while queued
             # (or the gateway cancelled it, as the orchestrator tells the two apart)
             gone = cancelled_outcome(c, res.stalled_s > 0)
-            model = parsed.model if parsed.model in models else ""
+            model = parsed.model if parsed.model in self.registry.models() else ""
             self.metrics.child(self.metrics.requests, route.value, model, "none", gone).inc()
             if self._log_done:
-                self._log_early(req.path, route, request_id, parsed.model, None, started, "admission", gone)
+                self._log_early(
+                    req.path, route, ctx.request_id, parsed.model, None, started, "admission", gone
+                )
             raise
-        live = self._live
-        live[res] = res.task if res.task is not None else asyncio.current_task()
-        try:
-            await self.orchestrator.serve(parsed, request_id, res, req.header(b"authorization"))
-        finally:
-            del live[res]
-            adm.leave(client, tokens)
 
-    def unstarted(self) -> list[HttpResponder]:
+    def unstarted(self) -> list[RequestContext]:
         """Generation requests running whose response has not started: they may still pick (or
         retry onto) workers. Once a response has started, its workers are fixed and counted in
         their `inflight`."""
-        return [res for res in self._live if not res.started]
+        return [ctx for ctx in self._live.values() if not ctx.responded]
 
     def cut(self, message: str = "the gateway is shutting down") -> int:
         """Shutdown after the grace period: end every generation request still running with a
@@ -344,7 +380,8 @@ class Handlers:
         cancel its handler, so the orchestrator aborts its engine legs. Returns how many."""
         err = Unavailable(message, code=ErrorCode.SHUTTING_DOWN, retry_after_s=self.admission.retry_after_s)
         n = 0
-        for res, task in list(self._live.items()):
+        for res, ctx in list(self._live.items()):
+            task = ctx.task
             if not res.finished and not res.closed:
                 if res.started:
                     res.write(sse_error_event(err.message, err.type, err.code.value))
@@ -414,12 +451,17 @@ def _routes(snap: ClusterSnapshot, model: str, open_pairs: frozenset[str]) -> li
             out.append(f"disaggregated:{engine.value}")
         if col:
             out.append(f"colocated:{engine.value}")
-        elif dec and not paired and engine is Engine.VLLM:
+        elif not paired and any(w.decode_alone for w in dec):
             out.append(f"decode_self_prefill:{engine.value}")  # the planner's last resort (policies/pd.py)
     return out
 
 
 __all__ = ["Handlers", "error_body"]
+
+
+def _echoed_id(res: HttpResponder) -> str | None:
+    value = res.sent_header(b"x-request-id")
+    return value.decode() if value is not None else None
 
 
 def _address(req: HttpRequest) -> str:

@@ -148,6 +148,7 @@ class Worker:
             block_size=self.info.block_size,
             labels=self.labels,
             vocab_size=self.vocab_size,
+            decode_alone=self.adapter.decode_alone,
             inflight=self.inflight,
             inflight_tokens=self.inflight_tokens,
             load=self.load,

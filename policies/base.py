@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from common.outcomes import LegRecord
 from policies.snapshot import (
     ClusterSnapshot,
     Colocated,
@@ -58,20 +59,24 @@ class Routed(msgspec.Struct, frozen=True, tag="routed"):
 
 
 class Completed(msgspec.Struct, frozen=True, tag="completed"):
-    """The request finished successfully on these workers."""
+    """The request finished successfully on these workers. `legs`: each engine leg's outcome in
+    the attempt that served it (`common.outcomes.LegRecord`)."""
 
     request_id: str
     worker_ids: tuple[str, ...]
     ttft_s: float | None = None
     output_tokens: int = 0
+    legs: tuple[LegRecord, ...] = ()
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed"):
-    """An attempt failed. `phase` is where: "connect", "prefill", "handoff", "decode", "guard"."""
+    """An attempt failed. `phase` is where: "connect", "prefill", "handoff", "decode", "guard".
+    `legs`: each engine leg's outcome in that attempt, so far (`common.outcomes.LegRecord`)."""
 
     request_id: str
     worker_ids: tuple[str, ...]
     phase: str
+    legs: tuple[LegRecord, ...] = ()
 
 
 PolicyEvent = Routed | Completed | Failed

@@ -1,0 +1,178 @@
+"""One request's state on its way through the orchestrator, in one object.
+
+`RequestContext` is made by `Orchestrator.context` when a request has been parsed, and carries
+everything the request path needs about it: the parsed request and its routing view, the
+client's responder, the handler task that its deadlines cancel, the engine-bound headers, the
+plan's workers, the retry state (attempt number, exclusions, history) and the current `Attempt`.
+A split request's units (gateway/orchestration/split.py) get contexts of their own (`unit`),
+which share the request's deadlines and headers.
+
+Places kept for what comes next: each `Attempt` collects a `LegRecord` per engine leg as it
+ends (`Attempt.legs`), which `Completed` and `Failed` events hand to the policy's `observe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+
+from common.errors import UpstreamFailure
+from common.outcomes import LegRecord
+from common.request import ParsedRequest
+from gateway.deadlines import DeadlineWheel
+from gateway.http.server import Responder
+from policies.snapshot import RequestView
+
+Header = tuple[bytes, bytes]
+
+
+class Phase(enum.StrEnum):
+    """Where an attempt is. planned → prefill (SGLang: prefill ∥ decode) → handoff → streaming
+    → done; a failure is recorded with the phase it happened in."""
+
+    PLANNED = "planned"
+    PREFILL = "prefill"
+    HANDOFF = "handoff"
+    STREAMING = "streaming"
+    DONE = "done"
+
+
+class Attempt:
+    """One attempt's position in its state machine and what it learned, for logging, metrics
+    and the policy's events."""
+
+    __slots__ = (
+        "cut",
+        "decode",
+        "first_byte_at",
+        "legs",
+        "moved_from",
+        "phase",
+        "plan_kind",
+        "prefill",
+        "prefill_done_at",
+        "started",
+    )
+
+    def __init__(self) -> None:
+        self.cut = False  # a split unit cancelled because a sibling failed: no verdict on its workers
+        self.phase = Phase.PLANNED
+        self.plan_kind = "none"
+        self.prefill: str | None = None
+        self.decode: str | None = None
+        self.started = time.monotonic()
+        self.prefill_done_at = 0.0
+        self.first_byte_at = 0.0
+        self.moved_from: list[str] | None = None  # vLLM decodes this attempt's decode leg left
+        self.legs: list[LegRecord] = []  # each engine leg's outcome, in the order they ended
+
+
+class RequestContext:
+    """Everything one request's path needs, from planning to the access log line."""
+
+    __slots__ = (
+        "attempt",
+        "attempt_no",
+        "began",
+        "echo",
+        "exclude",
+        "headers",
+        "history",
+        "last_error",
+        "outcome",
+        "planned",
+        "req",
+        "request_id",
+        "res",
+        "task",
+        "view",
+        "wheel",
+    )
+
+    def __init__(
+        self,
+        req: ParsedRequest,
+        request_id: str,
+        res: Responder,
+        task: asyncio.Task[None],
+        view: RequestView,
+        wheel: DeadlineWheel,
+        headers: list[Header],
+        echo: Header,
+    ) -> None:
+        self.req = req
+        self.request_id = request_id
+        self.res = res  # the client's responder (a split unit's: its SampleSink)
+        self.task = task  # the request's handler task: what a deadline cancels
+        self.view = view
+        self.wheel = wheel
+        self.headers = headers  # engine-bound: content type, request id, forwarded authorization
+        self.echo = echo  # the x-request-id header echoed to the client
+        self.began = 0.0  # monotonic, when serving began (after admission)
+        self.attempt = Attempt()
+        self.attempt_no = 0
+        self.history: list[str] = []  # failed attempts: "plan:phase reached:error code"
+        self.exclude: set[str] = set()  # worker and pair ids that failed for this request
+        self.last_error: UpstreamFailure | None = None
+        # the workers of the plan running now (a moved vLLM decode's new one), for whoever waits
+        # on requests not started yet (the admin API removing a worker)
+        self.planned: tuple[str, ...] = ()
+        self.outcome = "ok"
+
+    @property
+    def tokens(self) -> int:
+        """Prompt and output tokens the request brings, in the workers' load accounting."""
+        return self.view.prompt_tokens + self.view.max_tokens
+
+    @property
+    def responded(self) -> bool:
+        """The response to the client has started: its workers are fixed."""
+        return self.res.started
+
+    @property
+    def closed(self) -> bool:
+        """The client's connection is gone."""
+        return self.res.closed
+
+    @property
+    def unjudged(self) -> bool:
+        """Does the attempt end without a verdict on its workers (the client left, or the attempt
+        was cut: a sibling unit failed, the gateway ran short of resources)?"""
+        return self.res.closed or self.attempt.cut
+
+    def unit(
+        self, req: ParsedRequest, request_id: str, res: Responder, task: asyncio.Task[None], view: RequestView
+    ) -> RequestContext:
+        """A split request's unit as a request of its own: its own request, name, sink, task and
+        attempt, the parent's deadlines, headers and echoed id."""
+        u = RequestContext(req, request_id, res, task, view, self.wheel, self.headers, self.echo)
+        a, parent = u.attempt, self.attempt
+        a.plan_kind, a.prefill, a.decode = parent.plan_kind, parent.prefill, parent.decode  # metric labels
+        return u
+
+
+def request_view(req: ParsedRequest, request_id: str, chars_per_token: float) -> RequestView:
+    """What routing needs of a request (policies read only this)."""
+    units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / chars_per_token) + 1
+    return RequestView(
+        request_id=request_id,
+        model=req.model,
+        route=req.route,
+        prompt_tokens=units,
+        max_tokens=req.accounting_max_tokens * req.n * req.batch,
+        stream=req.stream,
+        n=req.n,
+        greedy=req.greedy,
+        session_key=_session_key(req.fields.session_id) or req.fields.user,
+    )
+
+
+def _session_key(sid: object) -> str | None:
+    """A client's `session_id` as a routing key: a string or an integer; anything else (not an
+    engine field, so no engine refuses it) is ignored."""
+    if sid is None or isinstance(sid, str):
+        return sid
+    if isinstance(sid, int) and not isinstance(sid, bool):
+        return str(sid)
+    return None

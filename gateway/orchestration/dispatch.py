@@ -1,0 +1,72 @@
+"""Run one attempt's plan: the checks before any leg is sent, then the handoff shape the plan and
+the decode's adapter call for.
+
+    Reject          -> the error that says why (checks.rejected)
+    Colocated       -> colocated.run_colocated
+    Disaggregated   -> the decode's adapter decides:
+        cannot split this request (supports_pd false) -> the decode serves it alone (colocated)
+        n > 1 or a batch, splits_samples             -> split.run_split (one handoff per unit)
+        HandoffMode.CONCURRENT (SGLang)              -> concurrent.run_concurrent
+        HandoffMode.SEQUENTIAL (vLLM)                -> sequential.run_sequential
+"""
+
+from __future__ import annotations
+
+from adapters import HandoffCtx, HandoffMode
+from common.errors import NoWorker
+from gateway.ids import new_room
+from gateway.orchestration.checks import check_fits, rejected
+from gateway.orchestration.colocated import run_colocated
+from gateway.orchestration.concurrent import run_concurrent
+from gateway.orchestration.context import Phase, RequestContext
+from gateway.orchestration.sequential import run_sequential
+from gateway.orchestration.services import Services
+from gateway.orchestration.split import run_split
+from gateway.orchestration.verify import guarded, stream_usage
+from gateway.registry import Worker
+from policies.snapshot import Colocated, Disaggregated, Reject
+
+
+async def execute(s: Services, ctx: RequestContext, plan: Colocated | Disaggregated | Reject) -> None:
+    if isinstance(plan, Reject):
+        raise rejected(s, ctx.req, plan)
+    if isinstance(plan, Colocated):
+        check_fits(s, ctx.req, ctx.request_id, (plan.worker,))
+        w = s.registry.get(plan.worker.id)
+        a = ctx.attempt
+        a.plan_kind, a.decode = "colocated", w.id
+        await run_colocated(s, ctx, w)
+        return
+    check_fits(s, ctx.req, ctx.request_id, (plan.prefill, plan.decode))
+    await _disaggregated(s, ctx, plan, s.registry.get(plan.prefill.id), s.registry.get(plan.decode.id))
+
+
+async def _disaggregated(s: Services, ctx: RequestContext, plan: Disaggregated, p: Worker, d: Worker) -> None:
+    req, a = ctx.req, ctx.attempt
+    if not d.adapter.supports_pd(req):
+        # e.g. a vLLM batch: the decode worker (kv_both) serves it alone, correctly
+        a.plan_kind, a.decode = "decode_self_prefill", d.id
+        s.metrics.child(s.metrics.fallbacks, "decode_self_prefill").inc()
+        await run_colocated(s, ctx, d)
+        return
+    a.plan_kind, a.prefill, a.decode = "disaggregated", p.id, d.id
+    a.phase = Phase.PREFILL
+    if (req.n > 1 or req.is_batch) and d.adapter.splits_samples:
+        await run_split(s, ctx, p, d, plan)
+        return
+    g = s.settings.guards
+    hctx = HandoffCtx(
+        request_id=ctx.request_id,
+        prefill=plan.prefill,
+        decode=plan.decode,
+        room=new_room(s.rng),
+        stream_usage=stream_usage(s.settings, req),
+        near_ties=g.near_tie_alternatives if req.greedy and p.near_ties and guarded(s.settings, req) else 0,
+        near_tie_margin=g.near_tie_margin,
+    )
+    if d.adapter.handoff is HandoffMode.CONCURRENT:
+        await run_concurrent(s, ctx, p, d, hctx)
+    elif d.adapter.handoff is HandoffMode.SEQUENTIAL:
+        await run_sequential(s, ctx, p, d, hctx)
+    else:
+        raise NoWorker(f"engine {d.engine.value} has no P/D protocol")
