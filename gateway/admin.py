@@ -104,7 +104,7 @@ class Admin:
         health: HealthChecker,
         make_worker: Callable[[WorkerConfig], Worker],
         *,
-        drain_timeout_s: float = 30.0,
+        drain_timeout_s: float,
         allowed_key_envs: frozenset[str] = frozenset(),
         admission: Admission | None = None,
     ) -> None:

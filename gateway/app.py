@@ -16,15 +16,14 @@ from gateway.admin import Admin
 from gateway.admission import Admission
 from gateway.config import ConfigError, GatewayConfig, WorkerConfig
 from gateway.endpoints import first_duplicate, url_host
-from gateway.guards import GuardSettings
 from gateway.handlers import Handlers
-from gateway.health import HealthChecker, HealthSettings
+from gateway.health import HealthChecker
 from gateway.http.limits import ServerLimits
 from gateway.http.server import HttpServer, start_server
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
-from gateway.orchestration import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
-from gateway.registry import BreakerSettings, Registry, Worker
+from gateway.orchestration import Orchestrator
+from gateway.registry import Registry, Worker
 from policies.build import build_policy
 
 log = get_logger("pd_gateway")
@@ -46,11 +45,7 @@ class Gateway:
         Raises ConfigError when a named variable is unset."""
         self.cfg = cfg
         self.environ = os.environ if environ is None else environ
-        b = cfg.breaker
-        self.registry = Registry(
-            BreakerSettings(b.failure_threshold, b.success_threshold, b.open_s),
-            inflight_cap=cfg.limits.max_inflight_per_worker,
-        )
+        self.registry = Registry(cfg.breaker, inflight_cap=cfg.limits.max_inflight_per_worker)
         for wc in cfg.workers:
             self.registry.add(self.make_worker(wc))
         self.policy = build_policy(
@@ -58,51 +53,8 @@ class Gateway:
         )
         self.metrics = metrics or GatewayMetrics()
         self.metrics.watch_cluster(self.registry.snapshot, self.registry.pair_states)
-        t, r = cfg.timeouts, cfg.retries
-        self.orchestrator = Orchestrator(
-            self.registry,
-            self.policy,
-            self.metrics,
-            OrchestratorSettings(
-                timeouts=Timeouts(
-                    connect_s=t.connect_s,
-                    prefill_s=t.prefill_s,
-                    handoff_s=t.handoff_s,
-                    per_token_s=t.per_token_s,
-                    idle_s=t.idle_s,
-                    total_s=t.total_s,
-                ),
-                retries=RetrySettings(
-                    r.max_attempts, r.backoff_initial_s, r.backoff_max_s, r.multiplier, r.jitter
-                ),
-                chars_per_token=cfg.guards.chars_per_token_estimate,
-                forward_authorization=cfg.forward_authorization,
-                ladder=tuple(cfg.fallback.ladder),
-                split_concurrency=cfg.limits.split_concurrency,
-                retry_after_s=cfg.limits.retry_after_s,
-                guards=GuardSettings(
-                    length_preflight=cfg.guards.length_preflight,
-                    decode_consistency=cfg.guards.decode_consistency,
-                    shadow_fraction=cfg.guards.shadow_fraction,
-                    shadow_tokens=cfg.guards.shadow_tokens,
-                    shadow_before_delivery=cfg.guards.shadow_before_delivery,
-                    suspect_window_s=cfg.guards.suspect_window_s,
-                    near_tie_alternatives=cfg.guards.near_tie_alternatives,
-                    near_tie_margin=cfg.guards.near_tie_margin,
-                ),
-            ),
-        )
-        h = cfg.health
-        self.health = HealthChecker(
-            self.registry,
-            HealthSettings(
-                interval_s=h.interval_s,
-                timeout_s=h.timeout_s,
-                failure_threshold=h.failure_threshold,
-                success_threshold=h.success_threshold,
-                scrape_interval_s=h.scrape_interval_s,
-            ),
-        )
+        self.orchestrator = Orchestrator(self.registry, self.policy, self.metrics, cfg)
+        self.health = HealthChecker(self.registry, cfg.health)
         lim = cfg.limits
         self.admission = Admission(
             lim.max_concurrent,
@@ -113,18 +65,7 @@ class Gateway:
             retry_after_s=lim.retry_after_s,
         )
         self.metrics.watch_admission(self.admission.stats)
-        token = cfg.admin.resolve_token(self.environ)
-        self.admin: Admin | None = None
-        if token is not None:
-            self.admin = Admin(
-                token,
-                self.registry,
-                self.health,
-                self.make_worker,
-                drain_timeout_s=cfg.admin.drain_timeout_s,
-                allowed_key_envs=frozenset(w.api_key_env for w in cfg.workers if w.api_key_env),
-                admission=self.admission,
-            )
+        self.admin = self._admin()
         self.handlers = Handlers(
             self.registry,
             self.orchestrator,
@@ -143,6 +84,22 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
         self._hurry = asyncio.Event()
+
+    def _admin(self) -> Admin | None:
+        """The admin API, when a token is configured (read from its environment variable)."""
+        cfg = self.cfg
+        token = cfg.admin.resolve_token(self.environ)
+        if token is None:
+            return None
+        return Admin(
+            token,
+            self.registry,
+            self.health,
+            self.make_worker,
+            drain_timeout_s=cfg.admin.drain_timeout_s,
+            allowed_key_envs=frozenset(w.api_key_env for w in cfg.workers if w.api_key_env),
+            admission=self.admission,
+        )
 
     def make_worker(self, wc: WorkerConfig) -> Worker:
         """A `Worker` for one [[workers]] entry (from the file or the admin API)."""

@@ -75,12 +75,12 @@ class Handlers:
         orchestrator: Orchestrator,
         metrics: GatewayMetrics,
         *,
-        request_id_headers: tuple[str, ...] = ("x-request-id",),
-        max_n: int = 128,
-        max_tokens_cap: int | None = None,
-        client_key_header: str = "",
-        admission: Admission | None = None,
-        admin: Admin | None = None,
+        request_id_headers: tuple[str, ...],
+        max_n: int,
+        max_tokens_cap: int | None,
+        client_key_header: str,
+        admission: Admission,
+        admin: Admin | None,
     ) -> None:
         self.registry = registry
         self.orchestrator = orchestrator
@@ -90,7 +90,7 @@ class Handlers:
         self.max_n = max_n
         self.max_tokens_cap = max_tokens_cap
         self.client_key = client_key_reader(client_key_header)
-        self.admission = admission or Admission(1 << 30, 0, 1.0)
+        self.admission = admission
         self._count_tokens = self.admission.max_tokens is not None
         self.admin = admin  # None: /admin/* is 404
         self._log_done = info_enabled(log)  # as the orchestrator: built only when it is written

@@ -17,23 +17,20 @@ import msgspec
 from adapters import ADAPTERS, EngineAdapter, ProbeInfo
 from common.workers import Engine, Role, RouteKind, WorkerLoad, WorkerState
 from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.config import BreakerConfig, TimeoutsConfig
 from gateway.endpoints import canonical_url
 from gateway.http.client import UpstreamPool
 from policies.snapshot import ClusterSnapshot
 
 _replace = msgspec.structs.replace
+_TIMEOUTS = TimeoutsConfig()
 
 _CLOSED = BreakerState.CLOSED
 _NO_PAIRS: frozenset[str] = frozenset()
 
 
-class BreakerSettings(msgspec.Struct, frozen=True):
-    failure_threshold: int = 5
-    success_threshold: int = 2
-    open_s: float = 30.0
-
-    def new(self) -> CircuitBreaker:
-        return CircuitBreaker(self.failure_threshold, self.success_threshold, self.open_s)
+def new_breaker(cfg: BreakerConfig) -> CircuitBreaker:
+    return CircuitBreaker(cfg.failure_threshold, cfg.success_threshold, cfg.open_s)
 
 
 class Worker:
@@ -80,7 +77,7 @@ class Worker:
         weight: float = 1.0,
         labels: tuple[tuple[str, str], ...] = (),
         breaker: CircuitBreaker | None = None,
-        connect_timeout_s: float = 2.0,
+        connect_timeout_s: float = _TIMEOUTS.connect_s,
         authorization: bytes | None = None,
         vocab_size: int | None = None,
         tls: ssl.SSLContext | None = None,
@@ -156,13 +153,13 @@ class Worker:
 
 
 class Registry:
-    def __init__(self, breaker: BreakerSettings | None = None, inflight_cap: int = 0) -> None:
+    def __init__(self, breaker: BreakerConfig | None = None, inflight_cap: int = 0) -> None:
         self.inflight_cap = inflight_cap  # requests in flight per worker before it is skipped; 0 = no cap
         self._full: set[str] = set()
         self._workers: dict[str, Worker] = {}
         self._pair_breakers: dict[str, CircuitBreaker] = {}
         self._suspect_until: dict[str, float] = {}  # pair id -> monotonic time its suspicion ends
-        self._breaker = breaker or BreakerSettings()
+        self._breaker = breaker or BreakerConfig()
         self._version = 0  # bumped by anything but in-flight counts (membership, health, breakers, load)
         self._models: tuple[str, ...] | None = None  # cached until membership or info changes
         # per route: the workers whose engine does not answer it (cached like _models)
@@ -185,7 +182,7 @@ class Registry:
     def add(self, worker: Worker) -> None:
         if worker.id in self._workers:
             raise ValueError(f"a worker with id {worker.id!r} already exists")
-        worker.breaker = self._breaker.new()
+        worker.breaker = new_breaker(self._breaker)
         self._workers[worker.id] = worker
         self.changed()
 
@@ -310,7 +307,7 @@ class Registry:
         key = f"{prefill_id}|{decode_id}"
         b = self._pair_breakers.get(key)
         if b is None:
-            b = self._breaker.new()
+            b = new_breaker(self._breaker)
             # not kept for a pair whose worker was removed while the request ran (a worker added
             # again under its id must not inherit it)
             if prefill_id in self._workers and decode_id in self._workers:

@@ -26,11 +26,10 @@ Read from the top:
     relay.py         the answer to the client, whole or streamed, checked where guarded
     verify.py        the decode-consistency check of a handoff
     shadow.py        shadow verification (before and after delivery)
-    services.py      what they all use (registry, policy, metrics, settings, abort calls)
+    services.py      what they all use (registry, policy, metrics, configuration, abort calls)
 """
 
 from gateway.orchestration.context import Phase, RequestContext
 from gateway.orchestration.orchestrator import Orchestrator
-from gateway.orchestration.settings import OrchestratorSettings, RetrySettings, Timeouts
 
-__all__ = ["Orchestrator", "OrchestratorSettings", "Phase", "RequestContext", "RetrySettings", "Timeouts"]
+__all__ = ["Orchestrator", "Phase", "RequestContext"]

@@ -14,9 +14,9 @@ import random
 from common.errors import GatewayError, NoWorker, UpstreamFailure
 from common.request import ParsedRequest
 from common.workers import Role
+from gateway.config import RetriesConfig
 from gateway.orchestration.checks import fits_quietly
 from gateway.orchestration.services import Services
-from gateway.orchestration.settings import RetrySettings
 from gateway.orchestration.verify import verifiable
 from gateway.registry import Worker
 from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
@@ -24,7 +24,7 @@ from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
 Plan = Colocated | Disaggregated | Reject
 
 
-def backoff_s(attempt: int, r: RetrySettings, rng: random.Random) -> float:
+def backoff_s(attempt: int, r: RetriesConfig, rng: random.Random) -> float:
     """Delay before attempt `attempt + 1` (attempt counts from 1): exponential with jitter."""
     base = min(r.backoff_max_s, r.backoff_initial_s * r.multiplier ** (attempt - 1))
     return max(0.0, base * (1.0 + r.jitter * (2.0 * rng.random() - 1.0)))
@@ -44,13 +44,13 @@ def out_of_rungs(s: Services, last: UpstreamFailure) -> GatewayError:
     (or what it says the client should be told instead)."""
     if last.instead is not None:
         return last.instead
-    if "shed" not in s.settings.ladder:
+    if "shed" not in s.cfg.fallback.ladder:
         return last
     s.metrics.child(s.metrics.fallbacks, "shed").inc()
     return NoWorker(
         f"{last.message} (phase {last.phase}); no fallback left",
         code=last.code,
-        retry_after_s=s.settings.retry_after_s,
+        retry_after_s=s.cfg.limits.retry_after_s,
     )
 
 
@@ -92,7 +92,7 @@ def other_decode(
     """Another decode for prefill `p`'s KV, chosen by the policy with every other prefill
     left out (the plan pairing them); None when it plans anything else (no such decode, or
     a colocated answer)."""
-    if "other_pair" not in s.settings.ladder:
+    if "other_pair" not in s.cfg.fallback.ladder:
         return None
     others = {w.id for w in s.registry.workers() if w.role is Role.PREFILL and w.id != p.id}
     got = plan(s, view, req, tried | others)

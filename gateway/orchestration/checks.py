@@ -27,7 +27,7 @@ def check_fits(s: Services, req: ParsedRequest, request_id: str, chosen: tuple[W
     """The checks a plan's workers must pass before any leg is sent: vocabulary and length."""
     if req.max_id >= 0:
         check_vocab(req, chosen)
-    g = s.settings.guards
+    g = s.cfg.guards
     if not g.length_preflight:
         return
     why = preflight(req.prompt_peak, req.prompt_is_ids, req.max_tokens, chosen, g, pairs=req.prompt_pairs)
@@ -50,7 +50,7 @@ def fits_quietly(s: Services, req: ParsedRequest, chosen: tuple[WorkerState, ...
             check_vocab(req, chosen)
         except BadRequest:
             return False
-    g = s.settings.guards
+    g = s.cfg.guards
     return not (
         g.length_preflight
         and preflight(req.prompt_peak, req.prompt_is_ids, req.max_tokens, chosen, g, pairs=req.prompt_pairs)
@@ -82,4 +82,4 @@ def rejected(s: Services, req: ParsedRequest, plan: Reject) -> GatewayError:
                 "worker too",
                 param=req.local_prefill.param,
             )
-    return NoWorker(plan.reason, retry_after_s=s.settings.retry_after_s)
+    return NoWorker(plan.reason, retry_after_s=s.cfg.limits.retry_after_s)

@@ -19,7 +19,7 @@ async def run_colocated(s: Services, ctx: RequestContext, w: Worker) -> None:
     body = w.adapter.colocated_body(req, ctx.request_id)
     async with Leg(s, ctx, w, ctx.tokens, Role.COLOCATED, LegShape.ALONE) as leg:
         ctx.attempt.phase = Phase.PREFILL
-        wait_s = s.head_budget(req, w, s.settings.timeouts.prefill_s)
+        wait_s = s.head_budget(req, w, s.cfg.timeouts.prefill_s)
         try:
             try:
                 with ctx.wheel.after(wait_s, ctx.task):

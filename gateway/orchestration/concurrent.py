@@ -57,7 +57,7 @@ async def _through_handoff(s: Services, ctx: RequestContext, h: Handoff, hctx: H
     """To the decode's response headers, past the prefill's verdict; returns the prefill's body."""
     pleg, dleg = h.prefill, h.decode
     p, d = pleg.worker, dleg.worker
-    t = s.settings.timeouts
+    t = s.cfg.timeouts
     a = ctx.attempt
     t0 = time.monotonic()
     wait_s = t.handoff_s

@@ -54,14 +54,14 @@ async def _disaggregated(s: Services, ctx: RequestContext, plan: Disaggregated, 
     if (req.n > 1 or req.is_batch) and d.adapter.splits_samples:
         await run_split(s, ctx, p, d, plan)
         return
-    g = s.settings.guards
+    g = s.cfg.guards
     hctx = HandoffCtx(
         request_id=ctx.request_id,
         prefill=plan.prefill,
         decode=plan.decode,
         room=new_room(s.rng),
-        stream_usage=stream_usage(s.settings, req),
-        near_ties=g.near_tie_alternatives if req.greedy and p.near_ties and guarded(s.settings, req) else 0,
+        stream_usage=stream_usage(s.cfg, req),
+        near_ties=g.near_tie_alternatives if req.greedy and p.near_ties and guarded(s.cfg, req) else 0,
         near_tie_margin=g.near_tie_margin,
     )
     if d.adapter.handoff is HandoffMode.CONCURRENT:

@@ -27,6 +27,7 @@ from common.errors import (
 )
 from common.request import ParsedRequest
 from common.workers import RouteKind
+from gateway.config import GatewayConfig
 from gateway.deadlines import DeadlineWheel
 from gateway.http.server import HttpResponder, Responder
 from gateway.logging import get_logger, info_enabled
@@ -36,12 +37,14 @@ from gateway.orchestration.blame import exclusions
 from gateway.orchestration.context import Attempt, Phase, RequestContext, request_view
 from gateway.orchestration.dispatch import execute
 from gateway.orchestration.services import Services
-from gateway.orchestration.settings import OrchestratorSettings
 from gateway.registry import Registry
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
 from policies.snapshot import Reject, RequestView
 
 log = get_logger("pd_gateway.request")
+
+# after running out of descriptors, pools keep no idle connection this long
+SHORTAGE_S = 4.0
 
 
 class Orchestrator:
@@ -50,14 +53,14 @@ class Orchestrator:
         registry: Registry,
         policy: Policy,
         metrics: GatewayMetrics,
-        settings: OrchestratorSettings | None = None,
+        cfg: GatewayConfig | None = None,
         rng: random.Random | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
-        self.settings = settings or OrchestratorSettings()
-        self.s = Services(registry, policy, metrics, self.settings, rng or random.Random())
+        self.cfg = cfg or GatewayConfig()
+        self.s = Services(registry, policy, metrics, self.cfg, rng or random.Random())
         self._log_done = info_enabled(log)  # the access log line is built only when it is written
         self._wheel: DeadlineWheel | None = None
         self._done_metrics: dict[tuple[RouteKind, str, str, str], tuple[Any, Any, Any]] = {}
@@ -65,7 +68,7 @@ class Orchestrator:
     # -- entry ---------------------------------------------------------------------------------
 
     def view(self, req: ParsedRequest, request_id: str) -> RequestView:
-        return request_view(req, request_id, self.settings.chars_per_token)
+        return request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
 
     def context(
         self,
@@ -79,7 +82,7 @@ class Orchestrator:
         `auth` the client's Authorization header (forwarded where configured)."""
         echo = (b"x-request-id", request_id.encode())
         headers = [(b"content-type", b"application/json"), echo]
-        if auth is not None and self.settings.forward_authorization:
+        if auth is not None and self.cfg.forward_authorization:
             headers.append((b"authorization", auth))
         wheel = self._wheel
         if wheel is None or wheel.loop is not task.get_loop():
@@ -90,7 +93,7 @@ class Orchestrator:
         """Serve one request: attempts until one serves it or none is left (module docstring)."""
         ctx.began = time.monotonic()
         try:
-            with ctx.wheel.after(self.settings.timeouts.total_s, ctx.task):
+            with ctx.wheel.after(self.cfg.timeouts.total_s, ctx.task):
                 while not await self._attempt(ctx):
                     pass
         except TimeoutError:
@@ -102,7 +105,7 @@ class Orchestrator:
             elif isinstance(e, ShortOfResources):
                 # out of descriptors: every pool gives back what it keeps idle, for a while
                 for w in self.registry.workers():
-                    w.pool.shed_idle(self.settings.timeouts.shortage_s)
+                    w.pool.shed_idle(SHORTAGE_S)
             ctx.outcome = e.code.value
             self._fail(ctx, e)
         except asyncio.CancelledError as e:
@@ -122,7 +125,7 @@ class Orchestrator:
         p = plan(self.s, ctx.view, ctx.req, ctx.exclude)
         if ctx.last_error is not None:
             step = rung(p)
-            if step is None or step not in self.settings.ladder:
+            if step is None or step not in self.cfg.fallback.ladder:
                 raise out_of_rungs(self.s, ctx.last_error)
             self.metrics.child(self.metrics.fallbacks, step).inc()
             # after the rung check: a request that fails for good keeps its last attempt's plan
@@ -151,7 +154,7 @@ class Orchestrator:
         ran = ctx.planned  # the plan's workers (a moved vLLM decode's new one)
         self.policy.observe(Failed(ctx.request_id, ran, e.phase, legs=tuple(a.legs)))
         self.metrics.child(self.metrics.upstream_errors, e.worker or "", e.phase, e.code.value).inc()
-        if ctx.responded or ctx.attempt_no >= self.settings.retries.max_attempts:
+        if ctx.responded or ctx.attempt_no >= self.cfg.retries.max_attempts:
             raise e
         ctx.last_error = e
         ctx.exclude.update(exclusions(ran, e))
@@ -166,7 +169,7 @@ class Orchestrator:
             worker=e.worker,
             error=e.message,
         )
-        await asyncio.sleep(backoff_s(ctx.attempt_no, self.settings.retries, self.s.rng))
+        await asyncio.sleep(backoff_s(ctx.attempt_no, self.cfg.retries, self.s.rng))
 
     # -- the end of a request -------------------------------------------------------------------
 

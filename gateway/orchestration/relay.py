@@ -171,7 +171,7 @@ class _Stream:
     async def _pipe(self, piped: asyncio.Future[None]) -> None:
         """Await the pipe, under the stream's idle deadline."""
         resp, w = self.resp, self.w
-        idle = _IdleDeadline(self.ctx.wheel.loop, resp, piped, self.s.settings.timeouts.idle_s)
+        idle = _IdleDeadline(self.ctx.wheel.loop, resp, piped, self.s.cfg.timeouts.idle_s)
         try:
             await piped
         except StreamStopped:

@@ -56,7 +56,7 @@ async def _prefill(
 ) -> tuple[PrefillVerdict, bytes, HandoffCtx]:
     """The prefill leg to its end: (its verdict, its body, the handoff as it was asked)."""
     p, req = pleg.worker, ctx.req
-    t = s.settings.timeouts
+    t = s.cfg.timeouts
     pbody = p.adapter.prefill_body(req, hctx)
     async with pleg:
         try:
@@ -115,7 +115,7 @@ async def _decode(
     dleg = Leg(s, ctx, d, ctx.tokens, Role.DECODE, LegShape.SEQUENTIAL)
     async with Handoff(s, ctx, pleg, dleg, concurrent=False) as h:
         h.check = _check(s, ctx, hctx, p, d, verdict, out)
-        wait_s = s.head_budget(req, d, s.settings.timeouts.handoff_s)
+        wait_s = s.head_budget(req, d, s.cfg.timeouts.handoff_s)
         try:
             with ctx.wheel.after(wait_s, ctx.task):
                 dleg.resp = await d.pool.request("POST", req.path, engine_headers(d, ctx.headers), dbody)
@@ -164,7 +164,7 @@ def _move_decode(
 ) -> Worker:
     """Another decode for the prefill's KV, when the request never reached `d`; raises `e` when
     there is none (or the response has started, or the client left, or enough were tried)."""
-    if ctx.responded or ctx.closed or len(tried) >= s.settings.retries.max_attempts:
+    if ctx.responded or ctx.closed or len(tried) >= s.cfg.retries.max_attempts:
         raise e
     plan = other_decode(s, ctx.view, ctx.req, p, tried)
     if plan is None:

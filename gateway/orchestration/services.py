@@ -1,4 +1,4 @@
-"""What every part of the request path uses: the registry, the policy, the metrics, the settings,
+"""What every part of the request path uses: the registry, the policy, the metrics, the configuration,
 the RNG, and the background tasks the path leaves running (engine abort calls, shadow runs)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from collections.abc import Coroutine
 from typing import Any
 
 from common.request import ParsedRequest
+from gateway.config import GatewayConfig
 from gateway.guards import Guard
 from gateway.http.client import UpstreamResponse
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
-from gateway.orchestration.settings import OrchestratorSettings
 from gateway.registry import Registry, Worker
 from policies.base import Policy
 
@@ -22,6 +22,8 @@ log = get_logger("pd_gateway.request")
 
 Header = tuple[bytes, bytes]
 _ABORT_HEADERS = [(b"content-type", b"application/json")]
+ABORT_S = 2.0  # an abort call to an engine
+ABORT_REPEAT_S = 0.5  # the abort call is sent again after this long
 
 
 def engine_headers(w: Worker, headers: list[Header]) -> list[Header]:
@@ -32,20 +34,20 @@ def engine_headers(w: Worker, headers: list[Header]) -> list[Header]:
 
 
 class Services:
-    __slots__ = ("background", "metrics", "policy", "registry", "rng", "settings")
+    __slots__ = ("background", "cfg", "metrics", "policy", "registry", "rng")
 
     def __init__(
         self,
         registry: Registry,
         policy: Policy,
         metrics: GatewayMetrics,
-        settings: OrchestratorSettings,
+        cfg: GatewayConfig,
         rng: random.Random,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.metrics = metrics
-        self.settings = settings
+        self.cfg = cfg
         self.rng = rng
         self.background: set[asyncio.Task[None]] = set()
 
@@ -73,7 +75,7 @@ class Services:
         limit = req.max_tokens
         if limit is None:
             limit = w.info.context_length or req.accounting_max_tokens
-        return first_byte_s + self.settings.timeouts.per_token_s * limit
+        return first_byte_s + self.cfg.timeouts.per_token_s * limit
 
     def abort_leg(
         self, w: Worker, resp: UpstreamResponse | None, req: ParsedRequest, request_id: str
@@ -91,13 +93,12 @@ class Services:
         """Send the engine's abort call, and once more a moment later: an abort that overtakes
         the request it names (still in the engine's socket buffer) finds nothing to abort, and
         the request would then wait for KV that never comes (300 s on SGLang)."""
-        t = self.settings.timeouts
-        for delay in (0.0, t.abort_repeat_s):
+        for delay in (0.0, ABORT_REPEAT_S):
             if delay:
                 await asyncio.sleep(delay)
             self.metrics.child(self.metrics.aborts_sent, w.engine.value).inc()
             try:
-                async with asyncio.timeout(t.abort_s):
+                async with asyncio.timeout(ABORT_S):
                     resp = await w.pool.request("POST", path, engine_headers(w, _ABORT_HEADERS), body)
                     await resp.read()
                     resp.release()

@@ -31,11 +31,11 @@ def decode_check(
     s: Services, ctx: HandoffCtx, req: ParsedRequest, prefill_adapter: EngineAdapter, prefill_body: bytes
 ) -> DecodeCheck | None:
     """The decode-consistency check for one handoff, or None where it does not apply."""
-    if not guarded(s.settings, req):
+    if not guarded(s.cfg, req):
         return None
     c = DecodeCheck(ctx, prefill_adapter, req, prefill_adapter.summarize_prefill(req, prefill_body))
     c.on_tie = lambda check, decode: _near_tie(s, check, decode)
-    g = s.settings.guards
+    g = s.cfg.guards
     suspects = s.registry.suspect_pairs()  # a shared empty set while no pair is suspect
     if verifiable(req) and (
         (suspects and f"{ctx.prefill.id}|{ctx.decode.id}" in suspects)
@@ -98,7 +98,7 @@ async def verified(s: Services, c: DecodeCheck, body: bytes, stream: bool = Fals
 def maybe_shadow(s: Services, c: DecodeCheck, delivered: bytes) -> None:
     """Shadow verification after delivery: re-run a sampled share of greedy answers and compare
     their first tokens (in the background)."""
-    g = s.settings.guards
+    g = s.cfg.guards
     req = c.req
     if (
         g.shadow_fraction <= 0
@@ -117,13 +117,13 @@ def maybe_shadow(s: Services, c: DecodeCheck, delivered: bytes) -> None:
 
 async def shadow_run(s: Services, c: DecodeCheck, w: Worker) -> bytes | None:
     """The request's first `shadow_tokens` tokens, greedy, on `w` alone; None if it failed."""
-    body = w.adapter.shadow_body(c.req, s.settings.guards.shadow_tokens)
+    body = w.adapter.shadow_body(c.req, s.cfg.guards.shadow_tokens)
     headers = [
         (b"content-type", b"application/json"),
         (b"x-request-id", f"{c.ctx.request_id}-shadow".encode()),
     ]
     try:
-        async with asyncio.timeout(s.settings.timeouts.prefill_s):
+        async with asyncio.timeout(s.cfg.timeouts.prefill_s):
             status, out = await w.pool.fetch("POST", c.req.path, engine_headers(w, headers), body)
     except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
         log.info("shadow.skipped", request_id=c.ctx.request_id, worker=w.id, error=str(e))
@@ -183,7 +183,7 @@ async def _after_delivery(s: Services, c: DecodeCheck, w: Worker, delivered: byt
         shadow_chars=len(want),
     )
     s.registry.pair_breaker(p, d).force_open()
-    s.registry.mark_suspect(f"{p}|{d}", s.settings.guards.suspect_window_s)
+    s.registry.mark_suspect(f"{p}|{d}", s.cfg.guards.suspect_window_s)
     s.registry.changed()
 
 

@@ -31,7 +31,7 @@ async def run_split(s: Services, ctx: RequestContext, p: Worker, d: Worker, plan
     # every unit is built (and checked) before any starts: a unit the engine would refuse is
     # the request's 400, not an error after other units' tokens went out
     units = d.adapter.split_units(req)
-    width = min(len(units), s.settings.split_concurrency)
+    width = min(len(units), s.cfg.limits.split_concurrency)
     merger = SampleMerger(
         req,
         ctx.res,
@@ -45,14 +45,14 @@ async def run_split(s: Services, ctx: RequestContext, p: Worker, d: Worker, plan
         sink = merger.sink(j, task)
         uid = f"{ctx.request_id}-{j}"  # each unit's own, in logs and engine rids
         # its own prompt and budget, in the workers' accounting
-        u = ctx.unit(ureq, uid, sink, task, request_view(ureq, uid, s.settings.chars_per_token))
+        u = ctx.unit(ureq, uid, sink, task, request_view(ureq, uid, s.cfg.guards.chars_per_token_estimate))
         started.append(u)
         hctx = HandoffCtx(
             request_id=uid,
             prefill=plan.prefill,
             decode=plan.decode,
             room=new_room(s.rng),
-            stream_usage=stream_usage(s.settings, ureq),
+            stream_usage=stream_usage(s.cfg, ureq),
         )
         await run_concurrent(s, u, p, d, hctx)
 

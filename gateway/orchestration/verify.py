@@ -17,29 +17,24 @@ from common.errors import KVIntegrityError
 from common.request import ParsedRequest
 from common.summary import Summary
 from common.workers import RouteKind
+from gateway.config import GatewayConfig
 from gateway.guards import Guard, check_decode
 from gateway.orchestration.services import Services
-from gateway.orchestration.settings import OrchestratorSettings
 from gateway.registry import Worker
 
 
-def guarded(settings: OrchestratorSettings, req: ParsedRequest) -> bool:
+def guarded(cfg: GatewayConfig, req: ParsedRequest) -> bool:
     """Does the decode-consistency guard watch this request's decode? (One answer to compare.)"""
-    return settings.guards.decode_consistency and req.n == 1 and not req.is_batch
+    return cfg.guards.decode_consistency and req.n == 1 and not req.is_batch
 
 
-def stream_usage(settings: OrchestratorSettings, req: ParsedRequest) -> bool:
+def stream_usage(cfg: GatewayConfig, req: ParsedRequest) -> bool:
     """Does the decode of this handoff get asked for a usage chunk the client did not ask
     for? Yes for a guarded stream on an OpenAI route: the guard's "finished early" check
     needs the real token count, and counting events is wrong both ways (role-only events;
     SGLang sends several tokens in one event with --stream-interval > 1 or a held-back
     multi-byte character). The chunk is dropped on the way to the client."""
-    return (
-        req.stream
-        and not req.include_usage
-        and req.route is not RouteKind.GENERATE
-        and guarded(settings, req)
-    )
+    return req.stream and not req.include_usage and req.route is not RouteKind.GENERATE and guarded(cfg, req)
 
 
 def verifiable(req: ParsedRequest) -> bool:
@@ -114,7 +109,7 @@ def integrity(
 ) -> KVIntegrityError:
     """A handoff's answer failed a check: counted, and the pair is suspect from now on (its
     next answers are verified before delivery)."""
-    s.registry.mark_suspect(f"{c.ctx.prefill.id}|{c.ctx.decode.id}", s.settings.guards.suspect_window_s)
+    s.registry.mark_suspect(f"{c.ctx.prefill.id}|{c.ctx.decode.id}", s.cfg.guards.suspect_window_s)
     s.guard_failed(
         guard,
         stage,

@@ -20,7 +20,7 @@ from gateway.config import (
     BreakerConfig,
     RetriesConfig,
 )
-from gateway.registry import BreakerSettings, Registry, Worker
+from gateway.registry import Registry, Worker
 from tests.faults.sglang_pd import sglang_pd
 from tests.integration.test_engine_request_names import _ctx
 
@@ -115,7 +115,7 @@ async def test_a_decode_whose_handoffs_fail_with_every_prefill_opens_its_own_bre
 
 
 def test_failures_with_one_partner_stay_the_pair_s_and_a_good_handoff_clears_them() -> None:
-    reg = Registry(BreakerSettings(failure_threshold=1, success_threshold=1, open_s=60.0))
+    reg = Registry(BreakerConfig(failure_threshold=1, success_threshold=1, open_s=60.0))
     p1, p2, p3, d = (
         Worker(i, f"http://127.0.0.1:{n}", r, Engine.SGLANG)
         for i, n, r in (

@@ -11,7 +11,8 @@ from adapters._stream import STREAM_END_MARKERS, without_usage_chunk
 from adapters._summary import summarize_generate, summarize_openai
 from common.summary import Summary
 from common.workers import Role
-from gateway.guards import GuardSettings, check_decode, preflight
+from gateway.config import GuardsConfig
+from gateway.guards import check_decode, preflight
 from gateway.orchestration.shadow import texts_agree
 from gateway.streamwatch import StreamStopped, StreamWatch
 from policies.testing import make_worker
@@ -28,7 +29,7 @@ def chunk(i: int, text: str, finish: str | None = None) -> bytes:
 
 
 def test_preflight_refuses_only_what_surely_cannot_fit() -> None:
-    s = GuardSettings()
+    s = GuardsConfig()
     w = make_worker("d", Role.DECODE, context_length=100)
     p = make_worker("p", Role.PREFILL, context_length=100, max_input_len=50)
     assert preflight(40, True, 50, (w,), s) is None
