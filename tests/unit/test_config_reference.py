@@ -85,7 +85,9 @@ def _plain(value: Any) -> Any:
 
 def _defaults(struct: type[msgspec.Struct]) -> dict[str, Any]:
     return {
-        f.name: _plain(f.default) for f in msgspec.structs.fields(struct) if f.default is not msgspec.NODEFAULT
+        f.name: _plain(f.default)
+        for f in msgspec.structs.fields(struct)
+        if f.default is not msgspec.NODEFAULT
     }
 
 

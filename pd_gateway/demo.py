@@ -127,8 +127,9 @@ def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="pd-gateway demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    listen = ListenConfig()  # the gateway's own defaults
+    ap.add_argument("--host", default=listen.host)
+    ap.add_argument("--port", type=int, default=listen.port)
     ap.add_argument("--time-scale", type=float, default=0.05, help="emulator delay scale (0 = no delays)")
     ap.add_argument(
         "--profile", default=None, help="emulator timing profile (see `pd-gateway emulate --help`)"
