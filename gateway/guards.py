@@ -21,7 +21,7 @@ Four checks, each on by default except shadow verification, each with its own me
    requests, and single samples drawn with a seed, the decode's first token agrees with the
    token the prefill sampled.
 4. `shadow` — a sampled share of greedy requests is re-run colocated for a few tokens and
-   compared (see `Orchestrator._shadow`).
+   compared (see gateway/orchestration/shadow.py).
 
 Everything here is pure: summaries in, a verdict (None = fine, else the reason) out.
 """
