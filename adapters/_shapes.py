@@ -13,6 +13,7 @@ import msgspec
 
 from adapters._stream import STREAM_END_MARKERS, refused_in_stream, without_usage_chunk
 from adapters._summary import answer_text, payloads_of, stream_text
+from adapters.base import HandoffCtx, PrefillVerdict
 from common import jsonbytes
 from common.request import ParsedRequest
 from common.summary import Summary
@@ -59,6 +60,15 @@ class SharedShapes:
         else:
             set_ = {"max_tokens": str(tokens).encode(), "stream": b"false"}
         return jsonbytes.rewrite(fields, drop=_NOT_IN_SHADOW, set_=set_)
+
+    def handoff_bodies(self, req: ParsedRequest, ctx: HandoffCtx) -> tuple[bytes, bytes]:
+        return self.prefill_body(req, ctx), self.decode_body(req, ctx, None)
+
+    def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
+        raise NotImplementedError
+
+    def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
+        raise NotImplementedError
 
     def split_units(self, req: ParsedRequest) -> list[ParsedRequest]:
         raise NotImplementedError(f"{type(self).__name__} does not split requests (splits_samples is false)")

@@ -161,6 +161,10 @@ class EngineAdapter(Protocol):
 
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes: ...
 
+    def handoff_bodies(self, req: ParsedRequest, ctx: HandoffCtx) -> tuple[bytes, bytes]:
+        """(the prefill's, the decode's) bodies of a concurrent handoff, sent at once."""
+        ...
+
     def judge_prefill(self, req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:
         """Is this prefill answer a sound basis for the decode? Pure; never raises."""
         ...

@@ -231,6 +231,12 @@ class SGLangAdapter(SharedShapes):
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
         return self._pd_body(req, ctx)
 
+    def handoff_bodies(self, req: ParsedRequest, ctx: HandoffCtx) -> tuple[bytes, bytes]:
+        if not req.stream:  # the same body to both (the prefill is asked for a whole answer anyway)
+            body = self._pd_body(req, ctx)
+            return body, body
+        return self._pd_body(req, ctx, prefill=True), self._pd_body(req, ctx)
+
     # -- judging the prefill --------------------------------------------------------------
 
     def judge_prefill(self, req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:

@@ -33,10 +33,11 @@ class LegOutcome(enum.StrEnum):
     @property
     def verdict(self) -> bool | None:
         """The breaker's verdict: True (it did its part), False (its failure), None (none)."""
-        return _VERDICTS[self]
+        return VERDICTS[self]
 
 
-_VERDICTS: dict[LegOutcome, bool | None] = {
+# each outcome's breaker verdict (as `LegOutcome.verdict`, a lookup without the property's call)
+VERDICTS: dict[LegOutcome, bool | None] = {
     LegOutcome.DONE: True,
     LegOutcome.REFUSED: True,
     LegOutcome.FAILED: False,

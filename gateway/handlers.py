@@ -284,7 +284,12 @@ class Handlers:
             ctx = self.orchestrator.context(parsed, request_id, res, task, req.header(b"authorization"))
             client = self.client_key(req)
             tokens = ctx.tokens if self._count_tokens else 0
-            if not await self._admit(route, req, res, ctx, client, tokens, started):
+            try:
+                admitted = self.admission.admit_now(client, tokens)
+            except GatewayError as e:
+                self._not_admitted(route, req, res, ctx, e, started)
+                return
+            if not admitted and not await self._queue(route, req, res, ctx, client, tokens, started):
                 return
             live = self._live
             live[res] = ctx
@@ -332,7 +337,7 @@ class Handlers:
                 self._log_early(req.path, route, request_id, None, e, started, "request")
             return None
 
-    async def _admit(
+    async def _queue(
         self,
         route: RouteKind,
         req: HttpRequest,
@@ -342,20 +347,14 @@ class Handlers:
         tokens: int,
         started: float,
     ) -> bool:
-        """Take an admission slot (waiting in its queue if need be): False when refused (answered,
-        counted and logged); a client that leaves while queued is counted and logged too."""
-        adm, parsed = self.admission, ctx.req
+        """Wait in the admission queue for a slot: False when refused (answered, counted and
+        logged); a client that leaves while queued is counted and logged too."""
+        parsed = ctx.req
         try:
-            if not adm.admit_now(client, tokens):
-                await adm.wait(client, tokens)
+            await self.admission.wait(client, tokens)
             return True
         except GatewayError as e:
-            # the model label only for a served model: client-chosen names would grow the series
-            model = parsed.model if parsed.model in self.registry.models() else ""
-            self.metrics.child(self.metrics.requests, route.value, model, "none", e.code.value).inc()
-            self._error(res, e, ctx.request_id)
-            if self._log_done:
-                self._log_early(req.path, route, ctx.request_id, parsed.model, e, started, "admission")
+            self._not_admitted(route, req, res, ctx, e, started)
             return False
         except asyncio.CancelledError as c:  # the client went away while queued
             # (or the gateway cancelled it, as the orchestrator tells the two apart)
@@ -367,6 +366,25 @@ class Handlers:
                     req.path, route, ctx.request_id, parsed.model, None, started, "admission", gone
                 )
             raise
+
+    def _not_admitted(
+        self,
+        route: RouteKind,
+        req: HttpRequest,
+        res: HttpResponder,
+        ctx: RequestContext,
+        e: GatewayError,
+        started: float,
+    ) -> None:
+        """Admission refused the request (a full queue, a per-client cap, shutdown): answered,
+        counted and logged."""
+        parsed = ctx.req
+        # the model label only for a served model: client-chosen names would grow the series
+        model = parsed.model if parsed.model in self.registry.models() else ""
+        self.metrics.child(self.metrics.requests, route.value, model, "none", e.code.value).inc()
+        self._error(res, e, ctx.request_id)
+        if self._log_done:
+            self._log_early(req.path, route, ctx.request_id, parsed.model, e, started, "admission")
 
     def unstarted(self) -> list[RequestContext]:
         """Generation requests running whose response has not started: they may still pick (or

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from adapters import HandoffCtx
+from adapters import HandoffCtx, PrefillVerdict
 from common.errors import UpstreamTimeout
 from common.workers import Role
 from gateway.guards import Guard
@@ -33,8 +33,7 @@ _AGREEMENT_S = 0.25
 
 async def run_concurrent(s: Services, ctx: RequestContext, p: Worker, d: Worker, hctx: HandoffCtx) -> None:
     req = ctx.req
-    pbody = p.adapter.prefill_body(req, hctx)
-    dbody = d.adapter.decode_body(req, hctx, None)
+    pbody, dbody = d.adapter.handoff_bodies(req, hctx)
     # the prefill counts as in flight until its answer is in, not until the decode's end
     pleg = Leg(s, ctx, p, ctx.view.prompt_tokens, Role.PREFILL, LegShape.CONCURRENT)
     dleg = Leg(s, ctx, d, ctx.tokens, Role.DECODE, LegShape.CONCURRENT)
@@ -65,7 +64,11 @@ async def _through_handoff(s: Services, ctx: RequestContext, h: Handoff, hctx: H
     try:
         # One timer for both phases (rescheduled at the verdict) instead of one each.
         with ctx.wheel.after(t.prefill_s, ctx.task) as deadline:
-            out = await _verdict(s, ctx, h, hctx, t0)
+            status, out = await _await_prefill(pleg.call, dleg.call, p, d)
+            verdict = _judge(s, ctx, pleg, hctx, status, out, t0)
+            if not verdict.ok:
+                await _refused(s, h, hctx, status, verdict)
+            pleg.complete()
             in_handoff = True
             a.phase = Phase.HANDOFF
             h.check = decode_check(s, hctx, ctx.req, p.adapter, out)
@@ -94,35 +97,36 @@ async def _through_handoff(s: Services, ctx: RequestContext, h: Handoff, hctx: H
     return out
 
 
-async def _verdict(s: Services, ctx: RequestContext, h: Handoff, hctx: HandoffCtx, t0: float) -> bytes:
-    """The prefill's answer, judged by its adapter: its body when it is a sound basis for the
-    decode; else the error that says why (a refusal the decode shares is the request's)."""
-    pleg, dleg = h.prefill, h.decode
-    p, d = pleg.worker, dleg.worker
-    status, out = await _await_prefill(pleg.call, dleg.call, p, d)
+def _judge(
+    s: Services, ctx: RequestContext, pleg: Leg, hctx: HandoffCtx, status: int, out: bytes, t0: float
+) -> PrefillVerdict:
+    """The prefill's answer is in: its leg no longer counts as in flight, and its adapter judges
+    whether it is a sound basis for the decode."""
     pleg.free()
     a = ctx.attempt
     a.prefill_done_at = time.monotonic()
     s.metrics.child(s.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
-    verdict = p.adapter.judge_prefill(ctx.req, hctx, status, out)
-    if not verdict.ok:
-        # the decode, sent the same body, is waiting for this KV: it is aborted on the way out.
-        # The guard's catch, unless the decode refused the request too (the request's fault) or
-        # the prefill failed (5xx: an upstream error)
-        assert dleg.call is not None
-        took = status != 200 and status < 500 and not await _refused_too(d, dleg.call, _AGREEMENT_S)
-        if (status == 200 or took) and not verdict.handoff:
-            s.guard_failed(
-                Guard.PREFILL_VERDICT,
-                "before_first_byte",
-                hctx.request_id,
-                verdict.reason,
-                prefill=p.id,
-                decode=d.id,
-            )
-        raise prefill_refusal(p.id, d.id, verdict, decode_took=took)
-    pleg.complete()
-    return out
+    return pleg.worker.adapter.judge_prefill(ctx.req, hctx, status, out)
+
+
+async def _refused(s: Services, h: Handoff, hctx: HandoffCtx, status: int, verdict: PrefillVerdict) -> None:
+    """Raise the error of a prefill answer that is no basis for the decode. The decode, sent the
+    same body, is waiting for this KV: it is aborted on the way out. The guard's catch, unless
+    the decode refused the request too (the request's fault) or the prefill failed (5xx: an
+    upstream error)."""
+    p, d, decode_call = h.prefill.worker, h.decode.worker, h.decode.call
+    assert decode_call is not None
+    took = status != 200 and status < 500 and not await _refused_too(d, decode_call, _AGREEMENT_S)
+    if (status == 200 or took) and not verdict.handoff:
+        s.guard_failed(
+            Guard.PREFILL_VERDICT,
+            "before_first_byte",
+            hctx.request_id,
+            verdict.reason,
+            prefill=p.id,
+            decode=d.id,
+        )
+    raise prefill_refusal(p.id, d.id, verdict, decode_took=took)
 
 
 async def _await_prefill(

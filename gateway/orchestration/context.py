@@ -17,6 +17,8 @@ import asyncio
 import enum
 import time
 
+import msgspec
+
 from common.errors import UpstreamFailure
 from common.outcomes import LegRecord
 from common.request import ParsedRequest
@@ -38,87 +40,43 @@ class Phase(enum.StrEnum):
     DONE = "done"
 
 
-class Attempt:
+class Attempt(msgspec.Struct, eq=False):
     """One attempt's position in its state machine and what it learned, for logging, metrics
-    and the policy's events."""
+    and the policy's events. (A Struct: built in C, as each request makes one or more.)"""
 
-    __slots__ = (
-        "cut",
-        "decode",
-        "first_byte_at",
-        "legs",
-        "moved_from",
-        "phase",
-        "plan_kind",
-        "prefill",
-        "prefill_done_at",
-        "started",
-    )
-
-    def __init__(self) -> None:
-        self.cut = False  # a split unit cancelled because a sibling failed: no verdict on its workers
-        self.phase = Phase.PLANNED
-        self.plan_kind = "none"
-        self.prefill: str | None = None
-        self.decode: str | None = None
-        self.started = time.monotonic()
-        self.prefill_done_at = 0.0
-        self.first_byte_at = 0.0
-        self.moved_from: list[str] | None = None  # vLLM decodes this attempt's decode leg left
-        self.legs: list[LegRecord] = []  # each engine leg's outcome, in the order they ended
+    cut: bool = False  # a split unit cancelled because a sibling failed: no verdict on its workers
+    phase: Phase = Phase.PLANNED
+    plan_kind: str = "none"
+    prefill: str | None = None
+    decode: str | None = None
+    started: float = msgspec.field(default_factory=time.monotonic)
+    prefill_done_at: float = 0.0
+    first_byte_at: float = 0.0
+    moved_from: list[str] | None = None  # vLLM decodes this attempt's decode leg left
+    legs: list[LegRecord] = []  # each engine leg's outcome, in the order they ended
 
 
-class RequestContext:
+class RequestContext(msgspec.Struct, eq=False):
     """Everything one request's path needs, from planning to the access log line."""
 
-    __slots__ = (
-        "attempt",
-        "attempt_no",
-        "began",
-        "echo",
-        "exclude",
-        "headers",
-        "history",
-        "last_error",
-        "outcome",
-        "planned",
-        "req",
-        "request_id",
-        "res",
-        "task",
-        "view",
-        "wheel",
-    )
-
-    def __init__(
-        self,
-        req: ParsedRequest,
-        request_id: str,
-        res: Responder,
-        task: asyncio.Task[None],
-        view: RequestView,
-        wheel: DeadlineWheel,
-        headers: list[Header],
-        echo: Header,
-    ) -> None:
-        self.req = req
-        self.request_id = request_id
-        self.res = res  # the client's responder (a split unit's: its SampleSink)
-        self.task = task  # the request's handler task: what a deadline cancels
-        self.view = view
-        self.wheel = wheel
-        self.headers = headers  # engine-bound: content type, request id, forwarded authorization
-        self.echo = echo  # the x-request-id header echoed to the client
-        self.began = 0.0  # monotonic, when serving began (after admission)
-        self.attempt = Attempt()
-        self.attempt_no = 0
-        self.history: list[str] = []  # failed attempts: "plan:phase reached:error code"
-        self.exclude: set[str] = set()  # worker and pair ids that failed for this request
-        self.last_error: UpstreamFailure | None = None
-        # the workers of the plan running now (a moved vLLM decode's new one), for whoever waits
-        # on requests not started yet (the admin API removing a worker)
-        self.planned: tuple[str, ...] = ()
-        self.outcome = "ok"
+    req: ParsedRequest
+    request_id: str
+    res: Responder  # the client's responder (a split unit's: its SampleSink)
+    task: asyncio.Task[None]  # the request's handler task: what a deadline cancels
+    view: RequestView
+    wheel: DeadlineWheel
+    headers: list[Header]  # engine-bound: content type, request id, forwarded authorization
+    echo: Header  # the x-request-id header echoed to the client
+    began: float = 0.0  # monotonic, when serving began (after admission)
+    attempt: Attempt = msgspec.field(default_factory=Attempt)
+    attempt_no: int = 0
+    history: list[str] = []  # failed attempts: "plan:phase reached:error code"
+    exclude: set[str] = set()  # worker and pair ids that failed for this request
+    last_error: UpstreamFailure | None = None
+    # the workers of the plan running now (a moved vLLM decode's new one), for whoever waits
+    # on requests not started yet (the admin API removing a worker)
+    planned: tuple[str, ...] = ()
+    outcome: str = "ok"
 
     @property
     def tokens(self) -> int:

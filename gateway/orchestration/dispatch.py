@@ -12,6 +12,9 @@ the decode's adapter call for.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
+from typing import Any
+
 from adapters import HandoffCtx, HandoffMode
 from common.errors import NoWorker
 from gateway.ids import new_room
@@ -27,7 +30,11 @@ from gateway.registry import Worker
 from policies.snapshot import Colocated, Disaggregated, Reject
 
 
-async def execute(s: Services, ctx: RequestContext, plan: Colocated | Disaggregated | Reject) -> None:
+def execute(
+    s: Services, ctx: RequestContext, plan: Colocated | Disaggregated | Reject
+) -> Coroutine[Any, Any, None]:
+    """The coroutine that runs `plan` (to be awaited: the checks and the choice of shape are
+    made here, before any leg is sent; a plain function, one frame less per request)."""
     if isinstance(plan, Reject):
         raise rejected(s, ctx.req, plan)
     if isinstance(plan, Colocated):
@@ -35,25 +42,25 @@ async def execute(s: Services, ctx: RequestContext, plan: Colocated | Disaggrega
         w = s.registry.get(plan.worker.id)
         a = ctx.attempt
         a.plan_kind, a.decode = "colocated", w.id
-        await run_colocated(s, ctx, w)
-        return
+        return run_colocated(s, ctx, w)
     check_fits(s, ctx.req, ctx.request_id, (plan.prefill, plan.decode))
-    await _disaggregated(s, ctx, plan, s.registry.get(plan.prefill.id), s.registry.get(plan.decode.id))
+    return _disaggregated(s, ctx, plan, s.registry.get(plan.prefill.id), s.registry.get(plan.decode.id))
 
 
-async def _disaggregated(s: Services, ctx: RequestContext, plan: Disaggregated, p: Worker, d: Worker) -> None:
+def _disaggregated(
+    s: Services, ctx: RequestContext, plan: Disaggregated, p: Worker, d: Worker
+) -> Coroutine[Any, Any, None]:
+    """The shape that runs a P/D plan."""
     req, a = ctx.req, ctx.attempt
     if not d.adapter.supports_pd(req):
         # e.g. a vLLM batch: the decode worker (kv_both) serves it alone, correctly
         a.plan_kind, a.decode = "decode_self_prefill", d.id
         s.metrics.child(s.metrics.fallbacks, "decode_self_prefill").inc()
-        await run_colocated(s, ctx, d)
-        return
+        return run_colocated(s, ctx, d)
     a.plan_kind, a.prefill, a.decode = "disaggregated", p.id, d.id
     a.phase = Phase.PREFILL
     if (req.n > 1 or req.is_batch) and d.adapter.splits_samples:
-        await run_split(s, ctx, p, d, plan)
-        return
+        return run_split(s, ctx, p, d, plan)
     g = s.cfg.guards
     hctx = HandoffCtx(
         request_id=ctx.request_id,
@@ -65,8 +72,7 @@ async def _disaggregated(s: Services, ctx: RequestContext, plan: Disaggregated, 
         near_tie_margin=g.near_tie_margin,
     )
     if d.adapter.handoff is HandoffMode.CONCURRENT:
-        await run_concurrent(s, ctx, p, d, hctx)
-    elif d.adapter.handoff is HandoffMode.SEQUENTIAL:
-        await run_sequential(s, ctx, p, d, hctx)
-    else:
-        raise NoWorker(f"engine {d.engine.value} has no P/D protocol")
+        return run_concurrent(s, ctx, p, d, hctx)
+    if d.adapter.handoff is HandoffMode.SEQUENTIAL:
+        return run_sequential(s, ctx, p, d, hctx)
+    raise NoWorker(f"engine {d.engine.value} has no P/D protocol")

@@ -24,8 +24,10 @@ import asyncio
 from types import TracebackType
 from typing import Any
 
+import msgspec
+
 from common.errors import GatewayError, ShortOfResources
-from common.outcomes import LegOutcome, LegRecord
+from common.outcomes import VERDICTS, LegOutcome, LegRecord
 from common.workers import Role
 from gateway.breaker import CircuitBreaker
 from gateway.http.client import UpstreamResponse
@@ -36,47 +38,23 @@ from gateway.orchestration.verify import DecodeCheck
 from gateway.registry import Worker
 
 
-class Leg:
-    """One engine request of an attempt (see the module docstring)."""
+class Leg(msgspec.Struct, eq=False):
+    """One engine request of an attempt (see the module docstring). (A Struct: built in C, as
+    each request makes one to three.)"""
 
-    __slots__ = (
-        "call",
-        "ctx",
-        "done",
-        "held",
-        "outcome",
-        "released",
-        "resp",
-        "role",
-        "s",
-        "shape",
-        "stopped",
-        "tokens",
-        "worker",
-    )
-
-    def __init__(
-        self, s: Services, ctx: RequestContext, worker: Worker, tokens: int, role: Role, shape: LegShape
-    ) -> None:
-        self.s = s
-        self.ctx = ctx
-        self.worker = worker
-        self.tokens = tokens  # what the leg adds to the worker's in-flight token count
-        self.role = role
-        self.shape = shape
-        self.held = False  # its load counters are taken
-        self.released = False  # and given back
-        self.done = False  # it did its part
-        self.stopped = False
-        self.call: asyncio.Future[Any] | None = None  # the engine call, when started as a future
-        self.resp: UpstreamResponse | None = None  # the engine's response, once its head is in
-        self.outcome: LegOutcome | None = None  # set once, when reported
-
-    def hold(self) -> None:
-        """Take the worker's load counters (once: a leg given back is not taken again)."""
-        if not self.held and not self.released:
-            self.held = True
-            self.s.registry.acquire(self.worker, self.tokens)
+    s: Services
+    ctx: RequestContext
+    worker: Worker
+    tokens: int  # what the leg adds to the worker's in-flight token count
+    role: Role  # in the plan: prefill, decode or colocated
+    shape: LegShape
+    held: bool = False  # its load counters are taken (on entry: `async with`)
+    released: bool = False  # and given back
+    done: bool = False  # it did its part
+    stopped: bool = False
+    call: asyncio.Future[Any] | None = None  # the engine call, when started as a future
+    resp: UpstreamResponse | None = None  # the engine's response, once its head is in
+    outcome: LegOutcome | None = None  # set once, when reported
 
     def free(self) -> None:
         """Give the worker's load counters back (once)."""
@@ -110,74 +88,93 @@ class Leg:
         if self.outcome is not None:
             return self.outcome
         ctx, w = self.ctx, self.worker
-        if self.done:
-            outcome = LegOutcome.DONE
-        else:
-            if isinstance(error, ShortOfResources):
-                ctx.attempt.cut = True  # the gateway's own shortage: no verdict on any worker
-            outcome = leg_outcome(
-                done=False,
-                error=error,
-                blamed=held_against(w.id, error, self.shape),
-                unjudged=ctx.unjudged,
-            )
-        self.outcome = outcome
-        self.s.registry.record(w, outcome.verdict)
+        if self.done:  # (the usual end, in a few steps)
+            self.outcome = LegOutcome.DONE
+            self.s.registry.record(w, True)
+            ctx.attempt.legs.append(LegRecord(w.id, self.role, LegOutcome.DONE))  # (a Role is a str)
+            return LegOutcome.DONE
+        if isinstance(error, ShortOfResources):
+            ctx.attempt.cut = True  # the gateway's own shortage: no verdict on any worker
+        outcome = self.outcome = leg_outcome(
+            done=False,
+            error=error,
+            blamed=held_against(w.id, error, self.shape),
+            unjudged=ctx.unjudged,
+        )
+        self.s.registry.record(w, VERDICTS[outcome])
         code = error.code.value if isinstance(error, GatewayError) else None
-        ctx.attempt.legs.append(LegRecord(w.id, self.role.value, outcome, code))
+        ctx.attempt.legs.append(LegRecord(w.id, self.role, outcome, code))
         return outcome
 
     def close(self, error: BaseException | None) -> None:
-        self.stop()
-        self.free()
+        """Stop, free and report the leg (each once)."""
+        if not self.done:
+            self.stop()
+        if self.held:
+            self.free()
         self.report(error)
 
     async def __aenter__(self) -> Leg:
-        self.hold()
+        # (hold(), spelt out: the leg is new)
+        self.held = True
+        self.s.registry.acquire(self.worker, self.tokens)
         return self
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close(e)
+        # (close(), spelt out: a guard per leg of every request)
+        if not self.done:
+            self.stop()
+        if self.held:
+            self.held = False
+            self.released = True
+            self.s.registry.release(self.worker, self.tokens)
+        self.report(e)
 
 
-class Handoff:
+class Handoff(msgspec.Struct, eq=False):
     """A P/D handoff's two legs as one guard (see the module docstring). `check`: the decode's
     consistency check, whose verification run (if any) is dropped first on the way out."""
 
-    __slots__ = ("check", "concurrent", "ctx", "decode", "pair", "prefill", "s")
-
-    def __init__(
-        self, s: Services, ctx: RequestContext, prefill: Leg, decode: Leg, *, concurrent: bool
-    ) -> None:
-        self.s = s
-        self.ctx = ctx
-        self.prefill = prefill
-        self.decode = decode
-        self.concurrent = concurrent
-        self.check: DecodeCheck | None = None
-        self.pair: CircuitBreaker = s.registry.pair_breaker(prefill.worker.id, decode.worker.id)
+    s: Services
+    ctx: RequestContext
+    prefill: Leg
+    decode: Leg
+    concurrent: bool
+    check: DecodeCheck | None = None
+    pair: CircuitBreaker | None = None  # the pair's breaker (`Registry.pair_breaker`), on entry
 
     async def __aenter__(self) -> Handoff:
-        self.prefill.hold()
-        self.decode.hold()
+        p, d = self.prefill, self.decode
+        registry = self.s.registry
+        self.pair = registry.pair_breaker(p.worker.id, d.worker.id)
+        if p.outcome is None:  # (a vLLM prefill ended, and reported, before its decode started)
+            p.held = True
+            registry.acquire(p.worker, p.tokens)
+        d.held = True
+        registry.acquire(d.worker, d.tokens)
         return self
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self.check is not None:
-            self.check.drop_verification()
+        check = self.check
+        if check is not None and check.verify is not None:
+            check.drop_verification()
         p, d = self.prefill, self.decode
-        p.stop()  # (a leg that did its part is left alone)
-        d.stop()
-        p.free()
-        d.free()
+        if not d.done:  # (both did their part otherwise: nothing to stop)
+            p.stop()  # (a leg that did its part is left alone)
+            d.stop()
+        if p.held:  # (an SGLang prefill's are given back at its verdict)
+            p.free()
+        if d.held:
+            d.free()
         # each worker is judged only on what it did: a leg cut short by the other's failure,
         # or a handoff that failed between them, is no verdict on it (the pair breaker counts);
         # a request that ended without a verdict (the client left) counts for no one
-        p.report(e)
+        if p.outcome is None:
+            p.report(e)
         d.report(e)
         suspects: tuple[Worker, ...] = ()
         if d.done:
@@ -188,6 +185,7 @@ class Handoff:
             )
             if between:
                 suspects = tuple(leg.worker for leg in (p, d) if not leg.done)
+        assert self.pair is not None
         self.s.registry.record_pair(
-            p.worker, d.worker, self.pair, outcome.verdict, suspects=suspects, request=self.ctx.echo[1]
+            p.worker, d.worker, self.pair, VERDICTS[outcome], suspects=suspects, request=self.ctx.echo[1]
         )

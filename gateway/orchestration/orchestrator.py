@@ -4,9 +4,9 @@
     await orchestrator.serve(ctx)
 
 `serve` runs attempts until one serves the request or none is left: each plans with the policy
-(attempts.plan), runs the plan (dispatch.execute) and, on a retryable failure before the first
-byte, the next attempt plans again with what failed excluded, following the fallback ladder
-(attempts). At the end it answers what failed (an error, or an SSE error event after the first
+(`_plan`: attempts.plan), runs the plan (dispatch.execute) and, on a retryable failure before
+the first byte (`_failed`), the next attempt plans again with what failed excluded, following
+the fallback ladder (attempts). At the end it answers what failed (an error, or an SSE error event after the first
 byte), counts the request and writes its access log line.
 """
 
@@ -39,7 +39,9 @@ from gateway.orchestration.dispatch import execute
 from gateway.orchestration.services import Services
 from gateway.registry import Registry
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
-from policies.snapshot import Reject, RequestView
+from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
+
+Plan = Colocated | Disaggregated | Reject
 
 log = get_logger("pd_gateway.request")
 
@@ -87,15 +89,24 @@ class Orchestrator:
         wheel = self._wheel
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
-        return RequestContext(req, request_id, res, task, self.view(req, request_id), wheel, headers, echo)
+        view = request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
+        return RequestContext(req, request_id, res, task, view, wheel, headers, echo)
 
     async def serve(self, ctx: RequestContext) -> None:
         """Serve one request: attempts until one serves it or none is left (module docstring)."""
         ctx.began = time.monotonic()
         try:
             with ctx.wheel.after(self.cfg.timeouts.total_s, ctx.task):
-                while not await self._attempt(ctx):
-                    pass
+                while True:
+                    p = self._plan(ctx)
+                    try:
+                        await execute(self.s, ctx, p)
+                    except UpstreamFailure as e:
+                        # raises when no other attempt may follow; else after the backoff
+                        await asyncio.sleep(self._failed(ctx, e))
+                        continue
+                    self._served(ctx)
+                    return
         except TimeoutError:
             ctx.outcome = "timeout"
             self._fail(ctx, UpstreamTimeout("the request exceeded its total deadline", phase="total"))
@@ -118,9 +129,9 @@ class Orchestrator:
         finally:
             self._done(ctx)
 
-    async def _attempt(self, ctx: RequestContext) -> bool:
-        """One attempt: True when it served the request, False when another follows (after its
-        backoff); raises when the request fails for good."""
+    def _plan(self, ctx: RequestContext) -> Plan:
+        """The next attempt's plan, with what failed excluded; after a failure it must be a rung
+        of the ladder (else the request fails for good: raised)."""
         ctx.attempt_no += 1
         p = plan(self.s, ctx.view, ctx.req, ctx.exclude)
         if ctx.last_error is not None:
@@ -134,21 +145,19 @@ class Orchestrator:
         if not isinstance(p, Reject):
             ctx.planned = plan_worker_ids(p)
             self.policy.observe(routed_event(ctx.view, p))
-        try:
-            await execute(self.s, ctx, p)
-        except UpstreamFailure as e:
-            await self._failed(ctx, e)
-            return False
+        return p
+
+    def _served(self, ctx: RequestContext) -> None:
         a = ctx.attempt
         a.phase = Phase.DONE
         ttft = (a.first_byte_at - ctx.began) if a.first_byte_at else None
         # the plan's workers (a moved vLLM decode's new one)
         self.policy.observe(Completed(ctx.request_id, ctx.planned, ttft_s=ttft, legs=tuple(a.legs)))
-        return True
 
-    async def _failed(self, ctx: RequestContext, e: UpstreamFailure) -> None:
+    def _failed(self, ctx: RequestContext, e: UpstreamFailure) -> float:
         """An attempt failed: told to the policy and counted; raises `e` when no other attempt
-        may follow, else waits out the backoff with what failed excluded from the next plan."""
+        may follow, else returns the backoff before the next, with what failed excluded from
+        its plan."""
         a = ctx.attempt
         ctx.history.append(f"{a.plan_kind}:{a.phase.value}:{e.code.value}")
         ran = ctx.planned  # the plan's workers (a moved vLLM decode's new one)
@@ -169,7 +178,7 @@ class Orchestrator:
             worker=e.worker,
             error=e.message,
         )
-        await asyncio.sleep(backoff_s(ctx.attempt_no, self.cfg.retries, self.s.rng))
+        return backoff_s(ctx.attempt_no, self.cfg.retries, self.s.rng)
 
     # -- the end of a request -------------------------------------------------------------------
 

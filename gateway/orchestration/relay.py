@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from common.errors import UpstreamFailure, UpstreamTimeout
 from gateway.guards import Guard
@@ -28,7 +29,7 @@ _EVENT_STREAM = b"text/event-stream"
 Transform = Callable[[bytes], bytes]
 
 
-async def relay(
+def relay(
     s: Services,
     ctx: RequestContext,
     resp: UpstreamResponse,
@@ -37,18 +38,22 @@ async def relay(
     phase: str,
     transform: Transform | None = None,
     check: DecodeCheck | None = None,
-) -> None:
-    """Relay `resp`, worker `w`'s answer, to the client (see the module docstring)."""
-    status = resp.status
+) -> Coroutine[Any, Any, None]:
+    """Relay `resp`, worker `w`'s answer, to the client (see the module docstring); to be
+    awaited (a plain function that picks the coroutine: one frame less per request)."""
     ctype = resp.header(b"content-type") or b"application/json"
-    if status != 200:
-        body = await resp.read()
-        resp.release()
-        raise upstream_status_error(status, body, w.id, phase, ctype)
+    if resp.status != 200:
+        return _refusal(resp, w, phase, ctype)
     if not ctype.startswith(_EVENT_STREAM):
-        await _whole(s, ctx, resp, w, ctype, transform, check)
-        return
-    await _Stream(s, ctx, resp, w, phase, transform, check).run(ctype)
+        return _whole(s, ctx, resp, w, ctype, transform, check)
+    return _Stream(s, ctx, resp, w, phase, transform, check).run(ctype)
+
+
+async def _refusal(resp: UpstreamResponse, w: Worker, phase: str, ctype: bytes) -> None:
+    """An answer other than 200: the engine's failure (5xx, 408, 429) or its refusal (4xx)."""
+    body = await resp.read()
+    resp.release()
+    raise upstream_status_error(resp.status, body, w.id, phase, ctype)
 
 
 async def _whole(

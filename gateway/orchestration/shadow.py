@@ -33,7 +33,13 @@ def decode_check(
     """The decode-consistency check for one handoff, or None where it does not apply."""
     if not guarded(s.cfg, req):
         return None
-    c = DecodeCheck(ctx, prefill_adapter, req, prefill_adapter.summarize_prefill(req, prefill_body))
+    c = DecodeCheck(
+        ctx,
+        prefill_adapter,
+        req,
+        prefill_adapter.summarize_prefill(req, prefill_body),
+        ctx.decode.context_length,
+    )
     c.on_tie = lambda check, decode: _near_tie(s, check, decode)
     g = s.cfg.guards
     suspects = s.registry.suspect_pairs()  # a shared empty set while no pair is suspect

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import msgspec
+
 from adapters import EngineAdapter, HandoffCtx
 from common.errors import KVIntegrityError
 from common.request import ParsedRequest
@@ -43,22 +45,19 @@ def verifiable(req: ParsedRequest) -> bool:
     return req.greedy and req.n == 1 and not req.is_batch
 
 
-class DecodeCheck:
+class DecodeCheck(msgspec.Struct, eq=False):
     """Decode-consistency checks of one handoff, against what its prefill said."""
 
-    __slots__ = ("adapter", "context_length", "ctx", "on_tie", "prefill", "req", "tied", "verify")
-
-    def __init__(self, ctx: HandoffCtx, adapter: EngineAdapter, req: ParsedRequest, prefill: Summary) -> None:
-        self.ctx = ctx
-        self.adapter = adapter
-        self.req = req
-        self.prefill = prefill
-        self.context_length = ctx.decode.context_length
-        # a colocated re-run whose answer must agree before this one is delivered, or None
-        self.verify: asyncio.Future[bytes | None] | None = None
-        # told once when the decode's first token is a near tie of the prefill's, not its own
-        self.on_tie: Callable[[DecodeCheck, Summary], None] | None = None
-        self.tied = False
+    ctx: HandoffCtx
+    adapter: EngineAdapter
+    req: ParsedRequest
+    prefill: Summary
+    context_length: int | None = None  # the decode's
+    # a colocated re-run whose answer must agree before this one is delivered, or None
+    verify: asyncio.Future[bytes | None] | None = None
+    # told once when the decode's first token is a near tie of the prefill's, not its own
+    on_tie: Callable[[DecodeCheck, Summary], None] | None = None
+    tied: bool = False
 
     def drop_verification(self) -> None:
         """The attempt ended without consuming its verification run: stop it."""

@@ -223,7 +223,7 @@ async def test_reporting_a_leg_again_changes_nothing(again: str) -> None:
             pass
         leg = seen[0]
         if again == "close":
-            leg.close(None)  # as a Handoff's exit does for a leg that ended before it
+            leg.close(None)  # a second close, as a Handoff's exit meets a leg that ended before it
         else:
             assert leg.report(None) is LegOutcome.FAILED
         ctx.res.send(200, [], b"")
