@@ -16,9 +16,11 @@ check one by one, so a broken handoff of any prompt would reach the client as a 
 saw 51 of 240 batch answers wrong under faults). Each unit `k = prompt_index * n + j` is a
 single-prompt, single-sample handoff with its own guards.
 
-`SampleSink` stands in for the client's responder in each sub-request's relay; `SampleMerger`
-writes to the real one. Streams are merged event by event as they come (each event decoded, its
-index renumbered, re-encoded); whole answers when every sample is in.
+The SGLang adapter cuts the request into its units (`split_units`, adapters/_split.py); the
+split shape runs them (gateway/orchestration/split.py). `SampleSink` stands in for the client's
+responder in each sub-request's relay; `SampleMerger` writes to the real one. Streams are
+merged event by event as they come (each event decoded, its index renumbered, re-encoded);
+whole answers when every sample is in.
 
 A stream starts only once every unit of the first wave (the `split_concurrency` units started at
 once) has passed the points where an engine refuses a request for its own fault: its prefill's

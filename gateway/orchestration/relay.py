@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import msgspec
+
 from common.errors import UpstreamFailure, UpstreamTimeout
 from gateway.guards import Guard
 from gateway.http.client import UpstreamResponse
@@ -46,7 +48,8 @@ def relay(
         return _refusal(resp, w, phase, ctype)
     if not ctype.startswith(_EVENT_STREAM):
         return _whole(s, ctx, resp, w, ctype, transform, check)
-    return _Stream(s, ctx, resp, w, phase, transform, check).run(ctype)
+    kept: list[bytes] | None = [] if check is not None and check.verify is not None else None
+    return _Stream(s, ctx, resp, w, phase, transform, check, kept).run(ctype)
 
 
 async def _refusal(resp: UpstreamResponse, w: Worker, phase: str, ctype: bytes) -> None:
@@ -84,36 +87,26 @@ async def _whole(
     ctx.res.send(200, [(b"content-type", ctype), ctx.echo], body)
 
 
-class _Stream:
+class _Stream(msgspec.Struct, eq=False):
     """One streamed answer on its way to the client."""
 
-    __slots__ = ("check", "ctx", "kept", "phase", "resp", "s", "transform", "w", "watch")
-
-    def __init__(
-        self,
-        s: Services,
-        ctx: RequestContext,
-        resp: UpstreamResponse,
-        w: Worker,
-        phase: str,
-        transform: Transform | None,
-        check: DecodeCheck | None,
-    ) -> None:
-        self.s = s
-        self.ctx = ctx
-        self.resp = resp
-        self.w = w
-        self.phase = phase
-        self.transform = transform
-        self.check = check
-        self.watch: StreamWatch | None = None
-        # a stream verified before its clean end: its bytes are kept for the comparison
-        self.kept: list[bytes] | None = [] if check is not None and check.verify is not None else None
+    s: Services
+    ctx: RequestContext
+    resp: UpstreamResponse
+    w: Worker
+    phase: str
+    transform: Transform | None
+    check: DecodeCheck | None
+    # a stream verified before its clean end: its bytes are kept for the comparison
+    kept: list[bytes] | None
+    watch: StreamWatch | None = None
 
     async def run(self, ctype: bytes) -> None:
         ctx, resp = self.ctx, self.resp
         head = [(b"content-type", ctype), (b"cache-control", b"no-cache"), ctx.echo]
-        sink = self._sink(self._writer(head))
+        sink = self._writer(head)
+        if self.kept is not None or self.transform is not None:
+            sink = self._sink(sink)
         # Per upstream read the sink is the watch's feed (or the client's write) itself; the
         # response counts the reads and keeps the last one's time, and a failed first-token
         # check raises out of the feed, which stops the pipe and closes the upstream connection.
@@ -162,9 +155,8 @@ class _Stream:
         return watch.feed
 
     def _sink(self, write: Callable[[bytes], None]) -> Callable[[bytes], None]:
+        """`write`, keeping the bytes for a verification and rewriting them for the client."""
         kept, transform = self.kept, self.transform
-        if kept is None and transform is None:
-            return write
 
         def sink(data: bytes) -> None:
             if kept is not None:
@@ -176,7 +168,9 @@ class _Stream:
     async def _pipe(self, piped: asyncio.Future[None]) -> None:
         """Await the pipe, under the stream's idle deadline."""
         resp, w = self.resp, self.w
-        idle = _IdleDeadline(self.ctx.wheel.loop, resp, piped, self.s.cfg.timeouts.idle_s)
+        loop, seconds = self.ctx.wheel.loop, self.s.cfg.timeouts.idle_s
+        idle = _IdleDeadline(loop, resp, piped, seconds)
+        idle.timer = loop.call_at(resp.last_read_at + seconds, idle.check)
         try:
             await piped
         except StreamStopped:
@@ -198,7 +192,9 @@ class _Stream:
                 f"worker {w.id} broke the stream: {e}", phase=self.phase, worker=w.id
             ) from None
         finally:
-            idle.cancel()
+            timer = idle.timer
+            if timer is not None:
+                timer.cancel()
 
     async def _end(self, watch: StreamWatch) -> None:
         """The upstream stream ended: its held end is released only if the answer passes."""
@@ -226,37 +222,26 @@ class _Stream:
             raise integrity(self.s, check, why, w, "mid_stream" if res.started else "before_first_byte")
 
 
-class _IdleDeadline:
+class _IdleDeadline(msgspec.Struct, eq=False):
     """The idle deadline of a stream, checked lazily: one timer that re-arms itself at the last
     read + idle when it finds the stream has moved, instead of a new timer per chunk. When the
     upstream is silent that long, the pipe is cancelled (which aborts the upstream connection)."""
 
-    __slots__ = ("fired", "loop", "piped", "resp", "seconds", "timer")
+    loop: asyncio.AbstractEventLoop
+    resp: UpstreamResponse
+    piped: asyncio.Future[None]
+    seconds: float
+    fired: bool = False
+    timer: asyncio.TimerHandle | None = None
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        resp: UpstreamResponse,
-        piped: asyncio.Future[None],
-        seconds: float,
-    ) -> None:
-        self.loop = loop
-        self.resp = resp
-        self.piped = piped
-        self.seconds = seconds
-        self.fired = False
-        self.timer = loop.call_at(resp.last_read_at + seconds, self._check)
-
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Its timer fired: re-armed where the stream moved or the client is not reading."""
         loop, resp, idle = self.loop, self.resp, self.seconds
         due = resp.last_read_at + idle
         if resp.held_back:  # the client is not reading: no upstream silence to judge
-            self.timer = loop.call_at(loop.time() + idle, self._check)
+            self.timer = loop.call_at(loop.time() + idle, self.check)
         elif loop.time() < due:
-            self.timer = loop.call_at(due, self._check)
+            self.timer = loop.call_at(due, self.check)
         else:
             self.fired = True
             self.piped.cancel()  # aborts the upstream connection
-
-    def cancel(self) -> None:
-        self.timer.cancel()
