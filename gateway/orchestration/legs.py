@@ -115,7 +115,7 @@ class Leg(msgspec.Struct, eq=False):
         self.report(error)
 
     async def __aenter__(self) -> Leg:
-        # (hold(), spelt out: the leg is new)
+        # (a new leg: its counters are taken on entry)
         self.held = True
         self.s.registry.acquire(self.worker, self.tokens)
         return self
