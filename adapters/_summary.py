@@ -68,7 +68,6 @@ _generate = msgspec.json.Decoder(_Generate)
 def summarize_openai(payloads: Iterable[bytes]) -> Summary:
     """Choice 0 of a completions / chat answer, whole or as stream events."""
     s = Summary()
-    text: list[str] = []
     for p in payloads:
         try:
             o = _openai.decode(p)
@@ -86,16 +85,14 @@ def summarize_openai(payloads: Iterable[bytes]) -> Summary:
             piece = c.text if c.text is not None else (m.content if m is not None else None)
             if m is not None and (m.reasoning_content or m.reasoning or m.tool_calls):
                 s.parsed = True
-            if piece:
-                text.append(piece)
+            if piece and s.first_text is None:  # (the first piece of text is all that is read)
+                s.first_text = piece
             if c.token_ids and s.first_token_id is None:
                 s.first_token_id = c.token_ids[0]
             if c.finish_reason is not None:
                 s.finish_reason = c.finish_reason
                 if c.finish_reason == "abort":
                     s.error = "the engine aborted the request"
-    if text:
-        s.first_text = text[0]
     return s
 
 
