@@ -5,7 +5,8 @@
 #   docker run --rm -p 8000:8000 -v "$PWD/gateway.toml:/etc/pd-gateway/gateway.toml:ro" pd-gateway
 #   docker run --rm pd-gateway emulate --engine sglang --role prefill --host 0.0.0.0 --port 30000
 #
-# Build stage: the package and its dependencies (uvloop, httptools, msgspec: wheels) into a venv.
+# Build stage: the package and its dependencies (uvloop, httptools, msgspec: wheels; aiohttp for
+# the emulator) into a venv.
 # Runtime stage: that venv alone on the slim base, run as an unprivileged user. The admin token,
 # worker API keys and every other secret come from the environment at run time, never the image.
 ARG PYTHON_VERSION=3.11
@@ -15,12 +16,14 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/pd-gateway
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY common ./common
 COPY gateway ./gateway
 COPY policies ./policies
 COPY adapters ./adapters
 COPY emulator ./emulator
-RUN /opt/pd-gateway/bin/pip install '.[kubernetes]' \
-    && /opt/pd-gateway/bin/python -c "import uvloop, httptools, msgspec, kubernetes_asyncio, gateway.serve, emulator.cli"
+COPY pd_gateway ./pd_gateway
+RUN /opt/pd-gateway/bin/pip install '.[kubernetes,emulator]' \
+    && /opt/pd-gateway/bin/python -c "import uvloop, httptools, msgspec, kubernetes_asyncio, aiohttp, pd_gateway.cli, gateway.serve, emulator.api"
 
 FROM python:${PYTHON_VERSION}-slim
 COPY --from=build /opt/pd-gateway /opt/pd-gateway

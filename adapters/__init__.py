@@ -6,7 +6,7 @@ from adapters.base import EngineAdapter, HandoffCtx, HandoffMode, PrefillVerdict
 from adapters.openai import OpenAIAdapter
 from adapters.sglang import SGLangAdapter
 from adapters.vllm import VLLMAdapter
-from policies.snapshot import Engine
+from common.workers import Engine
 
 ADAPTERS: dict[Engine, EngineAdapter] = {
     Engine.SGLANG: SGLangAdapter(),

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable
-from typing import ClassVar, Protocol
+from typing import ClassVar, Literal, Protocol
 
 import msgspec
 
-from gateway.guards import Summary
-from gateway.parse import ParsedRequest
-from policies.snapshot import Engine, RouteKind, WorkerLoad, WorkerState
+from common.request import ParsedRequest
+from common.summary import Summary
+from common.workers import Engine, RouteKind, WorkerLoad, WorkerState
 
 
 class HandoffMode(enum.Enum):
@@ -108,9 +108,23 @@ class EngineAdapter(Protocol):
     # a decode worker of this engine can answer a request alone, prefill included (vLLM's
     # kv_both can; an SGLang decode server cannot)
     decode_alone: ClassVar[bool]
+    # the engine refuses a prompt's token id outside its vocabulary itself (vLLM 0.32 does; SGLang
+    # 0.5.23 does not, and one such id kills its scheduler): where it does not, only a configured
+    # `vocab_size` lets the gateway refuse it (gateway/orchestration/checks.py)
+    checks_token_ids: ClassVar[bool]
+    # a prefill worker of this engine has a bootstrap port its decodes fetch the KV from
+    # (SGLang's --disaggregation-bootstrap-port): discovery gives it one
+    prefill_bootstrap: ClassVar[bool]
+    # how its KV-cache events are spelled on the wire and how it hashes blocks, unless the
+    # worker's `kv_events.hash` says otherwise (adapters/kvevents.py, adapters/blockhash.py)
+    kv_events_format: ClassVar[Literal["vllm", "sglang"]]
     health_path: ClassVar[str]
     load_paths: ClassVar[tuple[str, ...]]
     info_paths: ClassVar[tuple[str, ...]]
+
+    # what marks the stream events that end an answer (a finish reason, an error event): the
+    # gateway holds a checked stream's end from the first of them (gateway/streamwatch.py)
+    stream_end_markers: ClassVar[tuple[bytes, ...]]
 
     def colocated_body(self, req: ParsedRequest, request_id: str) -> bytes:
         """The body for a single worker doing both phases (usually the client's bytes)."""
@@ -118,6 +132,33 @@ class EngineAdapter(Protocol):
 
     def summarize(self, req: ParsedRequest, payloads: Iterable[bytes]) -> Summary:
         """What an answer (a whole body, or a stream's `data:` payloads) says about itself."""
+        ...
+
+    def summarize_prefill(self, req: ParsedRequest, body: bytes) -> Summary:
+        """What a prefill's answer (read whole, whatever its form) says about itself."""
+        ...
+
+    def answer_text(self, req: ParsedRequest, body: bytes, *, stream: bool) -> str | None:
+        """The text of a one-answer body (or a stream's bytes), for shadow comparisons; None
+        where it has none."""
+        ...
+
+    def without_usage_chunk(self, events: bytes) -> bytes:
+        """Whole stream events less the usage chunk the gateway asked for and the client did not
+        (`HandoffCtx.stream_usage`), as the engine would have sent them without it."""
+        ...
+
+    def refused_in_stream(self, body: bytes) -> bool:
+        """Is this streamed answer (read whole) the engine refusing the request?"""
+        ...
+
+    def shadow_body(self, req: ParsedRequest, tokens: int) -> bytes:
+        """The body of a shadow re-run: the request, greedy as sent, for `tokens` tokens, whole,
+        without anything the gateway adds for P/D."""
+        ...
+
+    def split_units(self, req: ParsedRequest) -> list[ParsedRequest]:
+        """`req` as single-prompt, single-sample requests (only asked where `splits_samples`)."""
         ...
 
     def supports_pd(self, req: ParsedRequest) -> bool:
@@ -129,6 +170,10 @@ class EngineAdapter(Protocol):
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes: ...
 
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes: ...
+
+    def handoff_bodies(self, req: ParsedRequest, ctx: HandoffCtx) -> tuple[bytes, bytes]:
+        """(the prefill's, the decode's) bodies of a concurrent handoff, sent at once."""
+        ...
 
     def judge_prefill(self, req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:
         """Is this prefill answer a sound basis for the decode? Pure; never raises."""

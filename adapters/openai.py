@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import ClassVar, Literal
 
+from adapters._shapes import SharedShapes
 from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
-from gateway.guards import Summary
-from gateway.parse import ParsedRequest
-from policies.snapshot import Engine, RouteKind, WorkerLoad
+from common.request import ParsedRequest
+from common.summary import Summary
+from common.workers import Engine, RouteKind, WorkerLoad
 
 
-class OpenAIAdapter:
+class OpenAIAdapter(SharedShapes):
     engine: ClassVar[Engine] = Engine.OPENAI
     handoff: ClassVar[HandoffMode] = HandoffMode.NONE
     splits_samples: ClassVar[bool] = False  # colocated only
     routes: ClassVar[frozenset[RouteKind]] = frozenset((RouteKind.COMPLETIONS, RouteKind.CHAT))
     decode_alone: ClassVar[bool] = True  # colocated only: never a decode
+    checks_token_ids: ClassVar[bool] = True  # (an OpenAI-compatible server's own concern)
+    prefill_bootstrap: ClassVar[bool] = False
+    # an OpenAI server's events are read in vLLM's spelling; its hash scheme must be configured
+    kv_events_format: ClassVar[Literal["vllm", "sglang"]] = "vllm"
     health_path: ClassVar[str] = "/health"
     load_paths: ClassVar[tuple[str, ...]] = ("/metrics",)
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models",)

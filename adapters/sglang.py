@@ -31,18 +31,20 @@ import functools
 import itertools
 import os
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
 import msgspec
 
+from adapters._shapes import SharedShapes
+from adapters._split import split_units
 from adapters._summary import summarize_generate, summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
-from gateway import jsonbytes as _body
-from gateway.guards import Summary
-from gateway.parse import ParsedRequest
-from policies.snapshot import Engine, RouteKind, WorkerLoad
+from common import jsonbytes as _body
+from common.request import ParsedRequest
+from common.summary import Summary
+from common.workers import Engine, RouteKind, WorkerLoad
 
 _OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # with the gateway's own rid: a client's `"rid": null` (parsed as no rid) goes too
@@ -127,12 +129,15 @@ def _bootstrap_prefix(prefill_url: str, bootstrap_port: int | None) -> bytes:
     )
 
 
-class SGLangAdapter:
+class SGLangAdapter(SharedShapes):
     engine: ClassVar[Engine] = Engine.SGLANG
     handoff: ClassVar[HandoffMode] = HandoffMode.CONCURRENT
     splits_samples: ClassVar[bool] = True  # 0.5.23 gives all samples one room: n > 1 hangs in P/D
     routes: ClassVar[frozenset[RouteKind]] = frozenset(RouteKind)
     decode_alone: ClassVar[bool] = False
+    checks_token_ids: ClassVar[bool] = False  # its embedding lookup raises, the server exits
+    prefill_bootstrap: ClassVar[bool] = True
+    kv_events_format: ClassVar[Literal["vllm", "sglang"]] = "sglang"
     health_path: ClassVar[str] = "/health"
     # /v1/loads is the scheduler's live snapshot (SGLang >= 0.5.x; 0.5.23 no longer serves
     # /get_load); its /metrics gauges appear only once the scheduler has logged stats and are
@@ -229,11 +234,21 @@ class SGLangAdapter:
     def supports_pd(self, req: ParsedRequest) -> bool:
         return True
 
+    def split_units(self, req: ParsedRequest) -> list[ParsedRequest]:
+        # 0.5.23 gives all samples of a request one bootstrap room: n > 1 hangs in P/D
+        return split_units(req)
+
     def prefill_body(self, req: ParsedRequest, ctx: HandoffCtx) -> bytes:
         return self._pd_body(req, ctx, prefill=True)
 
     def decode_body(self, req: ParsedRequest, ctx: HandoffCtx, prefill: PrefillVerdict | None) -> bytes:
         return self._pd_body(req, ctx)
+
+    def handoff_bodies(self, req: ParsedRequest, ctx: HandoffCtx) -> tuple[bytes, bytes]:
+        if not req.stream:  # the same body to both (the prefill is asked for a whole answer anyway)
+            body = self._pd_body(req, ctx)
+            return body, body
+        return self._pd_body(req, ctx, prefill=True), self._pd_body(req, ctx)
 
     # -- judging the prefill --------------------------------------------------------------
 

@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import msgspec
 
+from adapters._shapes import SharedShapes
 from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
 from adapters.prom import sum_metrics
-from gateway import jsonbytes as _body
-from gateway.errors import BadRequest
-from gateway.guards import Summary
-from gateway.lax import lax_int
-from gateway.parse import ParsedRequest, given
-from policies.snapshot import Engine, RouteKind, WorkerLoad
+from common import jsonbytes as _body
+from common.errors import BadRequest
+from common.lax import lax_int
+from common.request import ParsedRequest, given
+from common.summary import Summary
+from common.workers import Engine, RouteKind, WorkerLoad
 
 _BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 
@@ -98,12 +99,15 @@ _completion_lp = msgspec.json.Decoder(_CompletionLogprobs)
 _chat_lp = msgspec.json.Decoder(_ChatLogprobs)
 
 
-class VLLMAdapter:
+class VLLMAdapter(SharedShapes):
     engine: ClassVar[Engine] = Engine.VLLM
     handoff: ClassVar[HandoffMode] = HandoffMode.SEQUENTIAL
     splits_samples: ClassVar[bool] = False  # n > 1 is served by the decode alone (supports_pd)
     routes: ClassVar[frozenset[RouteKind]] = frozenset((RouteKind.COMPLETIONS, RouteKind.CHAT))
     decode_alone: ClassVar[bool] = True  # kv_both
+    checks_token_ids: ClassVar[bool] = True  # a 400 for an id past the vocabulary
+    prefill_bootstrap: ClassVar[bool] = False  # (the KV goes by kv_transfer_params)
+    kv_events_format: ClassVar[Literal["vllm", "sglang"]] = "vllm"
     health_path: ClassVar[str] = "/health"
     load_paths: ClassVar[tuple[str, ...]] = ("/metrics",)
     info_paths: ClassVar[tuple[str, ...]] = ("/v1/models", "/metrics")
@@ -168,29 +172,7 @@ class VLLMAdapter:
 
     def judge_prefill(self, req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:
         if status != 200:
-            if (
-                status == 400
-                and ctx.near_ties
-                and b"Requested sample logprobs of" in body
-                and _asks_alternatives(req, req.decode_dict())
-            ):
-                # vLLM's --max-logprobs is below what the guard asked for (a client that asks
-                # logprobs itself is sent its own fields and nothing more: its refusal is its own)
-                return PrefillVerdict(
-                    ok=False,
-                    reason="prefill refuses the near-tie logprobs (its --max-logprobs is lower)",
-                    status=status,
-                    body=body,
-                    refused_ask=True,
-                )
-            retryable = status >= 500 or status in (408, 429)
-            return PrefillVerdict(
-                ok=False,
-                reason=f"prefill answered HTTP {status}",
-                retryable=retryable,
-                status=status,
-                body=body,
-            )
+            return _refused(req, ctx, status, body)
         try:
             out = _prefill_dec.decode(body)
         except msgspec.DecodeError:
@@ -212,45 +194,7 @@ class VLLMAdapter:
             return PrefillVerdict(
                 ok=False, reason="prefill returned malformed kv_transfer_params", status=502
             )
-        if not params.remote_engine_id or params.remote_block_ids is None:
-            return PrefillVerdict(
-                ok=False, reason="kv_transfer_params lack engine id or block ids", status=502
-            )
-        finish = out.choices[0].finish_reason if out.choices else None
-        if finish not in ("length", "stop"):
-            return PrefillVerdict(ok=False, reason=f"prefill finished with {finish!r}", status=502)
-        prompt_tokens = out.usage.prompt_tokens if out.usage else None
-        # The params must be this request's: the engine names them after X-Request-Id
-        # ("cmpl-<id>-0-<hex>"); params of another request make the decode answer 200 with that
-        # request's tokens (seen on real vLLM).
-        if params.remote_request_id is not None and ctx.request_id not in params.remote_request_id:
-            return PrefillVerdict(
-                ok=False,
-                reason=f"kv_transfer_params belong to another request ({params.remote_request_id})",
-                status=502,
-            )
-        same_first = True
-        if params.remote_num_tokens is not None and prompt_tokens is not None:
-            if params.remote_num_tokens == prompt_tokens - 1 and len(params.remote_block_ids or ()) > 1:
-                # A hybrid model's prefill (Mamba / linear attention layers beside attention)
-                # computes all but the last prompt token, which its decode computes (vLLM's
-                # `_truncate_mamba_request_for_prefill`): its one token was drawn after
-                # the prompt less one, so it is no measure of the decode's first
-                same_first = False
-            elif params.remote_num_tokens != prompt_tokens:
-                return PrefillVerdict(
-                    ok=False,
-                    reason=f"kv_transfer_params cover {params.remote_num_tokens} tokens, the prompt has {prompt_tokens}",
-                    status=502,
-                )
-        why = _blocks_problem(params, ctx.prefill.block_size)
-        if why is not None:
-            # too few blocks kill a real vLLM decode (assert in nixl _apply_prefix_caching)
-            return PrefillVerdict(ok=False, reason=why, status=502)
-        ties: tuple[str, ...] = ()
-        if ctx.near_ties and same_first and out.choices and out.choices[0].logprobs:
-            ties = _ties(out.choices[0].logprobs, req.route is RouteKind.CHAT, ctx.near_tie_margin)
-        return PrefillVerdict(ok=True, kv_params=raw, same_first_token=same_first, ties=ties)
+        return _judge_params(req, ctx, out, raw, params)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
         return None
@@ -287,6 +231,77 @@ class VLLMAdapter:
         if path == "/v1/models":
             return apply_models(body, into)
         return into
+
+
+def _refused(req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> PrefillVerdict:
+    """A prefill's answer other than 200: retryable where another worker may not refuse it; a
+    refusal of the near-tie logprobs the gateway asked for (not the client) is sent again without."""
+    if (
+        status == 400
+        and ctx.near_ties
+        and b"Requested sample logprobs of" in body
+        and _asks_alternatives(req, req.decode_dict())
+    ):
+        # vLLM's --max-logprobs is below what the guard asked for (a client that asks
+        # logprobs itself is sent its own fields and nothing more: its refusal is its own)
+        return PrefillVerdict(
+            ok=False,
+            reason="prefill refuses the near-tie logprobs (its --max-logprobs is lower)",
+            status=status,
+            body=body,
+            refused_ask=True,
+        )
+    retryable = status >= 500 or status in (408, 429)
+    return PrefillVerdict(
+        ok=False,
+        reason=f"prefill answered HTTP {status}",
+        retryable=retryable,
+        status=status,
+        body=body,
+    )
+
+
+def _judge_params(
+    req: ParsedRequest, ctx: HandoffCtx, out: _PrefillOut, raw: msgspec.Raw, params: KVTransferParams
+) -> PrefillVerdict:
+    """Do the prefill's `kv_transfer_params` hand this request's whole prompt to a decode?"""
+    if not params.remote_engine_id or params.remote_block_ids is None:
+        return PrefillVerdict(ok=False, reason="kv_transfer_params lack engine id or block ids", status=502)
+    finish = out.choices[0].finish_reason if out.choices else None
+    if finish not in ("length", "stop"):
+        return PrefillVerdict(ok=False, reason=f"prefill finished with {finish!r}", status=502)
+    prompt_tokens = out.usage.prompt_tokens if out.usage else None
+    # The params must be this request's: the engine names them after X-Request-Id
+    # ("cmpl-<id>-0-<hex>"); params of another request make the decode answer 200 with that
+    # request's tokens (seen on real vLLM).
+    if params.remote_request_id is not None and ctx.request_id not in params.remote_request_id:
+        return PrefillVerdict(
+            ok=False,
+            reason=f"kv_transfer_params belong to another request ({params.remote_request_id})",
+            status=502,
+        )
+    same_first = True
+    if params.remote_num_tokens is not None and prompt_tokens is not None:
+        if params.remote_num_tokens == prompt_tokens - 1 and len(params.remote_block_ids or ()) > 1:
+            # A hybrid model's prefill (Mamba / linear attention layers beside attention)
+            # computes all but the last prompt token, which its decode computes (vLLM's
+            # `_truncate_mamba_request_for_prefill`): its one token was drawn after
+            # the prompt less one, so it is no measure of the decode's first
+            same_first = False
+        elif params.remote_num_tokens != prompt_tokens:
+            return PrefillVerdict(
+                ok=False,
+                reason=f"kv_transfer_params cover {params.remote_num_tokens} tokens, the prompt has {prompt_tokens}",
+                status=502,
+            )
+    why = _blocks_problem(params, ctx.prefill.block_size)
+    if why is not None:
+        # too few blocks kill a real vLLM decode (assert in nixl _apply_prefix_caching)
+        return PrefillVerdict(ok=False, reason=why, status=502)
+    ties: tuple[str, ...] = ()
+    if ctx.near_ties and same_first and out.choices and out.choices[0].logprobs:
+        ties = _ties(out.choices[0].logprobs, req.route is RouteKind.CHAT, ctx.near_tie_margin)
+    return PrefillVerdict(ok=True, kv_params=raw, same_first_token=same_first, ties=ties)
 
 
 def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | None:

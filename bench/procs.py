@@ -341,7 +341,7 @@ def pd_gateway_argv() -> list[str]:
     script = Path(sys.executable).parent / "pd-gateway"
     if script.is_file():
         return [str(script)]
-    return [sys.executable, "-m", "gateway.cli"]
+    return [sys.executable, "-m", "pd_gateway.cli"]
 
 
 def emulator_argv(

@@ -54,11 +54,7 @@ from urllib.parse import parse_qs, unquote
 
 import msgspec
 
-from gateway.admission import Admission
-from gateway.breaker import BreakerState
-from gateway.config import ConfigError, WorkerConfig
-from gateway.endpoints import reaches_self, same_server
-from gateway.errors import (
+from common.errors import (
     BadRequest,
     Conflict,
     ErrorCode,
@@ -67,13 +63,18 @@ from gateway.errors import (
     NotFound,
     Unauthorized,
 )
+from gateway.admission import Admission
+from gateway.breaker import BreakerState
+from gateway.config import ConfigError, WorkerConfig
+from gateway.endpoints import reaches_self, same_server
 from gateway.health import HealthChecker
-from gateway.http.server import HttpRequest, HttpResponder
+from gateway.http.server import HttpRequest
 from gateway.logging import get_logger
 from gateway.registry import Registry, Worker
 
 if TYPE_CHECKING:
     from gateway.multiprocess.siblings import SiblingAnswer, Siblings
+    from gateway.orchestration import RequestContext
 
 log = get_logger("pd_gateway.admin")
 
@@ -113,7 +114,7 @@ class Admin:
         health: HealthChecker,
         make_worker: Callable[[WorkerConfig], Worker],
         *,
-        drain_timeout_s: float = 30.0,
+        drain_timeout_s: float,
         allowed_key_envs: frozenset[str] = frozenset(),
         admission: Admission | None = None,
         siblings: Siblings | None = None,
@@ -129,7 +130,7 @@ class Admin:
         self.admission = admission
         self.siblings = siblings  # the other processes (serve --workers N); None: this one alone
         # set by the gateway: generation requests whose response has not started yet
-        self.unstarted: Callable[[], list[HttpResponder]] = list
+        self.unstarted: Callable[[], list[RequestContext]] = list
         # set by the gateway: the (host, port) pairs it listens on (its own and the admin API's
         # listener), to refuse a worker that is itself
         self.own_addresses: Callable[[], list[tuple[str, int]]] = list
@@ -339,7 +340,7 @@ async def drain_and_remove(
     w: Worker,
     registry: Registry,
     health: HealthChecker,
-    unstarted: Callable[[], list[HttpResponder]],
+    unstarted: Callable[[], list[RequestContext]],
     timeout_s: float,
 ) -> dict[str, Any]:
     """Drain `w`, wait (at most `timeout_s`) for its in-flight requests and for those planned on it
@@ -362,7 +363,7 @@ async def drain_and_remove(
         if planned_before:
             # (a request whose vLLM decode leg moved to another decode no longer names it)
             planned_before = [
-                r for r in planned_before if not r.started and not r.closed and w.id in r.planned
+                r for r in planned_before if not r.responded and not r.closed and w.id in r.planned
             ]
         if w.inflight == 0 and not planned_before:
             break
@@ -370,7 +371,7 @@ async def drain_and_remove(
     left = w.inflight
     # planned for it before the drain, response not started: such a request's next leg
     # finds the worker gone (a retry elsewhere, or a 503), so it was not drained either
-    pending = sum(1 for r in planned_before if not r.started and not r.closed and w.id in r.planned)
+    pending = sum(1 for r in planned_before if not r.responded and not r.closed and w.id in r.planned)
     await registry.remove(w.id)
     health.forget(w.id)
     health.check_models()

@@ -28,7 +28,8 @@ from collections import deque
 
 import msgspec
 
-from gateway.errors import ErrorCode, GatewayError, Overloaded, Unavailable
+from common.errors import ErrorCode, GatewayError, Overloaded, Unavailable
+from gateway.config import LimitsConfig
 
 SHED_REASONS = ("queue_full", "queue_timeout", "per_client", "shutting_down")
 
@@ -57,7 +58,7 @@ class Admission:
         *,
         per_client_max_concurrent: int = 0,
         max_inflight_tokens: int | None = None,
-        retry_after_s: float = 1.0,
+        retry_after_s: float = LimitsConfig().retry_after_s,
     ) -> None:
         if max_concurrent < 1:
             raise ValueError("max_concurrent must be >= 1")

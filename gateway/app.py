@@ -14,25 +14,23 @@ import socket
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from common.request import WorkLimits
 from gateway.admin import Admin
 from gateway.admission import Admission
 from gateway.config import ConfigError, GatewayConfig, WorkerConfig
 from gateway.discovery.sync import WorkerSync
 from gateway.endpoints import first_duplicate, url_host
-from gateway.guards import GuardSettings
 from gateway.handlers import Handlers
-from gateway.health import HealthChecker, HealthSettings
+from gateway.health import HealthChecker
 from gateway.http.limits import ServerLimits
 from gateway.http.server import HttpServer, start_server
 from gateway.kvevents.hub import KvEventCollector, KvEventHub
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.multiprocess.siblings import ControlServer, ProcessContext, Siblings
-from gateway.orchestrator import Orchestrator, OrchestratorSettings, RetrySettings, Timeouts
-from gateway.parse import WorkLimits
-from gateway.registry import BreakerSettings, Registry, Worker
+from gateway.orchestration import Orchestrator
+from gateway.registry import Registry, Worker
 from policies.build import build_policy
-from policies.snapshot import Engine
 
 if TYPE_CHECKING:
     from gateway.discovery.kubernetes import KubernetesDiscovery
@@ -61,23 +59,14 @@ class Gateway:
         self.cfg = cfg
         self.environ = os.environ if environ is None else environ
         self.process = process
-        b = cfg.breaker
-        breakers = BreakerSettings(
-            b.failure_threshold,
-            b.success_threshold,
-            b.open_s,
-            max_open_s=b.max_open_s,
-            max_ejected_share=b.max_ejected_share,
-            eject_failure_share=b.eject_failure_share,
-        )
         if process is not None:
             from gateway.multiprocess.registry import SharedRegistry
 
             self.registry: Registry = SharedRegistry(
-                process.table, breakers, inflight_cap=cfg.limits.max_inflight_per_worker
+                process.table, cfg.breaker, inflight_cap=cfg.limits.max_inflight_per_worker
             )
         else:
-            self.registry = Registry(breakers, inflight_cap=cfg.limits.max_inflight_per_worker)
+            self.registry = Registry(cfg.breaker, inflight_cap=cfg.limits.max_inflight_per_worker)
         for wc in cfg.workers:
             self.registry.add(self.make_worker(wc))
         try:  # the workers' KV-event streams: the cache-aware policy's precise index
@@ -95,51 +84,8 @@ class Gateway:
         if self.kv_events is not None:
             self.metrics.registry.register(KvEventCollector(self.kv_events))
         self.metrics.watch_cluster(self.registry.snapshot, self.registry.pair_states)
-        t, r = cfg.timeouts, cfg.retries
-        self.orchestrator = Orchestrator(
-            self.registry,
-            self.policy,
-            self.metrics,
-            OrchestratorSettings(
-                timeouts=Timeouts(
-                    connect_s=t.connect_s,
-                    prefill_s=t.prefill_s,
-                    handoff_s=t.handoff_s,
-                    per_token_s=t.per_token_s,
-                    idle_s=t.idle_s,
-                    total_s=t.total_s,
-                ),
-                retries=RetrySettings(
-                    r.max_attempts, r.backoff_initial_s, r.backoff_max_s, r.multiplier, r.jitter
-                ),
-                chars_per_token=cfg.guards.chars_per_token_estimate,
-                forward_authorization=cfg.forward_authorization,
-                ladder=tuple(cfg.fallback.ladder),
-                split_concurrency=cfg.limits.split_concurrency,
-                retry_after_s=cfg.limits.retry_after_s,
-                guards=GuardSettings(
-                    length_preflight=cfg.guards.length_preflight,
-                    decode_consistency=cfg.guards.decode_consistency,
-                    shadow_fraction=cfg.guards.shadow_fraction,
-                    shadow_tokens=cfg.guards.shadow_tokens,
-                    shadow_before_delivery=cfg.guards.shadow_before_delivery,
-                    suspect_window_s=cfg.guards.suspect_window_s,
-                    near_tie_alternatives=cfg.guards.near_tie_alternatives,
-                    near_tie_margin=cfg.guards.near_tie_margin,
-                ),
-            ),
-        )
-        h = cfg.health
-        self.health = HealthChecker(
-            self.registry,
-            HealthSettings(
-                interval_s=h.interval_s,
-                timeout_s=h.timeout_s,
-                failure_threshold=h.failure_threshold,
-                success_threshold=h.success_threshold,
-                scrape_interval_s=h.scrape_interval_s,
-            ),
-        )
+        self.orchestrator = Orchestrator(self.registry, self.policy, self.metrics, cfg)
+        self.health = HealthChecker(self.registry, cfg.health)
         lim = cfg.limits
         # with several processes each takes its share of the gateway-wide limits
         share = self._share
@@ -154,20 +100,8 @@ class Gateway:
             retry_after_s=lim.retry_after_s,
         )
         self.metrics.watch_admission(self.admission.stats)
-        token = cfg.admin.resolve_token(self.environ)
         self.siblings = Siblings(process) if process is not None else None
-        self.admin: Admin | None = None
-        if token is not None:
-            self.admin = Admin(
-                token,
-                self.registry,
-                self.health,
-                self.make_worker,
-                drain_timeout_s=cfg.admin.drain_timeout_s,
-                allowed_key_envs=frozenset(w.api_key_env for w in cfg.workers if w.api_key_env),
-                admission=self.admission,
-                siblings=self.siblings,
-            )
+        self.admin = self._admin()
         self.handlers = Handlers(
             self.registry,
             self.orchestrator,
@@ -211,6 +145,23 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = False
         self._hurry = asyncio.Event()
+
+    def _admin(self) -> Admin | None:
+        """The admin API, when a token is configured (read from its environment variable)."""
+        cfg = self.cfg
+        token = cfg.admin.resolve_token(self.environ)
+        if token is None:
+            return None
+        return Admin(
+            token,
+            self.registry,
+            self.health,
+            self.make_worker,
+            drain_timeout_s=cfg.admin.drain_timeout_s,
+            allowed_key_envs=frozenset(w.api_key_env for w in cfg.workers if w.api_key_env),
+            admission=self.admission,
+            siblings=self.siblings,
+        )
 
     def make_worker(self, wc: WorkerConfig) -> Worker:
         """A `Worker` for one [[workers]] entry (from the file or the admin API)."""
@@ -339,7 +290,7 @@ class Gateway:
             asyncio.create_task(self.health.run_scrapes(), name="metric-scrapes"),
         ]
         unchecked = sorted(
-            w.id for w in self.registry.workers() if w.engine is Engine.SGLANG and w.vocab_size is None
+            w.id for w in self.registry.workers() if not w.adapter.checks_token_ids and w.vocab_size is None
         )
         if unchecked:
             # neither SGLang 0.5.23 (/server_info, /model_info) nor vLLM 0.32 says its vocabulary

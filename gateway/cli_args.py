@@ -19,23 +19,32 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, get_args
 
+import msgspec
+
+from common.workers import Engine
 from gateway.config import (
     PHASE_TIMEOUTS,
     SGLANG_DEFAULT_BOOTSTRAP_PORT,
     ConfigError,
     GatewayConfig,
+    ListenConfig,
+    LogLevel,
     TimeoutsConfig,
+    WorkerConfig,
     config_from_raw,
     normalize_raw,
     read_toml,
 )
 from gateway.router_flags import add_router_flags, apply_router_flags, prepare_router_flags
-from policies.config import policy_shorthand
-from policies.snapshot import Engine
+from policies.config import DeciderCfg, policy_shorthand
 
-_LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+_LOG_LEVELS = get_args(LogLevel)
+# the defaults the flags' help names are the configuration's own (gateway/config.py)
+_LISTEN = ListenConfig()
+_DECIDER = DeciderCfg()
+_ENGINE: Engine = next(f.default for f in msgspec.structs.fields(WorkerConfig) if f.name == "engine")
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
@@ -52,7 +61,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar=("URL", "BOOTSTRAP_PORT"),
-        help="a prefill worker, with its SGLang bootstrap port (default 8998 for sglang; 'none' for none)",
+        help=f"a prefill worker, with its SGLang bootstrap port (default {SGLANG_DEFAULT_BOOTSTRAP_PORT} for "
+        "sglang; 'none' for none)",
     )
     w.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker")
     w.add_argument("--worker", action="append", default=[], metavar="URL", help="a colocated worker")
@@ -60,7 +70,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=[e.value for e in Engine],
         default=None,
-        help="engine of the workers given by flags (default: sglang; vllm with --vllm-pd-disaggregation)",
+        help=f"engine of the workers given by flags (default: {_ENGINE.value}; vllm with "
+        "--vllm-pd-disaggregation)",
     )
     w.add_argument(
         "--model", default=None, help="model served by the workers given by flags (default: probed)"
@@ -78,17 +89,17 @@ def build_serve_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--config", default=None, metavar="FILE", help="TOML config file (see docs/configuration.md)"
     )
-    s.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    s.add_argument("--host", default=None, help=f"listen address (default {_LISTEN.host})")
+    s.add_argument("--port", type=int, default=None, help=f"listen port (default {_LISTEN.port})")
     s.add_argument(
         "--workers",
         type=int,
         default=None,
         metavar="N",
-        help="gateway processes on the port (listen.processes, default 1): one core each; "
-        "in-flight counts, breakers, admin and metrics span them (docs/operations.md)",
+        help=f"gateway processes on the port (listen.processes, default {_LISTEN.processes}): one core "
+        "each; in-flight counts, breakers, admin and metrics span them (docs/operations.md)",
     )
-    s.add_argument("--log-level", choices=(*_LOG_LEVELS, "warn"), default=None)
+    s.add_argument("--log-level", choices=(*_LOG_LEVELS, "warn"), default=None)  # warn: sglang-router's
     s.add_argument("--log-json", action=argparse.BooleanOptionalAction, default=None, help="JSON log lines")
 
     r = p.add_argument_group("routing")
@@ -106,7 +117,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="disaggregate only prompts of at least this many tokens (less any the policy knows to be cached "
-        "on the decode: the built-in policies assume none); default 0: always",
+        f"on the decode: the built-in policies assume none); default {_DECIDER.min_prefill_tokens}: always",
     )
 
     k = p.add_argument_group("limits")
@@ -168,7 +179,7 @@ def _prefill_worker(
 def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Apply parsed flags over a raw (file) document: workers appended, scalars replaced."""
     doc = normalize_raw(raw)
-    engine = Engine(args.engine or Engine.SGLANG.value)
+    engine = Engine(args.engine or _ENGINE.value)
     vocab = getattr(args, "vocab_size", None)
     flag_workers: list[dict[str, Any]] = [_prefill_worker(v, engine, args.model, vocab) for v in args.prefill]
     for role, urls in (("decode", args.decode), ("colocated", args.worker)):

@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from common.workers import Engine, Role
 from gateway.endpoints import canonical_url
 from policies.config import DeciderCfg, PolicyCfg, RoundRobinCfg, policy_shorthand
-from policies.snapshot import Engine, Role
 
 MiB = 1024 * 1024
 KiB = 1024

@@ -21,7 +21,7 @@ Four checks, each on by default except shadow verification, each with its own me
    requests, and single samples drawn with a seed, the decode's first token agrees with the
    token the prefill sampled.
 4. `shadow` — a sampled share of greedy requests is re-run colocated for a few tokens and
-   compared (see `Orchestrator._shadow`).
+   compared (see gateway/orchestration/shadow.py).
 
 Everything here is pure: summaries in, a verdict (None = fine, else the reason) out.
 """
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import enum
 
-import msgspec
-
-from policies.snapshot import WorkerState
+from common.summary import Summary
+from common.workers import WorkerState
+from gateway.config import GuardsConfig
 
 
 class Guard(enum.StrEnum):
@@ -42,37 +42,9 @@ class Guard(enum.StrEnum):
     SHADOW = "shadow"
 
 
-class GuardSettings(msgspec.Struct, frozen=True):
-    length_preflight: bool = True
-    decode_consistency: bool = True
-    shadow_fraction: float = 0.0
-    shadow_tokens: int = 8
-    shadow_before_delivery: bool = False  # sampled shadows hold a whole answer until they agree
-    suspect_window_s: float = 120.0  # after a KV-integrity failure, the pair's answers are verified
-    max_bytes_per_token: float = 16.0  # lower-bound divisor for text prompts without a tokenizer
-    # vLLM: the prefill of a greedy request is asked for its best first tokens with logprobs, and a
-    # decode whose first token is one within `near_tie_margin` (nats) of the best is a numerics tie
-    near_tie_alternatives: int = 3
-    near_tie_margin: float = 0.2
-
-
-class Summary(msgspec.Struct):
-    """What a response (or a stream, once read) says about itself, engine-neutral."""
-
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    finish_reason: str | None = None
-    first_token_id: int | None = None
-    first_text: str | None = None
-    error: str | None = None  # an error event, or an abort finish (SGLang), in the answer
-    # the engine parsed the text (a reasoning or tool-call parser: `reasoning_content`,
-    # `tool_calls`): its first text is no measure of the first token
-    parsed: bool = False
-    # (a prefill's) the texts of the other first tokens its logprobs put within the near-tie margin
-    # of the one it drew: a decode starting on one of them drew from near-tied logits
-    ties: tuple[str, ...] = ()
-    # (a decode's) its first token differed from the prefill's, but was one of the prefill's ties
-    tied: bool = False
+# a lower bound of a text prompt's tokens without a tokenizer is its UTF-8 bytes divided by this
+# (a byte-level BPE token covers at most this many bytes of the usual text)
+MAX_BYTES_PER_TOKEN = 16.0
 
 
 def preflight(
@@ -80,7 +52,7 @@ def preflight(
     prompt_is_ids: bool,
     max_tokens: int | None,
     workers: tuple[WorkerState, ...],
-    s: GuardSettings,
+    s: GuardsConfig,
     *,
     pairs: tuple[tuple[int, int], ...] | None = None,
 ) -> str | None:
@@ -97,12 +69,12 @@ def preflight(
 
 
 def _fits(
-    units: int, is_ids: bool, out: int, workers: tuple[WorkerState, ...], s: GuardSettings, which: str
+    units: int, is_ids: bool, out: int, workers: tuple[WorkerState, ...], s: GuardsConfig, which: str
 ) -> str | None:
     if is_ids:
         low = units
     else:  # a prompt (never empty: refused at parse) is at least one token
-        low = max(1, int(units / s.max_bytes_per_token))
+        low = max(1, int(units / MAX_BYTES_PER_TOKEN))
     for w in workers:
         if w.max_input_len is not None and low >= w.max_input_len:
             return (

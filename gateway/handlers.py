@@ -12,9 +12,8 @@ from urllib.parse import parse_qs, unquote
 
 import msgspec
 
-from gateway.admission import Admission
-from gateway.bodyscan import SCAN_FROM
-from gateway.errors import (
+from common.bodyscan import SCAN_FROM
+from common.errors import (
     SHUTDOWN_CANCEL,
     BadRequest,
     ErrorCode,
@@ -28,14 +27,16 @@ from gateway.errors import (
     error_body,
     sse_error_event,
 )
+from common.request import ParsedRequest, WorkLimits, parse_large_request, parse_request
+from common.workers import Role, RouteKind
+from gateway.admission import Admission
 from gateway.http.server import HttpRequest, HttpResponder, Refusal
 from gateway.ids import IdGenerator
 from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import Orchestrator
-from gateway.parse import WorkLimits, parse_large_request, parse_request
+from gateway.orchestration import Orchestrator, RequestContext
 from gateway.registry import Registry
-from policies.snapshot import ClusterSnapshot, Engine, Role, RouteKind
+from policies.snapshot import ClusterSnapshot
 
 if TYPE_CHECKING:
     from gateway.admin import Admin
@@ -75,13 +76,13 @@ class Handlers:
         orchestrator: Orchestrator,
         metrics: GatewayMetrics,
         *,
-        request_id_headers: tuple[str, ...] = ("x-request-id",),
-        max_n: int = 128,
-        max_tokens_cap: int | None = None,
-        work: WorkLimits | None = None,
-        client_key_header: str = "",
-        admission: Admission | None = None,
-        admin: Admin | None = None,
+        request_id_headers: tuple[str, ...],
+        max_n: int,
+        max_tokens_cap: int | None,
+        work: WorkLimits,
+        client_key_header: str,
+        admission: Admission,
+        admin: Admin | None,
         metrics_source: Callable[[], Awaitable[bytes]] | None = None,
     ) -> None:
         """`metrics_source`: what `/metrics` answers when it is more than this process's own
@@ -93,14 +94,16 @@ class Handlers:
         self.id_headers = tuple(h.lower().encode() for h in request_id_headers)
         self.max_n = max_n
         self.max_tokens_cap = max_tokens_cap
-        self.work = work or WorkLimits()
+        self.work = work
         self.client_key = client_key_reader(client_key_header)
-        self.admission = admission or Admission(1 << 30, 0, 1.0)
+        self.admission = admission
         self._count_tokens = self.admission.max_tokens is not None
         self.admin = admin  # None: /admin/* is 404
         self._log_done = info_enabled(log)  # as the orchestrator: built only when it is written
-        # generation requests in flight: their responder and handler task (for shutdown)
-        self._live: dict[HttpResponder, asyncio.Task[None] | None] = {}
+        # generation requests in flight: their responder and context (for shutdown, admin)
+        self._live: dict[HttpResponder, RequestContext] = {}
+        # generation requests being handled (parsed, queued or in flight): their ids, for `stalled`
+        self._names: dict[HttpResponder, str] = {}
         self.started = int(time.time())
         post: dict[str, RouteKind] = {
             "/v1/chat/completions": RouteKind.CHAT,
@@ -236,9 +239,12 @@ class Handlers:
         `pdgw_requests_total` say outcome `client_stalled`); a whole answer already handed to the
         connection was served (its engines done) and keeps its outcome."""
         self.metrics.child(self.metrics.client_stalls).inc()
+        request_id = None
+        if res is not None:  # a request still handled, else the id its answer echoed
+            request_id = self._names.get(res) or _echoed_id(res)
         log.info(
             "request.client_stalled",
-            request_id=res.request_id if res is not None else None,
+            request_id=request_id,
             stalled_s=round(stalled_s, 3),
             answered=res is None or res.finished,  # the whole answer was written (to buffers)
         )
@@ -284,92 +290,168 @@ class Handlers:
         )
 
     async def generate(self, route: RouteKind, req: HttpRequest, res: HttpResponder) -> None:
+        """A generation request: parsed, admitted, then served by the orchestrator (each stage's
+        refusals answered, counted and logged here)."""
         started = time.monotonic()
         request_id = self.request_id(req)
-        res.request_id = request_id  # (named by `stalled` if its client stops reading)
-        ctype = req.header(b"content-type")
+        names = self._names
+        names[res] = request_id  # (named by `stalled` if its client stops reading)
         try:
-            if ctype is not None and b"json" not in ctype.lower():
-                raise BadRequest(
-                    f"unsupported content-type {ctype.decode(errors='replace')!r}; send application/json"
-                )
-            coding = req.header(b"content-encoding")
-            if coding is not None and coding.strip().lower() not in (b"", b"identity"):
-                raise UnsupportedMediaType(
-                    f"unsupported content-encoding {coding.decode(errors='replace')!r}; send the JSON "
-                    "body uncompressed"
-                )
-            models = self.registry.models()
-            # a request naming no model goes to the one model served on its route (SGLang's
-            # /generate has no `model` field: behind a gateway that also serves vLLM models, its
-            # clients still reach the SGLang one); with none on the route, to the one model
-            # served, whose answer then names the route it lacks
-            serving = self.registry.models_for(route) or models
-            default_model = serving[0] if len(serving) == 1 else None
             if len(req.body) <= SCAN_FROM:
-                parsed = parse_request(
-                    route,
-                    req.path,
-                    req.body,
-                    default_model=default_model,
-                    max_n=self.max_n,
-                    max_tokens_cap=self.max_tokens_cap,
-                    work=self.work,
-                )
+                parsed = self._parse(route, req, res, request_id, started)
             else:  # measured in slices first, the event loop free between them
-                parsed = await parse_large_request(
-                    route,
-                    req.path,
-                    req.body,
-                    default_model=default_model,
-                    max_n=self.max_n,
-                    max_tokens_cap=self.max_tokens_cap,
-                    work=self.work,
-                )
-        except GatewayError as e:
-            self.metrics.child(self.metrics.requests, route.value, "", "none", e.code.value).inc()
-            self._error(res, e, request_id)
-            if self._log_done:
-                self._log_early(req.path, route, request_id, None, e, started, "request")
-            return
-        adm = self.admission
-        client = self.client_key(req)
-        tokens = 0
-        if self._count_tokens:
-            v = self.orchestrator.view(parsed, request_id)
-            tokens = v.prompt_tokens + v.max_tokens
+                parsed = await self._parse_large(route, req, res, request_id, started)
+            if parsed is None:
+                return
+            task = res.task if res.task is not None else asyncio.current_task()
+            assert task is not None
+            ctx = self.orchestrator.context(parsed, request_id, res, task, req.header(b"authorization"))
+            client = self.client_key(req)
+            tokens = ctx.tokens if self._count_tokens else 0
+            try:
+                admitted = self.admission.admit_now(client, tokens)
+            except GatewayError as e:
+                self._not_admitted(route, req, res, ctx, e, started)
+                return
+            if not admitted and not await self._queue(route, req, res, ctx, client, tokens, started):
+                return
+            live = self._live
+            live[res] = ctx
+            try:
+                await self.orchestrator.serve(ctx)
+            finally:
+                del live[res]
+                self.admission.leave(client, tokens)
+        finally:
+            del names[res]
+
+    def _parse(
+        self, route: RouteKind, req: HttpRequest, res: HttpResponder, request_id: str, started: float
+    ) -> ParsedRequest | None:
+        """The request parsed, or None when it was refused (answered, counted and logged)."""
         try:
-            if not adm.admit_now(client, tokens):
-                await adm.wait(client, tokens)
+            return parse_request(
+                route,
+                req.path,
+                req.body,
+                default_model=self._checked(route, req),
+                max_n=self.max_n,
+                max_tokens_cap=self.max_tokens_cap,
+                work=self.work,
+            )
         except GatewayError as e:
-            # the model label only for a served model: client-chosen names would grow the series
-            model = parsed.model if parsed.model in models else ""
-            self.metrics.child(self.metrics.requests, route.value, model, "none", e.code.value).inc()
-            self._error(res, e, request_id)
-            if self._log_done:
-                self._log_early(req.path, route, request_id, parsed.model, e, started, "admission")
-            return
+            self._unparsed(route, req, res, request_id, e, started)
+            return None
+
+    async def _parse_large(
+        self, route: RouteKind, req: HttpRequest, res: HttpResponder, request_id: str, started: float
+    ) -> ParsedRequest | None:
+        """`_parse` for a body over `bodyscan.SCAN_FROM` bytes: measured in slices first, the
+        event loop free between them (`parse_large_request`)."""
+        try:
+            return await parse_large_request(
+                route,
+                req.path,
+                req.body,
+                default_model=self._checked(route, req),
+                max_n=self.max_n,
+                max_tokens_cap=self.max_tokens_cap,
+                work=self.work,
+            )
+        except GatewayError as e:
+            self._unparsed(route, req, res, request_id, e, started)
+            return None
+
+    def _checked(self, route: RouteKind, req: HttpRequest) -> str | None:
+        """A generation request's headers checked (a 400 or 415 raised); the model a request
+        naming none goes to."""
+        ctype = req.header(b"content-type")
+        if ctype is not None and b"json" not in ctype.lower():
+            raise BadRequest(
+                f"unsupported content-type {ctype.decode(errors='replace')!r}; send application/json"
+            )
+        coding = req.header(b"content-encoding")
+        if coding is not None and coding.strip().lower() not in (b"", b"identity"):
+            raise UnsupportedMediaType(
+                f"unsupported content-encoding {coding.decode(errors='replace')!r}; send the JSON "
+                "body uncompressed"
+            )
+        # a request naming no model goes to the one model served on its route (SGLang's
+        # /generate has no `model` field: behind a gateway that also serves vLLM models, its
+        # clients still reach the SGLang one); with none on the route, to the one model
+        # served, whose answer then names the route it lacks
+        serving = self.registry.models_for(route) or self.registry.models()
+        return serving[0] if len(serving) == 1 else None
+
+    def _unparsed(
+        self,
+        route: RouteKind,
+        req: HttpRequest,
+        res: HttpResponder,
+        request_id: str,
+        e: GatewayError,
+        started: float,
+    ) -> None:
+        """The request refused before it was parsed whole: answered, counted and logged."""
+        self.metrics.child(self.metrics.requests, route.value, "", "none", e.code.value).inc()
+        self._error(res, e, request_id)
+        if self._log_done:
+            self._log_early(req.path, route, request_id, None, e, started, "request")
+
+    async def _queue(
+        self,
+        route: RouteKind,
+        req: HttpRequest,
+        res: HttpResponder,
+        ctx: RequestContext,
+        client: str,
+        tokens: int,
+        started: float,
+    ) -> bool:
+        """Wait in the admission queue for a slot: False when refused (answered, counted and
+        logged); a client that leaves while queued is counted and logged too."""
+        parsed = ctx.req
+        try:
+            await self.admission.wait(client, tokens)
+            return True
+        except GatewayError as e:
+            self._not_admitted(route, req, res, ctx, e, started)
+            return False
         except asyncio.CancelledError as c:  # the client went away while queued
             # (or the gateway cancelled it, as the orchestrator tells the two apart)
             gone = cancelled_outcome(c, res.stalled_s > 0)
-            model = parsed.model if parsed.model in models else ""
+            model = parsed.model if parsed.model in self.registry.models() else ""
             self.metrics.child(self.metrics.requests, route.value, model, "none", gone).inc()
             if self._log_done:
-                self._log_early(req.path, route, request_id, parsed.model, None, started, "admission", gone)
+                self._log_early(
+                    req.path, route, ctx.request_id, parsed.model, None, started, "admission", gone
+                )
             raise
-        live = self._live
-        live[res] = res.task if res.task is not None else asyncio.current_task()
-        try:
-            await self.orchestrator.serve(parsed, request_id, res, req.header(b"authorization"))
-        finally:
-            del live[res]
-            adm.leave(client, tokens)
 
-    def unstarted(self) -> list[HttpResponder]:
+    def _not_admitted(
+        self,
+        route: RouteKind,
+        req: HttpRequest,
+        res: HttpResponder,
+        ctx: RequestContext,
+        e: GatewayError,
+        started: float,
+    ) -> None:
+        """Admission refused the request (a full queue, a per-client cap, shutdown): answered,
+        counted and logged."""
+        parsed = ctx.req
+        # the model label only for a served model: client-chosen names would grow the series
+        model = parsed.model if parsed.model in self.registry.models() else ""
+        self.metrics.child(self.metrics.requests, route.value, model, "none", e.code.value).inc()
+        self._error(res, e, ctx.request_id)
+        if self._log_done:
+            self._log_early(req.path, route, ctx.request_id, parsed.model, e, started, "admission")
+
+    def unstarted(self) -> list[RequestContext]:
         """Generation requests running whose response has not started: they may still pick (or
         retry onto) workers. Once a response has started, its workers are fixed and counted in
         their `inflight`."""
-        return [res for res in self._live if not res.started]
+        return [ctx for ctx in self._live.values() if not ctx.responded]
 
     def cut(self, message: str = "the gateway is shutting down") -> int:
         """Shutdown after the grace period: end every generation request still running with a
@@ -377,7 +459,8 @@ class Handlers:
         cancel its handler, so the orchestrator aborts its engine legs. Returns how many."""
         err = Unavailable(message, code=ErrorCode.SHUTTING_DOWN, retry_after_s=self.admission.retry_after_s)
         n = 0
-        for res, task in list(self._live.items()):
+        for res, ctx in list(self._live.items()):
+            task = ctx.task
             if not res.finished and not res.closed:
                 if res.started:
                     res.write(sse_error_event(err.message, err.type, err.code.value))
@@ -456,12 +539,17 @@ def _routes(snap: ClusterSnapshot, model: str, open_pairs: frozenset[str]) -> li
             out.append(f"disaggregated:{engine.value}")
         if col:
             out.append(f"colocated:{engine.value}")
-        elif dec and not paired and engine is Engine.VLLM:
+        elif not paired and any(w.decode_alone for w in dec):
             out.append(f"decode_self_prefill:{engine.value}")  # the planner's last resort (policies/pd.py)
     return out
 
 
 __all__ = ["Handlers", "error_body"]
+
+
+def _echoed_id(res: HttpResponder) -> str | None:
+    value = res.sent_header(b"x-request-id")
+    return value.decode() if value is not None else None
 
 
 def _address(req: HttpRequest) -> str:

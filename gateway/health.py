@@ -28,24 +28,16 @@ from collections.abc import Iterable
 import msgspec
 
 from adapters import ProbeInfo
+from common.workers import Engine, Role
+from gateway.config import HealthConfig
 from gateway.http.errors import LocalResourceError, UpstreamError
 from gateway.logging import get_logger
 from gateway.registry import Registry, Worker
-from policies.snapshot import Engine, Role
 
 log = get_logger("pd_gateway.health")
 
 # The model listing: cheap, and it names the model and (vLLM and SGLang) its context length.
 _LISTING = "/v1/models"
-
-
-class HealthSettings(msgspec.Struct, frozen=True):
-    interval_s: float = 5.0
-    timeout_s: float = 3.0  # each probe request (/health, each info endpoint, a load report)
-    failure_threshold: int = 3
-    success_threshold: int = 1
-    scrape_interval_s: float = 2.0
-    info_every: int = 12
 
 
 async def _get(w: Worker, path: str, timeout_s: float) -> tuple[int, bytes]:
@@ -66,9 +58,12 @@ async def _get(w: Worker, path: str, timeout_s: float) -> tuple[int, bytes]:
 
 
 class HealthChecker:
-    def __init__(self, registry: Registry, settings: HealthSettings | None = None) -> None:
+    def __init__(
+        self, registry: Registry, settings: HealthConfig | None = None, info_every: int = 12
+    ) -> None:
         self.registry = registry
-        self.settings = settings or HealthSettings()
+        self.settings = settings or HealthConfig()
+        self.info_every = info_every  # a worker's info endpoints are read every this many probes
         self._rounds: dict[str, int] = {}
         # per worker: what its model listing said at the last info read (model, context length)
         self._listed: dict[str, ProbeInfo] = {}
@@ -121,7 +116,7 @@ class HealthChecker:
         # good one: the server may have restarted serving another model or context length,
         # so what it says now replaces what is known before it is usable again.
         fresh = not w.healthy or w.probe_failures > 0
-        if fresh or w.info.model is None or n % self.settings.info_every == 0:
+        if fresh or w.info.model is None or n % self.info_every == 0:
             return await self._read_info(w, fresh=fresh), "info endpoints failed"
         try:
             listed = await self._listing(w)

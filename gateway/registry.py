@@ -16,38 +16,33 @@ from urllib.parse import urlsplit
 import msgspec
 
 from adapters import ADAPTERS, EngineAdapter, ProbeInfo
+from common.workers import Engine, Role, RouteKind, WorkerLoad, WorkerState
 from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.config import BreakerConfig, TimeoutsConfig
 from gateway.endpoints import canonical_url
 from gateway.http.client import UpstreamPool
-from policies.snapshot import ClusterSnapshot, Engine, Role, RouteKind, WorkerLoad, WorkerState
+from policies.snapshot import ClusterSnapshot
 
 _replace = msgspec.structs.replace
+_TIMEOUTS = TimeoutsConfig()
 
 _CLOSED = BreakerState.CLOSED
 _NO_PAIRS: frozenset[str] = frozenset()
 
 
-class BreakerSettings(msgspec.Struct, frozen=True):
-    failure_threshold: int = 5
-    success_threshold: int = 2
-    open_s: float = 30.0
-    max_open_s: float = 300.0  # a repeated ejection lasts open_s x its count, at most this long
-    # at most this share of a pool (a role's workers of a model; a model's pairs) ejected at once,
-    # unless a worker's recent failures reach eject_failure_share (gateway/breaker.py)
-    max_ejected_share: float = 0.5
-    eject_failure_share: float = 0.85
-
-    def new(self, guard: Callable[[], bool] | None = None) -> CircuitBreaker:
-        b = CircuitBreaker(
-            self.failure_threshold,
-            self.success_threshold,
-            self.open_s,
-            max_open_s=self.max_open_s,
-            eject_failure_share=self.eject_failure_share,
-        )
-        if guard is not None:
-            b.guard = guard
-        return b
+def new_breaker(cfg: BreakerConfig, guard: Callable[[], bool] | None = None) -> CircuitBreaker:
+    """A breaker with `cfg`'s thresholds and ejection rules; `guard` says whether it may open
+    now (the registry's share of the pool that may be ejected at once)."""
+    b = CircuitBreaker(
+        cfg.failure_threshold,
+        cfg.success_threshold,
+        cfg.open_s,
+        max_open_s=cfg.max_open_s,
+        eject_failure_share=cfg.eject_failure_share,
+    )
+    if guard is not None:
+        b.guard = guard
+    return b
 
 
 class Worker:
@@ -97,7 +92,7 @@ class Worker:
         weight: float = 1.0,
         labels: tuple[tuple[str, str], ...] = (),
         breaker: CircuitBreaker | None = None,
-        connect_timeout_s: float = 2.0,
+        connect_timeout_s: float = _TIMEOUTS.connect_s,
         authorization: bytes | None = None,
         vocab_size: int | None = None,
         tls: ssl.SSLContext | None = None,
@@ -169,6 +164,7 @@ class Worker:
             block_size=self.info.block_size,
             labels=self.labels,
             vocab_size=self.vocab_size,
+            decode_alone=self.adapter.decode_alone,
             inflight=self.inflight + self.foreign_inflight,
             inflight_tokens=self.inflight_tokens + self.foreign_tokens,
             load=self.load,
@@ -176,13 +172,13 @@ class Worker:
 
 
 class Registry:
-    def __init__(self, breaker: BreakerSettings | None = None, inflight_cap: int = 0) -> None:
+    def __init__(self, breaker: BreakerConfig | None = None, inflight_cap: int = 0) -> None:
         self.inflight_cap = inflight_cap  # requests in flight per worker before it is skipped; 0 = no cap
         self._full: set[str] = set()
         self._workers: dict[str, Worker] = {}
         self._pair_breakers: dict[str, CircuitBreaker] = {}
         self._suspect_until: dict[str, float] = {}  # pair id -> monotonic time its suspicion ends
-        self._breaker = breaker or BreakerSettings()
+        self._breaker = breaker or BreakerConfig()
         self._version = 0  # bumped by anything but in-flight counts (membership, health, breakers, load)
         self._models: tuple[str, ...] | None = None  # cached until membership or info changes
         # per route: the workers whose engine does not answer it (cached like _models)
@@ -205,7 +201,7 @@ class Registry:
     def add(self, worker: Worker) -> None:
         if worker.id in self._workers:
             raise ValueError(f"a worker with id {worker.id!r} already exists")
-        worker.breaker = self._breaker.new(guard=lambda: self._may_eject(worker))
+        worker.breaker = new_breaker(self._breaker, guard=lambda: self._may_eject(worker))
         self._workers[worker.id] = worker
         self.changed()
 
@@ -332,7 +328,7 @@ class Registry:
         key = f"{prefill_id}|{decode_id}"
         b = self._pair_breakers.get(key)
         if b is None:
-            b = self._breaker.new(guard=lambda: self._may_eject_pair(prefill_id, decode_id))
+            b = new_breaker(self._breaker, guard=lambda: self._may_eject_pair(prefill_id, decode_id))
             # not kept for a pair whose worker was removed while the request ran (a worker added
             # again under its id must not inherit it)
             if prefill_id in self._workers and decode_id in self._workers:

@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from common.workers import Engine
 from gateway.config import ConfigError
 from policies.config import PolicyCfg
-from policies.snapshot import Engine
 
 
 class Kind(enum.Enum):

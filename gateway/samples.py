@@ -16,9 +16,11 @@ check one by one, so a broken handoff of any prompt would reach the client as a 
 saw 51 of 240 batch answers wrong under faults). Each unit `k = prompt_index * n + j` is a
 single-prompt, single-sample handoff with its own guards.
 
-`SampleSink` stands in for the client's responder in each sub-request's relay; `SampleMerger`
-writes to the real one. Streams are merged event by event as they come (each event decoded, its
-index renumbered, re-encoded); whole answers when every sample is in.
+The SGLang adapter cuts the request into its units (`split_units`, adapters/_split.py); the
+split shape runs them (gateway/orchestration/split.py). `SampleSink` stands in for the client's
+responder in each sub-request's relay; `SampleMerger` writes to the real one. Streams are
+merged event by event as they come (each event decoded, its index renumbered, re-encoded);
+whole answers when every sample is in.
 
 A stream starts only once every unit of the first wave (the `split_concurrency` units started at
 once) has passed the points where an engine refuses a request for its own fault: its prefill's
@@ -42,101 +44,14 @@ from typing import Any
 
 import msgspec
 
+from common.request import ParsedRequest
+from common.workers import RouteKind
 from gateway.http.server import Responder
-from gateway.parse import ParsedRequest, parse_request
-from policies.snapshot import RouteKind
 
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
 _DONE = b"data: [DONE]\n\n"
 _HEAD = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
-
-
-def _one_sample(params: dict[str, Any], seed_key: str, j: int) -> dict[str, Any]:
-    out = dict(params)
-    out["n"] = 1
-    seed = out.get(seed_key)
-    if seed is not None and j:
-        out[seed_key] = sample_seed(seed, j)
-    return out
-
-
-def sample_seed(seed: Any, j: int) -> Any:
-    """Sample `j`'s seed: `seed + j` (as the engines seed an `n > 1` request's samples), inside
-    int64 (the range both engines take: past its top it wraps around to its bottom). A seed in
-    a form the engines' schemas read as an integer (pydantic's lax mode: "5", " +5 ", 5.0, true)
-    counts as that integer; anything else is sent as it came, for the engine to judge."""
-    if seed.__class__ is not int:
-        if isinstance(seed, bool) or (isinstance(seed, float) and seed.is_integer()):
-            seed = int(seed)
-        elif isinstance(seed, str) and seed.strip().lstrip("+-").isdigit():
-            seed = int(seed.strip())
-        else:
-            return seed
-    return (seed + j + _INT64) % (2 * _INT64) - _INT64
-
-
-_INT64 = 2**63
-
-
-# `/generate` fields that a batch gives per prompt (SGLang's GenerateReqInput): a list with one
-# entry per prompt is cut to the prompt's entry; anything else is shared as sent
-_PER_PROMPT = (
-    "text",
-    "input_ids",
-    "input_embeds",
-    "sampling_params",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "token_ids_logprob",
-    "return_text_in_logprobs",
-    "lora_path",
-    "lora_id",
-    "image_data",
-    "video_data",
-    "audio_data",
-    "custom_logit_processor",
-    "return_hidden_states",
-)
-
-
-def _prompt_of(req: ParsedRequest, fields: dict[str, Any], i: int) -> None:
-    """Cut a batch's fields down to prompt `i`'s, in place."""
-    if req.route is not RouteKind.GENERATE:
-        fields["prompt"] = fields["prompt"][i]
-        return
-    for key in _PER_PROMPT:
-        v = fields.get(key)
-        if not isinstance(v, list) or len(v) != req.batch:
-            continue
-        if key == "token_ids_logprob" and not all(isinstance(x, list) or x is None for x in v):
-            continue  # one list of ids, shared by every prompt
-        fields[key] = v[i]
-
-
-def unit_count(req: ParsedRequest) -> int:
-    """How many single-prompt, single-sample requests `req` is split into."""
-    return req.batch * req.n if req.is_batch else req.n
-
-
-def sample_request(req: ParsedRequest, k: int, body: dict[str, Any] | None = None) -> ParsedRequest:
-    """Unit `k = prompt_index * n + j` of `req` as a request of its own: one prompt of a batch,
-    sample `j` (n = 1). A client's `rid` is dropped: the units are engine requests each named by
-    the gateway. `body`: `req.body` decoded (once for all units; not changed here)."""
-    fields: dict[str, Any] = dict(body) if body is not None else _decode.decode(req.body)
-    fields.pop("rid", None)
-    i, j = divmod(k, req.n)
-    if req.is_batch:
-        _prompt_of(req, fields, i)
-    if req.route is RouteKind.GENERATE:
-        sp = fields.get("sampling_params")  # one object: a batch's list was cut to its prompt's
-        fields["sampling_params"] = _one_sample(sp if isinstance(sp, dict) else {}, "sampling_seed", j)
-    else:
-        fields = _one_sample(fields, "seed", j)
-    return parse_request(
-        req.route, req.path, _encode(fields), default_model=req.model, max_n=1, max_tokens_cap=None
-    )
 
 
 class SampleMerger:
@@ -154,7 +69,7 @@ class SampleMerger:
         each of them has arrived; `head`: the stream's headers when no unit gave any."""
         self.res = res
         self.n = req.n
-        self.units = unit_count(req)
+        self.units = req.units
         wave = self.units if first_wave is None else min(self.units, first_wave)
         self._waiting = set(range(wave))  # first-wave units that have not arrived yet
         self._held: list[bytes] | None = []  # merged bytes while the stream waits; None once started

@@ -9,24 +9,18 @@ Only two places of a stream are held back:
   `[DONE]` follow at once), until the whole answer has been checked; a bad answer ends with an
   error event instead of a clean `[DONE]`.
 
-Everything in between is passed on as it arrives; per chunk the cost is two `bytes.find`s.
+Everything in between is passed on as it arrives; per chunk the cost is a few substring
+tests. Which events end a stream, and how a usage chunk the client did not ask for is dropped,
+is the engine adapter's knowledge (`stream_end_markers`, `without_usage_chunk`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import msgspec
-
-from gateway.guards import Summary
+from common.summary import Summary
 
 _SEP = b"\n\n"
-# Both engines write compact JSON (orjson / pydantic): a finish reason that is set starts with a
-# quote (OpenAI shapes) or a brace (SGLang's /generate); an unset one is `null`. Their error
-# events too are compact on SGLang's /generate (orjson) but spaced on the OpenAI routes of both
-# (`json.dumps`: `{"error": {`), which the compact marker's prefix matches as well.
-_FINISH = (b'"finish_reason":"', b'"finish_reason":{', b'{"error":')
-
 Summarize = Callable[[list[bytes]], Summary]
 Check = Callable[[Summary], str | None]
 
@@ -57,42 +51,6 @@ def _payloads(events: bytes) -> list[bytes]:
     return out
 
 
-class _UsageChunk(msgspec.Struct):
-    choices: list[msgspec.Raw] = []
-    usage: msgspec.Raw = msgspec.Raw(b"null")
-    system_fingerprint: msgspec.Raw = msgspec.Raw()  # empty: absent
-
-
-_usage_chunk = msgspec.json.Decoder(_UsageChunk)
-
-
-def _without_usage_chunk(events: bytes) -> bytes:
-    """Whole events less the usage-only one (`"choices": []` and a usage), for a client that
-    did not ask for it. What the engine would then have sent instead: vLLM stamps its system
-    fingerprint on the stream's terminal chunks (those with a finish reason) when no usage chunk
-    follows to carry it (completion/serving.py:425-432, chat_completion/serving.py:803-811), so
-    the dropped chunk's fingerprint moves onto them."""
-    out = []
-    fingerprint = b""
-    for event in events.split(_SEP):
-        if b'"usage"' in event and event.startswith(b"data:"):
-            try:
-                ev = _usage_chunk.decode(event[5:].strip())
-            except msgspec.DecodeError:
-                ev = None
-            if ev is not None and not ev.choices and bytes(ev.usage) != b"null":
-                fingerprint = bytes(ev.system_fingerprint)
-                continue
-        out.append(event)
-    if fingerprint and fingerprint != b"null":
-        for i, event in enumerate(out):
-            if _FINISH[0] in event and b'"system_fingerprint"' not in event:
-                end = event.rfind(b"}")
-                if event.startswith(b"data:") and end > 0:
-                    out[i] = event[:end] + b',"system_fingerprint":' + fingerprint + event[end:]
-    return _SEP.join(out)
-
-
 class StreamStopped(Exception):
     """Raised by `StreamWatch.feed` when the first token fails its check: a pipe whose sink
     raises stops reading and aborts the upstream connection. `StreamWatch.violation` says why."""
@@ -104,6 +62,7 @@ class StreamWatch:
         "_check_end",
         "_check_first",
         "_drop_usage",
+        "_ends",
         "_first",
         "_head",
         "_held",
@@ -121,10 +80,16 @@ class StreamWatch:
         check_first: Check,
         check_end: Check,
         *,
-        drop_usage: bool = False,
+        ends: tuple[bytes, ...],
+        drop_usage: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self._write = write
-        self._drop_usage = drop_usage  # the usage chunk was asked for by the gateway, not the client
+        # what marks the events that end a stream (a finish reason, an error event): the engine
+        # adapter's `stream_end_markers`
+        self._ends = ends
+        # the usage chunk was asked for by the gateway, not the client: this drops it (the
+        # adapter's `without_usage_chunk`)
+        self._drop_usage = drop_usage
         self._summarize = summarize
         self._check_first = check_first
         self._check_end = check_end
@@ -144,7 +109,10 @@ class StreamWatch:
     def feed(self, data: bytes) -> None:
         if self._state == 1 and not self._buf and data.endswith(_SEP):
             # the hot path: whole events in the middle of a stream
-            if data.find(_FINISH[0]) < 0 and data.find(_FINISH[1]) < 0 and data.find(_FINISH[2]) < 0:
+            for marker in self._ends:
+                if marker in data:
+                    break
+            else:
                 self._write(data)
                 return
         if self.violation is not None:
@@ -180,7 +148,7 @@ class StreamWatch:
             # fall through: the held head may already contain the finish event
         if self._state == 1:
             at = -1
-            for marker in _FINISH:
+            for marker in self._ends:
                 i = complete.find(marker)
                 if i >= 0 and (at < 0 or i < at):
                     at = i
@@ -219,6 +187,7 @@ class StreamWatch:
             return None
         self.violation = self._check_end(end) if self._state == 2 else None
         if self.violation is None and held:
-            self._write(_without_usage_chunk(held) if self._drop_usage else held)
+            drop = self._drop_usage
+            self._write(drop(held) if drop is not None else held)
         self._held = self._buf = b""
         return self.violation

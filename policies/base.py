@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
+from common.outcomes import LegRecord
 from policies.snapshot import (
     ClusterSnapshot,
     Colocated,
@@ -63,7 +64,8 @@ class Routed(msgspec.Struct, frozen=True, tag="routed"):
 
 
 class Completed(msgspec.Struct, frozen=True, tag="completed"):
-    """The request finished successfully on these workers.
+    """The request finished successfully on these workers. `legs`: each engine leg's outcome in
+    the attempt that served it (`common.outcomes.LegRecord`).
 
     `cached_tokens`: the prompt tokens the engine that prefilled it found in its prefix cache,
     as it reported them (SGLang `meta_info.cached_tokens`, OpenAI
@@ -75,14 +77,17 @@ class Completed(msgspec.Struct, frozen=True, tag="completed"):
     ttft_s: float | None = None
     output_tokens: int = 0
     cached_tokens: int | None = None
+    legs: tuple[LegRecord, ...] = ()
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed"):
-    """An attempt failed. `phase` is where: "connect", "prefill", "handoff", "decode", "guard"."""
+    """An attempt failed. `phase` is where: "connect", "prefill", "handoff", "decode", "guard".
+    `legs`: each engine leg's outcome in that attempt, so far (`common.outcomes.LegRecord`)."""
 
     request_id: str
     worker_ids: tuple[str, ...]
     phase: str
+    legs: tuple[LegRecord, ...] = ()
 
 
 class WorkerGone(msgspec.Struct, frozen=True, tag="worker_gone"):

@@ -8,10 +8,11 @@ For the request's model, with `exclude` applied (worker ids and ``"prefill|decod
    one, the `Decider` is asked whether to disaggregate (with the `CacheEstimator`'s guess of
    what is already cached on that decode worker):
    - yes -> the prefill selector picks among that engine's prefill workers -> `Disaggregated`;
-   - no  -> a colocated worker if there is one, else (vLLM) the decode worker prefills itself
-     (`Colocated(decode)`), else (SGLang decode cannot prefill alone) disaggregate anyway.
+   - no  -> a colocated worker if there is one, else a decode worker that answers alone
+     (`decode_alone`: vLLM's) prefills itself (`Colocated(decode)`), else (an SGLang decode
+     cannot prefill alone) disaggregate anyway.
 3. No pair possible (no P/D pool, or every pair excluded): a colocated worker; else a usable
-   vLLM decode worker on its own (`Colocated(decode)`); else `Reject(..., 503)`.
+   decode worker that answers alone (`Colocated(decode)`); else `Reject(..., 503)`.
 
 The role selectors (`RoleSelector`: usually a `Profile`) own the choice within a pool; this
 class owns only the order. It never mutates itself in `plan()`; `observe()` forwards events
@@ -38,7 +39,6 @@ from policies.snapshot import (
     ClusterSnapshot,
     Colocated,
     Disaggregated,
-    Engine,
     Plan,
     Reject,
     RequestView,
@@ -125,7 +125,7 @@ class PDPolicy:
                 worker = _select(self.colocated, req, colocated)
                 if worker is not None:
                     return Colocated(worker, reason="decider: colocated")
-                if decode.engine is Engine.VLLM:
+                if decode.decode_alone:
                     return Colocated(decode, reason="decider: decode self-prefill")
             prefill = _select(self.prefill, req, partners[decode.id])
             if prefill is not None:
@@ -136,7 +136,7 @@ class PDPolicy:
         worker = _select(self.colocated, req, colocated)
         if worker is not None:
             return Colocated(worker, reason="no P/D pair")
-        worker = _select(self.decode, req, [d for d in decodes if d.engine is Engine.VLLM])
+        worker = _select(self.decode, req, [d for d in decodes if d.decode_alone])
         if worker is not None:
             return Colocated(worker, reason="decode self-prefill")
         return Reject(f"no usable worker for model {model!r}", 503)

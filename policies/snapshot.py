@@ -7,65 +7,28 @@ policies only read it. Nothing in this module does I/O.
 
 from __future__ import annotations
 
-import enum
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from common.workers import Engine, Role, RouteKind, WorkerLoad, WorkerState
+
 if TYPE_CHECKING:
     from policies.prompt_key import PromptKey
 
-
-class Role(enum.StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
-
-
-class Engine(enum.StrEnum):
-    SGLANG = "sglang"
-    VLLM = "vllm"
-    OPENAI = "openai"
-
-
-class WorkerLoad(msgspec.Struct, frozen=True, gc=False):
-    """What the engine itself reports (scraped from its /metrics)."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0  # 0..1
-    cache_hit_rate: float = 0.0  # 0..1
-    scraped_at: float = 0.0  # monotonic seconds; 0 = never scraped
-
-
-class WorkerState(msgspec.Struct, frozen=True, gc=False):
-    """One worker as policies see it. `id` is the stable key (not the URL string)."""
-
-    id: str
-    url: str
-    role: Role
-    engine: Engine
-    model: str | None = None  # None until probed: matches any model
-    healthy: bool = True
-    draining: bool = False
-    context_length: int | None = None  # prompt + output tokens the worker accepts
-    max_input_len: int | None = None  # prompt tokens it accepts (SGLang's max_req_input_len)
-    bootstrap_port: int | None = None  # SGLang prefill only
-    block_size: int | None = None  # KV block size the engine reports (vLLM: cache_config_info)
-    vocab_size: int | None = None  # configured: prompt token ids must be below it
-    kv_capacity_tokens: int | None = None  # KV cache size in tokens, where known (cache-aware routing)
-    weight: float = 1.0
-    labels: tuple[tuple[str, str], ...] = ()
-    inflight: int = 0  # requests the gateway has in flight on it
-    inflight_tokens: int = 0  # prompt + max tokens of those requests
-    load: WorkerLoad = WorkerLoad()
-
-    @property
-    def usable(self) -> bool:
-        return self.healthy and not self.draining
-
-    def serves(self, model: str) -> bool:
-        return self.model is None or self.model == model
+__all__ = [
+    "ClusterSnapshot",
+    "Colocated",
+    "Disaggregated",
+    "Engine",
+    "Plan",
+    "Reject",
+    "RequestView",
+    "Role",
+    "RouteKind",
+    "WorkerLoad",
+    "WorkerState",
+]
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True):
@@ -86,12 +49,6 @@ class ClusterSnapshot(msgspec.Struct, frozen=True):
 
     def models(self) -> tuple[str, ...]:
         return tuple(sorted({w.model for w in self.workers if w.model is not None}))
-
-
-class RouteKind(enum.StrEnum):
-    CHAT = "chat"
-    COMPLETIONS = "completions"
-    GENERATE = "generate"
 
 
 class RequestView(msgspec.Struct, frozen=True, gc=False):

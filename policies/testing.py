@@ -48,6 +48,9 @@ from policies.snapshot import (
 
 PlanKind = Literal["colocated", "disaggregated", "reject"]
 
+# what the built-in adapters declare (adapters/*.py `decode_alone`): policies cannot import them
+_DECODE_ALONE = {Engine.SGLANG: False, Engine.VLLM: True, Engine.OPENAI: True}
+
 
 def make_worker(
     id: str,
@@ -66,13 +69,17 @@ def make_worker(
     context_length: int | None = None,
     max_input_len: int | None = None,
     labels: Iterable[tuple[str, str]] = (),
+    decode_alone: bool | None = None,
 ) -> WorkerState:
-    """A worker with sensible defaults; the URL is derived from the id."""
+    """A worker with sensible defaults; the URL is derived from the id. `decode_alone`: as the
+    built-in adapters declare it for the engine (vLLM's and an OpenAI server's decode answer
+    alone, SGLang's does not) unless given."""
+    engine = Engine(engine)
     return WorkerState(
         id=id,
         url=f"http://{id}.test:8000",
         role=Role(role),
-        engine=Engine(engine),
+        engine=engine,
         model=model,
         healthy=healthy,
         draining=draining,
@@ -81,6 +88,7 @@ def make_worker(
         bootstrap_port=bootstrap_port,
         weight=weight,
         labels=tuple(labels),
+        decode_alone=_DECODE_ALONE[engine] if decode_alone is None else decode_alone,
         inflight=inflight,
         inflight_tokens=inflight_tokens,
         load=WorkerLoad(running=running, waiting=waiting),
@@ -136,13 +144,13 @@ def _valid_worker(
 
 
 def possible_routes(req: RequestView, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> int:
-    """How many valid plans exist (pairs + colocated workers + vLLM decode workers alone)."""
+    """How many valid plans exist (pairs + colocated workers + decode workers that answer alone)."""
     prefills = snap.pool(Role.PREFILL, req.model, exclude)
     decodes = snap.pool(Role.DECODE, req.model, exclude)
     pairs = sum(
         1 for d in decodes for p in prefills if p.engine is d.engine and pair_id(p.id, d.id) not in exclude
     )
-    alone = sum(1 for d in decodes if d.engine is Engine.VLLM)
+    alone = sum(1 for d in decodes if d.decode_alone)
     return pairs + alone + len(snap.pool(Role.COLOCATED, req.model, exclude))
 
 
@@ -172,7 +180,7 @@ def check_plan(
             errors += _valid_worker(w, req, snap, exclude)
             if w.role is Role.PREFILL:
                 errors.append(f"prefill worker {w.id!r} cannot serve a request alone")
-            if w.role is Role.DECODE and w.engine is not Engine.VLLM:
+            if w.role is Role.DECODE and not w.decode_alone:
                 errors.append(f"{w.engine} decode worker {w.id!r} cannot prefill by itself")
         case Reject(status=status):
             known = any(w.serves(req.model) for w in snap.workers)

@@ -28,10 +28,11 @@ from typing import Any
 
 import msgspec
 
+from adapters import ADAPTERS
+from common.workers import Engine, Role
 from gateway.config import SGLANG_DEFAULT_BOOTSTRAP_PORT, ConfigError, KubernetesConfig, WorkerConfig
 from gateway.discovery.sync import WorkerSync
 from gateway.logging import get_logger
-from policies.snapshot import Engine, Role
 
 log = get_logger("pd_gateway.discovery")
 
@@ -70,7 +71,7 @@ def pod_worker(pod: Mapping[str, Any], role: Role, cfg: KubernetesConfig) -> Wor
     except ValueError:
         raise PodError(f"label {cfg.engine_label}={engine_name!r}: not sglang, vllm or openai") from None
     bootstrap = None
-    if engine is Engine.SGLANG and role is Role.PREFILL:
+    if role is Role.PREFILL and ADAPTERS[engine].prefill_bootstrap:
         bootstrap = _port(notes, cfg.bootstrap_port_annotation, SGLANG_DEFAULT_BOOTSTRAP_PORT)
     host = f"[{ip}]" if ":" in ip else ip
     try:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gateway.admin import drain_and_remove
 from gateway.config import ConfigError, WorkerConfig
 from gateway.health import HealthChecker
-from gateway.http.server import HttpResponder
 from gateway.logging import get_logger
 from gateway.registry import Registry, Worker
+
+if TYPE_CHECKING:
+    from gateway.orchestration import RequestContext
 
 log = get_logger("pd_gateway.discovery")
 
@@ -30,9 +33,9 @@ class WorkerSync:
         registry: Registry,
         health: HealthChecker,
         make_worker: Callable[[WorkerConfig], Worker],
-        unstarted: Callable[[], list[HttpResponder]],
+        unstarted: Callable[[], list[RequestContext]],
         *,
-        drain_timeout_s: float = 30.0,
+        drain_timeout_s: float,
         source: str = "discovery",
     ) -> None:
         self.registry = registry

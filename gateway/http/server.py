@@ -146,8 +146,7 @@ class HttpResponder:
         "_head_only",
         "_http10",
         "_keep_alive",
-        "planned",
-        "request_id",
+        "_sent",
         "started",
         "task",
     )
@@ -165,17 +164,20 @@ class HttpResponder:
         # the Task running the handler (set at dispatch): known here, a handler need not ask
         # asyncio.current_task(), which costs a getpid() system call on Python 3.11
         self.task: asyncio.Task[None] | None = None
-        # what the application planned this request for (the gateway: its workers' ids), for
-        # whoever must wait on requests not started yet (the admin API removing a worker)
-        self.planned: tuple[str, ...] = ()
-        # the application's name for the request (the gateway's request id), for the server's
-        # on_stall hook
-        self.request_id: str | None = None
+        self._sent: Sequence[tuple[bytes, bytes]] = ()  # the response's headers, once sent
 
     @property
     def closed(self) -> bool:
         """The client connection is lost (or was aborted)."""
         return self._conn._closed
+
+    def sent_header(self, name: bytes) -> bytes | None:
+        """The value of header ``name`` (lowercase) in the response's head as the handler gave
+        it, or None (not given, or no head sent yet)."""
+        for n, v in self._sent:
+            if n == name:
+                return v
+        return None
 
     @property
     def finished(self) -> bool:
@@ -211,6 +213,7 @@ class HttpResponder:
         if self.started:
             raise RuntimeError("response already started")
         self.started = True
+        self._sent = headers
         conn = self._conn
         if conn._closed:
             self._finished = True
@@ -235,6 +238,7 @@ class HttpResponder:
         if self.started:
             raise RuntimeError("response already started")
         self.started = True
+        self._sent = headers
         conn = self._conn
         if conn._closed:
             return

@@ -12,11 +12,12 @@ import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from adapters import ADAPTERS
+from common.workers import Engine
 from gateway.config import KvEventsConfig, WorkerConfig
 from gateway.kvevents.index import KvEventIndex, WorkerStatus
 from gateway.kvevents.subscriber import KvEventSubscriber
 from gateway.logging import get_logger
-from policies.snapshot import Engine
 
 log = get_logger("pd_gateway.kvevents")
 
@@ -44,7 +45,8 @@ class KvEventHub:
 
     def add(self, worker_id: str, engine: Engine, kv: KvEventsConfig) -> None:
         """Index a worker's events (its subscription starts now if the hub is running)."""
-        scheme = kv.hash or ("sglang" if engine is Engine.SGLANG else "vllm")
+        wire = ADAPTERS[engine].kv_events_format
+        scheme = kv.hash or wire
         self.index.add_worker(
             worker_id,
             endpoint=kv.endpoint,
@@ -54,7 +56,6 @@ class KvEventHub:
             seed=kv.hash_seed,
             max_blocks=kv.max_blocks,
         )
-        wire = "sglang" if engine is Engine.SGLANG else "vllm"
         self._subs[worker_id] = KvEventSubscriber(
             self.index,
             worker_id,

@@ -38,13 +38,15 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from common.workers import Role
 from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.config import BreakerConfig
 from gateway.logging import get_logger
 from gateway.multiprocess import table as t
 from gateway.multiprocess.breaker import CLOSED_CODE, SharedBreaker
 from gateway.multiprocess.table import SharedTable, TableFull
-from gateway.registry import BreakerSettings, Registry, Worker
-from policies.snapshot import ClusterSnapshot, Role
+from gateway.registry import Registry, Worker, new_breaker
+from policies.snapshot import ClusterSnapshot
 
 log = get_logger("pd_gateway.multiprocess")
 
@@ -79,7 +81,7 @@ def pair_key(prefill_id: str, decode_id: str) -> str:
 
 class SharedRegistry(Registry):
     def __init__(
-        self, table: SharedTable, breaker: BreakerSettings | None = None, inflight_cap: int = 0
+        self, table: SharedTable, breaker: BreakerConfig | None = None, inflight_cap: int = 0
     ) -> None:
         super().__init__(breaker, inflight_cap)
         self.table = table
@@ -265,14 +267,14 @@ class SharedRegistry(Registry):
         if b is not None:
             return b
         if prefill_id not in self._workers or decode_id not in self._workers:
-            return self._breaker.new()  # the pair's worker was removed: its own, not kept
+            return new_breaker(self._breaker)  # the pair's worker was removed: its own, not kept
         try:
             with self.table.locked():
                 slot, _ = self.table.join_locked(pair_key(prefill_id, decode_id), t.PAIR)
         except TableFull:
             log.warning("shared_table.full", pair=key, slots=self.table.slots)
             # this process's alone
-            b = self._breaker.new(guard=lambda: self._may_eject_pair(prefill_id, decode_id))
+            b = new_breaker(self._breaker, guard=lambda: self._may_eject_pair(prefill_id, decode_id))
         else:
             b = self._shared_pair(slot, prefill_id, decode_id)
         self._pair_breakers[key] = b

@@ -179,7 +179,7 @@ class ControlServer:
             res.send(200, [_JSON], _encoder.encode(self.admission.stats()))
             return
         if req.path.startswith("/admin/") and self.admin is not None:
-            from gateway.errors import GatewayError
+            from common.errors import GatewayError
 
             try:
                 status, body = await self.admin.answer(req, local=True)

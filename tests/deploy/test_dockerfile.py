@@ -61,8 +61,14 @@ def test_copied_sources_exist_and_the_extra_is_declared() -> None:
                 assert (ROOT / src).exists(), src
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert "kubernetes" in extras
+    assert "emulator" in extras  # `pd-gateway emulate` runs from the same image
     pip = next(rest for word, rest in build if word == "RUN" and "pip install" in rest)
-    assert "'.[kubernetes]'" in pip
+    assert "'.[kubernetes,emulator]'" in pip
+    # every package the image's console script may import is copied (bench stays out: not shipped)
+    copied = {src for word, rest in build if word == "COPY" for src in rest.split()[:-1]}
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = {p.rstrip("*") for p in find["include"]} - {"bench"}
+    assert packages <= copied, packages - copied
     # uvloop, the event loop `pd-gateway serve` installs, is a dependency on Linux
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.startswith("uvloop") for d in deps)

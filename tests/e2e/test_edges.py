@@ -16,8 +16,8 @@ import pytest
 from openai import BadRequestError, OpenAI
 
 from adapters import ADAPTERS, HandoffCtx
-from gateway.parse import parse_request
-from policies.snapshot import Engine, Role, RouteKind, WorkerState
+from common.request import parse_request
+from common.workers import Engine, Role, RouteKind, WorkerState
 from tests.e2e._support import (
     GENERATED_TOKENS,
     KINDS,

@@ -9,6 +9,7 @@ import asyncio
 
 import aiohttp
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.breaker import BreakerState
@@ -21,7 +22,6 @@ from gateway.config import (
     TimeoutsConfig,
     WorkerConfig,
 )
-from policies.snapshot import Engine, Role
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}
 

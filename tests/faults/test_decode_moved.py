@@ -17,10 +17,10 @@ from typing import Any
 
 import aiohttp
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import AdminConfig, GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
-from policies.snapshot import Engine, Role
 from tests.integration.test_gateway import post
 
 BODY = {"model": "m", "prompt": "tell me a story", "max_tokens": 12, "temperature": 0}

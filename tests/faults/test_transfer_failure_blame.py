@@ -11,6 +11,8 @@ from __future__ import annotations
 import aiohttp
 
 from adapters import ADAPTERS
+from common.request import parse_request
+from common.workers import Engine, Role, RouteKind
 from emulator.api import EmulatorSpec
 from gateway.breaker import BreakerState
 from gateway.config import (
@@ -18,9 +20,7 @@ from gateway.config import (
     BreakerConfig,
     RetriesConfig,
 )
-from gateway.parse import parse_request
-from gateway.registry import BreakerSettings, Registry, Worker
-from policies.snapshot import Engine, Role, RouteKind
+from gateway.registry import Registry, Worker
 from tests.faults.sglang_pd import sglang_pd
 from tests.integration.test_engine_request_names import _ctx
 
@@ -117,7 +117,7 @@ async def test_a_decode_whose_handoffs_fail_with_every_prefill_opens_its_own_bre
 def test_failures_with_one_partner_stay_the_pair_s_and_a_good_handoff_clears_them() -> None:
     # (the decode alone in its pool may be ejected for any failure here: blame is under test)
     reg = Registry(
-        BreakerSettings(failure_threshold=1, success_threshold=1, open_s=60.0, max_ejected_share=1.0)
+        BreakerConfig(failure_threshold=1, success_threshold=1, open_s=60.0, max_ejected_share=1.0)
     )
     p1, p2, p3, d = (
         Worker(i, f"http://127.0.0.1:{n}", r, Engine.SGLANG)

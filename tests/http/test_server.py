@@ -634,12 +634,12 @@ async def test_a_client_that_reads_nothing_is_cut_after_client_stall_s() -> None
     responders: list[HttpResponder] = []
 
     async def h(req: HttpRequest, resp: HttpResponder) -> None:
-        resp.request_id = req.path
         responders.append(resp)
+        name = [(b"x-name", req.path.encode())]  # the hook reads it back off the responder
         if req.path == "/whole":
-            resp.send(200, (), b"x" * (16 << 20))  # more than the socket buffers take
+            resp.send(200, name, b"x" * (16 << 20))  # more than the socket buffers take
             return
-        resp.start_stream(200, ())
+        resp.start_stream(200, name)
         try:
             while True:
                 resp.write(b"y" * 65536)
@@ -649,7 +649,8 @@ async def test_a_client_that_reads_nothing_is_cut_after_client_stall_s() -> None
             raise
 
     def on_stall(resp: HttpResponder | None, stalled_s: float) -> None:
-        stalls.append((resp.request_id if resp else None, resp.finished if resp else False, stalled_s))
+        name = resp.sent_header(b"x-name") if resp else None
+        stalls.append((name.decode() if name else None, resp.finished if resp else False, stalled_s))
 
     srv = await start_server(h, "127.0.0.1", 0, limits=ServerLimits(client_stall_s=0.3), on_stall=on_stall)
     socks: list[socket.socket] = []

@@ -15,10 +15,10 @@ import msgspec
 import pytest
 from aiohttp import web
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
-from policies.snapshot import Engine, Role
 
 
 @dataclass

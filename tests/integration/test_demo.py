@@ -23,7 +23,7 @@ MODELS = ("demo-sglang", "demo-vllm", "demo-colocated")
 @pytest.fixture(scope="module")
 def demo() -> Iterator[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "demo", "--port", "0", "--time-scale", "0"],
+        [sys.executable, "-m", "pd_gateway.cli", "demo", "--port", "0", "--time-scale", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -19,8 +19,8 @@ import aiohttp
 import pytest
 
 from adapters import ADAPTERS, HandoffCtx
-from gateway.parse import parse_request
-from policies.snapshot import Engine, Role, RouteKind, WorkerState
+from common.request import parse_request
+from common.workers import Engine, Role, RouteKind, WorkerState
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
 from tests.integration.test_gateway import body_for, generated, post, sse_events
 

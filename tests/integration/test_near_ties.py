@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import msgspec
 import pytest
 
 from gateway.config import GuardsConfig
@@ -74,7 +73,7 @@ async def test_a_prefill_that_takes_fewer_logprobs_is_asked_for_none() -> None:
     worker allows itself still gets vLLM's own 400."""
     cluster = await build_cluster(vllm_prefill_max_logprobs=1)
     health = cluster.gateway.health
-    health.settings = msgspec.structs.replace(health.settings, info_every=10**9)  # reads only when told
+    health.info_every = 10**9  # reads only when told
     try:
         for i in range(4):
             for route in ROUTES:
@@ -87,9 +86,9 @@ async def test_a_prefill_that_takes_fewer_logprobs_is_asked_for_none() -> None:
         assert w.near_ties is False
         # the next full info read asks again (it may have restarted allowing more); still refused,
         # that is one prefill sent twice, and the client sees nothing of it
-        health.settings = msgspec.structs.replace(health.settings, info_every=1)
+        health.info_every = 1
         assert await health.probe(w)
-        health.settings = msgspec.structs.replace(health.settings, info_every=10**9)
+        health.info_every = 10**9
         assert w.near_ties is True
         body = body_for("/v1/completions", "m-vllm", "asked again", False, max_tokens=5)
         s, _, raw = await post(cluster.url + "/v1/completions", body)

@@ -13,10 +13,10 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, LimitsConfig, ListenConfig, WorkerConfig
-from policies.snapshot import Engine, Role
 
 
 def config(*workers: WorkerConfig, **kw: Any) -> GatewayConfig:

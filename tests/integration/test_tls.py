@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import trustme
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import (
@@ -24,7 +25,6 @@ from gateway.config import (
     WorkerConfig,
     load_config,
 )
-from policies.snapshot import Engine, Role
 
 
 class Tls:

@@ -16,10 +16,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import AdminConfig, ConfigError, GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
-from policies.snapshot import Engine, Role
 
 TOKEN = "addresses-token"
 BIN = Path(sys.executable).parent / "pd-gateway"

@@ -10,9 +10,9 @@ import json
 import aiohttp
 from aiohttp import web
 
+from common.workers import Engine, Role
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
-from policies.snapshot import Engine, Role
 from tests.integration.conftest import build_cluster, serve_app, stop_cluster
 from tests.integration.test_gateway import body_for, post
 

@@ -16,10 +16,10 @@ import aiohttp
 import pytest
 from structlog.testing import capture_logs
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway, ListenError
 from gateway.config import AdminConfig, GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
-from policies.snapshot import Engine, Role
 from tests.integration.conftest import serve_app
 
 TOKEN = "ops-fixes-token"

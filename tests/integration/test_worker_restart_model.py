@@ -10,13 +10,12 @@ import json
 from typing import Any
 
 import aiohttp
-import msgspec
 import pytest
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
-from policies.snapshot import Engine, Role
 
 ENGINES = [Engine.VLLM, Engine.SGLANG]
 
@@ -41,7 +40,7 @@ def gateway(interval_s: float, *workers: WorkerConfig) -> Gateway:
     )
     # The periodic full info read (every 12th probe) would find the change by itself sooner or
     # later: keep it out of reach, so only what each probe reads can notice the restart.
-    gw.health.settings = msgspec.structs.replace(gw.health.settings, info_every=1_000_000)
+    gw.health.info_every = 1_000_000
     return gw
 
 

@@ -12,9 +12,9 @@ import pytest
 from adapters import ADAPTERS, HandoffCtx, ProbeInfo
 from adapters.prom import sum_metrics
 from adapters.sglang import merge_input_logprobs
-from gateway.jsonbytes import iter_sse_data, splice
-from gateway.parse import parse_request
-from policies.snapshot import Engine, Role, RouteKind, WorkerState
+from common.jsonbytes import iter_sse_data, splice
+from common.request import parse_request
+from common.workers import Engine, Role, RouteKind, WorkerState
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures"
 RID = "req-1"
@@ -310,7 +310,7 @@ def test_sum_metrics_sums_label_sets_and_ignores_lookalikes() -> None:
 
 
 def test_parse_errors_name_the_field() -> None:
-    from gateway.errors import BadRequest
+    from common.errors import BadRequest
 
     with pytest.raises(BadRequest) as e:
         parsed(RouteKind.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": "many"})

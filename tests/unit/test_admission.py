@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from common.errors import ErrorCode, GatewayError
 from gateway.admission import Admission
-from gateway.errors import ErrorCode, GatewayError
 
 
 async def enter(a: Admission, client: str = "c", tokens: int = 0) -> None:

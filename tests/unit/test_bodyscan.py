@@ -1,4 +1,4 @@
-"""`gateway.bodyscan.scan_body`: a large body's JSON values counted in slices, strings apart from
+"""`common.bodyscan.scan_body`: a large body's JSON values counted in slices, strings apart from
 the punctuation inside them, escapes never cut in two at a slice's edge."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from gateway import bodyscan
-from gateway.bodyscan import TooManyValues, scan_body
-from gateway.errors import BadRequest
+from common import bodyscan
+from common.bodyscan import TooManyValues, scan_body
+from common.errors import BadRequest
 
 
 def values(v: Any) -> int:

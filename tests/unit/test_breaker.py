@@ -5,7 +5,8 @@ whatever its pool."""
 from __future__ import annotations
 
 from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.registry import BreakerSettings, Registry, Worker
+from gateway.config import BreakerConfig
+from gateway.registry import Registry, Worker
 from policies.snapshot import Engine, Role
 
 
@@ -53,7 +54,7 @@ def test_the_ejection_time_grows_with_repeated_ejections_and_decays_while_closed
 
 def _pool(n: int, share: float = 0.5) -> tuple[Registry, list[Worker]]:
     reg = Registry(
-        BreakerSettings(failure_threshold=2, success_threshold=1, open_s=30.0, max_ejected_share=share)
+        BreakerConfig(failure_threshold=2, success_threshold=1, open_s=30.0, max_ejected_share=share)
     )
     ws = []
     for i in range(n):
@@ -104,7 +105,7 @@ def test_a_fully_failing_worker_is_ejected_whatever_its_pool() -> None:
 
 
 def test_a_pairs_breaker_is_capped_by_the_model_s_pairs() -> None:
-    reg = Registry(BreakerSettings(failure_threshold=2, success_threshold=1, open_s=30.0))
+    reg = Registry(BreakerConfig(failure_threshold=2, success_threshold=1, open_s=30.0))
     for wid, role in (("p", Role.PREFILL), ("d0", Role.DECODE), ("d1", Role.DECODE)):
         w = Worker(wid, f"http://{wid}:1", role, Engine.SGLANG, model="m")
         w.healthy = True

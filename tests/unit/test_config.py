@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from common.workers import Engine, Role
 from gateway.cli_args import parse_serve_args
 from gateway.config import (
     AdminConfig,
@@ -20,7 +21,6 @@ from gateway.config import (
 )
 from policies.build import build_policy
 from policies.config import LeastLoadCfg, PluginCfg, PowerOfTwoCfg, RandomCfg, RoundRobinCfg
-from policies.snapshot import Engine, Role
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "gateway.toml"

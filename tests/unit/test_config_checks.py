@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from common.workers import Engine, Role
 from gateway.cli_args import parse_serve_args
 from gateway.config import ConfigError, WorkerConfig, load_config
 from gateway.health import unservable_models
 from gateway.registry import Worker
-from policies.snapshot import Engine, Role
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from adapters._stream import STREAM_END_MARKERS, without_usage_chunk
 from adapters._summary import summarize_generate, summarize_openai
-from gateway.guards import GuardSettings, Summary, check_decode, preflight
-from gateway.orchestrator import texts_agree
+from common.summary import Summary
+from common.workers import Role
+from gateway.config import GuardsConfig
+from gateway.guards import check_decode, preflight
+from gateway.orchestration.shadow import texts_agree
 from gateway.streamwatch import StreamStopped, StreamWatch
-from policies.snapshot import Role
 from policies.testing import make_worker
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures"
@@ -26,7 +29,7 @@ def chunk(i: int, text: str, finish: str | None = None) -> bytes:
 
 
 def test_preflight_refuses_only_what_surely_cannot_fit() -> None:
-    s = GuardSettings()
+    s = GuardsConfig()
     w = make_worker("d", Role.DECODE, context_length=100)
     p = make_worker("p", Role.PREFILL, context_length=100, max_input_len=50)
     assert preflight(40, True, 50, (w,), s) is None
@@ -95,8 +98,9 @@ def watch(check_first: object = None, check_end: object = None) -> tuple[StreamW
         out.append,
         summarize_openai,
         check_first or (lambda s: None),  # type: ignore[arg-type]
-        check_end or (lambda s: None),
-    )  # type: ignore[arg-type]
+        check_end or (lambda s: None),  # type: ignore[arg-type]
+        ends=STREAM_END_MARKERS,
+    )
     return w, out
 
 
@@ -162,7 +166,14 @@ def test_stream_watch_counts_from_usage_when_present(usage: bool) -> None:
 @pytest.mark.parametrize("drop", [True, False])
 def test_stream_watch_drops_the_usage_chunk_the_gateway_asked_for(drop: bool) -> None:
     out: list[bytes] = []
-    w = StreamWatch(out.append, summarize_openai, lambda s: None, lambda s: None, drop_usage=drop)
+    w = StreamWatch(
+        out.append,
+        summarize_openai,
+        lambda s: None,
+        lambda s: None,
+        ends=STREAM_END_MARKERS,
+        drop_usage=without_usage_chunk if drop else None,
+    )
     usage = ev({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 3}})
     body = chunk(0, "a") + chunk(1, "b") + chunk(2, "c", "length") + usage + b"data: [DONE]\n\n"
     w.feed(body)
@@ -202,7 +213,9 @@ def test_stream_watch_releases_a_reasoning_stream_at_its_first_event() -> None:
     first event, not held back until its first `content` (the whole reasoning, maybe)."""
     seen: list[Summary] = []
     out: list[bytes] = []
-    w = StreamWatch(out.append, summarize_openai, lambda s: seen.append(s), lambda s: None)  # type: ignore[arg-type,func-returns-value]
+    w = StreamWatch(
+        out.append, summarize_openai, lambda s: seen.append(s), lambda s: None, ends=STREAM_END_MARKERS
+    )  # type: ignore[arg-type,func-returns-value]
     first = ev({"choices": [{"index": 0, "delta": {"reasoning_content": "Let me"}, "finish_reason": None}]})
     w.feed(first)
     assert b"".join(out) == first and seen and seen[0].parsed

@@ -1,5 +1,5 @@
 """The OpenAI routes' scalar fields in every form the engines' pydantic models (lax mode) take
-(gateway/lax.py): msgspec's lax mode refused `"stream": "yes"`, `"max_tokens": " 3 "` and
+(common/lax.py): msgspec's lax mode refused `"stream": "yes"`, `"max_tokens": " 3 "` and
 `"temperature": true` with a 400 the engine would not give. Each rule is checked against the
 installed pydantic, and what pydantic refuses stays a 400 naming the field."""
 
@@ -14,11 +14,11 @@ import msgspec
 import pytest
 from pydantic import TypeAdapter
 
-from gateway import lax
-from gateway.errors import BadRequest
-from gateway.lax import lax_bool, lax_float, lax_int
-from gateway.parse import ParsedRequest, parse_request
-from policies.snapshot import RouteKind
+from common import lax
+from common.errors import BadRequest
+from common.lax import lax_bool, lax_float, lax_int
+from common.request import ParsedRequest, parse_request
+from common.workers import RouteKind
 
 REFUSED = object()
 INF = math.inf
@@ -156,7 +156,7 @@ ADAPTERS = {"bool": TypeAdapter(bool), "int": TypeAdapter(int), "float": TypeAda
 def decoded(raw: str) -> Any:
     try:
         return msgspec.json.decode(raw)
-    except msgspec.DecodeError:  # past msgspec's range, as gateway/lax.py reads it
+    except msgspec.DecodeError:  # past msgspec's range, as common/lax.py reads it
         return lax._number(raw.encode())
 
 
@@ -285,7 +285,7 @@ def test_only_an_openai_body_the_fast_decode_refused_takes_the_slow_path(
         calls.append(body)
         return real(body)
 
-    monkeypatch.setattr("gateway.parse.coerce_openai_fields", spy)
+    monkeypatch.setattr("common.request.coerce_openai_fields", spy)
     req = parse(RouteKind.COMPLETIONS, {"prompt": "p", "stream": "true", "max_tokens": "3", "temperature": 0})
     assert (req.stream, req.max_tokens, req.greedy, calls) == (True, 3, True, [])  # msgspec's forms
     assert parse(RouteKind.COMPLETIONS, {"prompt": "p", "stream": "yes"}).stream is True

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from common.workers import WorkerState
 from policies import least_load, power_of_two, round_robin
 from policies import random as random_policy
 from policies.base import (
@@ -23,7 +24,7 @@ from policies.base import (
 )
 from policies.least_load import LoadScorer, LoadWeights, MaxScorePicker, load_of
 from policies.pd import PDPolicy
-from policies.snapshot import Colocated, Disaggregated, Reject, RequestView, WorkerState
+from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
 from policies.testing import (
     PlanCase,
     assert_plans,

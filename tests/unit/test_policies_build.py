@@ -8,6 +8,7 @@ from importlib.metadata import EntryPoint
 import msgspec
 import pytest
 
+from common.workers import WorkerState
 from policies import plugins
 from policies.base import PolicyEvent
 from policies.build import PolicyBuildError, build_policy
@@ -23,7 +24,7 @@ from policies.config import (
 )
 from policies.pd import PDPolicy
 from policies.plugins import PluginError, PolicyFactory
-from policies.snapshot import ClusterSnapshot, Colocated, Plan, Reject, RequestView, WorkerState
+from policies.snapshot import ClusterSnapshot, Colocated, Plan, Reject, RequestView
 from policies.testing import make_request, make_snapshot, make_worker, run_conformance
 
 

@@ -7,10 +7,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.workers import Engine, Role, WorkerState
 from policies import least_load, power_of_two, round_robin
 from policies import random as random_policy
 from policies.base import Policy, pair_id, routed_event
-from policies.snapshot import ClusterSnapshot, Engine, Reject, RequestView, Role, WorkerState
+from policies.snapshot import ClusterSnapshot, Reject, RequestView
 from policies.testing import check_plan, make_request, make_snapshot, make_worker
 
 MODELS = st.sampled_from(["m", "n", "x"])

@@ -1,4 +1,4 @@
-"""What the length preflight reads of a prompt without a tokenizer (gateway/parse.py): a floor
+"""What the length preflight reads of a prompt without a tokenizer (common/request.py): a floor
 of its UTF-8 length, the largest prompt of a batch, a chat's text only. Found by the API probe:
 batches whose prompts together (not each) exceeded a context, and a chat with an inline image,
 were refused with a 400 that a direct connection to the engine does not give."""
@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from gateway.errors import BadRequest
-from gateway.parse import ParsedRequest, parse_request
-from policies.snapshot import RouteKind
+from common.errors import BadRequest
+from common.request import ParsedRequest, parse_request
+from common.workers import RouteKind
 
 
 def parse(route: RouteKind, body: dict[str, object], *, ascii_only: bool = False) -> ParsedRequest:

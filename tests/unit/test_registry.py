@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import time
 
-from gateway.registry import BreakerSettings, Registry, Worker
-from policies.snapshot import Engine, Role
+from common.workers import Engine, Role
+from gateway.config import BreakerConfig
+from gateway.registry import Registry, Worker
 
 
 def _registry(open_s: float = 30.0) -> tuple[Registry, Worker, Worker, Worker]:
     """Three workers, each alone in its pool: any share of a pool may be ejected here (the
     breaker's mechanics; the share cap has tests of its own, tests/unit/test_breaker.py)."""
     reg = Registry(
-        BreakerSettings(failure_threshold=2, success_threshold=1, open_s=open_s, max_ejected_share=1.0)
+        BreakerConfig(failure_threshold=2, success_threshold=1, open_s=open_s, max_ejected_share=1.0)
     )
     ws = []
     for i, role in enumerate((Role.PREFILL, Role.DECODE, Role.COLOCATED)):
@@ -71,7 +72,7 @@ def test_open_worker_breaker_recovers_after_open_s() -> None:
 
 def test_half_open_lets_one_trial_at_a_time_until_closed() -> None:
     reg = Registry(
-        BreakerSettings(failure_threshold=1, success_threshold=2, open_s=0.05, max_ejected_share=1.0)
+        BreakerConfig(failure_threshold=1, success_threshold=2, open_s=0.05, max_ejected_share=1.0)
     )
     w = Worker("w", "http://127.0.0.1:9100", Role.DECODE, Engine.SGLANG, model="m")
     w.healthy = True
@@ -155,7 +156,7 @@ def test_a_worker_removed_while_its_requests_run_leaves_snapshots_whole() -> Non
 def test_a_worker_removed_at_its_cap_or_under_suspicion_leaves_nothing_to_its_successor() -> None:
     import asyncio
 
-    reg = Registry(BreakerSettings(failure_threshold=1, success_threshold=1, open_s=30.0), inflight_cap=1)
+    reg = Registry(BreakerConfig(failure_threshold=1, success_threshold=1, open_s=30.0), inflight_cap=1)
     p = Worker("p", "http://127.0.0.1:9200", Role.PREFILL, Engine.SGLANG, model="m")
     d = Worker("d", "http://127.0.0.1:9201", Role.DECODE, Engine.SGLANG, model="m")
     for w in (p, d):

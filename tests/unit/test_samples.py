@@ -8,9 +8,10 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.parse import parse_request
-from gateway.samples import SampleMerger, _sum_usage, sample_request
-from policies.snapshot import RouteKind
+from adapters._split import sample_request
+from common.request import parse_request
+from common.workers import RouteKind
+from gateway.samples import SampleMerger, _sum_usage
 
 
 class Recorder:

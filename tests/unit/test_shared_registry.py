@@ -18,9 +18,10 @@ from collections.abc import Callable
 import pytest
 
 from gateway.breaker import BreakerState
+from gateway.config import BreakerConfig
 from gateway.multiprocess.registry import FOREIGN_REFRESH_S, SharedRegistry
 from gateway.multiprocess.table import SharedTable
-from gateway.registry import BreakerSettings, Registry, Worker
+from gateway.registry import Registry, Worker
 from policies.snapshot import Engine, Role
 
 _ROLES = {"p": Role.PREFILL, "d": Role.DECODE, "c": Role.COLOCATED}
@@ -46,7 +47,13 @@ def _group(
 ) -> list[SharedRegistry]:
     table = SharedTable(n, slots=256)
     regs = []
-    settings = BreakerSettings(threshold, 1, open_s, max_open_s=max_open_s, max_ejected_share=share)
+    settings = BreakerConfig(
+        failure_threshold=threshold,
+        success_threshold=1,
+        open_s=open_s,
+        max_open_s=max_open_s,
+        max_ejected_share=share,
+    )
     for i in range(n):
         reg = SharedRegistry(table.as_process(i), settings, inflight_cap=cap)
         for wid in ids:
@@ -355,7 +362,9 @@ def test_outlier_ejection_holds_between_two_forked_processes() -> None:
     2` runs them: the child's ejection is the parent's, an ejection grows from one process to the
     other, and the pool's share counts both."""
     table = SharedTable(2, slots=64)
-    settings = BreakerSettings(2, 1, 0.05, max_open_s=10.0, max_ejected_share=0.5)
+    settings = BreakerConfig(
+        failure_threshold=2, success_threshold=1, open_s=0.05, max_open_s=10.0, max_ejected_share=0.5
+    )
     parent = SharedRegistry(table, settings)
     for wid in ("c0", "c1"):
         parent.add(_worker(wid))

@@ -16,13 +16,13 @@ from collections.abc import Sequence
 
 import msgspec
 
+from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from emulator.tokenizer import VOCAB_SIZE
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, ListenConfig, WorkerConfig
 from gateway.logging import configure
 from gateway.serve import install_uvloop
-from policies.snapshot import Engine, Role
 
 EXAMPLES = """
 Try it:
@@ -127,8 +127,9 @@ def main(argv: Sequence[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="pd-gateway demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    listen = ListenConfig()  # the gateway's own defaults
+    ap.add_argument("--host", default=listen.host)
+    ap.add_argument("--port", type=int, default=listen.port)
     ap.add_argument("--time-scale", type=float, default=0.05, help="emulator delay scale (0 = no delays)")
     ap.add_argument(
         "--profile", default=None, help="emulator timing profile (see `pd-gateway emulate --help`)"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 
-from gateway.errors import BadRequest, ErrorCode
+from common.errors import BadRequest, ErrorCode
 
 SCAN_FROM = 64 * 1024  # smaller bodies hold at most ~32 K values: decoded at once
 WINDOW = 64 * 1024  # bytes per slice (~0.1 ms for prose, ~3 ms for a window of tiny strings)

@@ -12,11 +12,11 @@ from typing import Any
 
 import msgspec
 
-from gateway.bodyscan import scan_body
-from gateway.errors import BadRequest
-from gateway.jsonbytes import splice
-from gateway.lax import coerce_openai_fields
-from policies.snapshot import RouteKind
+from common.bodyscan import scan_body
+from common.errors import BadRequest
+from common.jsonbytes import splice
+from common.lax import coerce_openai_fields
+from common.workers import RouteKind
 
 # Accounting defaults when the client gives no limit (engines differ; these only weigh load).
 DEFAULT_MAX_TOKENS = {RouteKind.COMPLETIONS: 16, RouteKind.CHAT: 256, RouteKind.GENERATE: 128}
@@ -211,6 +211,11 @@ class ParsedRequest:
         )
 
     @property
+    def units(self) -> int:
+        """Prompts times samples: the single-prompt, single-sample requests it holds."""
+        return self.batch * self.n if self.is_batch else self.n
+
+    @property
     def accounting_max_tokens(self) -> int:
         return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS[self.route]
 
@@ -221,12 +226,13 @@ class ParsedRequest:
 
 
 class WorkLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """What one request may ask of the gateway and its engines (`[limits]`)."""
+    """What one request may ask of the gateway and its engines: `[limits]` (the defaults are
+    `gateway.config.LimitsConfig`'s, the one source)."""
 
-    max_batch: int = 1024  # completions asked for: prompts x n
-    max_request_tokens: int = 2_097_152  # prompt tokens + prompts x n x max_tokens
-    max_json_values: int = 131_072  # JSON values in the body (bounds its decoding)
-    chars_per_token: float = 4.0  # a text prompt's token estimate (guards.chars_per_token_estimate)
+    max_batch: int  # completions asked for: prompts x n
+    max_request_tokens: int  # prompt tokens + prompts x n x max_tokens
+    max_json_values: int  # JSON values in the body (bounds its decoding)
+    chars_per_token: float  # a text prompt's token estimate (guards.chars_per_token_estimate)
 
 
 def parse_request(

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.serve", "run the gateway in front of SGLang / vLLM / OpenAI-compatible workers"),
     "emulate": ("emulator.cli", "run an emulated SGLang or vLLM server (prefill, decode or both)"),
-    "demo": ("gateway.demo", "the gateway in front of an embedded emulated P/D cluster"),
+    "demo": ("pd_gateway.demo", "the gateway in front of an embedded emulated P/D cluster"),
     "bench": ("bench.cli", "benchmarks: gateway overhead, side by side with the Rust routers"),
 }
 

@@ -1,7 +1,7 @@
 """Pydantic's lax mode for the OpenAI routes' scalar fields, where msgspec's lax mode is stricter.
 
 Both engines parse `/v1/completions` and `/v1/chat/completions` with pydantic v2 models in lax
-mode, which take more than msgspec's lax mode (`gateway.parse`'s one decode): `"stream": "yes"`,
+mode, which take more than msgspec's lax mode (`common.request`'s one decode): `"stream": "yes"`,
 `"on"`, `"Y"` or `1.0`; `"max_tokens": " 3 "`, `true` or `"1_000"`; `"temperature": true`,
 `" 0.5 "` or `"1e400"`. Only a body the fast decode refused comes here: its scalar fields that
 the gateway reads are rewritten as pydantic would read them, and it is decoded again. A value
@@ -156,7 +156,7 @@ _encoder = msgspec.json.Encoder()
 
 
 def coerce_openai_fields(body: bytes) -> bytes | None:
-    """`body` (a JSON object) with the scalar fields the gateway reads (`gateway.parse._Fields`'
+    """`body` (a JSON object) with the scalar fields the gateway reads (`common.request._Fields`'
     stream, echo, max_tokens, max_completion_tokens, n, top_k, temperature and
     stream_options.include_usage) written as pydantic's lax mode reads them, every other value
     as sent; None where `body` is no JSON object. A key given twice is given once, its last

@@ -1,0 +1,136 @@
+"""One request's state on its way through the orchestrator, in one object.
+
+`RequestContext` is made by `Orchestrator.context` when a request has been parsed, and carries
+everything the request path needs about it: the parsed request and its routing view, the
+client's responder, the handler task that its deadlines cancel, the engine-bound headers, the
+plan's workers, the retry state (attempt number, exclusions, history) and the current `Attempt`.
+A split request's units (gateway/orchestration/split.py) get contexts of their own (`unit`),
+which share the request's deadlines and headers.
+
+Places kept for what comes next: each `Attempt` collects a `LegRecord` per engine leg as it
+ends (`Attempt.legs`), which `Completed` and `Failed` events hand to the policy's `observe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+
+import msgspec
+
+from common.errors import UpstreamFailure
+from common.outcomes import LegRecord
+from common.request import ParsedRequest
+from gateway.deadlines import DeadlineWheel
+from gateway.http.server import Responder
+from policies.snapshot import RequestView
+
+Header = tuple[bytes, bytes]
+
+
+class Phase(enum.StrEnum):
+    """Where an attempt is. planned → prefill (SGLang: prefill ∥ decode) → handoff → streaming
+    → done; a failure is recorded with the phase it happened in."""
+
+    PLANNED = "planned"
+    PREFILL = "prefill"
+    HANDOFF = "handoff"
+    STREAMING = "streaming"
+    DONE = "done"
+
+
+class Attempt(msgspec.Struct, eq=False):
+    """One attempt's position in its state machine and what it learned, for logging, metrics
+    and the policy's events. (A Struct: built in C, as each request makes one or more.)"""
+
+    cut: bool = False  # a split unit cancelled because a sibling failed: no verdict on its workers
+    phase: Phase = Phase.PLANNED
+    plan_kind: str = "none"
+    prefill: str | None = None
+    decode: str | None = None
+    started: float = msgspec.field(default_factory=time.monotonic)
+    prefill_done_at: float = 0.0
+    first_byte_at: float = 0.0
+    moved_from: list[str] | None = None  # vLLM decodes this attempt's decode leg left
+    legs: list[LegRecord] = []  # each engine leg's outcome, in the order they ended
+
+
+class RequestContext(msgspec.Struct, eq=False):
+    """Everything one request's path needs, from planning to the access log line."""
+
+    req: ParsedRequest
+    request_id: str
+    res: Responder  # the client's responder (a split unit's: its SampleSink)
+    task: asyncio.Task[None]  # the request's handler task: what a deadline cancels
+    view: RequestView
+    wheel: DeadlineWheel
+    headers: list[Header]  # engine-bound: content type, request id, forwarded authorization
+    echo: Header  # the x-request-id header echoed to the client
+    began: float = 0.0  # monotonic, when serving began (after admission)
+    attempt: Attempt = msgspec.field(default_factory=Attempt)
+    attempt_no: int = 0
+    history: list[str] = []  # failed attempts: "plan:phase reached:error code"
+    exclude: set[str] = set()  # worker and pair ids that failed for this request
+    last_error: UpstreamFailure | None = None
+    # the workers of the plan running now (a moved vLLM decode's new one), for whoever waits
+    # on requests not started yet (the admin API removing a worker)
+    planned: tuple[str, ...] = ()
+    outcome: str = "ok"
+
+    @property
+    def tokens(self) -> int:
+        """Prompt and output tokens the request brings, in the workers' load accounting."""
+        return self.view.prompt_tokens + self.view.max_tokens
+
+    @property
+    def responded(self) -> bool:
+        """The response to the client has started: its workers are fixed."""
+        return self.res.started
+
+    @property
+    def closed(self) -> bool:
+        """The client's connection is gone."""
+        return self.res.closed
+
+    @property
+    def unjudged(self) -> bool:
+        """Does the attempt end without a verdict on its workers (the client left, or the attempt
+        was cut: a sibling unit failed, the gateway ran short of resources)?"""
+        return self.res.closed or self.attempt.cut
+
+    def unit(
+        self, req: ParsedRequest, request_id: str, res: Responder, task: asyncio.Task[None], view: RequestView
+    ) -> RequestContext:
+        """A split request's unit as a request of its own: its own request, name, sink, task and
+        attempt, the parent's deadlines, headers and echoed id."""
+        u = RequestContext(req, request_id, res, task, view, self.wheel, self.headers, self.echo)
+        a, parent = u.attempt, self.attempt
+        a.plan_kind, a.prefill, a.decode = parent.plan_kind, parent.prefill, parent.decode  # metric labels
+        return u
+
+
+def request_view(req: ParsedRequest, request_id: str, chars_per_token: float) -> RequestView:
+    """What routing needs of a request (policies read only this)."""
+    units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / chars_per_token) + 1
+    return RequestView(
+        request_id=request_id,
+        model=req.model,
+        route=req.route,
+        prompt_tokens=units,
+        max_tokens=req.accounting_max_tokens * req.n * req.batch,
+        stream=req.stream,
+        n=req.n,
+        greedy=req.greedy,
+        session_key=_session_key(req.fields.session_id) or req.fields.user,
+    )
+
+
+def _session_key(sid: object) -> str | None:
+    """A client's `session_id` as a routing key: a string or an integer; anything else (not an
+    engine field, so no engine refuses it) is ignored."""
+    if sid is None or isinstance(sid, str):
+        return sid
+    if isinstance(sid, int) and not isinstance(sid, bool):
+        return str(sid)
+    return None

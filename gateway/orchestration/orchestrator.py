@@ -1,0 +1,247 @@
+"""`Orchestrator`: the request path's facade, which the handlers call.
+
+    ctx = orchestrator.context(parsed, request_id, res, authorization)
+    await orchestrator.serve(ctx)
+
+`serve` runs attempts until one serves the request or none is left: each plans with the policy
+(`_plan`: attempts.plan), runs the plan (dispatch.execute) and, on a retryable failure before
+the first byte (`_failed`), the next attempt plans again with what failed excluded, following
+the fallback ladder (attempts). At the end it answers what failed (an error, or an SSE error event after the first
+byte), counts the request and writes its access log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from common.errors import (
+    GatewayError,
+    ShortOfResources,
+    UpstreamFailure,
+    UpstreamTimeout,
+    cancelled_outcome,
+    sse_error_event,
+)
+from common.request import ParsedRequest
+from common.workers import RouteKind
+from gateway.config import GatewayConfig
+from gateway.deadlines import DeadlineWheel
+from gateway.http.server import HttpResponder, Responder
+from gateway.logging import get_logger, info_enabled
+from gateway.metrics import GatewayMetrics
+from gateway.orchestration.attempts import backoff_s, out_of_rungs, plan, rung
+from gateway.orchestration.blame import exclusions
+from gateway.orchestration.context import Attempt, Phase, RequestContext, request_view
+from gateway.orchestration.dispatch import execute
+from gateway.orchestration.services import Services
+from gateway.registry import Registry
+from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
+from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
+
+Plan = Colocated | Disaggregated | Reject
+
+log = get_logger("pd_gateway.request")
+
+# after running out of descriptors, pools keep no idle connection this long
+SHORTAGE_S = 4.0
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        registry: Registry,
+        policy: Policy,
+        metrics: GatewayMetrics,
+        cfg: GatewayConfig | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.cfg = cfg or GatewayConfig()
+        self.s = Services(registry, policy, metrics, self.cfg, rng or random.Random())
+        self._log_done = info_enabled(log)  # the access log line is built only when it is written
+        self._wheel: DeadlineWheel | None = None
+        self._done_metrics: dict[tuple[RouteKind, str, str, str], tuple[Any, Any, Any]] = {}
+
+    # -- entry ---------------------------------------------------------------------------------
+
+    def view(self, req: ParsedRequest, request_id: str) -> RequestView:
+        return request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
+
+    def context(
+        self,
+        req: ParsedRequest,
+        request_id: str,
+        res: Responder,
+        task: asyncio.Task[None],
+        auth: bytes | None = None,
+    ) -> RequestContext:
+        """A request's context, for `serve`: `task` is its handler's (what its deadlines cancel),
+        `auth` the client's Authorization header (forwarded where configured)."""
+        echo = (b"x-request-id", request_id.encode())
+        headers = [(b"content-type", b"application/json"), echo]
+        if auth is not None and self.cfg.forward_authorization:
+            headers.append((b"authorization", auth))
+        wheel = self._wheel
+        if wheel is None or wheel.loop is not task.get_loop():
+            wheel = self._wheel = DeadlineWheel(task.get_loop())
+        view = request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
+        return RequestContext(req, request_id, res, task, view, wheel, headers, echo)
+
+    async def serve(self, ctx: RequestContext) -> None:
+        """Serve one request: attempts until one serves it or none is left (module docstring)."""
+        ctx.began = time.monotonic()
+        try:
+            with ctx.wheel.after(self.cfg.timeouts.total_s, ctx.task):
+                while True:
+                    p = self._plan(ctx)
+                    try:
+                        await execute(self.s, ctx, p)
+                    except UpstreamFailure as e:
+                        # raises when no other attempt may follow; else after the backoff
+                        await asyncio.sleep(self._failed(ctx, e))
+                        continue
+                    self._served(ctx)
+                    return
+        except TimeoutError:
+            ctx.outcome = "timeout"
+            self._fail(ctx, UpstreamTimeout("the request exceeded its total deadline", phase="total"))
+        except GatewayError as e:
+            if isinstance(e, UpstreamFailure) and e.instead is not None:
+                e = e.instead
+            elif isinstance(e, ShortOfResources):
+                # out of descriptors: every pool gives back what it keeps idle, for a while
+                for w in self.registry.workers():
+                    w.pool.shed_idle(SHORTAGE_S)
+            ctx.outcome = e.code.value
+            self._fail(ctx, e)
+        except asyncio.CancelledError as e:
+            # the gateway's shutdown cancels with its own message (Handlers.cut); any other
+            # cancellation of a request is its client leaving: gone, or cut by the server for
+            # reading nothing (timeouts.client_stall_s), which aborts its connection likewise
+            res = ctx.res
+            ctx.outcome = cancelled_outcome(e, isinstance(res, HttpResponder) and res.stalled_s > 0)
+            raise
+        finally:
+            self._done(ctx)
+
+    def _plan(self, ctx: RequestContext) -> Plan:
+        """The next attempt's plan, with what failed excluded; after a failure it must be a rung
+        of the ladder (else the request fails for good: raised)."""
+        ctx.attempt_no += 1
+        p = plan(self.s, ctx.view, ctx.req, ctx.exclude)
+        if ctx.last_error is not None:
+            step = rung(p)
+            if step is None or step not in self.cfg.fallback.ladder:
+                raise out_of_rungs(self.s, ctx.last_error)
+            self.metrics.child(self.metrics.fallbacks, step).inc()
+            # after the rung check: a request that fails for good keeps its last attempt's plan
+            # and phase in its metrics and log line
+            ctx.attempt = Attempt()
+        if not isinstance(p, Reject):
+            ctx.planned = plan_worker_ids(p)
+            self.policy.observe(routed_event(ctx.view, p))
+        return p
+
+    def _served(self, ctx: RequestContext) -> None:
+        a = ctx.attempt
+        a.phase = Phase.DONE
+        ttft = (a.first_byte_at - ctx.began) if a.first_byte_at else None
+        # the plan's workers (a moved vLLM decode's new one)
+        self.policy.observe(Completed(ctx.request_id, ctx.planned, ttft_s=ttft, legs=tuple(a.legs)))
+
+    def _failed(self, ctx: RequestContext, e: UpstreamFailure) -> float:
+        """An attempt failed: told to the policy and counted; raises `e` when no other attempt
+        may follow, else returns the backoff before the next, with what failed excluded from
+        its plan."""
+        a = ctx.attempt
+        ctx.history.append(f"{a.plan_kind}:{a.phase.value}:{e.code.value}")
+        ran = ctx.planned  # the plan's workers (a moved vLLM decode's new one)
+        self.policy.observe(Failed(ctx.request_id, ran, e.phase, legs=tuple(a.legs)))
+        self.metrics.child(self.metrics.upstream_errors, e.worker or "", e.phase, e.code.value).inc()
+        if ctx.responded or ctx.attempt_no >= self.cfg.retries.max_attempts:
+            raise e
+        ctx.last_error = e
+        ctx.exclude.update(exclusions(ran, e))
+        if a.moved_from:  # decodes it could not reach: failed for this request
+            ctx.exclude.update(a.moved_from)
+        self.metrics.child(self.metrics.retries, e.phase).inc()
+        log.info(
+            "request.retry",
+            request_id=ctx.request_id,
+            attempt=ctx.attempt_no,
+            phase=e.phase,
+            worker=e.worker,
+            error=e.message,
+        )
+        return backoff_s(ctx.attempt_no, self.cfg.retries, self.s.rng)
+
+    # -- the end of a request -------------------------------------------------------------------
+
+    def _fail(self, ctx: RequestContext, e: GatewayError) -> None:
+        res = ctx.res
+        if res.closed:
+            return
+        if res.started:
+            # Mid-stream: a final error event and the end of the stream; no [DONE] after it.
+            res.write(sse_error_event(e.message, e.type, e.code.value))
+            res.end()
+        else:
+            res.send(e.status, [*e.headers(), ctx.echo], e.body())  # errors name their request too
+
+    def _done(self, ctx: RequestContext) -> None:
+        """The request's counters and latency figures, and its access log line."""
+        end = time.monotonic()
+        req, a = ctx.req, ctx.attempt
+        key = (req.route, req.model, a.plan_kind, ctx.outcome)
+        done = self._done_metrics.get(key)
+        if done is None:
+            done = self._done_metrics_for(key)
+        done[0].inc()
+        done[1].observe(end - ctx.began)
+        if a.first_byte_at:
+            done[2].observe(a.first_byte_at - ctx.began)
+        if self._log_done:
+            self._log_request(ctx, end)
+
+    def _done_metrics_for(self, key: tuple[RouteKind, str, str, str]) -> tuple[Any, Any, Any]:
+        """The request counter, latency and TTFT children for one (route, model, plan, outcome),
+        looked up once and then kept: three label lookups per request become one."""
+        route, model, plan_kind, outcome = key[0].value, key[1], key[2], key[3]
+        m = self.metrics
+        label = self.registry.model_label(model)
+        children = (
+            m.child(m.requests, route, label, plan_kind, outcome),
+            m.child(m.e2e, route, plan_kind),
+            m.child(m.ttft, route, plan_kind),
+        )
+        if label == model and len(self._done_metrics) < 10_000:  # client-chosen names: not kept
+            self._done_metrics[key] = children
+        return children
+
+    def _log_request(self, ctx: RequestContext, end: float) -> None:
+        """The per-request access log line (only built when info is logged)."""
+        req, a, began = ctx.req, ctx.attempt, ctx.began
+        log.info(
+            "request.done",
+            request_id=ctx.request_id,
+            model=req.model[:200],  # a client's name for it, served or not: never a whole body
+            route=req.route.value,
+            plan=a.plan_kind,
+            prefill=a.prefill,
+            decode=a.decode,
+            attempts=ctx.attempt_no,
+            failed_attempts=ctx.history or None,
+            phase=a.phase.value,
+            outcome=ctx.outcome,
+            duration_ms=round((end - began) * 1000, 3),
+            ttft_ms=round((a.first_byte_at - began) * 1000, 3) if a.first_byte_at else None,
+            prefill_ms=round((a.prefill_done_at - a.started) * 1000, 3) if a.prefill_done_at else None,
+        )
+
+    async def drain_background(self, within_s: float = 5.0) -> None:
+        await self.s.drain(within_s)

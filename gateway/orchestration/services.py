@@ -1,0 +1,107 @@
+"""What every part of the request path uses: the registry, the policy, the metrics, the configuration,
+the RNG, and the background tasks the path leaves running (engine abort calls, shadow runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Coroutine
+from typing import Any
+
+from common.request import ParsedRequest
+from gateway.config import GatewayConfig
+from gateway.guards import Guard
+from gateway.http.client import UpstreamResponse
+from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
+from gateway.logging import get_logger
+from gateway.metrics import GatewayMetrics
+from gateway.registry import Registry, Worker
+from policies.base import Policy
+
+log = get_logger("pd_gateway.request")
+
+Header = tuple[bytes, bytes]
+_ABORT_HEADERS = [(b"content-type", b"application/json")]
+ABORT_S = 2.0  # an abort call to an engine
+ABORT_REPEAT_S = 0.5  # the abort call is sent again after this long
+
+
+def engine_headers(w: Worker, headers: list[Header]) -> list[Header]:
+    """The engine-bound headers, with the worker's own API key when it has one."""
+    if w.authorization is None:
+        return headers
+    return [*(h for h in headers if h[0] != b"authorization"), (b"authorization", w.authorization)]
+
+
+class Services:
+    __slots__ = ("background", "cfg", "metrics", "policy", "registry", "rng")
+
+    def __init__(
+        self,
+        registry: Registry,
+        policy: Policy,
+        metrics: GatewayMetrics,
+        cfg: GatewayConfig,
+        rng: random.Random,
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.cfg = cfg
+        self.rng = rng
+        self.background: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` beside the request, kept until it ends (`drain`)."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def drain(self, within_s: float) -> None:
+        if self.background:
+            await asyncio.wait(list(self.background), timeout=within_s)
+
+    def guard_failed(self, guard: Guard, stage: str, request_id: str, why: str, **kw: object) -> None:
+        self.metrics.child(self.metrics.guard_failures, guard.value, stage).inc()
+        log.warning("guard.failed", guard=guard.value, stage=stage, request_id=request_id, reason=why, **kw)
+
+    def head_budget(self, req: ParsedRequest, w: Worker, first_byte_s: float) -> float:
+        """How long to wait for a worker's response headers. A stream's come with its first
+        token: `first_byte_s`. A non-streamed answer's come with its last token, so it also gets
+        `per_token_s` for each token it may generate (its max_tokens, else the worker's context
+        length); the request's total deadline bounds both."""
+        if req.stream:
+            return first_byte_s
+        limit = req.max_tokens
+        if limit is None:
+            limit = w.info.context_length or req.accounting_max_tokens
+        return first_byte_s + self.cfg.timeouts.per_token_s * limit
+
+    def abort_leg(
+        self, w: Worker, resp: UpstreamResponse | None, req: ParsedRequest, request_id: str
+    ) -> None:
+        """Stop an engine working on a request nobody will read: close the connection, and send
+        the engine's abort call where it has one."""
+        if resp is not None:
+            resp.abort()
+        call = w.adapter.abort_call(req, request_id)
+        if call is None:
+            return
+        self.spawn(self._send_abort(w, *call))
+
+    async def _send_abort(self, w: Worker, path: str, body: bytes) -> None:
+        """Send the engine's abort call, and once more a moment later: an abort that overtakes
+        the request it names (still in the engine's socket buffer) finds nothing to abort, and
+        the request would then wait for KV that never comes (300 s on SGLang)."""
+        for delay in (0.0, ABORT_REPEAT_S):
+            if delay:
+                await asyncio.sleep(delay)
+            self.metrics.child(self.metrics.aborts_sent, w.engine.value).inc()
+            try:
+                async with asyncio.timeout(ABORT_S):
+                    resp = await w.pool.request("POST", path, engine_headers(w, _ABORT_HEADERS), body)
+                    await resp.read()
+                    resp.release()
+            except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
+                log.warning("abort.failed", worker=w.id, error=str(e))
+                return

@@ -1,0 +1,197 @@
+"""Shadow verification (docs/guards.md, guard 4): a greedy answer re-run for a few tokens on a
+colocated worker (an engine whose decode answers alone: the decode worker itself, without KV
+params) and compared.
+
+Two uses: before delivery (`decode_check` starts the run beside the decode for a suspect pair
+or a sampled share; the relay holds the answer's end until `verified` says it agrees), and after
+delivery (`maybe_shadow`, sampled: a mismatch opens the pair's breaker and makes it suspect).
+The re-run's body and the answers' text are read by the adapter, which owns the wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from adapters import EngineAdapter, HandoffCtx
+from common.request import ParsedRequest
+from common.summary import Summary
+from common.workers import Role, RouteKind
+from gateway.guards import Guard
+from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
+from gateway.logging import get_logger
+from gateway.orchestration.services import Services, engine_headers
+from gateway.orchestration.verify import DecodeCheck, guarded, verifiable
+from gateway.registry import Worker
+
+log = get_logger("pd_gateway.request")
+
+
+def decode_check(
+    s: Services, ctx: HandoffCtx, req: ParsedRequest, prefill_adapter: EngineAdapter, prefill_body: bytes
+) -> DecodeCheck | None:
+    """The decode-consistency check for one handoff, or None where it does not apply."""
+    if not guarded(s.cfg, req):
+        return None
+    c = DecodeCheck(
+        ctx,
+        prefill_adapter,
+        req,
+        prefill_adapter.summarize_prefill(req, prefill_body),
+        ctx.decode.context_length,
+    )
+    c.on_tie = lambda check, decode: _near_tie(s, check, decode)
+    g = s.cfg.guards
+    suspects = s.registry.suspect_pairs()  # a shared empty set while no pair is suspect
+    if verifiable(req) and (
+        (suspects and f"{ctx.prefill.id}|{ctx.decode.id}" in suspects)
+        or (g.shadow_before_delivery and g.shadow_fraction > 0 and s.rng.random() < g.shadow_fraction)
+    ):
+        # verified before delivery: a colocated re-run of the first tokens starts now, beside
+        # the decode, and the answer is released only if it agrees
+        worker = shadow_worker(s, c)
+        if worker is not None:
+            c.verify = asyncio.ensure_future(shadow_run(s, c, worker))
+        else:
+            log.info("verify.unavailable", request_id=ctx.request_id, reason="no colocated worker")
+    return c
+
+
+def _near_tie(s: Services, c: DecodeCheck, decode: Summary) -> None:
+    """The decode started on another token than the prefill, one the prefill's logprobs put
+    within the near-tie margin of its own: not a failure, but counted and logged."""
+    s.metrics.child(s.metrics.near_ties).inc()
+    log.info(
+        "guard.near_tie",
+        request_id=c.ctx.request_id,
+        prefill=c.ctx.prefill.id,
+        decode=c.ctx.decode.id,
+        prefill_token=c.prefill.first_text,
+        decode_start=(decode.first_text or "")[:16],
+    )
+
+
+def shadow_worker(s: Services, c: DecodeCheck) -> Worker | None:
+    """Where a shadow re-run goes: a colocated worker of the model, else the decode worker
+    itself (without KV params) where its engine's decode answers alone."""
+    targets = s.registry.snapshot().pool(Role.COLOCATED, c.req.model)
+    if not targets and c.ctx.decode.decode_alone:
+        targets = (c.ctx.decode,)
+    if not targets:
+        return None
+    return s.registry.find(s.rng.choice(targets).id)
+
+
+async def verified(s: Services, c: DecodeCheck, body: bytes, stream: bool = False) -> str | None:
+    """Why the answer (a whole body, or a stream's bytes) disagrees with its verification
+    run, or None (it agrees, or there is no verdict)."""
+    assert c.verify is not None
+    out = await c.verify
+    c.verify = None
+    got = c.adapter.answer_text(c.req, body, stream=stream)
+    want = _disagrees(s, c, "before_delivery", got, out)
+    if want is None or got is None:
+        return None
+    log.warning(
+        "verify.mismatch",
+        request_id=c.ctx.request_id,
+        delivered_sha1=_sha1(got),
+        shadow_sha1=_sha1(want),
+    )
+    return "the answer differs from a colocated re-run of its first tokens"
+
+
+def maybe_shadow(s: Services, c: DecodeCheck, delivered: bytes) -> None:
+    """Shadow verification after delivery: re-run a sampled share of greedy answers and compare
+    their first tokens (in the background)."""
+    g = s.cfg.guards
+    req = c.req
+    if (
+        g.shadow_fraction <= 0
+        or g.shadow_before_delivery
+        or not req.greedy
+        or req.route is RouteKind.GENERATE
+    ):
+        return
+    if s.rng.random() >= g.shadow_fraction:
+        return
+    worker = shadow_worker(s, c)
+    if worker is None:
+        return
+    s.spawn(_after_delivery(s, c, worker, delivered))
+
+
+async def shadow_run(s: Services, c: DecodeCheck, w: Worker) -> bytes | None:
+    """The request's first `shadow_tokens` tokens, greedy, on `w` alone; None if it failed."""
+    body = w.adapter.shadow_body(c.req, s.cfg.guards.shadow_tokens)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"x-request-id", f"{c.ctx.request_id}-shadow".encode()),
+    ]
+    try:
+        async with asyncio.timeout(s.cfg.timeouts.prefill_s):
+            status, out = await w.pool.fetch("POST", c.req.path, engine_headers(w, headers), body)
+    except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
+        log.info("shadow.skipped", request_id=c.ctx.request_id, worker=w.id, error=str(e))
+        return None
+    if status != 200:
+        log.info("shadow.skipped", request_id=c.ctx.request_id, worker=w.id, error=f"HTTP {status}")
+        return None
+    return out
+
+
+def texts_agree(got: str, want: str) -> bool:
+    """Does an answer's text agree with a shadow re-run's? One is a prefix of the other (the
+    shadow generates a few tokens, the answer as many as it asked for). A trailing U+FFFD is
+    left out: a finished SGLang answer whose last token ends inside a character shows that
+    character's bytes so far as U+FFFD (its detokenizer holds them back only while unfinished),
+    which the shadow's few tokens often do where the answer goes on with the whole character."""
+    want, got = want.rstrip("\ufffd"), got.rstrip("\ufffd")
+    return got.startswith(want) or want.startswith(got)
+
+
+def _disagrees(
+    s: Services, c: DecodeCheck, when: str, got: str | None, shadow_body: bytes | None
+) -> str | None:
+    """The shadow's text when it contradicts the delivered text `got`, else None; counted in
+    `pdgw_shadow_runs_total{when,outcome}`. One is a prefix of the other when they agree
+    (the shadow generates `shadow_tokens`, the answer as many as it asked for)."""
+    if shadow_body is None:
+        s.metrics.child(s.metrics.shadow_runs, when, "failed").inc()
+        return None  # the re-run failed: nothing to compare (logged there)
+    want = c.adapter.answer_text(c.req, shadow_body, stream=False)
+    if got is None or want is None or texts_agree(got, want):
+        s.metrics.child(s.metrics.shadow_runs, when, "agreed").inc()
+        return None
+    s.metrics.child(s.metrics.shadow_runs, when, "differed").inc()
+    return want
+
+
+async def _after_delivery(s: Services, c: DecodeCheck, w: Worker, delivered: bytes) -> None:
+    """After delivery: compare, and on a mismatch count it and take the pair out."""
+    got = c.adapter.answer_text(c.req, delivered, stream=False)
+    want = _disagrees(s, c, "after_delivery", got, await shadow_run(s, c, w))
+    if want is None or got is None:
+        return
+    s.metrics.child(s.metrics.guard_failures, Guard.SHADOW.value, "after_delivery").inc()
+    p, d = c.ctx.prefill.id, c.ctx.decode.id
+    log.warning(
+        "guard.failed",
+        guard=Guard.SHADOW.value,
+        stage="after_delivery",
+        request_id=c.ctx.request_id,
+        prefill=p,
+        decode=d,
+        shadow_worker=w.id,
+        delivered_sha1=_sha1(got),
+        shadow_sha1=_sha1(want),
+        delivered_chars=len(got),
+        shadow_chars=len(want),
+    )
+    s.registry.pair_breaker(p, d).force_open()
+    s.registry.mark_suspect(f"{p}|{d}", s.cfg.guards.suspect_window_s)
+    s.registry.changed()
+
+
+def _sha1(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:12]

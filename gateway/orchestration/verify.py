@@ -1,0 +1,120 @@
+"""The decode-consistency guard of one handoff (docs/guards.md, guard 3): what the decode's answer
+must agree with, and what happens when it does not.
+
+A `DecodeCheck` is built from the prefill's answer, read by its adapter
+(`shadow.decode_check`, which also starts a verification run where one is due); the relay
+(gateway/orchestration/relay.py) asks it on the decode's first token and on its end, and a
+failed check becomes a `KVIntegrityError` here (`integrity`), the pair suspect from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import msgspec
+
+from adapters import EngineAdapter, HandoffCtx
+from common.errors import KVIntegrityError
+from common.request import ParsedRequest
+from common.summary import Summary
+from common.workers import RouteKind
+from gateway.config import GatewayConfig
+from gateway.guards import Guard, check_decode
+from gateway.orchestration.services import Services
+from gateway.registry import Worker
+
+
+def guarded(cfg: GatewayConfig, req: ParsedRequest) -> bool:
+    """Does the decode-consistency guard watch this request's decode? (One answer to compare.)"""
+    return cfg.guards.decode_consistency and req.n == 1 and not req.is_batch
+
+
+def stream_usage(cfg: GatewayConfig, req: ParsedRequest) -> bool:
+    """Does the decode of this handoff get asked for a usage chunk the client did not ask
+    for? Yes for a guarded stream on an OpenAI route: the guard's "finished early" check
+    needs the real token count, and counting events is wrong both ways (role-only events;
+    SGLang sends several tokens in one event with --stream-interval > 1 or a held-back
+    multi-byte character). The chunk is dropped on the way to the client."""
+    return req.stream and not req.include_usage and req.route is not RouteKind.GENERATE and guarded(cfg, req)
+
+
+def verifiable(req: ParsedRequest) -> bool:
+    """Can this request's answer be checked against a short colocated re-run before its clean
+    end is sent? (Greedy, one answer; a stream's tokens flow meanwhile, only its end is held.)"""
+    return req.greedy and req.n == 1 and not req.is_batch
+
+
+class DecodeCheck(msgspec.Struct, eq=False):
+    """Decode-consistency checks of one handoff, against what its prefill said."""
+
+    ctx: HandoffCtx
+    adapter: EngineAdapter
+    req: ParsedRequest
+    prefill: Summary
+    context_length: int | None = None  # the decode's
+    # a colocated re-run whose answer must agree before this one is delivered, or None
+    verify: asyncio.Future[bytes | None] | None = None
+    # told once when the decode's first token is a near tie of the prefill's, not its own
+    on_tie: Callable[[DecodeCheck, Summary], None] | None = None
+    tied: bool = False
+
+    def drop_verification(self) -> None:
+        """The attempt ended without consuming its verification run: stop it."""
+        if self.verify is not None:
+            self.verify.cancel()
+            self.verify = None
+
+    def summarize(self, payloads: list[bytes]) -> Summary:
+        return self.adapter.summarize(self.req, payloads)
+
+    def check_first(self, first: Summary) -> str | None:
+        """On the first token: its identity (greedy or seeded) and the prompt size, when the event
+        says it."""
+        early = Summary(
+            prompt_tokens=first.prompt_tokens,
+            first_token_id=first.first_token_id,
+            first_text=first.first_text,
+            parsed=first.parsed,
+        )
+        why = check_decode(
+            self.prefill, early, max_tokens=None, context_length=None, greedy=self.req.same_first_token
+        )
+        if early.tied:
+            self._tie(early)
+        return why
+
+    def check_end(self, whole: Summary) -> str | None:
+        why = check_decode(
+            self.prefill,
+            whole,
+            max_tokens=self.req.max_tokens,
+            context_length=self.context_length,
+            greedy=self.req.same_first_token,
+        )
+        if whole.tied:
+            self._tie(whole)
+        return why
+
+    def _tie(self, decode: Summary) -> None:
+        if not self.tied:
+            self.tied = True
+            if self.on_tie is not None:
+                self.on_tie(self, decode)
+
+
+def integrity(
+    s: Services, c: DecodeCheck, why: str, w: Worker, stage: str, guard: Guard = Guard.DECODE_CONSISTENCY
+) -> KVIntegrityError:
+    """A handoff's answer failed a check: counted, and the pair is suspect from now on (its
+    next answers are verified before delivery)."""
+    s.registry.mark_suspect(f"{c.ctx.prefill.id}|{c.ctx.decode.id}", s.cfg.guards.suspect_window_s)
+    s.guard_failed(
+        guard,
+        stage,
+        c.ctx.request_id,
+        why,
+        prefill=c.ctx.prefill.id,
+        decode=c.ctx.decode.id,
+    )
+    return KVIntegrityError(f"KV integrity check failed: {why}", phase="decode", worker=w.id)
