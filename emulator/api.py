@@ -87,9 +87,10 @@ def build_server(spec: EmulatorSpec) -> EmulatorServer:
 
 async def start_emulator(spec: EmulatorSpec) -> EmulatorHandle:
     """Start an emulated server in the running event loop. ``port=0`` picks a free port; a prefill
-    SGLang server gets a free bootstrap port too unless one is given."""
+    SGLang server gets a free bootstrap port too unless one is given: bound at once (port 0), not
+    picked first and bound later, which another socket could take in between."""
     if spec.engine == "sglang" and spec.role == "prefill" and spec.bootstrap_port is None:
-        spec = msgspec.structs.replace(spec, bootstrap_port=free_port(spec.host))
+        spec = msgspec.structs.replace(spec, bootstrap_port=0)
     server = build_server(spec)
     handle = EmulatorHandle(server)
 

@@ -207,14 +207,24 @@ async def test_sglang_n_samples_hung_prefill_leaves_nothing_running(fast_cluster
     assert await settled(c, ("sgl-p", "sgl-d")) == {"sgl-p": 0, "sgl-d": 0}
 
 
-async def test_sglang_n_samples_decode_crash_mid_stream_is_an_error_event(fast_cluster: Cluster) -> None:
-    c = fast_cluster
-    await c.emulators["sgl-d"].set_faults(["crash_mid_stream"])
-    status, raw, _ = await post(c.url + "/v1/completions", n_body(True, max_tokens=32))
-    assert status == 200
-    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
-    assert events and "[DONE]" not in events
-    assert "error" in json.loads(events[-1])
+async def test_sglang_n_samples_decode_crash_mid_stream_is_an_error_event() -> None:
+    """The decode drops its connection after the client's stream has started: the client gets
+    an error event and no [DONE]. Real delays (time_scale 1) and a crash 8 tokens in make sure
+    the stream has started first; with instant engines the crash could beat the prefill's
+    answer, so the gateway (rightly) had not committed yet and answered 503 instead."""
+    c = await build_cluster(
+        timeouts=FAST, retries=RetriesConfig(max_attempts=2, backoff_initial_s=0.01), time_scale=1.0
+    )
+    try:
+        await c.emulators["sgl-d"].set_faults(["crash_mid_stream,after=8"])
+        status, raw, _ = await post(c.url + "/v1/completions", n_body(True, max_tokens=32))
+        assert status == 200, raw
+        events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+        assert events and "[DONE]" not in events
+        assert any(json.loads(e).get("choices") for e in events[:-1]), "tokens came before the error"
+        assert "error" in json.loads(events[-1])
+    finally:
+        await stop_cluster(c)
 
 
 async def test_sglang_n_samples_client_gone_mid_stream_stops_every_sample() -> None:

@@ -434,8 +434,12 @@ async def test_drain_moves_new_traffic_away_and_in_flight_streams_finish() -> No
         )
         assert status == 201
         streams = [asyncio.create_task(stream(c, stream_body("m-colocated", 60))) for _ in range(16)]
-        await asyncio.sleep(0.2)
-        on_col = c.gateway.registry.get("col").inflight  # the streams routed to it
+        reg = c.gateway.registry
+        for _ in range(300):  # every stream routed (a busy machine may take a while)
+            if reg.get("col").inflight + reg.get("col2").inflight == 16:
+                break
+            await asyncio.sleep(0.01)
+        on_col = reg.get("col").inflight  # the streams routed to it
         assert 0 < on_col < 16 and (await c.emulators["col"].stats())["completed"] == 0
         status, _, out = await req(c, "POST", "/admin/workers/col/drain")
         assert status == 200 and out["draining"] is True and out["usable"] is False
