@@ -659,7 +659,8 @@ async def test_a_client_that_reads_nothing_is_cut_after_client_stall_s() -> None
         socks.append(await _reads_nothing(srv.port, b"/stream"))
         await asyncio.wait_for(cancelled.wait(), 10)
         assert 0.3 <= time.monotonic() - t0 < 5
-        assert [(p, f) for p, f, _ in stalls] == [("/stream", False)] and 0.3 <= stalls[0][2] < 2, stalls
+        # asyncio runs a timer up to its clock resolution early: 0.3 s may read 0.2999999999
+        assert [(p, f) for p, f, _ in stalls] == [("/stream", False)] and 0.299 <= stalls[0][2] < 2, stalls
         assert responders[0].stalled_s == stalls[0][2] and responders[0].closed
         socks.append(await _reads_nothing(srv.port, b"/whole"))
         for _ in range(200):
