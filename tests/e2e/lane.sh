@@ -194,6 +194,26 @@ wait_http decode "http://127.0.0.1:$DECODE_PORT$HEALTH"
 for name in single prefill decode; do pin "$name"; done
 say "engines up, pinned to CPU $ENGINE_CPUS"
 
+# A CPU engine's first forward pass of each kind (a completion, a chat) does its one-off set-up
+# (kernel selection, template compile): seconds on a quiet machine, past the gateway's 60 s
+# prefill deadline on a busy one (seen: 31 s, and two chat prefills cut at 60 s). Warm every
+# server directly, one at a time, with a generous deadline, so tests measure answers, not set-up.
+# An SGLang prefill or decode serves only P/D pairs, so there only the single server is warmed.
+warm() {
+	local name=$1 base=$2
+	curl -fsS -o /dev/null --max-time 600 "$base/v1/completions" -H 'content-type: application/json' \
+		-d '{"model":"tiny","prompt":"warm up","max_tokens":1,"temperature":0}' || say "$name: completion warm-up failed"
+	curl -fsS -o /dev/null --max-time 600 "$base/v1/chat/completions" -H 'content-type: application/json' \
+		-d '{"model":"tiny","messages":[{"role":"user","content":"warm up"}],"max_tokens":1,"temperature":0}' ||
+		say "$name: chat warm-up failed"
+}
+warm single "http://127.0.0.1:$SINGLE_PORT"
+if [[ $ENGINE == vllm ]]; then
+	warm prefill "http://127.0.0.1:$PREFILL_PORT"
+	warm decode "http://127.0.0.1:$DECODE_PORT"
+fi
+say "engines warmed"
+
 # -- gateway -------------------------------------------------------------------------------------
 # the model's vocabulary, so that prompt ids outside it are refused before an engine sees them
 VOCAB=$("$ROOT/.venv/bin/python" -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$MODEL/config.json")
