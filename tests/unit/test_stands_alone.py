@@ -1,10 +1,10 @@
 """The project stands alone: no tracked file points outside the repository.
 
-Code, tests and docs once cited notes kept beside the checkout (`../shared/...`) and paths of
-the machine they were written on. A reader of the repository has neither: a fact needed here is
-copied in with its original source (an engine's version and file, a public issue, the date it
-was measured). This reads every tracked text file and fails on such a pointer, naming file and
-line; `test_the_check_finds_a_pointer` shows it fails on one."""
+Code, tests and docs once cited notes kept beside the checkout (a `shared` folder one level
+up) and paths of the machine they were written on. A reader of the repository has neither: a
+fact needed here is copied in with its original source (an engine's version and file, a public
+issue, the date it was measured). This reads every tracked text file and fails on such a
+pointer, naming file and line; `test_the_check_finds_a_pointer` shows it fails on one."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_no_tracked_file_points_outside_the_repository() -> None:
 @pytest.mark.parametrize(
     "line",
     [
-        "See " + "../" + "shared/REAL_ENGINES.md.",
+        "See " + "../" + "shared/REAL_" + "ENGINES.md.",
         "(see ../../../../" + "shared/captures/x.json)",
         "cd /wo" + "rk/main && make",
         "PERF_" + "NOTES' design b",
