@@ -41,7 +41,7 @@ import msgspec
 from adapters._shapes import SharedShapes
 from adapters._split import split_units
 from adapters._summary import summarize_generate, summarize_openai
-from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
+from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models, prefill_refused
 from adapters.prom import sum_metrics
 from common import jsonbytes as _body
 from common.request import ParsedRequest
@@ -265,14 +265,7 @@ class SGLangAdapter(SharedShapes):
 
     def _judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
         if status != 200:
-            retryable = status >= 500 or status in (408, 429)
-            return PrefillVerdict(
-                ok=False,
-                reason=f"prefill answered HTTP {status}",
-                retryable=retryable,
-                status=status,
-                body=body,
-            )
+            return prefill_refused(status, body)
         payloads = list(_body.iter_sse_data(body)) if body.lstrip().startswith(b"data:") else [body]
         if not payloads:
             return PrefillVerdict(ok=False, reason="prefill answered an empty body", status=502)

@@ -25,7 +25,7 @@ import msgspec
 
 from adapters._shapes import SharedShapes
 from adapters._summary import summarize_openai
-from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
+from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models, prefill_refused
 from adapters.prom import sum_metrics
 from common import jsonbytes as _body
 from common.errors import BadRequest
@@ -254,14 +254,7 @@ def _refused(req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> P
             body=body,
             refused_ask=True,
         )
-    retryable = status >= 500 or status in (408, 429)
-    return PrefillVerdict(
-        ok=False,
-        reason=f"prefill answered HTTP {status}",
-        retryable=retryable,
-        status=status,
-        body=body,
-    )
+    return prefill_refused(status, body)
 
 
 def _judge_params(
