@@ -198,11 +198,7 @@ class UpstreamResponse:
             return True
         self._buf.append(data)
         self._buffered += len(data)
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
+        self._wake_reader()
         if self._buffered > _BUFFER_HIGH and not self._whole:
             self._conn.pause_reading()
         return True
@@ -222,17 +218,7 @@ class UpstreamResponse:
             if not call.done():
                 call.set_result((self.status, data))
             return
-        fut = self._pipe_fut
-        if fut is not None:
-            self._pipe_fut = None
-            self._end_pipe()
-            if not fut.done():
-                fut.set_result(None)
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
+        self._settle(None)
 
     def _on_error(self, exc: BaseException) -> None:
         if self.complete or self._error is not None:
@@ -252,12 +238,24 @@ class UpstreamResponse:
             if not call.done():
                 call.set_exception(exc)
             return
+        self._settle(exc)
+
+    def _settle(self, exc: BaseException | None) -> None:
+        """The body ended (failed with `exc`, or whole where None): a pipe's future resolved,
+        a reader woken."""
         fut = self._pipe_fut
         if fut is not None:
             self._pipe_fut = None
             self._end_pipe()
             if not fut.done():
-                fut.set_exception(exc)
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+        self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        """A reader waiting for more of the body (`_wait`), woken."""
         w = self._waiter
         if w is not None:
             self._waiter = None

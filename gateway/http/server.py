@@ -427,6 +427,13 @@ def _target_path(url: bytes) -> str:
     return url.decode("latin-1")
 
 
+def _wake_all(waiters: list[asyncio.Future[None]]) -> None:
+    """Each of `waiters` that is still waiting, resolved."""
+    for w in waiters:
+        if not w.done():
+            w.set_result(None)
+
+
 def _split_target(url: bytes) -> tuple[str, str]:
     """(path, query) of a request target: origin form (`/p?q#f`), `*`, or absolute form."""
     if url[:1] == b"/":
@@ -595,9 +602,7 @@ class _HttpConnection(asyncio.Protocol):
         waiters = self._drain_waiters
         if waiters:
             self._drain_waiters = []
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
+            _wake_all(waiters)
 
     def eof_received(self) -> bool | None:
         # A FIN from the client: a half-close looks the same as a disconnect, and for an LLM
@@ -619,9 +624,7 @@ class _HttpConnection(asyncio.Protocol):
         waiters = self._drain_waiters
         if waiters:
             self._drain_waiters = []
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
+            _wake_all(waiters)
 
     # -- a client that stops reading -----------------------------------------------------------
     def _watch_stall(self) -> None:
@@ -1046,9 +1049,7 @@ class HttpServer:
     def _wake_idle(self) -> None:
         waiters = self._idle_waiters
         self._idle_waiters = []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
+        _wake_all(waiters)
 
     def stop_accepting(self) -> None:
         """Stop listening. Responses in flight are sent with ``Connection: close``; a request
