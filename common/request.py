@@ -104,20 +104,48 @@ class ParsedRequest:
             for top, param in other_ids(route, f):
                 if top > self.max_id:
                     self.max_id, self.id_param = top, param
-        explicit, n, greedy, seeded, pairs = _sampling(route, f, self.batch, self.is_batch)
-        self.max_tokens: int | None = explicit
+        self._read_sampling(route, f)
+        explicit = self.max_tokens
+        self.local_prefill = (
+            _local_prefill(route, f, explicit) if f.echo or f.prompt_logprobs or explicit == 0 else None
+        )
+
+    def _read_sampling(self, route: RouteKind, f: Fields) -> None:
+        """What the request asks of sampling: `max_tokens` as given (None where none is), `n`,
+        `greedy`, `same_first_token` and, for a `/generate` batch with a budget per prompt,
+        `prompt_pairs`."""
+        sp = f.sampling_params
         # `/generate` batches with a budget per prompt: (prompt size, its max_new_tokens) each,
         # for the length preflight; None otherwise (the largest prompt with `max_tokens`)
-        self.prompt_pairs = pairs
+        self.prompt_pairs: tuple[tuple[int, int], ...] | None = None
+        if route is not RouteKind.GENERATE:
+            explicit = f.max_tokens
+            # chat's newer name wins; the legacy completions route has none (the engines ignore
+            # it). A 0 falls through to max_tokens, as SGLang reads it (`max_completion_tokens or
+            # max_tokens`); vLLM refuses that 0 itself (its adapter, before a P/D prefill).
+            if route is RouteKind.CHAT and f.max_completion_tokens:
+                explicit = f.max_completion_tokens
+            n = 1 if f.n is None else f.n
+            greedy = f.temperature == 0 or f.top_k == 1
+            seeded = given(f.seed)
+        elif isinstance(sp, list):
+            explicit, n, greedy = _per_prompt(sp, self.batch, self.is_batch)
+            seeded = False  # a batch: its first tokens are not compared
+            if explicit is not None:  # each prompt must fit with its own budget, not the largest
+                budgets = [0 if x.max_new_tokens is None else x.max_new_tokens for x in sp]
+                self.prompt_pairs = tuple(zip(generate_prompt_sizes(f), budgets, strict=True))
+        else:
+            explicit = sp.max_new_tokens if sp else None
+            n = 1 if sp is None or sp.n is None else sp.n
+            greedy = sp is not None and (sp.temperature == 0 or sp.top_k == 1)
+            seeded = sp is not None and given(sp.sampling_seed)
+        self.max_tokens: int | None = explicit
         self.n = n
         self.greedy = greedy
         # must the decode start on the prefill's first token? Greedy requests, and one sample of
         # one prompt drawn with a seed: both legs draw the first token from the same logits with
         # the same seed (vLLM's decode samples it again; SGLang's is the prefill's, shipped)
         self.same_first_token = greedy or (seeded and n == 1 and not self.is_batch)
-        self.local_prefill = (
-            _local_prefill(route, f, explicit) if f.echo or f.prompt_logprobs or explicit == 0 else None
-        )
 
     @property
     def units(self) -> int:
@@ -132,35 +160,6 @@ class ParsedRequest:
         """The body as {key: raw value}, for adapters that rewrite keys (values stay bytes)."""
         out: dict[str, msgspec.Raw] = msgspec.json.decode(self.body, type=dict[str, msgspec.Raw])
         return out
-
-
-def _sampling(
-    route: RouteKind, f: Fields, batch: int, is_batch: bool
-) -> tuple[int | None, int, bool, bool, tuple[tuple[int, int], ...] | None]:
-    """What a request asks of sampling: (its `max_tokens` as given, None where none is; `n`;
-    greedy; drawn with a seed; and for a `/generate` batch with a budget per prompt, (prompt
-    size, its `max_new_tokens`) each, else None)."""
-    sp = f.sampling_params
-    if route is not RouteKind.GENERATE:
-        explicit = f.max_tokens
-        # chat's newer name wins; the legacy completions route has none (the engines ignore
-        # it). A 0 falls through to max_tokens, as SGLang reads it (`max_completion_tokens or
-        # max_tokens`); vLLM refuses that 0 itself (its adapter, before a P/D prefill).
-        if route is RouteKind.CHAT and f.max_completion_tokens:
-            explicit = f.max_completion_tokens
-        n = 1 if f.n is None else f.n
-        return explicit, n, f.temperature == 0 or f.top_k == 1, given(f.seed), None
-    if isinstance(sp, list):
-        explicit, n, greedy = _per_prompt(sp, batch, is_batch)
-        pairs = None
-        if explicit is not None:  # each prompt must fit with its own budget, not the largest
-            budgets = [0 if x.max_new_tokens is None else x.max_new_tokens for x in sp]
-            pairs = tuple(zip(generate_prompt_sizes(f), budgets, strict=True))
-        return explicit, n, greedy, False, pairs  # (a batch: its first tokens are not compared)
-    explicit = sp.max_new_tokens if sp else None
-    n = 1 if sp is None or sp.n is None else sp.n
-    greedy = sp is not None and (sp.temperature == 0 or sp.top_k == 1)
-    return explicit, n, greedy, sp is not None and given(sp.sampling_seed), None
 
 
 class WorkLimits(msgspec.Struct, frozen=True, kw_only=True):

@@ -198,7 +198,8 @@ class UpstreamResponse:
             return True
         self._buf.append(data)
         self._buffered += len(data)
-        self._wake_reader()
+        if self._waiter is not None:
+            self._wake_reader()
         if self._buffered > _BUFFER_HIGH and not self._whole:
             self._conn.pause_reading()
         return True
@@ -252,15 +253,16 @@ class UpstreamResponse:
                     fut.set_result(None)
                 else:
                     fut.set_exception(exc)
-        self._wake_reader()
+        if self._waiter is not None:
+            self._wake_reader()
 
     def _wake_reader(self) -> None:
-        """A reader waiting for more of the body (`_wait`), woken."""
+        """The reader waiting for more of the body (`_wait`; its callers check there is one),
+        woken."""
         w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
+        self._waiter = None
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def _end_pipe(self) -> None:
         self._sink = None
