@@ -42,7 +42,7 @@ clean:
 # -- e2e lanes: the gateway in front of real, unmodified engines on the CPU ----------------------
 # Each engine family gets its own venv (cached between local runs, never in git); the lane script
 # builds the tiny model, starts a single reference server and a P/D pair, runs tests/e2e through
-# `pd-gateway serve` and stops everything it started. See ../shared/REAL_ENGINES.md.
+# `pd-gateway serve` and stops everything it started. tests/e2e/README.md says why each setting.
 E2E_ARGS ?=
 
 VLLM_VENV := .venv-vllm

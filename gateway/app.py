@@ -25,6 +25,7 @@ from gateway.health import HealthChecker
 from gateway.http.limits import ServerLimits
 from gateway.http.server import HttpServer, start_server
 from gateway.kvevents.hub import KvEventCollector, KvEventHub
+from gateway.listen import bind_all, listen_error
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.multiprocess.siblings import ControlServer, ProcessContext, Siblings
@@ -36,11 +37,6 @@ if TYPE_CHECKING:
     from gateway.discovery.kubernetes import KubernetesDiscovery
 
 log = get_logger("pd_gateway")
-
-
-class ListenError(Exception):
-    """The gateway cannot listen on `listen.host`:`listen.port` (the port is taken, the host does
-    not resolve or is not this machine's). `Gateway.start` finds out before probing any worker."""
 
 
 class Gateway:
@@ -269,7 +265,7 @@ class Gateway:
                     on_stall=self.handlers.stalled,
                 )
             except OSError as e:  # listen() itself (the port was taken since the bind), or a bind
-                raise _listen_error(host, port, e) from None
+                raise listen_error(host, port, e) from None
             if admin_socks:
                 await self._start_admin(admin_socks)
         except BaseException:
@@ -343,7 +339,7 @@ class Gateway:
                 on_refusal=self.handlers.refused,
             )
         except OSError as e:
-            raise _listen_error(a.listen_host, a.listen_port or 0, e) from None
+            raise listen_error(a.listen_host, a.listen_port or 0, e) from None
 
     @property
     def admin_url(self) -> str | None:
@@ -424,42 +420,19 @@ def default_max_connections() -> int:
     return max(64, min(65536, soft // 2))
 
 
-def _listen_error(host: str, port: int, e: OSError) -> ListenError:
-    return ListenError(f"cannot listen on {host}:{port}: {e.strerror or e}")
-
-
 async def _bind(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
-    """Sockets bound (not yet listening: connections are refused until the server starts) to
-    every address `host` resolves to, with the options asyncio's create_server sets.
-    `reuse_port`: SO_REUSEPORT, so that the gateway's processes each listen on the port."""
+    """`listen.bind_all` for `host`, resolved without blocking the loop; the sockets are
+    non-blocking, as the loop's server wants them."""
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(
             host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except OSError as e:  # socket.gaierror
-        raise _listen_error(host, port, e) from None
-    socks: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, addr in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            socks.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if reuse_port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.setblocking(False)
-            try:
-                sock.bind(addr)
-            except OSError as e:
-                raise _listen_error(host, port, e) from None
-    except BaseException:
-        for sock in socks:
-            sock.close()
-        raise
-    if not socks:
-        raise ListenError(f"cannot listen on {host}:{port}: no address")
+        raise listen_error(host, port, e) from None
+    socks = bind_all(infos, host, port, reuse_port=reuse_port)
+    for sock in socks:
+        sock.setblocking(False)
     return socks
 
 

@@ -39,7 +39,8 @@ class BreakerState(enum.StrEnum):
     HALF_OPEN = "half_open"
 
 
-def _allow_always() -> bool:
+def allow_always() -> bool:
+    """The default `guard`: every ejection is allowed."""
     return True
 
 
@@ -73,17 +74,11 @@ class CircuitBreaker:
         *,
         max_open_s: float = 300.0,
         eject_failure_share: float = 0.85,
-        guard: Callable[[], bool] = _allow_always,
+        guard: Callable[[], bool] = allow_always,
     ) -> None:
-        self.failure_threshold = failure_threshold
-        self.success_threshold = success_threshold
-        self._open_s = open_s
-        self.max_open_s = max(open_s, max_open_s)
-        self.eject_failure_share = eject_failure_share
-        # may this breaker open now? (the registry's: its pool's ejected share); asked only when
-        # the recent failure share is below eject_failure_share
-        self.guard = guard
-        self._clock = clock
+        self._configure(
+            failure_threshold, success_threshold, open_s, max_open_s, eject_failure_share, guard, clock
+        )
         self.state = BreakerState.CLOSED
         self._failures = 0  # consecutive
         self._successes = 0  # in half-open
@@ -94,6 +89,27 @@ class CircuitBreaker:
         self._trial = False
         self._recent = 0  # the last WINDOW outcomes, a bit each (1: a failure), newest lowest
         self._outcomes = 0  # how many of those bits are outcomes (up to WINDOW)
+
+    def _configure(
+        self,
+        failure_threshold: int,
+        success_threshold: int,
+        open_s: float,
+        max_open_s: float,
+        eject_failure_share: float,
+        guard: Callable[[], bool],
+        clock: Callable[[], float],
+    ) -> None:
+        """The settings, apart from the state (a `SharedBreaker` keeps that in its table)."""
+        self.failure_threshold = failure_threshold
+        self.success_threshold = success_threshold
+        self._open_s = open_s
+        self.max_open_s = max(open_s, max_open_s)
+        self.eject_failure_share = eject_failure_share
+        # may this breaker open now? (the registry's: its pool's ejected share); asked only when
+        # the recent failure share is below eject_failure_share
+        self.guard = guard
+        self._clock = clock
 
     def allows(self) -> bool:
         """May a request be sent now? (Pure apart from the open → half-open transition.)"""

@@ -1,5 +1,6 @@
 """The client-facing routes. Parsing and answering only: routing lives in policies, engine I/O in
-the orchestrator, wire formats in the adapters."""
+the orchestrator, wire formats in the adapters; the routes that describe the gateway (`/health`,
+`/readiness`, `/v1/models`, `/metrics`) in `gateway/info_routes.py`."""
 
 from __future__ import annotations
 
@@ -8,9 +9,6 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Protocol
-from urllib.parse import parse_qs, unquote
-
-import msgspec
 
 from common.bodyscan import SCAN_FROM
 from common.errors import (
@@ -19,7 +17,6 @@ from common.errors import (
     ErrorCode,
     GatewayError,
     MethodNotAllowed,
-    ModelNotFound,
     NotFound,
     Unavailable,
     UnsupportedMediaType,
@@ -28,45 +25,29 @@ from common.errors import (
     sse_error_event,
 )
 from common.request import ParsedRequest, WorkLimits, parse_large_request, parse_request
-from common.workers import Role, RouteKind
+from common.workers import RouteKind
 from gateway.admission import Admission
 from gateway.http.server import HttpRequest, HttpResponder, Refusal
 from gateway.ids import IdGenerator
+from gateway.info_routes import JSON, InfoRoutes
 from gateway.logging import get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.orchestration import Orchestrator, RequestContext
 from gateway.registry import Registry
-from policies.snapshot import ClusterSnapshot
 
 if TYPE_CHECKING:
     from gateway.admin import Admin
 
-JSON = (b"content-type", b"application/json")
 # the orchestrator's access log: one `request.done` line per request, these for those answered here
 log = get_logger("pd_gateway.request")
 _VALID_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 # the `route` label of pdgw_requests_total for a request off the generation routes (an unknown
 # path, /v1/models/{id}...) or refused before its path was read: never the path itself
 OTHER_ROUTE = "other"
-_encoder = msgspec.json.Encoder()
 
 
 class _Headers(Protocol):
     def header(self, name: bytes) -> bytes | None: ...
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-    object: str = "model"
-    created: int = 0
-    owned_by: str = "pd-gateway"
-    max_model_len: int | None = None
-    routes: list[str] = []  # "disaggregated:sglang", "colocated:vllm", ...
-
-
-class ModelList(msgspec.Struct):
-    data: list[ModelCard]
-    object: str = "list"
 
 
 class Handlers:
@@ -104,22 +85,14 @@ class Handlers:
         self._live: dict[HttpResponder, RequestContext] = {}
         # generation requests being handled (parsed, queued or in flight): their ids, for `stalled`
         self._names: dict[HttpResponder, str] = {}
-        self.started = int(time.time())
         post: dict[str, RouteKind] = {
             "/v1/chat/completions": RouteKind.CHAT,
             "/v1/completions": RouteKind.COMPLETIONS,
             "/generate": RouteKind.GENERATE,
         }
         self._post = post
-        self._get: dict[str, Callable[[HttpRequest, HttpResponder], Awaitable[None] | None]] = {
-            "/health": self.health,
-            "/readiness": self.readiness,
-            "/v1/models": self.models,
-            "/metrics": self.metrics_page,
-        }
-        self._metrics_source = metrics_source
-        if metrics_source is not None:
-            self._get["/metrics"] = self.merged_metrics_page
+        self.info = InfoRoutes(registry, metrics, self._refuse, metrics_source)
+        self._get = self.info.routes()
 
     def request_id(self, req: HttpRequest) -> str:
         return self._client_id(req) or self.ids.next()
@@ -142,7 +115,7 @@ class Handlers:
         if req.path.startswith("/v1/models/"):
             if req.method not in ("GET", "HEAD"):
                 return self._refuse(req, res, MethodNotAllowed(req.method, "GET, HEAD"))
-            return self.model(req, res)
+            return self.info.model(req, res)
         if self.admin is not None and req.path.startswith("/admin/"):
             await self.admin_request(self.admin, req, res)
             return
@@ -471,77 +444,6 @@ class Handlers:
                 task.cancel(SHUTDOWN_CANCEL)
             n += 1
         return n
-
-    def health(self, req: HttpRequest, res: HttpResponder) -> None:
-        res.send(200, [JSON], b'{"status":"ok"}')
-
-    def readiness(self, req: HttpRequest, res: HttpResponder) -> None:
-        """200 when every model (or every one named by `?model=`, repeatable: a load balancer
-        in front of one model's traffic) has a usable route right now; 503 otherwise."""
-        snap = self.registry.snapshot()
-        asked = parse_qs(req.query).get("model") if req.query else None
-        models: dict[str, list[str]] = {}
-        open_pairs = self.registry.open_pairs()
-        for m in asked or snap.models():
-            models[m] = _routes(snap, m, open_pairs)
-        ready = bool(models) and all(models.values())
-        body = _encoder.encode({"ready": ready, "models": models})
-        res.send(200 if ready else 503, [JSON], body)
-
-    def models(self, req: HttpRequest, res: HttpResponder) -> None:
-        snap = self.registry.snapshot()
-        cards = [self._card(snap, m) for m in snap.models()]
-        res.send(200, [JSON], _encoder.encode(ModelList(data=cards)))
-
-    def model(self, req: HttpRequest, res: HttpResponder) -> None:
-        """`GET /v1/models/{id}` (the openai client's `models.retrieve`); ids may hold slashes."""
-        name = unquote(req.path[len("/v1/models/") :])
-        snap = self.registry.snapshot()
-        if name not in snap.models():
-            e = ModelNotFound(f"the model {name!r} does not exist", param="model")
-            return self._refuse(req, res, e, model=name)
-        res.send(200, [JSON], _encoder.encode(self._card(snap, name)))
-
-    def _card(self, snap: ClusterSnapshot, model: str) -> ModelCard:
-        limits = [w.context_length for w in snap.workers if w.model == model and w.context_length]
-        return ModelCard(
-            id=model,
-            created=self.started,
-            max_model_len=min(limits) if limits else None,
-            routes=_routes(snap, model, self.registry.open_pairs()),
-        )
-
-    def metrics_page(self, req: HttpRequest, res: HttpResponder) -> None:
-        res.send(200, [_PROMETHEUS], self.metrics.render())
-
-    async def merged_metrics_page(self, req: HttpRequest, res: HttpResponder) -> None:
-        assert self._metrics_source is not None
-        page = await self._metrics_source()
-        if not res.closed:
-            res.send(200, [_PROMETHEUS], page)
-
-
-_PROMETHEUS = (b"content-type", b"text/plain; version=0.0.4; charset=utf-8")
-
-
-def _routes(snap: ClusterSnapshot, model: str, open_pairs: frozenset[str]) -> list[str]:
-    """How a model can be served right now: "disaggregated:<engine>" and/or "colocated:<engine>".
-    A P/D route needs a usable prefill and decode whose pair breaker is not open (`open_pairs`,
-    "prefill|decode"): the planner skips such pairs, so a model whose only pair is open is not
-    served although both workers are usable on their own."""
-    out = []
-    for engine in sorted({w.engine for w in snap.workers if w.model == model}):
-        pre = [w for w in snap.pool(Role.PREFILL, model) if w.engine is engine and w.model == model]
-        dec = [w for w in snap.pool(Role.DECODE, model) if w.engine is engine and w.model == model]
-        col = [w for w in snap.pool(Role.COLOCATED, model) if w.engine is engine and w.model == model]
-        paired = any(f"{p.id}|{d.id}" not in open_pairs for p in pre for d in dec)
-        if paired:
-            out.append(f"disaggregated:{engine.value}")
-        if col:
-            out.append(f"colocated:{engine.value}")
-        elif not paired and any(w.decode_alone for w in dec):
-            out.append(f"decode_self_prefill:{engine.value}")  # the planner's last resort (policies/pd.py)
-    return out
 
 
 __all__ = ["Handlers", "error_body"]

@@ -6,9 +6,10 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
-from gateway.app import Gateway, ListenError, run_forever
+from gateway.app import Gateway, run_forever
 from gateway.cli_args import parse_serve_command
 from gateway.config import ConfigError
+from gateway.listen import ListenError
 from gateway.logging import configure, get_logger
 from policies.build import PolicyBuildError
 

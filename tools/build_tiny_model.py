@@ -1,6 +1,6 @@
 """Build the tiny deterministic Llama model + tokenizer folder the e2e lanes serve (offline, no hub).
 
-Test scaffolding for `make e2e-vllm` / `make e2e-sglang` (see ../shared/REAL_ENGINES.md): a random
+Test scaffolding for `make e2e-vllm` / `make e2e-sglang` (see tests/e2e/README.md): a random
 `LlamaForCausalLM` (2 layers, hidden 256, 4 heads, 2 KV heads, head_dim 64, bf16, weights drawn with
 std 0.08 so greedy outputs differ between prompts) and a byte-level BPE tokenizer (vocab 512) trained
 on generated text, both from fixed seeds: the folder rebuilds byte-identical with the same library

@@ -198,11 +198,8 @@ class UpstreamResponse:
             return True
         self._buf.append(data)
         self._buffered += len(data)
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
+        if self._waiter is not None:
+            self._wake_reader()
         if self._buffered > _BUFFER_HIGH and not self._whole:
             self._conn.pause_reading()
         return True
@@ -222,17 +219,7 @@ class UpstreamResponse:
             if not call.done():
                 call.set_result((self.status, data))
             return
-        fut = self._pipe_fut
-        if fut is not None:
-            self._pipe_fut = None
-            self._end_pipe()
-            if not fut.done():
-                fut.set_result(None)
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
+        self._settle(None)
 
     def _on_error(self, exc: BaseException) -> None:
         if self.complete or self._error is not None:
@@ -252,17 +239,30 @@ class UpstreamResponse:
             if not call.done():
                 call.set_exception(exc)
             return
+        self._settle(exc)
+
+    def _settle(self, exc: BaseException | None) -> None:
+        """The body ended (failed with `exc`, or whole where None): a pipe's future resolved,
+        a reader woken."""
         fut = self._pipe_fut
         if fut is not None:
             self._pipe_fut = None
             self._end_pipe()
             if not fut.done():
-                fut.set_exception(exc)
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+        if self._waiter is not None:
+            self._wake_reader()
+
+    def _wake_reader(self) -> None:
+        """The reader waiting for more of the body (`_wait`; its callers check there is one),
+        woken."""
         w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
+        self._waiter = None
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def _end_pipe(self) -> None:
         self._sink = None
@@ -336,24 +336,8 @@ class UpstreamResponse:
         loop = self._conn._loop
         fut: asyncio.Future[None] = loop.create_future()
         self.last_read_at = loop.time()
-        buf = self._buf
-        if buf:
-            # what arrived before pipe() (e.g. a whole stream while the prefill's verdict was
-            # awaited) is one sink call; corked, the response head (if the sink starts the
-            # response) leaves with it in one client write
-            backlog = buf[0] if len(buf) == 1 else b"".join(buf)
-            buf.clear()
-            self.reads += 1
-            if batch is not None:
-                batch.cork()
-            try:
-                sink(backlog)
-            except Exception as e:  # as from the data callback: the future fails (below) and
-                self._error = e  # the connection is closed; a complete body fails too
-                self._conn.abort()
-            finally:
-                if batch is not None:
-                    batch.uncork()
+        if self._buf:
+            self._sink_backlog(sink, batch)
         self._buffered = 0
         if self._error is not None:
             fut.set_exception(self._error)
@@ -372,6 +356,26 @@ class UpstreamResponse:
             flow.add_flow_listener(self.pause_reading, self.resume_reading)
         fut.add_done_callback(self._pipe_done)
         return fut
+
+    def _sink_backlog(self, sink: Callable[[bytes], None], batch: Batching | None) -> None:
+        """What arrived before pipe() (e.g. a whole stream while the prefill's verdict was
+        awaited), as one sink call; corked, the response head (if the sink starts the response)
+        leaves with it in one client write. A sink that fails sets the error (pipe's future
+        fails with it) and closes the connection, as from the data callback."""
+        buf = self._buf
+        backlog = buf[0] if len(buf) == 1 else b"".join(buf)
+        buf.clear()
+        self.reads += 1
+        if batch is not None:
+            batch.cork()
+        try:
+            sink(backlog)
+        except Exception as e:  # a complete body fails too
+            self._error = e
+            self._conn.abort()
+        finally:
+            if batch is not None:
+                batch.uncork()
 
     def _pipe_done(self, fut: asyncio.Future[None]) -> None:
         if fut.cancelled():

@@ -427,6 +427,32 @@ def _target_path(url: bytes) -> str:
     return url.decode("latin-1")
 
 
+def _wake_all(waiters: list[asyncio.Future[None]]) -> None:
+    """Each of `waiters` that is still waiting, resolved."""
+    for w in waiters:
+        if not w.done():
+            w.set_result(None)
+
+
+def _split_target(url: bytes) -> tuple[str, str]:
+    """(path, query) of a request target: origin form (`/p?q#f`), `*`, or absolute form."""
+    if url[:1] == b"/":
+        q = url.find(b"?")
+        if q < 0:
+            h = url.find(b"#")
+            return (url if h < 0 else url[:h]).decode("latin-1"), ""
+        rest = url[q + 1 :]
+        h = rest.find(b"#")
+        return url[:q].decode("latin-1"), (rest if h < 0 else rest[:h]).decode("latin-1")
+    if url == b"*":
+        return "*", ""
+    try:
+        u = parse_url(url)
+    except HttpParserError:
+        raise _RequestError(400, "Malformed request target.", "bad_request") from None
+    return (u.path or b"/").decode("latin-1"), (u.query or b"").decode("latin-1")
+
+
 class _RequestError(Exception):
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
@@ -576,9 +602,7 @@ class _HttpConnection(asyncio.Protocol):
         waiters = self._drain_waiters
         if waiters:
             self._drain_waiters = []
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
+            _wake_all(waiters)
 
     def eof_received(self) -> bool | None:
         # A FIN from the client: a half-close looks the same as a disconnect, and for an LLM
@@ -600,9 +624,7 @@ class _HttpConnection(asyncio.Protocol):
         waiters = self._drain_waiters
         if waiters:
             self._drain_waiters = []
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
+            _wake_all(waiters)
 
     # -- a client that stops reading -----------------------------------------------------------
     def _watch_stall(self) -> None:
@@ -733,28 +755,50 @@ class _HttpConnection(asyncio.Protocol):
         parser = self._parser
         mb = parser.get_method()
         method = _METHODS.get(mb) or mb.decode("latin-1")
-        url = self._url
-        if url[:1] == b"/":
-            q = url.find(b"?")
-            if q < 0:
-                h = url.find(b"#")
-                path = (url if h < 0 else url[:h]).decode("latin-1")
-                query = ""
-            else:
-                path = url[:q].decode("latin-1")
-                rest = url[q + 1 :]
-                h = rest.find(b"#")
-                query = (rest if h < 0 else rest[:h]).decode("latin-1")
-        elif url == b"*":
-            path, query = "*", ""
-        else:
-            try:
-                u = parse_url(url)
-            except HttpParserError:
-                raise _RequestError(400, "Malformed request target.", "bad_request") from None
-            path = (u.path or b"/").decode("latin-1")
-            query = (u.query or b"").decode("latin-1")
+        path, query = _split_target(self._url)
         version = parser.get_http_version()
+        self._check_framing(version)
+        keep_alive = parser.should_keep_alive()
+        if self._reserved:
+            if not path.startswith(self._limits.reserved_paths):
+                raise _RequestError(
+                    503, "Too many open connections; try again later.", "too_many_connections"
+                )
+            keep_alive = False  # one request: the slot is free again at once
+        cl = self._content_length
+        if cl is not None:
+            self._check_length(cl, parser.should_upgrade())
+        if self._expect is not None:
+            self._expect_continue(self._expect, version)
+        self._cur = HttpRequest(method, path, query, self._headers, b"", self._client, version, keep_alive)
+
+    def _check_length(self, cl: bytes, upgrade: bool) -> None:
+        """The Content-Length `cl` checked: a number, within the body limit, 0 on an upgrade."""
+        try:
+            n = int(cl)
+        except ValueError:
+            raise _RequestError(400, "Invalid Content-Length.", "bad_request") from None
+        if n > self._limits.max_body_bytes:
+            raise _RequestError(413, "Request body too large.", "request_too_large")
+        if upgrade and cl != b"0":
+            raise _RequestError(400, "Upgrade with a request body is not supported.", "bad_request")
+
+    def _expect_continue(self, expect: bytes, version: str) -> None:
+        """`Expect: 100-continue` answered (417 for any other expectation). Not inside another
+        response: while one is being written (or requests wait before this one) the 100 is held
+        back and sent when they are done (`_next`)."""
+        if expect.lower() != b"100-continue":
+            raise _RequestError(417, "Unsupported Expect header.", "expectation_failed")
+        if version == "1.1":
+            resp = self._responder
+            if not self._queue and (self._task is None or (resp is not None and resp._finished)):
+                self._transport.write(_CONTINUE)
+            else:
+                self._continue_due = True
+
+    def _check_framing(self, version: str) -> None:
+        """The request head's version, Host and Transfer-Encoding checked, and the server not
+        shutting down: a `_RequestError` otherwise."""
         if version[0] > "1":
             raise _RequestError(
                 505, f"HTTP/{version} is not supported; use HTTP/1.1.", "http_version_not_supported"
@@ -784,36 +828,6 @@ class _HttpConnection(asyncio.Protocol):
             # the listening socket is closed) is answered 503 and its connection closed, not
             # reset: the client learns why, and the refusal is logged through on_refusal
             raise _RequestError(503, "The server is shutting down.", "shutting_down")
-        keep_alive = parser.should_keep_alive()
-        if self._reserved:
-            if not path.startswith(self._limits.reserved_paths):
-                raise _RequestError(
-                    503, "Too many open connections; try again later.", "too_many_connections"
-                )
-            keep_alive = False  # one request: the slot is free again at once
-        cl = self._content_length
-        if cl is not None:
-            try:
-                n = int(cl)
-            except ValueError:
-                raise _RequestError(400, "Invalid Content-Length.", "bad_request") from None
-            if n > self._limits.max_body_bytes:
-                raise _RequestError(413, "Request body too large.", "request_too_large")
-        if parser.should_upgrade() and cl is not None and cl != b"0":
-            raise _RequestError(400, "Upgrade with a request body is not supported.", "bad_request")
-        expect = self._expect
-        if expect is not None:
-            if expect.lower() != b"100-continue":
-                raise _RequestError(417, "Unsupported Expect header.", "expectation_failed")
-            # Not inside another response: while one is being written (or requests wait before
-            # this one) the 100 is held back and sent when they are done (`_next`).
-            if version == "1.1":
-                resp = self._responder
-                if not self._queue and (self._task is None or (resp is not None and resp._finished)):
-                    self._transport.write(_CONTINUE)
-                else:
-                    self._continue_due = True
-        self._cur = HttpRequest(method, path, query, self._headers, b"", self._client, version, keep_alive)
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
@@ -1035,9 +1049,7 @@ class HttpServer:
     def _wake_idle(self) -> None:
         waiters = self._idle_waiters
         self._idle_waiters = []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
+        _wake_all(waiters)
 
     def stop_accepting(self) -> None:
         """Stop listening. Responses in flight are sent with ``Connection: close``; a request

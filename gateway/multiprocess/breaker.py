@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gateway.breaker import WINDOW, BreakerState, CircuitBreaker
+from gateway.breaker import WINDOW, BreakerState, CircuitBreaker, allow_always
 from gateway.multiprocess import table as t
 from gateway.multiprocess.table import SharedTable
 
@@ -40,10 +40,6 @@ CLOSED_CODE = 0
 _HALF_OPEN_CODE = 2
 _MASK = (1 << WINDOW) - 1  # the recent outcomes' bits, as gateway/breaker.py keeps them
 _STATE, _FAILURES, _RECENT, _OUTCOMES = t.STATE, t.FAILURES, t.RECENT, t.OUTCOMES  # (per outcome)
-
-
-def _allow_always() -> bool:
-    return True
 
 
 class SharedBreaker(CircuitBreaker):
@@ -61,17 +57,14 @@ class SharedBreaker(CircuitBreaker):
         clock: Callable[[], float] = time.monotonic,  # CLOCK_MONOTONIC: one clock for all processes
         max_open_s: float = 300.0,
         eject_failure_share: float = 0.85,
-        guard: Callable[[], bool] = _allow_always,
+        guard: Callable[[], bool] = allow_always,
     ) -> None:
         # not CircuitBreaker.__init__: it would reset the shared fields. The settings are every
         # process's own (the same configuration in each); the state is the table's.
-        self.failure_threshold = failure_threshold
-        self.success_threshold = success_threshold
-        self._open_s = open_s
-        self.max_open_s = max(open_s, max_open_s)
-        self.eject_failure_share = eject_failure_share
-        self.guard = guard  # called with the table's lock held: it must only read the table
-        self._clock = clock
+        # (`guard` is called with the table's lock held: it must only read the table)
+        self._configure(
+            failure_threshold, success_threshold, open_s, max_open_s, eject_failure_share, guard, clock
+        )
         self._table = table
         self._cells = table.i
         self._fcells = table.f

@@ -38,6 +38,7 @@ import traceback
 import structlog
 
 from gateway.config import ConfigError, GatewayConfig
+from gateway.listen import ListenError, bind_all, listen_error
 from gateway.logging import configure, get_logger
 from gateway.multiprocess.siblings import ProcessContext
 from gateway.multiprocess.table import SharedTable
@@ -51,35 +52,14 @@ _POLL_S = 0.1
 
 def reserve_port(host: str, port: int) -> list[socket.socket]:
     """Bind (SO_REUSEPORT, not listening) every address `host` resolves to: the port is the
-    group's (port 0: one is picked, the same on every address). Raises ConfigError."""
+    group's (port 0: one is picked, the same on every address). Raises ListenError."""
     try:
         infos = socket.getaddrinfo(
             host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except OSError as e:
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    socks: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, addr in dict.fromkeys(infos):
-            s = socket.socket(family, kind, proto)
-            socks.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            if port == 0 and len(socks) > 1:
-                addr = (addr[0], socks[0].getsockname()[1], *addr[2:])
-            try:
-                s.bind(addr)
-            except OSError as e:
-                raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    except BaseException:
-        for s in socks:
-            s.close()
-        raise
-    if not socks:
-        raise ConfigError(f"cannot listen on {host}:{port}: no address")
-    return socks
+        raise listen_error(host, port, e) from None
+    return bind_all(infos, host, port, reuse_port=True)
 
 
 def run(cfg: GatewayConfig) -> int:
@@ -103,7 +83,7 @@ def run(cfg: GatewayConfig) -> int:
             admin_port = admin[0].getsockname()[1]
             if a.listen_port != admin_port:
                 cfg = msgspec.structs.replace(cfg, admin=msgspec.structs.replace(a, listen_port=admin_port))
-    except ConfigError as e:
+    except ListenError as e:
         for sock in held:
             sock.close()
         print(f"pd-gateway serve: {e}", file=sys.stderr)
@@ -247,7 +227,7 @@ class Supervisor:
 def _child(
     index: int, cfg: GatewayConfig, table: SharedTable, secret: bytes, ready_w: int, parent: int
 ) -> int:  # pragma: no cover - runs in the forked process
-    from gateway.app import Gateway, ListenError, run_forever
+    from gateway.app import Gateway, run_forever
     from gateway.serve import install_uvloop, raise_open_files_limit
     from policies.build import PolicyBuildError
 

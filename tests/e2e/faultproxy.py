@@ -2,7 +2,8 @@
 
 The gateway under test is pointed at this proxy as its prefill worker; the proxy forwards
 everything to the real engine and, while armed, corrupts the next prefill exchanges in the ways
-the engines' trackers and ../shared/captures/FINDINGS.md show a real P/D handoff going wrong:
+the engines' trackers and tests/e2e/README.md ("Failures seen on the real engines") show a real
+P/D handoff going wrong:
 
 vLLM (the prefill's `kv_transfer_params`, i.e. what the decode would pull):
 - ``stale``: the params of an earlier, already consumed request (real vLLM: 200 with wrong tokens)

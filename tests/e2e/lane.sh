@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One e2e lane: real engines (unmodified vLLM or SGLang, CPU) behind `pd-gateway serve`, then the
 # tests in tests/e2e/ (pytest -m e2e). Run by `make e2e-vllm` / `make e2e-sglang`, which first build
-# the engine's venv; see ../shared/REAL_ENGINES.md for where every flag and variable comes from.
+# the engine's venv; tests/e2e/README.md ("Where the lane's settings come from") says where every
+# flag and variable comes from.
 #
 #   tests/e2e/lane.sh vllm|sglang [pytest args...]
 #

@@ -1,7 +1,8 @@
 """SGLang's native `/generate` through the gateway's P/D, against the real engines: the same
 tokens as the single server, whole and streamed, for one prompt and a batch, and with
 `return_logprob` the prompt's logprobs merged from the prefill exactly once per position
-(sglang-router 0.3.2 duplicates the decode's first entry, ../shared/PROTOCOLS.md §1.2)."""
+(sglang-router 0.3.2 prepends the prefill's `meta_info.input_token_logprobs` to the decode's,
+so the decode's first entry comes twice: seen on loopback against stub engines)."""
 
 from __future__ import annotations
 

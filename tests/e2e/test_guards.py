@@ -3,7 +3,8 @@
 A second gateway is started for this module (`pd-gateway serve`, as a user would), with the
 lane's real prefill behind a fault proxy (tests/e2e/faultproxy.py), the real decode, and the
 single reference server as its colocated fallback worker. The proxy breaks one prefill exchange
-at a time the ways real engines were seen to go wrong (../shared/captures/FINDINGS.md):
+at a time the ways real engines were seen to go wrong (tests/e2e/README.md, "Failures seen on the
+real engines"):
 
 - vLLM, stale or foreign `kv_transfer_params`: unguarded, the real decode answers 200 with
   another prompt's tokens; too-short or empty block lists: unguarded, the decode engine dies.

@@ -18,8 +18,9 @@ from structlog.testing import capture_logs
 
 from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
-from gateway.app import Gateway, ListenError
+from gateway.app import Gateway
 from gateway.config import AdminConfig, GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
+from gateway.listen import ListenError
 from tests.integration.conftest import serve_app
 
 TOKEN = "ops-fixes-token"

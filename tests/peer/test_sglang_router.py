@@ -86,7 +86,8 @@ def test_return_logprob_joins_both_legs(sglang_pd: PeerCluster) -> None:
     got_out = got.extra["meta_info"].get("output_token_logprobs")
     want_out = want.extra["meta_info"].get("output_token_logprobs")
     assert got_out == want_out
-    # The router prepends the prefill's input_token_logprobs to the decode's (PROTOCOLS.md 1.2.7).
+    # The router prepends the prefill's input_token_logprobs to the decode's (sglang-router 0.3.2,
+    # seen on loopback; `pd_router.rs` merges them so).
     assert got.extra["meta_info"].get("input_token_logprobs")
 
 
@@ -114,7 +115,8 @@ def test_concurrent_requests_each_find_their_kv(sglang_pd: PeerCluster) -> None:
 
 
 def test_router_rejects_text_list_on_generate(sglang_pd: PeerCluster) -> None:
-    """Quirk of sglang-router 0.3.2 (PROTOCOLS.md 1.2.3): `/generate` with `text: [...]` is a 422."""
+    """Quirk of sglang-router 0.3.2: `/generate` with `text: [...]` is its own 422 ("text:
+    invalid type: sequence, expected a string"), never sent to a worker."""
     body = {"text": PROMPTS[:2], "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
     assert post(sglang_pd.router_url, "/generate", body).status == 422
 

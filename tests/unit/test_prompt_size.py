@@ -1,4 +1,4 @@
-"""What the length preflight reads of a prompt without a tokenizer (common/request.py): a floor
+"""What the length preflight reads of a prompt without a tokenizer (common/prompt.py): a floor
 of its UTF-8 length, the largest prompt of a batch, a chat's text only. Found by the API probe:
 batches whose prompts together (not each) exceeded a context, and a chat with an inline image,
 were refused with a 400 that a direct connection to the engine does not give."""
