@@ -73,10 +73,12 @@ class RequestContext(msgspec.Struct, eq=False):
     history: list[str] = []  # failed attempts: "plan:phase reached:error code"
     exclude: set[str] = set()  # worker and pair ids that failed for this request
     last_error: UpstreamFailure | None = None
+    drops: int = 0  # attempts whose engine broke its connection holding the request (quarantine.py)
     # the workers of the plan running now (a moved vLLM decode's new one), for whoever waits
     # on requests not started yet (the admin API removing a worker)
     planned: tuple[str, ...] = ()
     outcome: str = "ok"
+    error: str | None = None  # the failure's detail, for the access log line (never the client's)
 
     @property
     def tokens(self) -> int:

@@ -1,0 +1,164 @@
+"""Queries of death: a request that may have killed the engine holding it is not replayed blindly
+onto healthy ones (issue #27, item 2).
+
+How an attempt failed decides what may follow it:
+
+- the request never reached an engine (connect refused, the pool closed, an engine's 503 or 429:
+  it answered, so it is up): retried elsewhere as usual (attempts.py);
+- the engine took the request and failed it (`UpstreamFailure.held`: its connection broke
+  without an answer, a 5xx other than 503, an error event): it may have died of the request.
+  The worker is probed (`engine_gone`: its port refuses connections, or its /health answers
+  anything but 200, within `retries.death_probe_s`). A death, or a broken connection, counts
+  against the request: it gets one more try at most (`Quarantine.held`). A death also
+  quarantines the request's fingerprint (route, model, body bytes) for `retries.quarantine_s`:
+  an identical request is then refused at once (`Quarantine.check`), reaching no engine, with
+  a 503 naming the wait (Retry-After). Each event is logged and counted
+  (`pdgw_query_of_death_total`).
+
+So one poison request takes down at most two engines (its try and its one more try), and its
+copies none. A connection broken by an engine that stays up (a reset, a proxy's hiccup) costs
+the request its third try, not a quarantine; a 500 from an engine that stays up costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+
+from common.errors import ErrorCode, GatewayError, UpstreamFailure
+from gateway.http.errors import LocalResourceError, UpstreamConnectError, UpstreamProtocolError
+from gateway.logging import get_logger
+from gateway.metrics import GatewayMetrics
+from gateway.orchestration.context import RequestContext
+from gateway.registry import Registry, Worker
+
+log = get_logger("pd_gateway.request")
+
+MAX_ENTRIES = 10_000  # fingerprints kept at most (the oldest go first)
+
+
+class RequestQuarantined(GatewayError):
+    """A request identical to one that coincided with an engine's death, refused unsent."""
+
+    status = 503
+    code = ErrorCode.REQUEST_QUARANTINED
+    type = "server_error"
+
+
+class DroppedTwice(GatewayError):
+    """A request whose connection two engines dropped without an answer: not tried again."""
+
+    status = 502
+    code = ErrorCode.ENGINE_DROPPED_REQUEST
+    type = "server_error"
+
+
+def fingerprint(ctx: RequestContext) -> bytes:
+    """What makes two requests the same to an engine: route, model and the body's bytes."""
+    req = ctx.req
+    h = hashlib.blake2b(digest_size=16)
+    h.update(req.route.value.encode())
+    h.update(b"\0")
+    h.update(req.model.encode())
+    h.update(b"\0")
+    h.update(req.body)
+    return h.digest()
+
+
+async def engine_gone(w: Worker, within_s: float) -> bool:
+    """Is the engine of `w` dead: its port refuses connections, or its health endpoint answers
+    anything but 200 (an engine whose core died: SGLang's and vLLM's /health say 503)? An engine
+    that does not answer within `within_s` (hung, or busy) is not found dead."""
+    headers = [(b"accept", b"*/*")]
+    if w.authorization is not None:
+        headers.append((b"authorization", w.authorization))
+    try:
+        async with asyncio.timeout(within_s):
+            resp = await w.pool.request("GET", w.adapter.health_path, headers, None)
+            try:
+                await resp.read()
+            except BaseException:
+                resp.abort()
+                raise
+            resp.release()
+    except LocalResourceError:
+        return False  # the gateway's own shortage: no verdict
+    except UpstreamConnectError:
+        return True
+    except (TimeoutError, UpstreamProtocolError):
+        return False
+    return resp.status != 200
+
+
+class Quarantine:
+    """The fingerprints of requests that coincided with an engine's death, each until it expires
+    (one per Orchestrator)."""
+
+    __slots__ = ("_until", "metrics", "probe_s", "registry", "seconds")
+
+    def __init__(self, registry: Registry, metrics: GatewayMetrics, seconds: float, probe_s: float) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.seconds = seconds
+        self.probe_s = probe_s
+        self._until: dict[bytes, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def check(self, ctx: RequestContext) -> None:
+        """Raise `RequestQuarantined` for a request identical to a quarantined one. Costs
+        nothing while none is (the fingerprint is taken only then)."""
+        if not self._until:
+            return
+        key = fingerprint(ctx)
+        until = self._until.get(key)
+        if until is None:
+            return
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._until[key]
+            return
+        self.metrics.child(self.metrics.query_of_death, "refused").inc()
+        log.warning(
+            "request.quarantined", request_id=ctx.request_id, fingerprint=key.hex(), left_s=round(left, 1)
+        )
+        raise RequestQuarantined(
+            "an identical request was in flight when an engine died, so this one is not sent to "
+            f"any engine for another {left:.0f}s",
+            retry_after_s=max(1.0, left),
+        )
+
+    async def held(self, ctx: RequestContext, e: UpstreamFailure) -> None:
+        """An attempt's engine failed the request it held (`e.held`): probe whether the engine
+        died (then quarantine the request's fingerprint). A death or a broken connection counts
+        against the request (`ctx.drops`): a second is its last try (`e.instead` is then what
+        its client is told)."""
+        w = self.registry.find(e.worker) if e.worker is not None else None
+        died = w is not None and await engine_gone(w, self.probe_s)
+        if died or e.dropped:
+            ctx.drops += 1
+        if died and self.seconds > 0:
+            key = fingerprint(ctx)
+            self._until.pop(key, None)
+            self._until[key] = time.monotonic() + self.seconds
+            while len(self._until) > MAX_ENTRIES:
+                del self._until[next(iter(self._until))]
+            self.metrics.child(self.metrics.query_of_death, "engine_died").inc()
+            log.warning(
+                "request.engine_died",
+                request_id=ctx.request_id,
+                worker=e.worker,
+                fingerprint=key.hex(),
+                drops=ctx.drops,
+                quarantine_s=self.seconds,
+                error=e.detail,
+            )
+        elif died:
+            self.metrics.child(self.metrics.query_of_death, "engine_died").inc()
+        if ctx.drops > 1:
+            self.metrics.child(self.metrics.query_of_death, "not_retried").inc()
+            e.instead = DroppedTwice(
+                "two engines broke their connection while holding this request; it is not tried on another"
+            )

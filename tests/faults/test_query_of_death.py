@@ -1,0 +1,97 @@
+"""Queries of death (issue #27, item 2), against real emulator servers: an SGLang engine dies of a
+prompt id outside its vocabulary (as SGLang 0.5.23 does: the emulator's scheduler exits and the
+server stops listening). With the default configuration (no `vocab_size`, `max_attempts` 3) one
+such request took down three engines of three; now it gets one more try at most, and a copy of
+it is refused without reaching any engine. A connection an engine breaks while it stays up is
+no query of death: the request is served by its retry and nothing is quarantined."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
+from gateway.app import Gateway
+from gateway.config import GatewayConfig, ListenConfig, WorkerConfig
+from policies.snapshot import Engine, Role
+
+POISON = {"model": "m", "text": "hi", "input_ids": [5, 1_000_000], "sampling_params": {"max_new_tokens": 2}}
+VALID = {"model": "m", "text": "hello", "sampling_params": {"max_new_tokens": 2}}
+
+
+async def colocated(n: int, faults: list[str] | None = None) -> tuple[dict[str, EmulatorHandle], Gateway]:
+    emus = {
+        f"c{i}": await start_emulator(
+            EmulatorSpec(engine="sglang", role="both", model="m", faults=(faults or []) if i == 0 else [])
+        )
+        for i in range(n)
+    }
+    workers = tuple(
+        WorkerConfig(url=e.url, role=Role.COLOCATED, engine=Engine.SGLANG, id=name)
+        for name, e in emus.items()
+    )
+    gw = Gateway(GatewayConfig(listen=ListenConfig(host="127.0.0.1", port=0), workers=workers))
+    await gw.start()
+    return emus, gw
+
+
+async def stop(emus: dict[str, EmulatorHandle], gw: Gateway) -> None:
+    await gw.stop()
+    for e in emus.values():
+        await e.stop()
+
+
+async def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], Any]:
+    async with aiohttp.ClientSession() as s, s.post(url + "/generate", json=body) as r:
+        return r.status, json.loads(await r.read()), r.headers
+
+
+def metric(gw: Gateway, event: str) -> float:
+    line = f'pdgw_query_of_death_total{{event="{event}"}} '
+    for x in gw.metrics.render().decode().splitlines():
+        if x.startswith(line):
+            return float(x.split()[-1])
+    return 0.0
+
+
+async def received(emus: dict[str, EmulatorHandle]) -> int:
+    return sum([(await e.stats())["received"] for e in emus.values() if not e.dead])
+
+
+async def test_one_poison_request_takes_down_two_engines_at_most_and_its_copy_none() -> None:
+    emus, gw = await colocated(3)
+    try:
+        status, out, _ = await post(gw.url, POISON)
+        dead = [n for n, e in emus.items() if e.dead]
+        assert len(dead) <= 2, dead  # it was 3 of 3 (a try and two retries)
+        assert status == 502 and out["error"]["code"] == "engine_dropped_request", out
+        assert set(out["error"]) == {"message", "type", "param", "code"}
+        assert metric(gw, "engine_died") == len(dead) and metric(gw, "not_retried") == 1
+
+        before = await received(emus)
+        status, out, headers = await post(gw.url, POISON)  # the same request again
+        assert status == 503 and out["error"]["code"] == "request_quarantined", out
+        assert "engine died" in out["error"]["message"] and int(headers["Retry-After"]) > 0
+        assert [n for n, e in emus.items() if e.dead] == dead  # no engine more lost
+        assert await received(emus) == before  # it reached none
+        assert metric(gw, "refused") == 1
+
+        status, out, _ = await post(gw.url, VALID)  # other requests are served
+        assert status == 200, out
+    finally:
+        await stop(emus, gw)
+
+
+async def test_a_connection_broken_by_an_engine_that_stays_up_quarantines_nothing() -> None:
+    # c0 breaks every connection it is sent (and stays up); the same request is tried elsewhere
+    emus, gw = await colocated(2, faults=["crash_mid_stream,after=0"])
+    try:
+        for _ in range(4):
+            status, out, _ = await post(gw.url, VALID)
+            assert status == 200, out
+        assert not [n for n, e in emus.items() if e.dead]
+        assert metric(gw, "engine_died") == 0 and metric(gw, "refused") == 0
+    finally:
+        await stop(emus, gw)
