@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from common.errors import (
+    ErrorCode,
     GatewayError,
     ShortOfResources,
     UpstreamFailure,
@@ -39,6 +40,7 @@ from gateway.orchestration.dispatch import execute
 from gateway.orchestration.public import screened
 from gateway.orchestration.quarantine import Quarantine
 from gateway.orchestration.services import Services
+from gateway.orchestration.sizing import exceeded, outgrows
 from gateway.registry import Registry
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
 from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
@@ -94,13 +96,15 @@ class Orchestrator:
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
         view = request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
-        return RequestContext(req, request_id, res, task, view, wheel, headers, echo)
+        ctx = RequestContext(req, request_id, res, task, view, wheel, headers, echo)
+        ctx.client_sized = outgrows(view, self.cfg.timeouts)
+        return ctx
 
     async def serve(self, ctx: RequestContext) -> None:
         """Serve one request: attempts until one serves it or none is left (module docstring)."""
         ctx.began = time.monotonic()
         try:
-            with ctx.wheel.after(self.cfg.timeouts.total_s, ctx.task):
+            with ctx.wheel.after(self.cfg.timeouts.total_s, ctx.task) as ctx.total:
                 self.quarantine.check(ctx)  # a copy of a request that coincided with an engine death
                 while True:
                     p = self._plan(ctx)
@@ -115,8 +119,12 @@ class Orchestrator:
                     self._served(ctx)
                     return
         except TimeoutError:
-            ctx.outcome = "timeout"
-            self._fail(ctx, UpstreamTimeout("the request exceeded its total deadline", phase="total"))
+            if ctx.client_sized:  # its own size explains it: the client's (sizing.py)
+                ctx.outcome = ErrorCode.REQUEST_EXCEEDS_DEADLINE.value
+                self._fail(ctx, exceeded(ctx.view, self.cfg.timeouts))
+            else:
+                ctx.outcome = "timeout"
+                self._fail(ctx, UpstreamTimeout("the request exceeded its total deadline", phase="total"))
         except GatewayError as e:
             if isinstance(e, UpstreamFailure) and e.instead is not None:
                 e = e.instead
