@@ -206,8 +206,8 @@ class GatewayMetrics:
         )
         self.query_of_death = Counter(
             "pdgw_query_of_death",
-            "Requests whose engine broke its connection holding them: engine_died (it stopped "
-            "listening: the request's fingerprint is quarantined), not_retried (a second drop), "
+            "Requests whose engine failed holding them: engine_died (it is gone), quarantined "
+            "(a second death for the request's fingerprint), not_retried (a second drop), "
             "refused (a copy of a quarantined request, sent to no engine)",
             ("event",),
             registry=r,

@@ -9,10 +9,13 @@ How an attempt failed decides what may follow it:
   without an answer, a 5xx other than 503, an error event): it may have died of the request.
   The worker is probed (`engine_gone`: its port refuses connections, or its /health answers
   anything but 200, within `retries.death_probe_s`). A death, or a broken connection, counts
-  against the request: it gets one more try at most (`Quarantine.held`). A death also
-  quarantines the request's fingerprint (route, model, body bytes) for `retries.quarantine_s`:
-  an identical request is then refused at once (`Quarantine.check`), reaching no engine, with
-  a 503 naming the wait (Retry-After). Each event is logged and counted
+  against the request: it gets one more try at most (`Quarantine.held`). A death is also
+  remembered against the request's fingerprint (route, model, body bytes) for
+  `retries.quarantine_s`; a second death (its one more try killed another engine, or a copy
+  of it did) quarantines the fingerprint: an identical request is then refused at once
+  (`Quarantine.check`), reaching no engine, with a 503 naming the wait (Retry-After). One
+  death alone quarantines nothing: an engine that crashes or is stopped fails every request it
+  holds, and each of them is served by its one more try. Each event is logged and counted
   (`pdgw_query_of_death_total`).
 
 So one poison request takes down at most two engines (its try and its one more try), and its
@@ -92,16 +95,18 @@ async def engine_gone(w: Worker, within_s: float) -> bool:
 
 
 class Quarantine:
-    """The fingerprints of requests that coincided with an engine's death, each until it expires
-    (one per Orchestrator)."""
+    """The fingerprints of requests that coincided with engine deaths (`_deaths`: how many, until
+    when they are remembered) and those quarantined (`_until`: two deaths or more), each until
+    it expires (one per Orchestrator)."""
 
-    __slots__ = ("_until", "metrics", "probe_s", "registry", "seconds")
+    __slots__ = ("_deaths", "_until", "metrics", "probe_s", "registry", "seconds")
 
     def __init__(self, registry: Registry, metrics: GatewayMetrics, seconds: float, probe_s: float) -> None:
         self.registry = registry
         self.metrics = metrics
         self.seconds = seconds
         self.probe_s = probe_s
+        self._deaths: dict[bytes, tuple[int, float]] = {}
         self._until: dict[bytes, float] = {}
 
     def __len__(self) -> int:
@@ -125,40 +130,54 @@ class Quarantine:
             "request.quarantined", request_id=ctx.request_id, fingerprint=key.hex(), left_s=round(left, 1)
         )
         raise RequestQuarantined(
-            "an identical request was in flight when an engine died, so this one is not sent to "
+            "identical requests were in flight when two engines died, so this one is not sent to "
             f"any engine for another {left:.0f}s",
             retry_after_s=max(1.0, left),
         )
 
     async def held(self, ctx: RequestContext, e: UpstreamFailure) -> None:
         """An attempt's engine failed the request it held (`e.held`): probe whether the engine
-        died (then quarantine the request's fingerprint). A death or a broken connection counts
-        against the request (`ctx.drops`): a second is its last try (`e.instead` is then what
-        its client is told)."""
+        died. A death or a broken connection counts against the request (`ctx.drops`): a second
+        is its last try (`e.instead` is then what its client is told). A death is remembered
+        against the request's fingerprint; the second quarantines it."""
         w = self.registry.find(e.worker) if e.worker is not None else None
         died = w is not None and await engine_gone(w, self.probe_s)
         if died or e.dropped:
             ctx.drops += 1
-        if died and self.seconds > 0:
-            key = fingerprint(ctx)
-            self._until.pop(key, None)
-            self._until[key] = time.monotonic() + self.seconds
-            while len(self._until) > MAX_ENTRIES:
-                del self._until[next(iter(self._until))]
-            self.metrics.child(self.metrics.query_of_death, "engine_died").inc()
-            log.warning(
-                "request.engine_died",
-                request_id=ctx.request_id,
-                worker=e.worker,
-                fingerprint=key.hex(),
-                drops=ctx.drops,
-                quarantine_s=self.seconds,
-                error=e.detail,
-            )
-        elif died:
-            self.metrics.child(self.metrics.query_of_death, "engine_died").inc()
+        if died:
+            self._died(ctx, e)
         if ctx.drops > 1:
             self.metrics.child(self.metrics.query_of_death, "not_retried").inc()
             e.instead = DroppedTwice(
                 "two engines broke their connection while holding this request; it is not tried on another"
             )
+
+    def _died(self, ctx: RequestContext, e: UpstreamFailure) -> None:
+        """The engine holding the request died: one more death against its fingerprint. One
+        alone quarantines nothing (an engine that crashes, or is stopped, fails every request it
+        holds; each gets its one more try elsewhere); a second, on another engine, does."""
+        self.metrics.child(self.metrics.query_of_death, "engine_died").inc()
+        if self.seconds <= 0:
+            return
+        key = fingerprint(ctx)
+        now = time.monotonic()
+        count, until = self._deaths.pop(key, (0, 0.0))
+        count = count + 1 if until > now else 1
+        self._deaths[key] = (count, now + self.seconds)
+        quarantined = count >= 2
+        if quarantined:
+            self._until.pop(key, None)
+            self._until[key] = now + self.seconds
+            self.metrics.child(self.metrics.query_of_death, "quarantined").inc()
+        for kept in (self._deaths, self._until):
+            while len(kept) > MAX_ENTRIES:
+                del kept[next(iter(kept))]
+        log.warning(
+            "request.engine_died",
+            request_id=ctx.request_id,
+            worker=e.worker,
+            fingerprint=key.hex(),
+            deaths=count,
+            quarantined_s=self.seconds if quarantined else None,
+            error=e.detail,
+        )

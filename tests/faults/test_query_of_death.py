@@ -7,6 +7,7 @@ no query of death: the request is served by its retry and nothing is quarantined
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -21,10 +22,18 @@ POISON = {"model": "m", "text": "hi", "input_ids": [5, 1_000_000], "sampling_par
 VALID = {"model": "m", "text": "hello", "sampling_params": {"max_new_tokens": 2}}
 
 
-async def colocated(n: int, faults: list[str] | None = None) -> tuple[dict[str, EmulatorHandle], Gateway]:
+async def colocated(
+    n: int, faults: list[str] | None = None, time_scale: float = 0.0
+) -> tuple[dict[str, EmulatorHandle], Gateway]:
     emus = {
         f"c{i}": await start_emulator(
-            EmulatorSpec(engine="sglang", role="both", model="m", faults=(faults or []) if i == 0 else [])
+            EmulatorSpec(
+                engine="sglang",
+                role="both",
+                model="m",
+                faults=(faults or []) if i == 0 else [],
+                time_scale=time_scale,
+            )
         )
         for i in range(n)
     }
@@ -69,17 +78,43 @@ async def test_one_poison_request_takes_down_two_engines_at_most_and_its_copy_no
         assert status == 502 and out["error"]["code"] == "engine_dropped_request", out
         assert set(out["error"]) == {"message", "type", "param", "code"}
         assert metric(gw, "engine_died") == len(dead) and metric(gw, "not_retried") == 1
+        assert metric(gw, "quarantined") == 1
 
         before = await received(emus)
         status, out, headers = await post(gw.url, POISON)  # the same request again
         assert status == 503 and out["error"]["code"] == "request_quarantined", out
-        assert "engine died" in out["error"]["message"] and int(headers["Retry-After"]) > 0
+        assert "engines died" in out["error"]["message"] and int(headers["Retry-After"]) > 0
         assert [n for n, e in emus.items() if e.dead] == dead  # no engine more lost
         assert await received(emus) == before  # it reached none
         assert metric(gw, "refused") == 1
 
         status, out, _ = await post(gw.url, VALID)  # other requests are served
         assert status == 200, out
+    finally:
+        await stop(emus, gw)
+
+
+async def test_one_engine_dying_under_its_requests_quarantines_none_of_them() -> None:
+    """An engine that crashes or is stopped fails every request it holds: each is served by its
+    one more try, and a copy of it later is served too (one death is no query of death)."""
+    emus, gw = await colocated(2, time_scale=1.0)
+    try:
+        slow = {**VALID, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        first = asyncio.ensure_future(post(gw.url, slow))
+        victim = ""
+        for _ in range(500):  # until an engine holds it
+            busy = [n for n, e in emus.items() if (await e.stats())["in_flight"]]
+            if busy:
+                victim = busy[0]
+                break
+            await asyncio.sleep(0.01)
+        await emus[victim].stop()  # the engine goes away holding the request
+        status, out, _ = await first
+        assert status == 200, out  # its one more try, on the other engine
+        assert metric(gw, "engine_died") == 1 and metric(gw, "quarantined") == 0
+        status, out, _ = await post(gw.url, slow)  # a copy: served, not refused
+        assert status == 200, out
+        assert metric(gw, "refused") == 0
     finally:
         await stop(emus, gw)
 
