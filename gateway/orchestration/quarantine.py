@@ -7,9 +7,10 @@ How an attempt failed decides what may follow it:
   it answered, so it is up): retried elsewhere as usual (attempts.py);
 - the engine took the request and failed it (`UpstreamFailure.held`: its connection broke
   without an answer, a 5xx other than 503, an error event): it may have died of the request.
-  The worker is probed (`engine_gone`: its port refuses connections, or its /health answers
-  anything but 200, within `retries.death_probe_s`). A death, or a broken connection, counts
-  against the request: it gets one more try at most (`Quarantine.held`). A death is also
+  The attempt's workers are probed (`engine_gone`: a port that refuses connections, or a
+  /health that answers anything but 200, within `retries.death_probe_s`; both legs of a P/D
+  attempt, which a query of death kills together). Each death, or else a broken connection,
+  counts against the request: at two it gets no other try (`Quarantine.held`). A death is also
   remembered against the request's fingerprint (route, model, body bytes) for
   `retries.quarantine_s`; a second death (its one more try killed another engine, or a copy
   of it did) quarantines the fingerprint: an identical request is then refused at once
@@ -18,8 +19,8 @@ How an attempt failed decides what may follow it:
   holds, and each of them is served by its one more try. Each event is logged and counted
   (`pdgw_query_of_death_total`).
 
-So one poison request takes down at most two engines (its try and its one more try), and its
-copies none. A connection broken by an engine that stays up (a reset, a proxy's hiccup) costs
+So one poison request takes down at most two engines (a colocated try and its one more try,
+or a P/D attempt's two legs), and its copies none. A connection broken by an engine that stays up (a reset, a proxy's hiccup) costs
 the request its third try, not a quarantine; a 500 from an engine that stays up costs nothing.
 """
 
@@ -136,23 +137,27 @@ class Quarantine:
         )
 
     async def held(self, ctx: RequestContext, e: UpstreamFailure) -> None:
-        """An attempt's engine failed the request it held (`e.held`): probe whether the engine
-        died. A death or a broken connection counts against the request (`ctx.drops`): a second
-        is its last try (`e.instead` is then what its client is told). A death is remembered
-        against the request's fingerprint; the second quarantines it."""
-        w = self.registry.find(e.worker) if e.worker is not None else None
-        died = w is not None and await engine_gone(w, self.probe_s)
-        if died or e.dropped:
-            ctx.drops += 1
-        if died:
-            self._died(ctx, e)
+        """An attempt's engine failed the request it held (`e.held`): probe whether the
+        attempt's engines died (both legs of a P/D attempt: a query of death kills the prefill
+        and the decode it is sent to). Each death, or else a broken connection, counts against
+        the request (`ctx.drops`): at two it gets no other try (`e.instead` is then what its
+        client is told). Each death is remembered against the request's fingerprint; the
+        second quarantines it."""
+        ids = ctx.planned or ((e.worker,) if e.worker is not None else ())
+        workers = [w for i in ids if (w := self.registry.find(i)) is not None]
+        gone = await asyncio.gather(*(engine_gone(w, self.probe_s) for w in workers))
+        died = [w.id for w, g in zip(workers, gone, strict=True) if g]
+        ctx.drops += len(died) or int(e.dropped)
+        for worker in died:
+            self._died(ctx, e, worker)
         if ctx.drops > 1:
             self.metrics.child(self.metrics.query_of_death, "not_retried").inc()
             e.instead = DroppedTwice(
-                "two engines broke their connection while holding this request; it is not tried on another"
+                "engines died or broke their connection while holding this request, twice; "
+                "it is not tried on another"
             )
 
-    def _died(self, ctx: RequestContext, e: UpstreamFailure) -> None:
+    def _died(self, ctx: RequestContext, e: UpstreamFailure, worker: str) -> None:
         """The engine holding the request died: one more death against its fingerprint. One
         alone quarantines nothing (an engine that crashes, or is stopped, fails every request it
         holds; each gets its one more try elsewhere); a second, on another engine, does."""
@@ -175,7 +180,7 @@ class Quarantine:
         log.warning(
             "request.engine_died",
             request_id=ctx.request_id,
-            worker=e.worker,
+            worker=worker,
             fingerprint=key.hex(),
             deaths=count,
             quarantined_s=self.seconds if quarantined else None,

@@ -17,6 +17,7 @@ from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, ListenConfig, WorkerConfig
 from policies.snapshot import Engine, Role
+from tests.integration.conftest import build_cluster, stop_cluster
 
 POISON = {"model": "m", "text": "hi", "input_ids": [5, 1_000_000], "sampling_params": {"max_new_tokens": 2}}
 VALID = {"model": "m", "text": "hello", "sampling_params": {"max_new_tokens": 2}}
@@ -92,6 +93,25 @@ async def test_one_poison_request_takes_down_two_engines_at_most_and_its_copy_no
         assert status == 200, out
     finally:
         await stop(emus, gw)
+
+
+async def test_on_a_pd_pair_the_poison_takes_down_the_pair_and_nothing_more() -> None:
+    """An SGLang P/D attempt sends the request to both legs, and both die of it: that is its two
+    engines; the colocated worker behind them (the fallback ladder's next rung) is spared, and
+    a copy reaches no engine."""
+    c = await build_cluster(colocated_fallback=True)
+    try:
+        body = {**POISON, "model": "m-sglang"}
+        status, out, _ = await post(c.url, body)
+        assert status == 502 and out["error"]["code"] == "engine_dropped_request", out
+        assert sorted(n for n, e in c.emulators.items() if e.dead) == ["sgl-d", "sgl-p"]
+        status, out, _ = await post(c.url, body)
+        assert status == 503 and out["error"]["code"] == "request_quarantined", out
+        assert (await c.emulators["sgl-c"].stats())["received"] == 0
+        status, out, _ = await post(c.url, {**VALID, "model": "m-sglang"})  # served colocated
+        assert status == 200, out
+    finally:
+        await stop_cluster(c)
 
 
 async def test_one_engine_dying_under_its_requests_quarantines_none_of_them() -> None:
