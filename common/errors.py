@@ -28,6 +28,9 @@ class ErrorCode(enum.StrEnum):
     UPSTREAM_PROTOCOL = "upstream_protocol_error"
     PREFILL_FAILED = "prefill_failed"
     KV_INTEGRITY = "kv_integrity_violation"
+    REQUEST_QUARANTINED = "request_quarantined"
+    ENGINE_DROPPED_REQUEST = "engine_dropped_request"
+    REQUEST_EXCEEDS_DEADLINE = "request_exceeds_deadline"
     UNAUTHORIZED = "unauthorized"
     CONFLICT = "conflict"
     PROBE_FAILED = "worker_probe_failed"
@@ -63,7 +66,11 @@ def cancelled_outcome(e: BaseException, stalled: bool) -> str:
 
 
 class GatewayError(Exception):
-    """An error the gateway answers itself. `retryable` errors may be retried on other workers."""
+    """An error the gateway answers itself. `retryable` errors may be retried on other workers.
+
+    `message` is what the client is told, `detail` what the gateway's log says (the same text
+    unless the error's own words may carry internals: worker addresses, an engine's answer;
+    then the client gets a stable sentence and the request id, `body(request_id)`)."""
 
     status: int = 500
     code: ErrorCode = ErrorCode.INTERNAL
@@ -78,9 +85,11 @@ class GatewayError(Exception):
         code: ErrorCode | None = None,
         param: str | None = None,
         retry_after_s: float | None = None,
+        detail: str | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message if detail is None else detail)
         self.message = message
+        self.detail = message if detail is None else detail
         if status is not None:
             self.status = status
         if code is not None:
@@ -88,8 +97,19 @@ class GatewayError(Exception):
         self.param = param
         self.retry_after_s = retry_after_s
 
-    def body(self) -> bytes:
-        return error_body(self.message, self.type, self.code.value, self.param)
+    @property
+    def internal(self) -> bool:
+        """Does the client get another text than the log (the detail may carry internals)?"""
+        return self.detail != self.message
+
+    def client_message(self, request_id: str | None = None) -> str:
+        """The message a client gets: with the request id where the log holds more."""
+        if request_id is not None and self.internal:
+            return f"{self.message} (request id {request_id}; the gateway's log has the details)"
+        return self.message
+
+    def body(self, request_id: str | None = None) -> bytes:
+        return error_body(self.client_message(request_id), self.type, self.code.value, self.param)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         h = [(b"content-type", b"application/json")]
@@ -176,11 +196,24 @@ class Unavailable(GatewayError):
 
 class ShortOfResources(Unavailable):
     """The gateway cannot open another connection to a worker for want of its own resources
-    (file descriptors, ephemeral ports): try again later. No worker is blamed for it."""
+    (file descriptors, ephemeral ports): try again later. No worker is blamed for it. The
+    client is told so in a stable sentence (`detail`, in the log, names the worker and the
+    system's error)."""
+
+    def __init__(self, detail: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(
+            "the gateway is short of resources (open files or ports) to reach an engine; retry later",
+            retry_after_s=retry_after_s,
+            detail=detail,
+        )
 
 
 class UpstreamFailure(GatewayError):
-    """An engine failed in a way that another worker may not (connect error, 5xx, timeout...)."""
+    """An engine failed in a way that another worker may not (connect error, 5xx, timeout...).
+
+    `message` as given is the log's `detail` (it names workers, quotes engines); the client
+    gets `public` where the raiser gives one (naming no worker), else the stable sentence of its
+    code and phase (`public_text`), with the request id."""
 
     status = 502
     code = ErrorCode.UPSTREAM_ERROR
@@ -194,13 +227,28 @@ class UpstreamFailure(GatewayError):
         phase: str,
         worker: str | None = None,
         answered: bool = False,
+        held: bool = False,
+        dropped: bool = False,
         instead: GatewayError | None = None,
+        public: str | None = None,
         **kw: object,
     ) -> None:
-        super().__init__(message, **kw)  # type: ignore[arg-type]
+        code = kw.get("code")
+        # `public`: what the client may read (no worker, no engine's words); else a stable sentence
+        text = (
+            public
+            if public is not None
+            else public_text(code if isinstance(code, ErrorCode) else self.code, phase)
+        )
+        super().__init__(text, detail=message, **kw)  # type: ignore[arg-type]
         self.phase = phase
         self.worker = worker
         self.answered = answered  # the engine itself answered with the failure: it is up
+        # the engine took the request and failed it (a 5xx other than 503, an error event) or
+        # broke its connection without an answer (`dropped`): it may have died of the request
+        # (gateway/orchestration/quarantine.py)
+        self.held = held or dropped
+        self.dropped = dropped
         # what the client is told when no other attempt serves the request (e.g. an engine's
         # own refusal, which another route might not have made)
         self.instead = instead
@@ -252,9 +300,9 @@ class UpstreamRejected(GatewayError):
         super().__init__(message, status=status, param=param)
         self.engine_code = code
 
-    def body(self) -> bytes:
+    def body(self, request_id: str | None = None) -> bytes:
         return error_body(
-            self.message,
+            self.client_message(request_id),
             self.type,
             self.engine_code if self.engine_code is not None else self.status,
             self.param,
@@ -271,6 +319,24 @@ def _engine_message(body: bytes) -> tuple[str, str | None, str | int | None]:
         return e.error.message, e.error.param, e.error.code
     msg = e.message or (e.error if isinstance(e.error, str) else None) or e.detail
     return msg or "the engine rejected the request", e.param, e.code
+
+
+# What a client is told of a failure whose own words stay in the log (docs/operations.md, "What
+# clients are told of failures"): one sentence per error code, the phase it happened in after it.
+_PUBLIC_TEXT = {
+    ErrorCode.UPSTREAM_ERROR: "an engine failed while serving the request",
+    ErrorCode.UPSTREAM_TIMEOUT: "an engine did not answer in time",
+    ErrorCode.UPSTREAM_CONNECT: "no engine could be reached",
+    ErrorCode.UPSTREAM_PROTOCOL: "an engine broke its connection",
+    ErrorCode.PREFILL_FAILED: "the prefill of the request failed",
+    ErrorCode.KV_INTEGRITY: "the engines' answer failed a KV-integrity check and was withheld",
+}
+
+
+def public_text(code: ErrorCode, phase: str | None = None) -> str:
+    """The stable sentence a client gets for a failure of `code` (in `phase`)."""
+    text = _PUBLIC_TEXT.get(code, "the request failed")
+    return text if phase is None else f"{text} (phase: {phase})"
 
 
 def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> bytes:

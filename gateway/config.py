@@ -254,11 +254,22 @@ class RetriesConfig(_Section, frozen=True):
     backoff_max_s: float = 2.0
     multiplier: float = 2.0
     jitter: float = 0.2  # fraction of each delay drawn at random, 0..1
+    # a request whose engine broke its connection holding it gets one more try at most; if the
+    # engine stopped listening within death_probe_s, copies of the request are refused for
+    # quarantine_s (0: never quarantined) (gateway/orchestration/quarantine.py)
+    quarantine_s: float = 300.0
+    death_probe_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("retries.max_attempts must be >= 1")
-        _non_negative("retries", backoff_initial_s=self.backoff_initial_s, backoff_max_s=self.backoff_max_s)
+        _non_negative(
+            "retries",
+            backoff_initial_s=self.backoff_initial_s,
+            backoff_max_s=self.backoff_max_s,
+            quarantine_s=self.quarantine_s,
+            death_probe_s=self.death_probe_s,
+        )
         if self.backoff_initial_s > self.backoff_max_s:
             raise ValueError("retries.backoff_initial_s must be <= retries.backoff_max_s")
         if self.multiplier < 1:

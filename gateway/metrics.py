@@ -204,6 +204,14 @@ class GatewayMetrics:
             ("when", "outcome"),  # before_delivery|after_delivery; agreed|differed|failed
             registry=r,
         )
+        self.query_of_death = Counter(
+            "pdgw_query_of_death",
+            "Requests whose engine failed holding them: engine_died (it is gone), quarantined "
+            "(a second death for the request's fingerprint), not_retried (a second drop), "
+            "refused (a copy of a quarantined request, sent to no engine)",
+            ("event",),
+            registry=r,
+        )
         self.aborts_sent = Counter(
             "pdgw_engine_aborts", "Abort calls sent to engines", ("engine",), registry=r
         )

@@ -185,6 +185,7 @@ class Registry:
         self._not_serving: dict[RouteKind, frozenset[str]] = {}
         self._route_models: dict[RouteKind, tuple[str, ...]] = {}
         self._not_alone: frozenset[str] | None = None  # decode workers that cannot answer alone
+        self._addresses: tuple[str, ...] | None = None  # cached like _models
         self._snap_version = -1
         self._snap_seq = 0
         self._snap = ClusterSnapshot(version=0, workers=())
@@ -239,6 +240,7 @@ class Registry:
         self._not_serving = {}
         self._route_models = {}
         self._not_alone = None
+        self._addresses = None
 
     def not_serving(self, route: RouteKind) -> frozenset[str]:
         """Ids of the workers whose engine has no such route (SGLang's /generate on a vLLM
@@ -247,6 +249,23 @@ class Registry:
         if out is None:
             ids = [w.id for w in self._workers.values() if route not in w.adapter.routes]
             out = self._not_serving[route] = frozenset(ids) if ids else _NO_PAIRS
+        return out
+
+    def addresses(self) -> tuple[str, ...]:
+        """How the workers' addresses may be spelt in a text (their URLs, `host:port`, a
+        bootstrap server's `host:port`, their host names): no client answer may carry one
+        (gateway/orchestration/public.py). Cached like `not_serving`."""
+        out = self._addresses
+        if out is None:
+            found: set[str] = set()
+            for w in self._workers.values():
+                found.update((w.url, f"{w.host}:{w.port}", w.id))
+                boot = w.bootstrap_port if w.bootstrap_port is not None else w.info.bootstrap_port
+                if boot is not None:
+                    found.add(f"{w.host}:{boot}")
+                if not w.host.replace(".", "").isdigit() and w.host not in ("localhost", "::1"):
+                    found.add(w.host)  # a host name (an address in digits is found by its shape)
+            out = self._addresses = tuple(sorted(a for a in found if ":" in a or "." in a))
         return out
 
     def decodes_not_alone(self) -> frozenset[str]:

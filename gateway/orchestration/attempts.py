@@ -48,9 +48,10 @@ def out_of_rungs(s: Services, last: UpstreamFailure) -> GatewayError:
         return last
     s.metrics.child(s.metrics.fallbacks, "shed").inc()
     return NoWorker(
-        f"{last.message} (phase {last.phase}); no fallback left",
+        f"{last.message}; no fallback left",
         code=last.code,
         retry_after_s=s.cfg.limits.retry_after_s,
+        detail=f"{last.detail} (phase {last.phase}); no fallback left",
     )
 
 

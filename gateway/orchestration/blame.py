@@ -154,7 +154,10 @@ def leg_failure(
         return ShortOfResources(
             f"the gateway is short of resources to reach {leg}: {e}; retry later", retry_after_s=1.0
         )
-    return UpstreamFailure(f"{leg}: {e}", phase=phase, worker=worker)
+    # a connect error never reached the engine; a broken connection reached one that may have
+    # died of the request (gateway/orchestration/quarantine.py)
+    dropped = isinstance(e, UpstreamProtocolError)
+    return UpstreamFailure(f"{leg}: {e}", phase=phase, worker=worker, dropped=dropped)
 
 
 def upstream_status_error(
@@ -166,7 +169,11 @@ def upstream_status_error(
         # the engine's own words as text (a bytes repr would show b'...' and escapes to clients)
         said = body[:200].decode("utf-8", "replace").strip()
         return UpstreamFailure(
-            f"worker {worker} answered HTTP {status}: {said}", phase=phase, worker=worker, answered=True
+            f"worker {worker} answered HTTP {status}: {said}",
+            phase=phase,
+            worker=worker,
+            answered=True,
+            held=status >= 500 and status != 503,  # a 503 (overloaded) never took it on
         )
     return UpstreamRejected(status, body, ctype)
 

@@ -29,6 +29,7 @@ async def run_colocated(s: Services, ctx: RequestContext, w: Worker) -> None:
                     f"worker {w.id} sent no response headers within {wait_s:g}s",
                     phase="first_byte",
                     worker=w.id,
+                    public=f"the engine sent no response headers within {wait_s:g}s",
                 ) from None
             await relay(s, ctx, leg.resp, w, phase="colocated")
         except (UpstreamConnectError, UpstreamProtocolError) as e:

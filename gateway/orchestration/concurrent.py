@@ -88,11 +88,13 @@ async def _through_handoff(s: Services, ctx: RequestContext, h: Handoff, hctx: H
                 f"answers once its KV reached decode {d.id}: either may be the one stuck)",
                 phase="prefill",
                 worker=p.id,
+                public=f"the prefill gave no verdict within {t.prefill_s:g}s",
             ) from None
         raise UpstreamTimeout(
             f"decode {d.id} sent no response headers within {wait_s:g}s of the prefill's verdict",
             phase="handoff",
             worker=d.id,
+            public=f"the decode sent no response headers within {wait_s:g}s of the prefill's verdict",
         ) from None
     return out
 

@@ -22,7 +22,7 @@ import msgspec
 from common.errors import UpstreamFailure
 from common.outcomes import LegRecord
 from common.request import ParsedRequest
-from gateway.deadlines import DeadlineWheel
+from gateway.deadlines import Deadline, DeadlineWheel
 from gateway.http.server import Responder
 from policies.snapshot import RequestView
 
@@ -73,10 +73,15 @@ class RequestContext(msgspec.Struct, eq=False):
     history: list[str] = []  # failed attempts: "plan:phase reached:error code"
     exclude: set[str] = set()  # worker and pair ids that failed for this request
     last_error: UpstreamFailure | None = None
+    drops: int = 0  # attempts whose engine broke its connection holding the request (quarantine.py)
     # the workers of the plan running now (a moved vLLM decode's new one), for whoever waits
     # on requests not started yet (the admin API removing a worker)
     planned: tuple[str, ...] = ()
     outcome: str = "ok"
+    total: Deadline | None = None  # the request's total deadline, while it is served
+    # its own size explains a run past the total deadline (sizing.py): then no verdict on its workers
+    client_sized: bool = False
+    error: str | None = None  # the failure's detail, for the access log line (never the client's)
 
     @property
     def tokens(self) -> int:
@@ -96,8 +101,12 @@ class RequestContext(msgspec.Struct, eq=False):
     @property
     def unjudged(self) -> bool:
         """Does the attempt end without a verdict on its workers (the client left, or the attempt
-        was cut: a sibling unit failed, the gateway ran short of resources)?"""
-        return self.res.closed or self.attempt.cut
+        was cut: a sibling unit failed, the gateway ran short of resources; or the total deadline
+        fired on a request whose own size explains it: sizing.py)?"""
+        if self.res.closed or self.attempt.cut:
+            return True
+        total = self.total
+        return total is not None and total.expired and self.client_sized
 
     def unit(
         self, req: ParsedRequest, request_id: str, res: Responder, task: asyncio.Task[None], view: RequestView
@@ -105,6 +114,7 @@ class RequestContext(msgspec.Struct, eq=False):
         """A split request's unit as a request of its own: its own request, name, sink, task and
         attempt, the parent's deadlines, headers and echoed id."""
         u = RequestContext(req, request_id, res, task, view, self.wheel, self.headers, self.echo)
+        u.total, u.client_sized = self.total, self.client_sized  # whose the total deadline is
         a, parent = u.attempt, self.attempt
         a.plan_kind, a.prefill, a.decode = parent.plan_kind, parent.prefill, parent.decode  # metric labels
         return u

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from common.errors import (
+    ErrorCode,
     GatewayError,
     ShortOfResources,
     UpstreamFailure,
@@ -36,7 +37,10 @@ from gateway.orchestration.attempts import backoff_s, out_of_rungs, plan, rung
 from gateway.orchestration.blame import exclusions
 from gateway.orchestration.context import Attempt, Phase, RequestContext, request_view
 from gateway.orchestration.dispatch import execute
+from gateway.orchestration.public import screened
+from gateway.orchestration.quarantine import Quarantine
 from gateway.orchestration.services import Services
+from gateway.orchestration.sizing import exceeded, outgrows
 from gateway.registry import Registry
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
 from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
@@ -63,6 +67,8 @@ class Orchestrator:
         self.metrics = metrics
         self.cfg = cfg or GatewayConfig()
         self.s = Services(registry, policy, metrics, self.cfg, rng or random.Random())
+        r = self.cfg.retries
+        self.quarantine = Quarantine(registry, metrics, r.quarantine_s, r.death_probe_s)
         self._log_done = info_enabled(log)  # the access log line is built only when it is written
         self._wheel: DeadlineWheel | None = None
         self._done_metrics: dict[tuple[RouteKind, str, str, str], tuple[Any, Any, Any]] = {}
@@ -90,26 +96,35 @@ class Orchestrator:
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
         view = request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
-        return RequestContext(req, request_id, res, task, view, wheel, headers, echo)
+        ctx = RequestContext(req, request_id, res, task, view, wheel, headers, echo)
+        ctx.client_sized = outgrows(view, self.cfg.timeouts)
+        return ctx
 
     async def serve(self, ctx: RequestContext) -> None:
         """Serve one request: attempts until one serves it or none is left (module docstring)."""
         ctx.began = time.monotonic()
         try:
-            with ctx.wheel.after(self.cfg.timeouts.total_s, ctx.task):
+            with ctx.wheel.after(self.cfg.timeouts.total_s, ctx.task) as ctx.total:
+                self.quarantine.check(ctx)  # a copy of a request that coincided with an engine death
                 while True:
                     p = self._plan(ctx)
                     try:
                         await execute(self.s, ctx, p)
                     except UpstreamFailure as e:
+                        if e.held:  # the engine may have died of it: one more try at most
+                            await self.quarantine.held(ctx, e)
                         # raises when no other attempt may follow; else after the backoff
                         await asyncio.sleep(self._failed(ctx, e))
                         continue
                     self._served(ctx)
                     return
         except TimeoutError:
-            ctx.outcome = "timeout"
-            self._fail(ctx, UpstreamTimeout("the request exceeded its total deadline", phase="total"))
+            if ctx.client_sized:  # its own size explains it: the client's (sizing.py)
+                ctx.outcome = ErrorCode.REQUEST_EXCEEDS_DEADLINE.value
+                self._fail(ctx, exceeded(ctx.view, self.cfg.timeouts))
+            else:
+                ctx.outcome = "timeout"
+                self._fail(ctx, UpstreamTimeout("the request exceeded its total deadline", phase="total"))
         except GatewayError as e:
             if isinstance(e, UpstreamFailure) and e.instead is not None:
                 e = e.instead
@@ -163,7 +178,7 @@ class Orchestrator:
         ran = ctx.planned  # the plan's workers (a moved vLLM decode's new one)
         self.policy.observe(Failed(ctx.request_id, ran, e.phase, legs=tuple(a.legs)))
         self.metrics.child(self.metrics.upstream_errors, e.worker or "", e.phase, e.code.value).inc()
-        if ctx.responded or ctx.attempt_no >= self.cfg.retries.max_attempts:
+        if ctx.responded or ctx.attempt_no >= self.cfg.retries.max_attempts or ctx.drops > 1:
             raise e
         ctx.last_error = e
         ctx.exclude.update(exclusions(ran, e))
@@ -176,22 +191,27 @@ class Orchestrator:
             attempt=ctx.attempt_no,
             phase=e.phase,
             worker=e.worker,
-            error=e.message,
+            error=e.detail,
         )
         return backoff_s(ctx.attempt_no, self.cfg.retries, self.s.rng)
 
     # -- the end of a request -------------------------------------------------------------------
 
     def _fail(self, ctx: RequestContext, e: GatewayError) -> None:
+        """Answer the request's failure: its client gets `e`'s public words (an engine's own
+        refusal only where it names no internals: `public.screened`), the log its detail."""
+        ctx.error = e.detail
         res = ctx.res
         if res.closed:
             return
+        e = screened(e, self.registry.addresses())
         if res.started:
             # Mid-stream: a final error event and the end of the stream; no [DONE] after it.
-            res.write(sse_error_event(e.message, e.type, e.code.value))
+            res.write(sse_error_event(e.client_message(ctx.request_id), e.type, e.code.value))
             res.end()
         else:
-            res.send(e.status, [*e.headers(), ctx.echo], e.body())  # errors name their request too
+            # errors name their request too
+            res.send(e.status, [*e.headers(), ctx.echo], e.body(ctx.request_id))
 
     def _done(self, ctx: RequestContext) -> None:
         """The request's counters and latency figures, and its access log line."""
@@ -241,6 +261,7 @@ class Orchestrator:
             duration_ms=round((end - began) * 1000, 3),
             ttft_ms=round((a.first_byte_at - began) * 1000, 3) if a.first_byte_at else None,
             prefill_ms=round((a.prefill_done_at - a.started) * 1000, 3) if a.prefill_done_at else None,
+            error=ctx.error,
         )
 
     async def drain_background(self, within_s: float = 5.0) -> None:

@@ -20,6 +20,7 @@ from gateway.http.client import UpstreamResponse
 from gateway.http.errors import UpstreamProtocolError
 from gateway.orchestration.blame import upstream_status_error
 from gateway.orchestration.context import Header, Phase, RequestContext
+from gateway.orchestration.public import EventScreen
 from gateway.orchestration.services import Services
 from gateway.orchestration.shadow import maybe_shadow, verified
 from gateway.orchestration.verify import DecodeCheck, integrity
@@ -134,7 +135,8 @@ class _Stream(msgspec.Struct, eq=False):
             res.start_stream(200, head)
             a.first_byte_at = time.monotonic()
             a.phase = Phase.STREAMING
-            return res.write
+            # unwatched: an engine's error or abort event is screened on its way (public.py)
+            return EventScreen(res.write, self.s.registry.addresses(), ctx.request_id, self.w.id)
 
         def started_write(data: bytes) -> None:
             # the first token passed its check: the stream starts now, head and first bytes
@@ -185,11 +187,14 @@ class _Stream(msgspec.Struct, eq=False):
             resp.abort()
             where = "mid-stream" if resp.reads else "after its response headers"
             raise UpstreamTimeout(
-                f"worker {w.id} sent nothing for {idle.seconds:g}s {where}", phase="idle", worker=w.id
+                f"worker {w.id} sent nothing for {idle.seconds:g}s {where}",
+                phase="idle",
+                worker=w.id,
+                public=f"the engine sent nothing for {idle.seconds:g}s {where}",
             ) from None
         except UpstreamProtocolError as e:
             raise UpstreamFailure(
-                f"worker {w.id} broke the stream: {e}", phase=self.phase, worker=w.id
+                f"worker {w.id} broke the stream: {e}", phase=self.phase, worker=w.id, dropped=True
             ) from None
         finally:
             timer = idle.timer
@@ -216,6 +221,7 @@ class _Stream(msgspec.Struct, eq=False):
                 phase=self.phase,
                 worker=w.id,
                 answered=True,
+                held=True,
             )
         if why is not None:
             resp.release()

@@ -73,7 +73,10 @@ async def _prefill(
                     verdict = p.adapter.judge_prefill(req, hctx, status, out)
         except TimeoutError:
             raise UpstreamTimeout(
-                f"prefill {p.id} did not answer within {t.prefill_s:g}s", phase="prefill", worker=p.id
+                f"prefill {p.id} did not answer within {t.prefill_s:g}s",
+                phase="prefill",
+                worker=p.id,
+                public=f"the prefill did not answer within {t.prefill_s:g}s",
             ) from None
         if not verdict.ok:
             if status == 200 and not verdict.handoff:  # it kept a broken handoff from the client
@@ -124,11 +127,12 @@ async def _decode(
                 f"decode {d.id} sent no response headers within {wait_s:g}s",
                 phase="handoff",
                 worker=d.id,
+                public=f"the decode sent no response headers within {wait_s:g}s",
             ) from None
         except (UpstreamConnectError, UpstreamProtocolError) as e:
             failure = leg_failure(e, f"decode {d.id}", "decode", d.id)
             if isinstance(e, UpstreamConnectError) and type(failure) is UpstreamFailure:
-                failure = DecodeUnreached(failure.message, phase="decode", worker=d.id)
+                failure = DecodeUnreached(failure.detail, phase="decode", worker=d.id)
             raise failure from None
         s.metrics.child(s.metrics.phase, "handoff").observe(time.monotonic() - ctx.attempt.prefill_done_at)
         await relay(s, ctx, dleg.resp, d, phase="decode", check=h.check)
@@ -178,7 +182,7 @@ def _move_decode(
         prefill=p.id,
         decode=d.id,
         to=plan.decode.id,
-        error=e.message,
+        error=e.detail,
     )
     a = ctx.attempt
     a.moved_from = [*(a.moved_from or ()), d.id]

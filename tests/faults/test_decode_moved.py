@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+from structlog.testing import capture_logs
 
 from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
@@ -145,9 +146,13 @@ async def test_after_a_move_the_retry_excludes_the_unreachable_decode_and_names_
         await d1.stop()
         await d2.set_faults(["http_error,status=500"])
         before = (await stats(d2.url))["received"]
-        status, _, raw = await post(gw.url + "/v1/completions", BODY)  # d1: moved to d2
+        with capture_logs() as logs:
+            status, _, raw = await post(gw.url + "/v1/completions", BODY)  # d1: moved to d2
         assert status in (502, 503), raw
-        message = json.loads(raw)["error"]["message"]
-        assert "d2" in message and "connect" not in message, message
+        err = json.loads(raw)["error"]
+        # the client is told the last failure's code and phase; the log line names d2's answer
+        assert err["code"] == "upstream_error" and "(phase: colocated)" in err["message"], err
+        done = next(x for x in logs if x["event"] == "request.done")
+        assert "worker d2 answered HTTP 500" in done["error"] and "connect" not in done["error"], done
         # d2 as the moved decode, then as its own prefill (the ladder's decode_self_prefill)
         assert (await stats(d2.url))["received"] - before == 2

@@ -240,7 +240,10 @@ async def test_context_limit_mismatch_between_prefill_and_decode() -> None:
                 "sampling_params": {"max_new_tokens": 4},
             }
             async with s.post(c.url + "/generate", json=ids) as r:
-                assert r.status == 400 and "sgl-p accepts prompts" in (await r.json())["error"]["message"]
+                assert (
+                    r.status == 400
+                    and "its prefill worker accepts prompts" in (await r.json())["error"]["message"]
+                )
             assert (await c.emulators["sgl-d"].stats())["received"] == 0
             async with s.post(c.url + "/v1/completions", json=body("m-sglang", "x " * 400, False)) as r:
                 assert r.status == 400 and (await r.json())["error"]["message"]

@@ -136,7 +136,8 @@ engine = "sglang"
         )
         assert status == 503, raw
         err = json.loads(raw)["error"]
-        assert "short of resources" in err["message"] and "Too many open files" in err["message"], err
+        # the system's words ("Too many open files") and the worker go to the log, not the client
+        assert "short of resources" in err["message"] and "request id" in err["message"], err
         assert err["type"] == "server_error"
         assert headers.get("retry-after") == "1"
         # no breaker opened (one failure would open one): after the Retry-After, while the

@@ -13,14 +13,14 @@ def test_a_5xx_names_the_engine_s_words_as_text() -> None:
     body = b'{"object":"error","message":"KV cache pool is full \xe2\x80\x94 retry","code":500}\n'
     e = _upstream_status_error(500, body, W, "decode")
     assert isinstance(e, UpstreamFailure) and e.worker == "sd" and e.answered
-    assert e.message == (
+    assert e.detail == (
         'worker sd answered HTTP 500: {"object":"error","message":"KV cache pool is full \u2014 retry","code":500}'
     )
 
 
 def test_a_cut_multibyte_character_does_not_fail_the_message() -> None:
     e = _upstream_status_error(503, b"x" * 199 + "\u2014".encode(), W, "prefill")
-    assert e.message.startswith("worker sd answered HTTP 503: xxx") and "b'" not in e.message
+    assert e.detail.startswith("worker sd answered HTTP 503: xxx") and "b'" not in e.detail
 
 
 def test_a_4xx_is_the_engine_s_refusal_passed_on() -> None:
