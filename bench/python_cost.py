@@ -15,12 +15,22 @@ figures of a change to the Python path are comparable to a few percent.
     .venv/bin/python -m bench.python_cost --target bare-pd        # the HTTP layer's floor
     .venv/bin/python -m bench.python_cost --serve-args=--no-guards  # the guards' share
     .venv/bin/python -m bench.python_cost --log-file /tmp/gw.log   # with serve's default logging
+    .venv/bin/python -m bench.python_cost --count bytecodes -n 2000 --repeats 1  # exact, see below
+
+`--count bytecodes` counts instead of timing: the Python bytecodes the gateway executes per
+request (`sys.settrace` with opcode events; the rig's own frames left out). The count moves by
+~0.1 % between runs (timers that fire or not), so a change of a fraction of a percent shows on
+a machine whose timings move by ten; C code (msgspec, httptools, uvloop) and the kernel are
+not in it. `python -m bench.perf_report` compares it between a git revision and the working
+tree. `bench/callgrind_cost.py`
+counts every machine instruction instead, under valgrind.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import time
@@ -255,6 +265,26 @@ async def _until(cond: Any, limit: int = 50) -> None:
     raise RuntimeError("the gateway did not get there")
 
 
+class _BytecodeCounter:
+    """A `sys.settrace` tracer counting the bytecodes executed outside this rig's own frames."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self._skip = {__file__, asyncio.sleep.__code__.co_filename}
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if event != "call" or frame.f_code.co_filename in self._skip:
+            return None
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return self._local
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            self.n += 1
+        return self._local
+
+
 async def measure(
     engine: str,
     mode: str,
@@ -265,19 +295,41 @@ async def measure(
     apart: bool = False,
     log_file: str | None = None,
     processes: int = 1,
+    warmup: int | None = None,
+    count: str = "time",
 ) -> dict[str, Any]:
+    """µs of CPU per request (`count="time"`), or bytecodes per request (`"bytecodes"`), for
+    each of `repeats` runs of `n` requests after `warmup` (default: up to 2000)."""
     rig = Rig(engine, mode, target, serve_args, apart, log_file, processes)
-    for i in range(min(2000, n)):  # warm-up: caches, pools, code paths
+    for i in range(min(2000, n) if warmup is None else warmup):  # caches, pools, code paths
         await rig.one(-i - 1)
     per: list[float] = []
     k = 0
     for _ in range(repeats):
+        if count == "bytecodes":
+            counter = _BytecodeCounter()
+            sys.settrace(counter)
+            try:
+                for _ in range(n):
+                    await rig.one(k)
+                    k += 1
+            finally:
+                sys.settrace(None)
+            per.append(counter.n / n)
+            continue
         t0 = time.process_time()
         for _ in range(n):
             await rig.one(k)
             k += 1
         per.append((time.process_time() - t0) / n * 1e6)
-    return {"engine": engine, "mode": mode, "target": target, "requests": n * repeats, "us_per_request": per}
+    return {
+        "engine": engine,
+        "mode": mode,
+        "target": target,
+        "requests": n * repeats,
+        "us_per_request": per,
+        "count": count,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,6 +363,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the gateway as one of this many processes (`serve --workers N`): in-flight counts "
         "and breakers in the shared table",
     )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="requests before measuring (default: min(n, 2000))"
+    )
+    ap.add_argument(
+        "--count",
+        choices=("time", "bytecodes"),
+        default="time",
+        help="time: CPU µs per request; bytecodes: Python bytecodes executed per request "
+        "(the same to ~0.1 %% from run to run)",
+    )
+    ap.add_argument("--json", action="store_true", help="one JSON object per case instead of a line")
     args = ap.parse_args(argv)
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
@@ -325,9 +388,19 @@ def main(argv: list[str] | None = None) -> int:
                     args.apart,
                     args.log_file,
                     args.processes,
+                    args.warmup,
+                    args.count,
                 )
             )
             per = r["us_per_request"]
+            if args.json:
+                print(json.dumps(r))
+                continue
+            if args.count == "bytecodes":
+                print(
+                    f"{args.target:8} {engine:7} {mode:10} bytecodes/request: {statistics.median(per):8.1f}"
+                )
+                continue
             print(
                 f"{args.target:8} {engine:7} {mode:10} python µs/request: median {statistics.median(per):6.1f}"
                 f"  (min {min(per):.1f}, max {max(per):.1f}, {r['requests']} requests)"
