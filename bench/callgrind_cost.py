@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-args", default="")
     ap.add_argument("--apart", action="store_true")
     ap.add_argument("--log-file", default=None)
+    ap.add_argument("--client", choices=("raw", "openai"), default="raw")
     ap.add_argument("--json", action="store_true", help="one JSON object per case instead of a line")
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
-            rig = ["--engines", engine, "--modes", mode, "--target", args.target]
+            rig = ["--engines", engine, "--modes", mode, "--target", args.target, "--client", args.client]
             if args.serve_args:
                 rig.append(f"--serve-args={args.serve_args}")
             if args.apart:

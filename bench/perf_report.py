@@ -1,7 +1,7 @@
 """Before/after cost per request of the gateway's hot paths: a git revision against the working tree.
 
 Each side runs `bench.python_cost` (the real gateway over in-memory transports) in a child
-process, with the same rig: the revision is exported with `git archive` into a temporary folder
+process, with the same rig: a revision is exported with `git archive` into a temporary folder
 and this tree's `bench/` is laid over it, so only the gateway's code differs between the two.
 What is compared (`--count`):
 
@@ -16,6 +16,7 @@ What is compared (`--count`):
 
     .venv/bin/python -m bench.perf_report                    # HEAD against the working tree
     .venv/bin/python -m bench.perf_report --base main --count instructions
+    .venv/bin/python -m bench.perf_report --base HEAD~1 --after HEAD   # one commit's change
     make perf-report PERF_ARGS="--base main"                 # the same, from make
     pd-gateway bench cost --base main                        # and from the CLI
 """
@@ -38,8 +39,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# (label, python_cost flags): serve's defaults each time; "logged" writes serve's default
-# access-log line (info) per request to a file; "apart" feeds a stream event by event
+# (label, python_cost flags): serve's defaults each time, requests with the `openai` client's
+# head; "logged" writes serve's default access-log line (info) per request to a file; "apart"
+# feeds a stream event by event
 CASES: dict[str, list[str]] = {
     "sglang nonstream": ["--engines", "sglang", "--modes", "nonstream"],
     "sglang stream64": ["--engines", "sglang", "--modes", "stream64"],
@@ -77,7 +79,7 @@ def _env() -> dict[str, str]:
 def measure(tree: Path, flags: list[str], count: str, n: int, warmup: int, log: str) -> float:
     """One side's figure for one case: a child process run in `tree` (whose folder comes first
     on its `sys.path`, so its `gateway` is the one measured)."""
-    flags = [f.replace("{log}", log) for f in flags]
+    flags = [f.replace("{log}", log) for f in flags] + ["--client", "openai"]
     if count == "instructions":
         cmd = [
             sys.executable,
@@ -105,17 +107,26 @@ def measure(tree: Path, flags: list[str], count: str, n: int, warmup: int, log: 
     return float(r["per_request"] if "per_request" in r else r["us_per_request"][0])
 
 
+@contextmanager
+def working_tree() -> Iterator[Path]:
+    yield ROOT
+
+
 def report(
-    base: str, count: str, cases: list[str], n: int, warmup: int, rounds: int
+    base: str, after_rev: str | None, count: str, cases: list[str], n: int, warmup: int, rounds: int
 ) -> list[tuple[str, float, float]]:
     rows: list[tuple[str, float, float]] = []
-    with revision_tree(base) as before, tempfile.TemporaryDirectory(prefix="perf-report-log-") as logs:
+    with (
+        revision_tree(base) as before,
+        revision_tree(after_rev) if after_rev else working_tree() as after,
+        tempfile.TemporaryDirectory(prefix="perf-report-log-") as logs,
+    ):
         for case in cases:
             log = str(Path(logs) / "access.log")
             sides: dict[str, list[float]] = {"before": [], "after": []}
             for _ in range(rounds if count == "time" else 1):
                 sides["before"].append(measure(before, CASES[case], count, n, warmup, log))
-                sides["after"].append(measure(ROOT, CASES[case], count, n, warmup, log))
+                sides["after"].append(measure(after, CASES[case], count, n, warmup, log))
             b, a = statistics.median(sides["before"]), statistics.median(sides["after"])
             rows.append((case, b, a))
             print(f"{case:26} {b:12.1f} {a:12.1f} {100 * (a - b) / b:+8.2f} %", flush=True)
@@ -125,6 +136,7 @@ def report(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="the git revision to compare against (default HEAD)")
+    ap.add_argument("--after", default=None, help="a git revision instead of the working tree")
     ap.add_argument("--count", choices=tuple(UNITS), default="bytecodes")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     ap.add_argument(
@@ -141,13 +153,19 @@ def main(argv: list[str] | None = None) -> int:
         print("--count instructions needs valgrind (apt-get install valgrind)", file=sys.stderr)
         return 2
     n = args.n or (5000 if args.count == "time" else 300)
-    rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True)
-    if rev.returncode != 0:
-        print(f"perf_report: unknown revision {args.base!r}", file=sys.stderr)
-        return 2
-    print(f"{UNITS[args.count]}: {args.base} ({rev.stdout.strip()}) against the working tree, n={n}")
+    names = []
+    for r in (args.base, args.after):
+        if r is None:
+            names.append("the working tree")
+            continue
+        rev = subprocess.run(["git", "rev-parse", "--short", r], cwd=ROOT, capture_output=True, text=True)
+        if rev.returncode != 0:
+            print(f"perf_report: unknown revision {r!r}", file=sys.stderr)
+            return 2
+        names.append(f"{r} ({rev.stdout.strip()})")
+    print(f"{UNITS[args.count]}: {names[0]} against {names[1]}, n={n}")
     print(f"{'case':26} {'before':>12} {'after':>12} {'change':>10}")
-    report(args.base, args.count, cases, n, args.warmup, args.rounds)
+    report(args.base, args.after, args.count, cases, n, args.warmup, args.rounds)
     return 0
 
 
