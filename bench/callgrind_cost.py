@@ -5,9 +5,10 @@ figures move by several percent between runs. This runs the same rig under valgr
 callgrind twice, with `n` and `2n` measured requests after the same warm-up, and divides the
 difference in instructions executed by `n`: start-up, imports and warm-up cancel out, and what
 is left is every instruction one request costs in this process (the interpreter, msgspec,
-httptools, uvloop, the allocator), not the kernel's part. The count is the same to a fraction
-of a percent from run to run, whatever else the machine is doing: the figure to compare
-before and after a change to the request path.
+httptools, uvloop, the allocator), not the kernel's part. The count is the same to a few
+tenths of a percent from run to run, whatever else the machine is doing (the hash seed is
+fixed): the figure to compare before and after a change to the request path. `--client
+openai` sends the head the `openai` client sends (as `bench.perf_report` does).
 
     .venv/bin/python -m bench.callgrind_cost --engines sglang,vllm --modes nonstream,stream64
     .venv/bin/python -m bench.callgrind_cost --log-file /tmp/gw.log   # with an access-log line

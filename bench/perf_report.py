@@ -5,11 +5,11 @@ process, with the same rig: a revision is exported with `git archive` into a tem
 and this tree's `bench/` is laid over it, so only the gateway's code differs between the two.
 What is compared (`--count`):
 
-- `bytecodes` (default): Python bytecodes executed per request. Moves by ~0.1 % between runs
+- `bytecodes` (default): Python bytecodes executed per request. Moves by ~0.2 % between runs
   whatever the machine is doing, so a trim of 1 % shows; C code and the kernel are not in it.
 - `instructions`: every machine instruction of the process per request, under valgrind's
   callgrind (`bench.callgrind_cost`): interpreter, msgspec, httptools, uvloop, allocator. Also
-  steady to a fraction of a percent; about a minute per case and side.
+  steady to a few tenths of a percent; about a minute per case and side.
 - `time`: CPU µs per request (`time.process_time`), the sides interleaved `--rounds` times,
   each the median of its rounds; pinned with `taskset -c 0` where there is one. Noisy on a
   shared machine: the figure the other two stand for.

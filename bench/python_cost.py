@@ -15,15 +15,15 @@ figures of a change to the Python path are comparable to a few percent.
     .venv/bin/python -m bench.python_cost --target bare-pd        # the HTTP layer's floor
     .venv/bin/python -m bench.python_cost --serve-args=--no-guards  # the guards' share
     .venv/bin/python -m bench.python_cost --log-file /tmp/gw.log   # with serve's default logging
-    .venv/bin/python -m bench.python_cost --count bytecodes -n 2000 --repeats 1  # exact, see below
+    .venv/bin/python -m bench.python_cost --count bytecodes -n 300 --repeats 1 --top 30  # counted
 
 `--count bytecodes` counts instead of timing: the Python bytecodes the gateway executes per
 request (`sys.settrace` with opcode events; the rig's own frames left out). The count moves by
-~0.1 % between runs (timers that fire or not), so a change of a fraction of a percent shows on
-a machine whose timings move by ten; C code (msgspec, httptools, uvloop) and the kernel are
-not in it. `python -m bench.perf_report` compares it between a git revision and the working
-tree. `bench/callgrind_cost.py`
-counts every machine instruction instead, under valgrind.
+~0.2 % between runs (timers that fire or not), so a change of half a percent shows on a
+machine whose timings move by ten; C code (msgspec, httptools, uvloop) and the kernel are not
+in it. `--top K` also lists the K functions that execute the most. `bench/callgrind_cost.py`
+counts every machine instruction instead, under valgrind; `python -m bench.perf_report`
+compares either between a git revision and the working tree.
 """
 
 from __future__ import annotations
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("time", "bytecodes"),
         default="time",
         help="time: CPU µs per request; bytecodes: Python bytecodes executed per request "
-        "(the same to ~0.1 %% from run to run)",
+        "(the same to ~0.2 %% from run to run)",
     )
     ap.add_argument(
         "--top",
