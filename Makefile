@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck pytest run demo bench clean e2e-vllm e2e-sglang e2e-venvs
+.PHONY: venv test lint typecheck pytest run demo bench perf-report clean e2e-vllm e2e-sglang e2e-venvs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,12 @@ demo: run
 
 bench: venv
 	$(BIN)/pd-gateway bench $(BENCH_ARGS)
+
+# hot-path cost per request, a git revision (PERF_ARGS="--base main"; default HEAD) against the
+# working tree: bytecodes by default, --count instructions (valgrind) or time
+PERF_ARGS ?=
+perf-report: venv
+	$(BIN)/python -m bench.perf_report $(PERF_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -14,6 +14,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "bench.cache_decision",
         "cache_aware's decision time (8 to 1,000 workers, millions of blocks) and index memory",
     ),
+    "cost": (
+        "bench.perf_report",
+        "hot-path cost per request (bytecodes, instructions or CPU time), a git revision vs the work tree",
+    ),
     "replay": (
         "bench.replay.main",
         "trace replay: goodput under SLOs, TTFT/TPOT, cache hits and load spread per router",

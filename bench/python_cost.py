@@ -15,15 +15,26 @@ figures of a change to the Python path are comparable to a few percent.
     .venv/bin/python -m bench.python_cost --target bare-pd        # the HTTP layer's floor
     .venv/bin/python -m bench.python_cost --serve-args=--no-guards  # the guards' share
     .venv/bin/python -m bench.python_cost --log-file /tmp/gw.log   # with serve's default logging
+    .venv/bin/python -m bench.python_cost --count bytecodes -n 300 --repeats 1 --top 30  # counted
+
+`--count bytecodes` counts instead of timing: the Python bytecodes the gateway executes per
+request (`sys.settrace` with opcode events; the rig's own frames left out). The count moves by
+~0.2 % between runs (timers that fire or not), so a change of half a percent shows on a
+machine whose timings move by ten; C code (msgspec, httptools, uvloop) and the kernel are not
+in it. `--top K` also lists the K functions that execute the most. `bench/callgrind_cost.py`
+counts every machine instruction instead, under valgrind; `python -m bench.perf_report`
+compares either between a git revision and the working tree.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +47,7 @@ import uvloop  # noqa: E402
 
 from adapters.base import ProbeInfo  # noqa: E402
 from bench.bare_pd import make_handler  # noqa: E402
+from bench.loadgen import OPENAI_HEAD  # noqa: E402
 from bench.nginx_upstream import _completion, _stream, prefill_answer  # noqa: E402
 from bench.overhead import NONSTREAM_MAX_TOKENS, PROMPT, request_body  # noqa: E402
 from gateway.app import Gateway  # noqa: E402
@@ -118,8 +130,10 @@ class Rig:
         apart: bool = False,
         log_file: str | None = None,
         processes: int = 1,
+        client: str = "raw",
     ) -> None:
         self.engine, self.mode = engine, mode
+        self.client_kind = client
         # processes > 1: the gateway as the first of that many (`serve --workers N`): its
         # in-flight counts and breakers in a shared table (the other processes idle)
         process = None
@@ -206,10 +220,17 @@ class Rig:
 
     async def one(self, i: int) -> None:
         rid = f"bench-{i}"
-        req = (
-            b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-            b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (rid.encode(), len(self.body))
-        ) + self.body
+        if self.client_kind == "openai":
+            # the `openai` client's seventeen fields (bench/loadgen.py), and the id the rig needs
+            head = OPENAI_HEAD.format(
+                path="/v1/completions", host="127.0.0.1", port=8000, length=len(self.body)
+            )
+            req = head[:-2].encode("latin-1") + b"x-request-id: %s\r\n\r\n" % rid.encode() + self.body
+        else:
+            req = (
+                b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                b"x-request-id: %s\r\ncontent-length: %d\r\n\r\n" % (rid.encode(), len(self.body))
+            ) + self.body
         pconn, pt = self.up["prefill"]
         dconn, dt = self.up["decode"]
         self.client.data_received(req)
@@ -255,6 +276,43 @@ async def _until(cond: Any, limit: int = 50) -> None:
     raise RuntimeError("the gateway did not get there")
 
 
+class _BytecodeCounter:
+    """A `sys.settrace` tracer counting the bytecodes executed outside this rig's own frames."""
+
+    def __init__(self, by_function: bool = False) -> None:
+        self.n = 0
+        self.by: Counter[Any] = Counter()  # code object -> bytecodes, with `by_function`
+        self._skip = {__file__, asyncio.sleep.__code__.co_filename}
+        if by_function:
+            self._local = self._local_by_function  # type: ignore[method-assign]
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if event != "call" or frame.f_code.co_filename in self._skip:
+            return None
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        return self._local
+
+    def _local(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            self.n += 1
+        return self._local
+
+    def _local_by_function(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            self.n += 1
+            self.by[frame.f_code] += 1
+        return self._local_by_function
+
+    def top(self, k: int, per: int) -> list[tuple[str, float]]:
+        """The `k` functions that executed the most bytecodes, per request of `per`."""
+        root = str(ROOT) + "/"
+        return [
+            (f"{c.co_filename.removeprefix(root)}:{c.co_firstlineno} {c.co_qualname}", n / per)
+            for c, n in self.by.most_common(k)
+        ]
+
+
 async def measure(
     engine: str,
     mode: str,
@@ -265,19 +323,46 @@ async def measure(
     apart: bool = False,
     log_file: str | None = None,
     processes: int = 1,
+    warmup: int | None = None,
+    count: str = "time",
+    top: int = 0,
+    client: str = "raw",
 ) -> dict[str, Any]:
-    rig = Rig(engine, mode, target, serve_args, apart, log_file, processes)
-    for i in range(min(2000, n)):  # warm-up: caches, pools, code paths
+    """µs of CPU per request (`count="time"`), or bytecodes per request (`"bytecodes"`), for
+    each of `repeats` runs of `n` requests after `warmup` (default: up to 2000)."""
+    rig = Rig(engine, mode, target, serve_args, apart, log_file, processes, client)
+    for i in range(min(2000, n) if warmup is None else warmup):  # caches, pools, code paths
         await rig.one(-i - 1)
     per: list[float] = []
+    functions: list[tuple[str, float]] = []
     k = 0
     for _ in range(repeats):
+        if count == "bytecodes":
+            counter = _BytecodeCounter(by_function=top > 0)
+            sys.settrace(counter)
+            try:
+                for _ in range(n):
+                    await rig.one(k)
+                    k += 1
+            finally:
+                sys.settrace(None)
+            per.append(counter.n / n)
+            functions = counter.top(top, n)
+            continue
         t0 = time.process_time()
         for _ in range(n):
             await rig.one(k)
             k += 1
         per.append((time.process_time() - t0) / n * 1e6)
-    return {"engine": engine, "mode": mode, "target": target, "requests": n * repeats, "us_per_request": per}
+    return {
+        "engine": engine,
+        "mode": mode,
+        "target": target,
+        "requests": n * repeats,
+        "us_per_request": per,
+        "count": count,
+        "functions": functions,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,6 +396,29 @@ def main(argv: list[str] | None = None) -> int:
         help="the gateway as one of this many processes (`serve --workers N`): in-flight counts "
         "and breakers in the shared table",
     )
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="requests before measuring (default: min(n, 2000))"
+    )
+    ap.add_argument(
+        "--count",
+        choices=("time", "bytecodes"),
+        default="time",
+        help="time: CPU µs per request; bytecodes: Python bytecodes executed per request "
+        "(the same to ~0.2 %% from run to run)",
+    )
+    ap.add_argument(
+        "--top",
+        type=int,
+        default=0,
+        help="with --count bytecodes: also list the K functions that execute the most, per request",
+    )
+    ap.add_argument(
+        "--client",
+        choices=("raw", "openai"),
+        default="raw",
+        help="the request's head: raw (four fields, as wrk sends) or the `openai` client's seventeen",
+    )
+    ap.add_argument("--json", action="store_true", help="one JSON object per case instead of a line")
     args = ap.parse_args(argv)
     for engine in args.engines.split(","):
         for mode in args.modes.split(","):
@@ -325,9 +433,23 @@ def main(argv: list[str] | None = None) -> int:
                     args.apart,
                     args.log_file,
                     args.processes,
+                    args.warmup,
+                    args.count,
+                    args.top,
+                    args.client,
                 )
             )
             per = r["us_per_request"]
+            if args.json:
+                print(json.dumps(r))
+                continue
+            if args.count == "bytecodes":
+                print(
+                    f"{args.target:8} {engine:7} {mode:10} bytecodes/request: {statistics.median(per):8.1f}"
+                )
+                for name, k in r["functions"]:
+                    print(f"    {k:8.1f}  {name}")
+                continue
             print(
                 f"{args.target:8} {engine:7} {mode:10} python µs/request: median {statistics.median(per):6.1f}"
                 f"  (min {min(per):.1f}, max {max(per):.1f}, {r['requests']} requests)"

@@ -65,6 +65,8 @@ _LINGER_S = 2.0
 # beyond the limit
 _REFUSED_LINGER_S = 0.5
 _LAST_CHUNK = b"0\r\n\r\n"
+# the request header fields the server itself reads (on_header)
+_FRAMING = frozenset((b"content-length", b"expect", b"transfer-encoding", b"host"))
 _SMALL = 16 * 1024  # below this, header+body / chunk framing+data are joined into one write
 
 
@@ -78,7 +80,17 @@ def _status_line(status: int) -> bytes:
 class HttpRequest:
     """A complete request, built by the protocol and read by handlers."""
 
-    __slots__ = ("body", "client", "headers", "http_version", "keep_alive", "method", "path", "query")
+    __slots__ = (
+        "_index",
+        "body",
+        "client",
+        "headers",
+        "http_version",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+    )
 
     def __init__(
         self,
@@ -99,13 +111,17 @@ class HttpRequest:
         self.client = client
         self.http_version = http_version
         self.keep_alive = keep_alive
+        self._index: dict[bytes, bytes] | None = None
 
     def header(self, name: bytes) -> bytes | None:
-        """The first value of header ``name`` (lowercase), or None."""
-        for n, v in self.headers:
-            if n == name:
-                return v
-        return None
+        """The first value of header ``name`` (lowercase), or None. The first call indexes the
+        fields (in C: the later of two equal names is written first, so the first one wins); a
+        request's handlers look up four to six names among the `openai` client's seventeen
+        fields, each a scan of the list before. `headers` is not to be changed after that."""
+        index = self._index
+        if index is None:
+            index = self._index = dict(reversed(self.headers))
+        return index.get(name)
 
     def __repr__(self) -> str:
         return f"<HttpRequest {self.method} {self.path}>"
@@ -379,7 +395,7 @@ class Refusal:
     was). ``path``: the request target's path as far as it was read ("" if none), not decoded.
     ``elapsed_s``: since the request's first byte (0 when none was read)."""
 
-    __slots__ = ("client", "code", "elapsed_s", "headers", "message", "path", "status")
+    __slots__ = ("_index", "client", "code", "elapsed_s", "headers", "message", "path", "status")
 
     def __init__(
         self,
@@ -398,6 +414,7 @@ class Refusal:
         self.path = path
         self.client = client
         self.elapsed_s = elapsed_s
+        self._index: dict[bytes, bytes] | None = None
 
     # the first value of header ``name`` (lowercase) among those read, or None
     header = HttpRequest.header
@@ -736,18 +753,20 @@ class _HttpConnection(asyncio.Protocol):
             raise _RequestError(414, "Request URI too long.", "uri_too_long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._hdr_bytes += len(name) + len(value) + 4
-        if self._hdr_bytes > self._limits.max_header_bytes:
+        n = self._hdr_bytes + len(name) + len(value) + 4
+        self._hdr_bytes = n
+        if n > self._limits.max_header_bytes:
             raise _RequestError(431, "Request header fields too large.", "request_header_fields_too_large")
         name = name.lower()
-        if name == b"content-length":
-            self._content_length = value
-        elif name == b"expect":
-            self._expect = value
-        elif name == b"transfer-encoding":
-            self._te = value if self._te is None else self._te + b"," + value
-        elif name == b"host":
-            self._hosts += 1
+        if name in _FRAMING:  # one set lookup for the many fields the server does not read
+            if name == b"content-length":
+                self._content_length = value
+            elif name == b"expect":
+                self._expect = value
+            elif name == b"transfer-encoding":
+                self._te = value if self._te is None else self._te + b"," + value
+            else:
+                self._hosts += 1
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:

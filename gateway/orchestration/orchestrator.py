@@ -31,7 +31,7 @@ from common.workers import RouteKind
 from gateway.config import GatewayConfig
 from gateway.deadlines import DeadlineWheel
 from gateway.http.server import HttpResponder, Responder
-from gateway.logging import get_logger, info_enabled
+from gateway.logging import get_logger, info_enabled, line_logger
 from gateway.metrics import GatewayMetrics
 from gateway.orchestration.attempts import backoff_s, out_of_rungs, plan, rung
 from gateway.orchestration.blame import exclusions
@@ -70,6 +70,7 @@ class Orchestrator:
         r = self.cfg.retries
         self.quarantine = Quarantine(registry, metrics, r.quarantine_s, r.death_probe_s)
         self._log_done = info_enabled(log)  # the access log line is built only when it is written
+        self._access = line_logger(log)  # what writes it
         self._wheel: DeadlineWheel | None = None
         self._done_metrics: dict[tuple[RouteKind, str, str, str], tuple[Any, Any, Any]] = {}
 
@@ -246,7 +247,7 @@ class Orchestrator:
     def _log_request(self, ctx: RequestContext, end: float) -> None:
         """The per-request access log line (only built when info is logged)."""
         req, a, began = ctx.req, ctx.attempt, ctx.began
-        log.info(
+        self._access.info(
             "request.done",
             request_id=ctx.request_id,
             model=req.model[:200],  # a client's name for it, served or not: never a whole body

@@ -86,6 +86,34 @@ async def test_post_body_and_headers(server: HttpServer) -> None:
         await srv.close()
 
 
+async def test_a_repeated_field_reads_as_its_first_value_and_all_are_kept() -> None:
+    """`header()` indexes the fields once (a dict); the first of repeated names must still win,
+    as with the scan it replaced, and `headers` keeps every field in order."""
+    seen: list[HttpRequest] = []
+
+    async def h(req: HttpRequest, resp: HttpResponder) -> None:
+        seen.append(req)
+        resp.send(200, (), b"")
+
+    srv = await start_server(h, "127.0.0.1", 0)
+    try:
+        head = b"GET / HTTP/1.1\r\nHost: t\r\nX-Dup: first\r\nx-other: 1\r\nX-DUP: second\r\n\r\n"
+        r, _, w = await request(srv.port, head)
+        assert r.status == 200
+        req = seen[0]
+        assert req.header(b"x-dup") == b"first" and req.header(b"x-other") == b"1"
+        assert req.header(b"x-missing") is None and req.header(b"x-dup") == b"first"
+        assert req.headers == [
+            (b"host", b"t"),
+            (b"x-dup", b"first"),
+            (b"x-other", b"1"),
+            (b"x-dup", b"second"),
+        ]
+        w.close()
+    finally:
+        await srv.close()
+
+
 async def test_pipelined_in_order(server: HttpServer) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(

@@ -4,6 +4,10 @@ requests here (the rig raises on a wrong answer or a stuck request)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import uvloop
 
@@ -23,3 +27,44 @@ def test_python_cost_rig_serves_every_request(target: str, engine: str, mode: st
 def test_python_cost_rig_streams_event_by_event(target: str, engine: str) -> None:
     r = uvloop.run(measure(engine, "stream64", n=50, repeats=1, target=target, apart=True))
     assert r["requests"] == 50 and r["us_per_request"][0] > 0
+
+
+@pytest.mark.parametrize("mode", ["nonstream", "stream64"])
+def test_bytecode_counts_are_steady_and_grow_with_the_work(mode: str) -> None:
+    """The count is what `bench.perf_report` compares: the same to well under 1 % between two
+    runs, and more for the gateway than for `bare-pd` (so it counts the gateway's code)."""
+    runs = [
+        uvloop.run(measure("sglang", mode, n=60, repeats=1, warmup=30, count="bytecodes")) for _ in range(2)
+    ]
+    a, b = (r["us_per_request"][0] for r in runs)
+    assert a > 1000 and abs(a - b) / a < 0.005
+    bare = uvloop.run(
+        measure("sglang", mode, n=60, repeats=1, warmup=30, count="bytecodes", target="bare-pd")
+    )
+    assert 0 < bare["us_per_request"][0] < a / 2
+
+
+def test_the_perf_report_compares_a_revision_with_the_working_tree() -> None:
+    root = Path(__file__).resolve().parents[2]
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: no revision to compare against")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.perf_report",
+            "--cases",
+            "sglang nonstream",
+            "-n",
+            "40",
+            "--warmup",
+            "20",
+        ],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    line = next(x for x in out.splitlines() if x.startswith("sglang nonstream"))
+    before, after = (float(v) for v in line.split()[2:4])
+    assert before > 1000 and after > 1000, out

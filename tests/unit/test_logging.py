@@ -11,7 +11,7 @@ from typing import Any
 
 import structlog
 
-from gateway.logging import IsoStamp, JsonBytes, LineWriter, configure, get_logger
+from gateway.logging import IsoStamp, JsonBytes, LineWriter, configure, get_logger, line_logger
 
 
 class CountingBuffer(io.BytesIO):
@@ -144,3 +144,58 @@ def test_a_closed_stderr_logs_to_stdout_and_never_crashes(monkeypatch: Any) -> N
     assert out.lines() == [{"a": 1}]
     monkeypatch.setattr("sys.stdout", None)
     LineWriter(None).msg(b'{"a":2}')  # nowhere to write: dropped
+
+
+def test_the_access_line_writer_writes_structlogs_line(monkeypatch: Any) -> None:
+    """`line_logger` skips structlog's wrapper for the hot info line; the line must be the one
+    structlog's own chain writes (same keys in the same order, context variables included)."""
+    s = io.TextIOWrapper(CountingBuffer(), encoding="utf-8")
+    monkeypatch.setattr("sys.stderr", s)
+    saved = structlog.get_config()
+    try:
+        configure("info")
+        log = get_logger("test")
+        line = line_logger(log)
+        assert line is not log
+
+        async def main() -> None:
+            structlog.contextvars.bind_contextvars(process=1, request_id="bound")
+            try:
+                for writer in (log, line):
+                    writer.info("request.done", request_id="r1", duration_ms=1.5, worker=object)
+            finally:
+                structlog.contextvars.clear_contextvars()
+            await asyncio.sleep(0)
+
+        asyncio.run(main())
+    finally:
+        structlog.configure(**saved)
+    assert isinstance(s.buffer, CountingBuffer)
+    raw = s.buffer.getvalue().splitlines()
+    assert len(raw) == 2
+    stamp = re.compile(rb'"timestamp":"[^"]*"')
+    assert stamp.sub(b"", raw[0]) == stamp.sub(b"", raw[1])
+    assert list(json.loads(raw[1])) == [
+        "request_id",
+        "duration_ms",
+        "worker",
+        "event",
+        "process",
+        "level",
+        "timestamp",
+    ]
+
+
+def test_the_access_line_writer_is_structlogs_logger_unless_the_json_chain_writes_info() -> None:
+    saved = structlog.get_config()
+    try:
+        log = get_logger("test")
+        assert line_logger(log) is log  # not configured (as under structlog.testing.capture_logs)
+        configure("warning")
+        log = get_logger("test")
+        assert line_logger(log) is log  # info is not written
+        configure("info", json=False)
+        log = get_logger("test")
+        assert line_logger(log) is log  # the console renderer
+    finally:
+        structlog.configure(**saved)
