@@ -67,6 +67,7 @@ class _Fields(msgspec.Struct):
     messages: msgspec.Raw = msgspec.Raw()  # empty: absent
     text: msgspec.Raw = msgspec.Raw()  # empty: absent
     input_ids: msgspec.Raw = msgspec.Raw()  # empty: absent
+    tools: msgspec.Raw = msgspec.Raw()  # empty: absent (a chat's tools: part of its prompt's key)
     sampling_params: _SamplingParams | list[_SamplingParams] | None = None  # a list: one per prompt
     return_logprob: bool | list[bool] | None = None  # a list: one per prompt (/generate batches)
     logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent

@@ -74,6 +74,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "caps length first): a P/D prefill stopped on its one token hands over no KV",
     )
     p.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="SGLang's own flag: the OpenAI routes report a prompt's cached tokens in "
+        "usage.prompt_tokens_details.cached_tokens (left out when 0, as SGLang does)",
+    )
+    p.add_argument(
         "--max-logprobs",
         type=int,
         default=20,
@@ -116,6 +122,7 @@ def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
         stream_interval=args.stream_interval,
         stop_checks_first=args.stop_checks_first,
         max_logprobs=args.max_logprobs,
+        enable_cache_report=args.enable_cache_report,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         api_key=args.api_key,

@@ -73,6 +73,7 @@ class Worker:
         "port",
         "probe_failures",
         "probe_successes",
+        "reports_details",
         "role",
         "shared",
         "url",
@@ -137,6 +138,10 @@ class Worker:
         # near-tie check)? False once the worker refused them (a vLLM with a low --max-logprobs),
         # True again at the next full info read (gateway/health.py)
         self.near_ties = True
+        # it fills OpenAI's `usage.prompt_tokens_details` (SGLang --enable-cache-report, vLLM
+        # --enable-prompt-tokens-details): learnt from its first answer that has them; from then
+        # on an answer without them reports 0 cached tokens (both engines leave out a 0)
+        self.reports_details = False
         # partner id -> the request whose handoff between this worker and that partner failed
         # last, since this worker's last good handoff, where no one worker was blamed
         # (Registry.record_pair)
@@ -162,6 +167,7 @@ class Worker:
             else self.info.bootstrap_port,
             weight=self.weight,
             block_size=self.info.block_size,
+            kv_capacity_tokens=self.info.kv_capacity_tokens,
             labels=self.labels,
             vocab_size=self.vocab_size,
             decode_alone=self.adapter.decode_alone,

@@ -59,6 +59,7 @@ from policies.base import (
     EVENT_TYPES,
     Completed,
     Failed,
+    Needs,
     NoCandidates,
     PolicyEvent,
     Routed,
@@ -162,6 +163,7 @@ class CacheState:
     """What the cache-aware selectors of one policy share (see the module docstring)."""
 
     observes: tuple[type, ...] = EVENT_TYPES
+    needs = Needs(prompt_key=True, cached_tokens=True)
 
     def __init__(
         self,
@@ -493,6 +495,8 @@ def _narrow(
 
 class CacheAwareSelector:
     """The prefill / colocated `RoleSelector` of `cache_aware` (see the module docstring)."""
+
+    needs = Needs(prompt_key=True, cached_tokens=True)
 
     def __init__(
         self, name: str, state: CacheState, *, rng: _random.Random | None = None, owner: bool = True

@@ -24,6 +24,7 @@ from common.outcomes import LegRecord
 from common.request import ParsedRequest
 from gateway.deadlines import DeadlineWheel
 from gateway.http.server import Responder
+from gateway.orchestration.keying import prompt_key
 from policies.snapshot import RequestView
 
 Header = tuple[bytes, bytes]
@@ -54,6 +55,9 @@ class Attempt(msgspec.Struct, eq=False):
     first_byte_at: float = 0.0
     moved_from: list[str] | None = None  # vLLM decodes this attempt's decode leg left
     legs: list[LegRecord] = []  # each engine leg's outcome, in the order they ended
+    # the prompt tokens the engine that prefilled found cached, as it reported them (None: not
+    # reported, or not read: gateway/orchestration/feedback.py)
+    cached: int | None = None
 
 
 class RequestContext(msgspec.Struct, eq=False):
@@ -110,8 +114,11 @@ class RequestContext(msgspec.Struct, eq=False):
         return u
 
 
-def request_view(req: ParsedRequest, request_id: str, chars_per_token: float) -> RequestView:
-    """What routing needs of a request (policies read only this)."""
+def request_view(
+    req: ParsedRequest, request_id: str, chars_per_token: float, keyed: bool = False
+) -> RequestView:
+    """What routing needs of a request (policies read only this). `keyed`: with its prompt's key
+    (`prompt_key`; where the policy matches prefixes, `Needs.prompt_key`)."""
     units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / chars_per_token) + 1
     return RequestView(
         request_id=request_id,
@@ -123,6 +130,7 @@ def request_view(req: ParsedRequest, request_id: str, chars_per_token: float) ->
         n=req.n,
         greedy=req.greedy,
         session_key=_session_key(req.fields.session_id) or req.fields.user,
+        prompt_key=prompt_key(req) if keyed else None,
     )
 
 

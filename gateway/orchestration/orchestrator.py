@@ -70,7 +70,9 @@ class Orchestrator:
     # -- entry ---------------------------------------------------------------------------------
 
     def view(self, req: ParsedRequest, request_id: str) -> RequestView:
-        return request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
+        return request_view(
+            req, request_id, self.cfg.guards.chars_per_token_estimate, self.s.needs.prompt_key
+        )
 
     def context(
         self,
@@ -89,7 +91,9 @@ class Orchestrator:
         wheel = self._wheel
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
-        view = request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
+        view = request_view(
+            req, request_id, self.cfg.guards.chars_per_token_estimate, self.s.needs.prompt_key
+        )
         return RequestContext(req, request_id, res, task, view, wheel, headers, echo)
 
     async def serve(self, ctx: RequestContext) -> None:
@@ -152,7 +156,9 @@ class Orchestrator:
         a.phase = Phase.DONE
         ttft = (a.first_byte_at - ctx.began) if a.first_byte_at else None
         # the plan's workers (a moved vLLM decode's new one)
-        self.policy.observe(Completed(ctx.request_id, ctx.planned, ttft_s=ttft, legs=tuple(a.legs)))
+        self.policy.observe(
+            Completed(ctx.request_id, ctx.planned, ttft_s=ttft, cached_tokens=a.cached, legs=tuple(a.legs))
+        )
 
     def _failed(self, ctx: RequestContext, e: UpstreamFailure) -> float:
         """An attempt failed: told to the policy and counted; raises `e` when no other attempt

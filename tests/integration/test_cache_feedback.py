@@ -1,0 +1,208 @@
+"""The cached tokens each engine reports reach the cache-aware policy, read the way the engines
+write them (emulated engines, real sockets, the real `openai` client):
+
+- colocated SGLang with --enable-cache-report: `usage.prompt_tokens_details.cached_tokens` of
+  chat and completions answers, whole and streamed (read from the stream's final usage chunk),
+  and `/generate`'s `meta_info.cached_tokens`;
+- P/D: the prefill's own count (SGLang `meta_info`, vLLM's `kv_transfer_params`
+  `remote_prefill_cached_tokens`), not the decode's;
+
+and the policy's prediction accuracy (predicted vs reported, per worker) adds up to exactly what
+the clients were told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from common.workers import Engine, Role
+from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
+from gateway.app import Gateway
+from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
+from policies.cache_aware import CacheState
+from policies.config import CacheAwareCfg
+from tests.integration.conftest import build_cluster, stop_cluster
+
+MODEL = "m-sgl"
+
+
+class Colocated:
+    def __init__(self, gateway: Gateway, emus: list[EmulatorHandle]) -> None:
+        self.gateway = gateway
+        self.emus = emus
+
+
+@pytest.fixture
+async def colocated() -> AsyncIterator[Colocated]:
+    emus = [
+        await start_emulator(
+            EmulatorSpec(engine="sglang", role="both", model=MODEL, block_size=16, enable_cache_report=True)
+        )
+        for _ in range(2)
+    ]
+    workers = tuple(
+        WorkerConfig(url=e.url, role=Role.COLOCATED, engine=Engine.SGLANG, id=f"w{i}")
+        for i, e in enumerate(emus)
+    )
+    cfg = GatewayConfig(
+        listen=ListenConfig(host="127.0.0.1", port=0),
+        workers=workers,
+        policy=CacheAwareCfg(index="approximate", seed=1),
+        health=HealthConfig(interval_s=0.5, timeout_s=2.0),
+    )
+    gw = Gateway(cfg)
+    await gw.start()
+    try:
+        yield Colocated(gw, emus)
+    finally:
+        await gw.stop(grace_s=1.0)
+        for e in emus:
+            await e.stop()
+
+
+def state_of(gw: Gateway) -> CacheState:
+    sel = gw.policy.prefill  # type: ignore[attr-defined]
+    st: CacheState = sel.state
+    return st
+
+
+def totals(st: CacheState) -> tuple[int, float, float]:
+    rows = st.accuracy.summary().values()
+    return sum(r[0] for r in rows), sum(r[2] for r in rows), sum(r[3] for r in rows)
+
+
+async def settled(st: CacheState, n: int) -> tuple[int, float, float]:
+    """The accuracy totals once `n` outcomes are in (a request's outcome is told to the policy
+    just after its last byte went out)."""
+    async with asyncio.timeout(5):
+        while True:
+            got = totals(st)
+            if got[0] >= n:
+                return got
+            await asyncio.sleep(0.01)
+
+
+def details(usage: Any) -> int:
+    d = getattr(usage, "prompt_tokens_details", None)
+    return int(getattr(d, "cached_tokens", None) or 0)
+
+
+def prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """Conversations over two shared system prompts (token ids)."""
+    systems = [[rng.randrange(3, 250) for _ in range(160)] for _ in range(2)]
+    out: list[list[int]] = []
+    convs = [list(rng.choice(systems)) for _ in range(3)]
+    for _ in range(n):
+        c = rng.randrange(len(convs))
+        convs[c] += [rng.randrange(3, 250) for _ in range(rng.randrange(20, 50))]
+        out.append(list(convs[c]))
+    return out
+
+
+async def test_completions_report_exactly_what_the_clients_see(colocated: Colocated) -> None:
+    gw = colocated.gateway
+    st = state_of(gw)
+    client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    seen: list[int] = []
+    for i, ids in enumerate(prompts(random.Random(3), 16)):
+        stream = i % 2 == 1
+        if stream:
+            got = await client.completions.create(
+                model=MODEL, prompt=ids, max_tokens=2, stream=True, stream_options={"include_usage": True}
+            )
+            usage = None
+            async for chunk in got:
+                usage = chunk.usage or usage
+        else:
+            usage = (await client.completions.create(model=MODEL, prompt=ids, max_tokens=2)).usage
+        seen.append(details(usage))
+    await client.close()
+    # answers before the first non-zero count say nothing (the flag may be off): not counted
+    first = next(i for i, c in enumerate(seen) if c > 0)
+    n, predicted, reported = await settled(st, len(seen) - first)
+    assert n == len(seen) - first
+    assert reported == sum(seen) > 1000
+    # token ids, blocks of the engine's size: the gateway's index of what it sent predicts it
+    assert abs(predicted - reported) <= 0.05 * reported, (predicted, reported)
+
+
+async def test_chat_streams_and_generate_report_too(colocated: Colocated) -> None:
+    gw = colocated.gateway
+    st = state_of(gw)
+    client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    system = {"role": "system", "content": "You answer briefly. " * 40}
+    seen: list[int] = []
+    for i in range(4):
+        msgs = [system, {"role": "user", "content": f"question {i} " * 5}]
+        got = await client.chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=2, stream=True, stream_options={"include_usage": True}
+        )  # type: ignore[call-overload]
+        usage = None
+        async for chunk in got:
+            usage = chunk.usage or usage
+        seen.append(details(usage))
+    await client.close()
+    first = next(i for i, c in enumerate(seen) if c > 0)
+    n, _, reported = await settled(st, len(seen) - first)
+    assert reported == sum(seen) > 0
+    # /generate: meta_info.cached_tokens is in every answer, 0 included: every one counts
+    before = n
+    gen: list[int] = []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(3):
+            body = {
+                "model": MODEL,
+                "input_ids": list(range(10, 200)),
+                "sampling_params": {"max_new_tokens": 2},
+            }
+            async with http.post(gw.url + "/generate", json=body) as r:
+                assert r.status == 200, await r.text()
+                gen.append(int((await r.json())["meta_info"]["cached_tokens"]))
+    n, _, reported2 = await settled(st, before + 3)
+    assert gen[0] == 0 and gen[2] > 100
+    assert reported2 - reported == sum(gen)
+
+
+@pytest.fixture
+async def pd() -> AsyncIterator[Any]:
+    c = await build_cluster(policy=CacheAwareCfg(index="approximate", seed=1))
+    try:
+        yield c
+    finally:
+        await stop_cluster(c)
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+async def test_a_pd_prefills_own_count_reaches_the_policy(pd: Any, engine: str) -> None:
+    gw: Gateway = pd.gateway
+    st = state_of(gw)
+    model = f"m-{engine}"
+    ids = [random.Random(5).randrange(3, 250) for _ in range(200)]
+    async with aiohttp.ClientSession() as http:
+        for i in range(3):
+            prompt = ids + [7] * i  # the same 200-token prefix
+            if engine == "sglang":
+                path = "/generate"
+                body: dict[str, Any] = {
+                    "model": model,
+                    "input_ids": prompt,
+                    "sampling_params": {"max_new_tokens": 2},
+                }
+            else:
+                path = "/v1/completions"
+                body = {"model": model, "prompt": prompt, "max_tokens": 2}
+            async with http.post(gw.url + path, json=body) as r:
+                assert r.status == 200, await r.text()
+    _, _, reported = await settled(st, 3)
+    rows = st.accuracy.summary()
+    prefill = "sgl-p" if engine == "sglang" else "vllm-p"
+    assert {w for w, _ in rows} == {prefill}
+    # the 2nd and 3rd prompts found the first's whole blocks in the prefill's cache
+    assert reported >= 2 * 192, rows
