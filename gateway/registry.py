@@ -10,7 +10,7 @@ from __future__ import annotations
 import ssl
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
@@ -18,7 +18,7 @@ import msgspec
 from adapters import ADAPTERS, EngineAdapter, ProbeInfo
 from common.workers import Engine, Role, RouteKind, WorkerLoad, WorkerState
 from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.config import BreakerConfig, TimeoutsConfig
+from gateway.config import BreakerConfig, KvEventsConfig, TimeoutsConfig
 from gateway.endpoints import canonical_url
 from gateway.http.client import UpstreamPool
 from policies.snapshot import ClusterSnapshot
@@ -65,6 +65,7 @@ class Worker:
         "inflight",
         "inflight_tokens",
         "info",
+        "kv_events",
         "labels",
         "load",
         "load_path",
@@ -142,6 +143,8 @@ class Worker:
         # --enable-prompt-tokens-details): learnt from its first answer that has them; from then
         # on an answer without them reports 0 cached tokens (both engines leave out a 0)
         self.reports_details = False
+        # where its engine publishes KV-cache events (its [workers.kv_events]; None: it does not)
+        self.kv_events: KvEventsConfig | None = None
         # partner id -> the request whose handoff between this worker and that partner failed
         # last, since this worker's last good handoff, where no one worker was blamed
         # (Registry.record_pair)
@@ -177,6 +180,15 @@ class Worker:
         )
 
 
+class MembershipWatcher(Protocol):
+    """Told when a worker joins or leaves the registry (from the configuration, the admin API or
+    discovery), right after the change."""
+
+    def worker_added(self, worker: Worker) -> None: ...
+
+    def worker_removed(self, worker: Worker) -> None: ...
+
+
 class Registry:
     def __init__(self, breaker: BreakerConfig | None = None, inflight_cap: int = 0) -> None:
         self.inflight_cap = inflight_cap  # requests in flight per worker before it is skipped; 0 = no cap
@@ -201,6 +213,9 @@ class Registry:
         # workers whose breaker is open: the open -> half-open transition is a matter of time,
         # looked for at each snapshot while there are any
         self._open: set[Worker] = set()
+        # told of each worker added and removed (the policy's per-worker state, KV-event
+        # subscriptions): `Registry.watch`
+        self._watchers: list[MembershipWatcher] = []
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -210,6 +225,16 @@ class Registry:
         worker.breaker = new_breaker(self._breaker, guard=lambda: self._may_eject(worker))
         self._workers[worker.id] = worker
         self.changed()
+        for watcher in self._watchers:
+            watcher.worker_added(worker)
+
+    def watch(self, watcher: MembershipWatcher) -> None:
+        """Tell `watcher` of every worker added or removed from now on."""
+        self._watchers.append(watcher)
+
+    def _gone(self, worker: Worker) -> None:
+        for watcher in self._watchers:
+            watcher.worker_removed(worker)
 
     async def remove(self, worker_id: str) -> Worker:
         w = self._workers.pop(worker_id)
@@ -223,6 +248,7 @@ class Registry:
         for other in self._workers.values():
             other.failed_partners.pop(worker_id, None)
         self.changed()
+        self._gone(w)
         return w
 
     def get(self, worker_id: str) -> Worker:
