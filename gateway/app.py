@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from common.request import WorkLimits
 from gateway.admin import Admin
 from gateway.admission import Admission
+from gateway.cache_metrics import CacheCollector, cache_states
 from gateway.config import ConfigError, GatewayConfig, WorkerConfig
 from gateway.discovery.sync import WorkerSync
 from gateway.endpoints import first_duplicate, url_host
@@ -88,6 +89,9 @@ class Gateway:
             self.registry.add(w)
         self.metrics = metrics or GatewayMetrics()
         self.metrics.registry.register(KvEventCollector(self.kv_events))
+        states = cache_states(self.policy)
+        if states:
+            self.metrics.registry.register(CacheCollector(states))
         self.metrics.watch_cluster(self.registry.snapshot, self.registry.pair_states)
         self.orchestrator = Orchestrator(self.registry, self.policy, self.metrics, cfg)
         self.health = HealthChecker(self.registry, cfg.health)

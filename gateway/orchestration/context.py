@@ -81,6 +81,9 @@ class RequestContext(msgspec.Struct, eq=False):
     # on requests not started yet (the admin API removing a worker)
     planned: tuple[str, ...] = ()
     outcome: str = "ok"
+    # the client asked why its worker was chosen (`explain_header`); the answer's extra headers
+    explain: bool = False
+    extra: tuple[Header, ...] = ()
 
     @property
     def tokens(self) -> int:

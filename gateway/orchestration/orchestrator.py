@@ -30,11 +30,12 @@ from common.workers import RouteKind
 from gateway.config import GatewayConfig
 from gateway.deadlines import DeadlineWheel
 from gateway.http.server import HttpResponder, Responder
-from gateway.logging import get_logger, info_enabled
+from gateway.logging import debug_enabled, get_logger, info_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.orchestration.attempts import backoff_s, out_of_rungs, plan, rung
 from gateway.orchestration.blame import exclusions
 from gateway.orchestration.context import Attempt, Phase, RequestContext, request_view
+from gateway.orchestration.decisions import explain_plan
 from gateway.orchestration.dispatch import execute
 from gateway.orchestration.services import Services
 from gateway.registry import Registry
@@ -64,6 +65,7 @@ class Orchestrator:
         self.cfg = cfg or GatewayConfig()
         self.s = Services(registry, policy, metrics, self.cfg, rng or random.Random())
         self._log_done = info_enabled(log)  # the access log line is built only when it is written
+        self._log_decisions = debug_enabled(log)  # decision records: at debug level
         self._wheel: DeadlineWheel | None = None
         self._done_metrics: dict[tuple[RouteKind, str, str, str], tuple[Any, Any, Any]] = {}
 
@@ -148,6 +150,8 @@ class Orchestrator:
             ctx.attempt = Attempt()
         if not isinstance(p, Reject):
             ctx.planned = plan_worker_ids(p)
+            if ctx.explain or self._log_decisions:
+                explain_plan(self.s, ctx, p)
             self.policy.observe(routed_event(ctx.view, p))
         return p
 
@@ -197,7 +201,9 @@ class Orchestrator:
             res.write(sse_error_event(e.message, e.type, e.code.value))
             res.end()
         else:
-            res.send(e.status, [*e.headers(), ctx.echo], e.body())  # errors name their request too
+            res.send(
+                e.status, [*e.headers(), ctx.echo, *ctx.extra], e.body()
+            )  # errors name their request too
 
     def _done(self, ctx: RequestContext) -> None:
         """The request's counters and latency figures, and its access log line."""

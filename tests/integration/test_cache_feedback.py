@@ -14,7 +14,9 @@ the clients were told.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -56,6 +58,7 @@ async def colocated() -> AsyncIterator[Colocated]:
         workers=workers,
         policy=CacheAwareCfg(index="approximate", seed=1),
         health=HealthConfig(interval_s=0.5, timeout_s=2.0),
+        explain_header=True,
     )
     gw = Gateway(cfg)
     await gw.start()
@@ -206,3 +209,72 @@ async def test_a_pd_prefills_own_count_reaches_the_policy(pd: Any, engine: str) 
     assert {w for w, _ in rows} == {prefill}
     # the 2nd and 3rd prompts found the first's whole blocks in the prefill's cache
     assert reported >= 2 * 192, rows
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples with these labels (among others)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:{{(.*)}})? (\S+)$", line)
+        if m is None:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+async def test_decision_records_in_a_header_and_figures_in_metrics(colocated: Colocated) -> None:
+    gw = colocated.gateway
+    st = state_of(gw)
+    ids = [random.Random(9).randrange(3, 250) for _ in range(320)]
+    seen: list[int] = []
+    decisions: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession() as http:
+        for i in range(4):
+            body = {"model": MODEL, "prompt": ids + [i + 3] * 8, "max_tokens": 2}
+            headers = {"x-pdgw-explain": "1"} if i else {}
+            async with http.post(gw.url + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                usage = (await r.json())["usage"]
+                seen.append(int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+                raw = r.headers.get("x-pdgw-decision")
+                assert (raw is None) == (i == 0)  # only when asked
+                if raw is not None:
+                    decisions.append(json.loads(raw))
+        n, _, _ = await settled(st, 3)
+        async with http.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    for d in decisions:
+        assert d["role"] == "cache_aware/colocated" and d["keyed"] == "tokens"
+        assert d["prompt_tokens"] == 328 and d["reason"] == "min_ttft"
+        rows = {row["worker"]: row for row in d["candidates"]}
+        assert set(rows) == {"w0", "w1"}
+        mine = rows[d["chosen"]]
+        # the worker that served the first request holds its 320-token prefix (20 blocks of 16)
+        assert mine["cached_tokens"] == 320 and mine["source"] == "approx"
+        assert d["scores"]["predicted_ttft"][d["chosen"]] == 1.0
+        assert rows[d["chosen"]]["ttft_s"] < min(r["ttft_s"] for w, r in rows.items() if w != d["chosen"])
+    assert len({d["chosen"] for d in decisions}) == 1
+    # the figures: what the engines reported, the hit ratios, the decisions
+    assert metric(text, "pdgw_cache_reported_tokens_total") == sum(seen) == 3 * 320
+    assert metric(text, "pdgw_cache_outcomes_total") == n == 3
+    assert metric(text, "pdgw_cache_prompt_tokens_total") == 3 * 328
+    assert metric(text, "pdgw_cache_predicted_tokens_total", source="approx") == 3 * 320
+    assert metric(text, "pdgw_cache_prediction_error_tokens_total") == 0
+    assert metric(text, "pdgw_cache_hit_ratio_count") == 3
+    assert metric(text, "pdgw_cache_hit_ratio_bucket", le="0.9") == 0
+    assert metric(text, "pdgw_cache_hit_ratio_bucket", le="1.0") == 3
+    assert metric(text, "pdgw_cache_decisions_total", matched="true") == 3
+    assert metric(text, "pdgw_cache_decisions_total", matched="false") == 1
+
+
+async def test_no_decision_header_unless_the_gateway_allows_it(pd: Any) -> None:
+    gw: Gateway = pd.gateway
+    body = {"model": "m-colocated", "prompt": "hi there", "max_tokens": 2}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(gw.url + "/v1/completions", json=body, headers={"x-pdgw-explain": "1"}) as r,
+    ):
+        assert r.status == 200
+        assert "x-pdgw-decision" not in r.headers
