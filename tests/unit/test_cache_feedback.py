@@ -189,3 +189,21 @@ def test_details_left_out_count_as_zero_only_from_a_worker_known_to_send_them() 
     assert reported(w, CachedTokens(30, "details")) == 30
     assert w.reports_details
     assert reported(w, CachedTokens(0, "usage")) == 0  # now a 0 left out
+
+
+# ---- each worker's KV capacity, from its probes --------------------------------------------------
+
+
+def test_the_probes_read_each_engines_kv_capacity() -> None:
+    from adapters.base import ProbeInfo
+
+    sgl = ADAPTERS[Engine.SGLANG].parse_info(
+        "/server_info", json.dumps({"max_total_num_tokens": 426784, "context_length": 8192}).encode(), ProbeInfo()
+    )
+    assert sgl.kv_capacity_tokens == 426784
+    metrics = (
+        b'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",'
+        b'num_gpu_blocks="8192",enable_prefix_caching="True"} 1.0\n'
+    )
+    vll = ADAPTERS[Engine.VLLM].parse_info("/metrics", metrics, ProbeInfo())
+    assert (vll.block_size, vll.kv_capacity_tokens) == (16, 16 * 8192)
