@@ -80,6 +80,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "usage.prompt_tokens_details.cached_tokens (left out when 0, as SGLang does)",
     )
     p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="vLLM's own flag: usage.prompt_tokens_details.cached_tokens when a prompt found "
+        "cached tokens (left out when 0, as vLLM does)",
+    )
+    p.add_argument(
         "--max-logprobs",
         type=int,
         default=20,
@@ -123,6 +129,7 @@ def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
         stop_checks_first=args.stop_checks_first,
         max_logprobs=args.max_logprobs,
         enable_cache_report=args.enable_cache_report,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         api_key=args.api_key,

@@ -42,6 +42,9 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
     # --enable-cache-report (SGLang's flag): the OpenAI routes' usage has
     # `prompt_tokens_details.cached_tokens` when the prompt found cached tokens
     enable_cache_report: bool = False
+    # --enable-prompt-tokens-details (vLLM's flag): its usage has
+    # `prompt_tokens_details.cached_tokens` when the prompt found cached tokens
+    enable_prompt_tokens_details: bool = False
     # --ssl-certfile / --ssl-keyfile (both engines' flags): the HTTP API over TLS (the bootstrap
     # and KV ports stay plain)
     ssl_certfile: str | None = None
@@ -76,6 +79,8 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
             argv += ["--max-logprobs", str(self.max_logprobs)]
         if self.enable_cache_report:
             argv.append("--enable-cache-report")
+        if self.enable_prompt_tokens_details:
+            argv.append("--enable-prompt-tokens-details")
         if self.ssl_certfile is not None:
             argv += ["--ssl-certfile", self.ssl_certfile]
         if self.ssl_keyfile is not None:

@@ -65,6 +65,7 @@ def spec(engine: str, model: str, port: int, max_total_tokens: int = 2048) -> Em
         kv_events=f"tcp://127.0.0.1:{port}",
         block_size=BLOCK,
         max_total_tokens=max_total_tokens,
+        enable_prompt_tokens_details=engine == "vllm",  # (vLLM reports cached tokens only so)
     )
 
 

@@ -198,7 +198,9 @@ def test_the_probes_read_each_engines_kv_capacity() -> None:
     from adapters.base import ProbeInfo
 
     sgl = ADAPTERS[Engine.SGLANG].parse_info(
-        "/server_info", json.dumps({"max_total_num_tokens": 426784, "context_length": 8192}).encode(), ProbeInfo()
+        "/server_info",
+        json.dumps({"max_total_num_tokens": 426784, "context_length": 8192}).encode(),
+        ProbeInfo(),
     )
     assert sgl.kv_capacity_tokens == 426784
     metrics = (
