@@ -19,6 +19,7 @@ class _Details(msgspec.Struct):
 
 
 class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
     prompt_tokens_details: _Details | None = None
 
 
@@ -28,6 +29,7 @@ class _OpenAI(msgspec.Struct):
 
 class _Meta(msgspec.Struct):
     cached_tokens: int | None = None
+    prompt_tokens: int | None = None
 
 
 class _Generate(msgspec.Struct):
@@ -42,18 +44,19 @@ _META = b'"meta_info"'
 
 def from_usage(usage: _Usage | None) -> CachedTokens | None:
     """What an OpenAI usage object says (None: no usage object at all)."""
-    return None if usage is None else from_details(usage.prompt_tokens_details)
+    return None if usage is None else from_details(usage.prompt_tokens_details, usage.prompt_tokens)
 
 
-def from_details(details: _Details | None) -> CachedTokens:
-    """What a usage object's `prompt_tokens_details` (None: absent or null) says."""
+def from_details(details: _Details | None, prompt: int | None = None) -> CachedTokens:
+    """What a usage object's `prompt_tokens_details` (None: absent or null) says; `prompt`: its
+    `prompt_tokens`."""
     if details is not None and details.cached_tokens is not None:
-        return CachedTokens(max(0, details.cached_tokens), "details")
-    return CachedTokens(0, "usage")
+        return CachedTokens(max(0, details.cached_tokens), "details", prompt)
+    return CachedTokens(0, "usage", prompt)
 
 
-def from_meta(cached: int | None) -> CachedTokens | None:
-    return None if cached is None else CachedTokens(max(0, cached), "field")
+def from_meta(cached: int | None, prompt: int | None = None) -> CachedTokens | None:
+    return None if cached is None else CachedTokens(max(0, cached), "field", prompt)
 
 
 def openai_cached(payload: bytes) -> CachedTokens | None:
@@ -74,7 +77,8 @@ def generate_cached(payload: bytes) -> CachedTokens | None:
         if not out:
             return None
         out = out[0]
-    return None if out.meta_info is None else from_meta(out.meta_info.cached_tokens)
+    m = out.meta_info
+    return None if m is None else from_meta(m.cached_tokens, m.prompt_tokens)
 
 
 def stream_cached(tail: bytes, *, generate: bool) -> CachedTokens | None:

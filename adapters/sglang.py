@@ -88,6 +88,7 @@ class _FinishReason(msgspec.Struct):
 class _MetaInfo(msgspec.Struct):
     finish_reason: _FinishReason | None = None
     cached_tokens: int | None = None
+    prompt_tokens: int | None = None
 
 
 class _GenerateOut(msgspec.Struct):
@@ -285,7 +286,7 @@ class SGLangAdapter(SharedShapes):
                     outs = _gen_dec.decode(payload)
                     for j, out in enumerate(outs if isinstance(outs, list) else [outs]):
                         if j == 0 and out.meta_info is not None and out.meta_info.cached_tokens is not None:
-                            cached = from_meta(out.meta_info.cached_tokens)
+                            cached = from_meta(out.meta_info.cached_tokens, out.meta_info.prompt_tokens)
                         fr = out.meta_info.finish_reason if out.meta_info else None
                         if fr is not None and fr.type == "abort":
                             code = fr.status_code or 500

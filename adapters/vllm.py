@@ -314,14 +314,14 @@ def _judge_params(
     ties: tuple[str, ...] = ()
     if ctx.near_ties and same_first and out.choices and out.choices[0].logprobs:
         ties = _ties(out.choices[0].logprobs, req.route is RouteKind.CHAT, ctx.near_tie_margin)
-    cached = from_meta(params.remote_prefill_cached_tokens)
+    cached = from_meta(params.remote_prefill_cached_tokens, out.usage.prompt_tokens if out.usage else None)
     if cached is None:
         cached = _usage_cached(out.usage)
     return PrefillVerdict(ok=True, kv_params=raw, same_first_token=same_first, ties=ties, cached=cached)
 
 
 def _usage_cached(usage: _Usage | None) -> CachedTokens | None:
-    return None if usage is None else from_details(usage.prompt_tokens_details)
+    return None if usage is None else from_details(usage.prompt_tokens_details, usage.prompt_tokens)
 
 
 def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | None:

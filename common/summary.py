@@ -44,3 +44,6 @@ class CachedTokens(msgspec.Struct, frozen=True, gc=False):
 
     tokens: int
     how: str  # "field" | "details" | "usage"
+    # the prompt's tokens as the engine counted them, where the answer says (its usage, SGLang's
+    # meta_info): a text prompt's count is the gateway's estimate, so `tokens` is rescaled to it
+    prompt: int | None = None

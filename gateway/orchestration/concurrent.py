@@ -108,7 +108,7 @@ def _judge(
     a.prefill_done_at = time.monotonic()
     s.metrics.child(s.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
     verdict = pleg.worker.adapter.judge_prefill(ctx.req, hctx, status, out)
-    a.cached = reported(pleg.worker, verdict.cached)
+    a.cached = reported(pleg.worker, verdict.cached, ctx.view.prompt_tokens)
     return verdict
 
 

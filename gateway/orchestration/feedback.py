@@ -19,14 +19,21 @@ from gateway.orchestration.context import RequestContext
 from gateway.registry import Worker
 
 
-def reported(w: Worker, c: CachedTokens | None) -> int | None:
-    """The cached tokens `w` reported in an answer (None: it said nothing that counts)."""
+def reported(w: Worker, c: CachedTokens | None, prompt_tokens: int) -> int | None:
+    """The cached tokens `w` reported in an answer (None: it said nothing that counts), in the
+    units of the request's `prompt_tokens` (`RequestView.prompt_tokens`): the engine's own for
+    token ids; for a text prompt, whose count is the gateway's estimate, the engine's count
+    scaled by the estimate over the engine's prompt tokens, so that predictions, reports and
+    prompt sizes compare."""
     if c is None:
         return None
     if c.how == "usage":
         return 0 if w.reports_details else None
     if c.how == "details" and not w.reports_details:
         w.reports_details = True
+    engine_prompt = c.prompt
+    if engine_prompt and engine_prompt != prompt_tokens and c.tokens:
+        return min(prompt_tokens, round(c.tokens * prompt_tokens / engine_prompt))
     return c.tokens
 
 
@@ -38,4 +45,5 @@ def read_colocated(ctx: RequestContext, w: Worker, resp: UpstreamResponse | None
     if not data:
         return
     stream = (resp.header(b"content-type") or b"").startswith(b"text/event-stream")
-    ctx.attempt.cached = reported(w, w.adapter.answer_cached(ctx.req, data, stream=stream))
+    cached = w.adapter.answer_cached(ctx.req, data, stream=stream)
+    ctx.attempt.cached = reported(w, cached, ctx.view.prompt_tokens)

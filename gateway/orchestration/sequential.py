@@ -88,7 +88,7 @@ async def _prefill(
                 )
             raise prefill_refusal(p.id, d.id, verdict, decode_took=False)
         pleg.complete()
-    ctx.attempt.cached = reported(p, verdict.cached)
+    ctx.attempt.cached = reported(p, verdict.cached, ctx.view.prompt_tokens)
     return verdict, out, hctx
 
 

@@ -123,9 +123,9 @@ def sse(*events: dict[str, Any]) -> bytes:
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ({"choices": [], "usage": usage({"cached_tokens": 64})}, CachedTokens(64, "details")),
-        ({"choices": [], "usage": usage(None)}, CachedTokens(0, "usage")),  # SGLang: null when 0
-        ({"choices": [], "usage": usage()}, CachedTokens(0, "usage")),  # vLLM: left out when 0
+        ({"choices": [], "usage": usage({"cached_tokens": 64})}, CachedTokens(64, "details", 100)),
+        ({"choices": [], "usage": usage(None)}, CachedTokens(0, "usage", 100)),  # SGLang: null when 0
+        ({"choices": [], "usage": usage()}, CachedTokens(0, "usage", 100)),  # vLLM: left out when 0
         ({"choices": []}, None),  # no usage at all
         ({"error": {"message": "x"}}, None),
     ],
@@ -136,9 +136,9 @@ def test_openai_answers(body: dict[str, Any], expected: CachedTokens | None) -> 
 
 def test_generate_answers_report_the_field() -> None:
     one = {"text": "x", "meta_info": {"prompt_tokens": 40, "cached_tokens": 32}}
-    assert generate_cached(json.dumps(one).encode()) == CachedTokens(32, "field")
+    assert generate_cached(json.dumps(one).encode()) == CachedTokens(32, "field", 40)
     batch = [one, {"text": "y", "meta_info": {"cached_tokens": 0}}]
-    assert generate_cached(json.dumps(batch).encode()) == CachedTokens(32, "field")
+    assert generate_cached(json.dumps(batch).encode()) == CachedTokens(32, "field", 40)
     assert generate_cached(b'{"text": "x", "meta_info": {}}') is None
     assert generate_cached(b"not json") is None
 
@@ -147,7 +147,7 @@ def test_a_streams_end_is_read_for_its_usage_chunk() -> None:
     chunk = {"choices": [{"index": 0, "delta": {"content": "a"}}], "usage": None}
     last = {"choices": [], "usage": usage({"cached_tokens": 48})}
     tail = sse(chunk, chunk, last)
-    assert stream_cached(tail, generate=False) == CachedTokens(48, "details")
+    assert stream_cached(tail, generate=False) == CachedTokens(48, "details", 100)
     # the end cut inside the usage event: nothing whole to read
     assert stream_cached(tail[: tail.index(b'"usage": {')] + b'"usage": {"pro', generate=False) is None
     assert stream_cached(sse(chunk), generate=False) is None  # no usage chunk asked
@@ -163,9 +163,9 @@ def test_adapters_read_colocated_answers(engine: Engine) -> None:
     adapter = ADAPTERS[engine]
     req = parsed(RouteKind.CHAT, {"messages": [{"role": "user", "content": "x"}]})
     body = json.dumps({"choices": [], "usage": usage({"cached_tokens": 7})}).encode()
-    assert adapter.answer_cached(req, body, stream=False) == CachedTokens(7, "details")
+    assert adapter.answer_cached(req, body, stream=False) == CachedTokens(7, "details", 100)
     assert adapter.answer_cached(req, sse({"choices": [], "usage": usage()}), stream=True) == CachedTokens(
-        0, "usage"
+        0, "usage", 100
     )
 
 
@@ -182,13 +182,16 @@ def test_details_left_out_count_as_zero_only_from_a_worker_known_to_send_them() 
     from gateway.orchestration.feedback import reported
 
     w = Worker("w", "http://127.0.0.1:1", Role.COLOCATED, Engine.SGLANG)
-    assert reported(w, None) is None
-    assert reported(w, CachedTokens(0, "usage")) is None  # the flag may be off: unknown
-    assert reported(w, CachedTokens(12, "field")) == 12  # /generate's meta_info: always there
+    assert reported(w, None, 100) is None
+    assert reported(w, CachedTokens(0, "usage"), 100) is None  # the flag may be off: unknown
+    assert reported(w, CachedTokens(12, "field"), 100) == 12  # /generate's meta_info: always there
     assert not w.reports_details
-    assert reported(w, CachedTokens(30, "details")) == 30
+    assert reported(w, CachedTokens(30, "details", 100), 100) == 30
     assert w.reports_details
-    assert reported(w, CachedTokens(0, "usage")) == 0  # now a 0 left out
+    assert reported(w, CachedTokens(0, "usage"), 100) == 0  # now a 0 left out
+    # a text prompt the gateway estimated at 25 tokens, 100 for the engine: the same share
+    assert reported(w, CachedTokens(80, "details", 100), 25) == 20
+    assert reported(w, CachedTokens(100, "details", 100), 25) == 25
 
 
 # ---- each worker's KV capacity, from its probes --------------------------------------------------
