@@ -175,7 +175,8 @@ async def test_chat_streams_and_generate_report_too(colocated: Colocated) -> Non
                 assert r.status == 200, await r.text()
                 gen.append(int((await r.json())["meta_info"]["cached_tokens"]))
     n, _, reported2 = await settled(st, before + 3)
-    assert gen[0] == 0 and gen[2] > 100
+    # (3 requests, 2 workers: two of them meet on one worker, the later finds the prefix)
+    assert gen[0] == 0 and max(gen) > 100
     assert reported2 - reported == sum(gen)
 
 
