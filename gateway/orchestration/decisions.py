@@ -23,6 +23,7 @@ def explain_plan(s: Services, ctx: RequestContext, plan: Colocated | Disaggregat
     """Record why `plan` chose its prefilling worker (before the policy observes the plan)."""
     excl = frozenset(ctx.exclude) | s.registry.full()
     rec = explain(s.policy, ctx.view, s.registry.snapshot(), plan, excl)
+    ctx.extra = ()  # (an earlier attempt's record does not describe this one)
     if rec is None:
         return
     data = msgspec.to_builtins(rec)
