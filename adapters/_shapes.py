@@ -11,12 +11,13 @@ from typing import ClassVar
 
 import msgspec
 
+from adapters._cached import openai_cached, stream_cached
 from adapters._stream import STREAM_END_MARKERS, refused_in_stream, without_usage_chunk
 from adapters._summary import answer_text, payloads_of, stream_text
 from adapters.base import HandoffCtx, PrefillVerdict
 from common import jsonbytes
 from common.request import ParsedRequest
-from common.summary import Summary
+from common.summary import CachedTokens, Summary
 from common.workers import RouteKind
 
 # what the gateway adds for a P/D handoff, on any engine, and the client's length and stream
@@ -43,6 +44,9 @@ class SharedShapes:
 
     def answer_text(self, req: ParsedRequest, body: bytes, *, stream: bool) -> str | None:
         return stream_text(body) if stream else answer_text(body)
+
+    def answer_cached(self, req: ParsedRequest, data: bytes, *, stream: bool) -> CachedTokens | None:
+        return stream_cached(data, generate=False) if stream else openai_cached(data)
 
     def without_usage_chunk(self, events: bytes) -> bytes:
         return without_usage_chunk(events)

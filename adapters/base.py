@@ -20,7 +20,7 @@ from typing import ClassVar, Literal, Protocol
 import msgspec
 
 from common.request import ParsedRequest
-from common.summary import Summary
+from common.summary import CachedTokens, Summary
 from common.workers import Engine, RouteKind, WorkerLoad, WorkerState
 
 
@@ -65,6 +65,9 @@ class PrefillVerdict(msgspec.Struct, frozen=True):
     # the prefill refused what the gateway added, not what the client asked (the near-tie
     # logprobs, above a vLLM's --max-logprobs): send it again without
     refused_ask: bool = False
+    # the prompt tokens the prefill found in its prefix cache, as its answer says (None: it says
+    # nothing); what a cache-aware policy checks its prediction against
+    cached: CachedTokens | None = None
 
 
 def prefill_refused(status: int, body: bytes) -> PrefillVerdict:
@@ -89,6 +92,9 @@ class ProbeInfo(msgspec.Struct, frozen=True):
     disaggregation_mode: str | None = None
     bootstrap_port: int | None = None
     block_size: int | None = None  # KV block (page) size, where the engine reports it
+    # its KV cache in tokens, where the engine reports it (SGLang `max_total_num_tokens`, vLLM
+    # `num_gpu_blocks` x `block_size`): the cache-aware policy's model of what it can hold
+    kv_capacity_tokens: int | None = None
 
 
 class _ModelCard(msgspec.Struct):
@@ -149,6 +155,12 @@ class EngineAdapter(Protocol):
 
     def summarize_prefill(self, req: ParsedRequest, body: bytes) -> Summary:
         """What a prefill's answer (read whole, whatever its form) says about itself."""
+        ...
+
+    def answer_cached(self, req: ParsedRequest, data: bytes, *, stream: bool) -> CachedTokens | None:
+        """The cached prompt tokens a colocated answer reports: `data` is the whole body, or a
+        stream's last bytes (its final usage chunk, or on SGLang's `/generate` its last event);
+        None where it reports none."""
         ...
 
     def answer_text(self, req: ParsedRequest, body: bytes, *, stream: bool) -> str | None:

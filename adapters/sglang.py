@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from adapters._cached import _Usage, from_meta, from_usage, generate_cached, stream_cached
 from adapters._shapes import SharedShapes
 from adapters._split import split_units
 from adapters._summary import summarize_generate, summarize_openai
@@ -45,7 +46,7 @@ from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, ap
 from adapters.prom import sum_metrics
 from common import jsonbytes as _body
 from common.request import ParsedRequest
-from common.summary import Summary
+from common.summary import CachedTokens, Summary
 from common.workers import Engine, RouteKind, WorkerLoad
 
 _OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -88,6 +89,8 @@ class _FinishReason(msgspec.Struct):
 
 class _MetaInfo(msgspec.Struct):
     finish_reason: _FinishReason | None = None
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
 
 
 class _GenerateOut(msgspec.Struct):
@@ -100,6 +103,7 @@ class _Choice(msgspec.Struct):
 
 class _OpenAIOut(msgspec.Struct):
     choices: list[_Choice] | None = None
+    usage: _Usage | None = None
     error: msgspec.Raw = msgspec.Raw()  # empty: absent
     object: str | None = None
     message: str | None = None
@@ -111,6 +115,7 @@ _oai_dec = msgspec.json.Decoder(_OpenAIOut)
 
 class _ServerInfo(msgspec.Struct):
     context_length: int | None = None
+    max_total_num_tokens: int | None = None  # its KV pool in tokens
     max_req_input_len: int | None = None
     disaggregation_mode: str | None = None
     disaggregation_bootstrap_port: int | None = None
@@ -269,11 +274,14 @@ class SGLangAdapter(SharedShapes):
         payloads = list(_body.iter_sse_data(body)) if body.lstrip().startswith(b"data:") else [body]
         if not payloads:
             return PrefillVerdict(ok=False, reason="prefill answered an empty body", status=502)
+        cached: CachedTokens | None = None
         for payload in payloads:
             try:
                 if req.route is RouteKind.GENERATE:
                     outs = _gen_dec.decode(payload)
-                    for out in outs if isinstance(outs, list) else [outs]:
+                    for j, out in enumerate(outs if isinstance(outs, list) else [outs]):
+                        if j == 0 and out.meta_info is not None and out.meta_info.cached_tokens is not None:
+                            cached = from_meta(out.meta_info.cached_tokens, out.meta_info.prompt_tokens)
                         fr = out.meta_info.finish_reason if out.meta_info else None
                         if fr is not None and fr.type == "abort":
                             code = fr.status_code or 500
@@ -293,9 +301,16 @@ class SGLangAdapter(SharedShapes):
                     for c in o.choices or ():
                         if c.finish_reason == "abort":
                             return PrefillVerdict(ok=False, reason="prefill aborted the request", status=500)
+                    if o.usage is not None:
+                        cached = from_usage(o.usage)
             except msgspec.DecodeError:
                 return PrefillVerdict(ok=False, reason="prefill answered a body that is not JSON", status=502)
-        return PrefillVerdict(ok=True)
+        return PrefillVerdict(ok=True, cached=cached)
+
+    def answer_cached(self, req: ParsedRequest, data: bytes, *, stream: bool) -> CachedTokens | None:
+        if req.route is not RouteKind.GENERATE:
+            return super().answer_cached(req, data, stream=stream)
+        return stream_cached(data, generate=True) if stream else generate_cached(data)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
         # Only the prefill scored the prompt: with return_logprob its input logprobs are merged in.
@@ -368,6 +383,7 @@ class SGLangAdapter(SharedShapes):
                 max_input_len=info.max_req_input_len,
                 disaggregation_mode=info.disaggregation_mode,
                 bootstrap_port=info.disaggregation_bootstrap_port,
+                kv_capacity_tokens=info.max_total_num_tokens or into.kv_capacity_tokens,
             )
         return into
 

@@ -23,6 +23,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
+from adapters._cached import _Details, from_details, from_meta
 from adapters._shapes import SharedShapes
 from adapters._summary import summarize_openai
 from adapters.base import HandoffCtx, HandoffMode, PrefillVerdict, ProbeInfo, apply_models, prefill_refused
@@ -31,10 +32,12 @@ from common import jsonbytes as _body
 from common.errors import BadRequest
 from common.lax import lax_int
 from common.request import ParsedRequest, given
-from common.summary import Summary
+from common.summary import CachedTokens, Summary
 from common.workers import Engine, RouteKind, WorkerLoad
 
 _BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
+# its KV cache's blocks (the same labels; vLLM 0.32: `num_gpu_blocks="8192"`)
+_GPU_BLOCKS = re.compile(rb'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"')
 
 # what the prefill is not sent (`min_tokens` is, as 1, when the client's is 1 or more)
 _PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params")
@@ -55,11 +58,15 @@ class KVTransferParams(msgspec.Struct):
     remote_port: int | None = None
     remote_num_tokens: int | None = None
     dcp_size: int | None = None
+    # vLLM 0.31+: the prompt tokens the prefill found in its prefix cache (the decode reports
+    # them as its own cached tokens)
+    remote_prefill_cached_tokens: int | None = None
 
 
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
 
 
 class _Choice(msgspec.Struct):
@@ -188,7 +195,8 @@ class VLLMAdapter(SharedShapes):
                 # (newer vLLM), and its connector hands over KV only for a prefill capped by
                 # length (Mooncake's rule). A correct answer of this request, not a failure: its
                 # decode computes the prompt itself, with the client's whole request.
-                return PrefillVerdict(ok=True)  # (no kv_params: the orchestrator sends none)
+                # (no kv_params: the orchestrator sends none)
+                return PrefillVerdict(ok=True, cached=_usage_cached(out.usage))
             # Without params the decode would silently recompute the prompt (vLLM PR #42703).
             return PrefillVerdict(ok=False, reason="prefill returned no kv_transfer_params", status=502)
         try:
@@ -230,7 +238,12 @@ class VLLMAdapter(SharedShapes):
     def parse_info(self, path: str, body: bytes, into: ProbeInfo) -> ProbeInfo:
         if path == "/metrics":
             m = _BLOCK_SIZE.search(body)
-            return msgspec.structs.replace(into, block_size=int(m.group(1))) if m else into
+            if m is None:
+                return into
+            block_size = int(m.group(1))
+            blocks = _GPU_BLOCKS.search(body)
+            capacity = block_size * int(blocks.group(1)) if blocks else into.kv_capacity_tokens
+            return msgspec.structs.replace(into, block_size=block_size, kv_capacity_tokens=capacity)
         if path == "/v1/models":
             return apply_models(body, into)
         return into
@@ -297,7 +310,14 @@ def _judge_params(
     ties: tuple[str, ...] = ()
     if ctx.near_ties and same_first and out.choices and out.choices[0].logprobs:
         ties = _ties(out.choices[0].logprobs, req.route is RouteKind.CHAT, ctx.near_tie_margin)
-    return PrefillVerdict(ok=True, kv_params=raw, same_first_token=same_first, ties=ties)
+    cached = from_meta(params.remote_prefill_cached_tokens, out.usage.prompt_tokens if out.usage else None)
+    if cached is None:
+        cached = _usage_cached(out.usage)
+    return PrefillVerdict(ok=True, kv_params=raw, same_first_token=same_first, ties=ties, cached=cached)
+
+
+def _usage_cached(usage: _Usage | None) -> CachedTokens | None:
+    return None if usage is None else from_details(usage.prompt_tokens_details, usage.prompt_tokens)
 
 
 def _blocks_problem(params: KVTransferParams, block_size: int | None) -> str | None:

@@ -42,6 +42,7 @@ class Fields(msgspec.Struct):
     messages: msgspec.Raw = msgspec.Raw()  # empty: absent
     text: msgspec.Raw = msgspec.Raw()  # empty: absent
     input_ids: msgspec.Raw = msgspec.Raw()  # empty: absent
+    tools: msgspec.Raw = msgspec.Raw()  # empty: absent (a chat's tools: part of its prompt's key)
     sampling_params: SamplingParams | list[SamplingParams] | None = None  # a list: one per prompt
     return_logprob: bool | list[bool] | None = None  # a list: one per prompt (/generate batches)
     logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent

@@ -27,3 +27,23 @@ class Summary(msgspec.Struct):
     ties: tuple[str, ...] = ()
     # (a decode's) its first token differed from the prefill's, but was one of the prefill's ties
     tied: bool = False
+
+
+class CachedTokens(msgspec.Struct, frozen=True, gc=False):
+    """The prompt tokens the engine that prefilled a request found in its prefix cache, as its
+    answer said it. `how`:
+
+    - "field": a count the engine puts in every answer (SGLang `meta_info.cached_tokens`, vLLM
+      0.31+'s `kv_transfer_params.remote_prefill_cached_tokens` from a P/D prefill);
+    - "details": OpenAI's `usage.prompt_tokens_details.cached_tokens`, which both engines fill
+      only when it is above 0 and only when asked to (SGLang `--enable-cache-report`, vLLM
+      `--enable-prompt-tokens-details`);
+    - "usage": a usage object without those details (`tokens` 0): no cached tokens if the
+      server fills the details at all, else nothing is known (the gateway learns which, per
+      worker, from the first "details" it sees)."""
+
+    tokens: int
+    how: str  # "field" | "details" | "usage"
+    # the prompt's tokens as the engine counted them, where the answer says (its usage, SGLang's
+    # meta_info): a text prompt's count is the gateway's estimate, so `tokens` is rescaled to it
+    prompt: int | None = None

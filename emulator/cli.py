@@ -74,6 +74,18 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "caps length first): a P/D prefill stopped on its one token hands over no KV",
     )
     p.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="SGLang's own flag: the OpenAI routes report a prompt's cached tokens in "
+        "usage.prompt_tokens_details.cached_tokens (left out when 0, as SGLang does)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="vLLM's own flag: usage.prompt_tokens_details.cached_tokens when a prompt found "
+        "cached tokens (left out when 0, as vLLM does)",
+    )
+    p.add_argument(
         "--max-logprobs",
         type=int,
         default=20,
@@ -116,6 +128,8 @@ def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
         stream_interval=args.stream_interval,
         stop_checks_first=args.stop_checks_first,
         max_logprobs=args.max_logprobs,
+        enable_cache_report=args.enable_cache_report,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
         api_key=args.api_key,

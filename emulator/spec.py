@@ -39,6 +39,12 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
     # one token is a stop id then ends "stop" and hands over no KV (kv_transfer_params null)
     stop_checks_first: bool = False
     max_logprobs: int = 20  # vLLM's --max-logprobs (its default): a request asking more is refused
+    # --enable-cache-report (SGLang's flag): the OpenAI routes' usage has
+    # `prompt_tokens_details.cached_tokens` when the prompt found cached tokens
+    enable_cache_report: bool = False
+    # --enable-prompt-tokens-details (vLLM's flag): its usage has
+    # `prompt_tokens_details.cached_tokens` when the prompt found cached tokens
+    enable_prompt_tokens_details: bool = False
     # --ssl-certfile / --ssl-keyfile (both engines' flags): the HTTP API over TLS (the bootstrap
     # and KV ports stay plain)
     ssl_certfile: str | None = None
@@ -71,6 +77,10 @@ class EmulatorSpec(msgspec.Struct, kw_only=True):
             argv.append("--stop-checks-first")
         if self.max_logprobs != 20:
             argv += ["--max-logprobs", str(self.max_logprobs)]
+        if self.enable_cache_report:
+            argv.append("--enable-cache-report")
+        if self.enable_prompt_tokens_details:
+            argv.append("--enable-prompt-tokens-details")
         if self.ssl_certfile is not None:
             argv += ["--ssl-certfile", self.ssl_certfile]
         if self.ssl_keyfile is not None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from common.request import WorkLimits
 from gateway.admin import Admin
 from gateway.admission import Admission
+from gateway.cache_metrics import CacheCollector, cache_states
 from gateway.config import ConfigError, GatewayConfig, WorkerConfig
 from gateway.discovery.sync import WorkerSync
 from gateway.endpoints import first_duplicate, url_host
@@ -27,6 +28,7 @@ from gateway.http.server import HttpServer, start_server
 from gateway.kvevents.hub import KvEventCollector, KvEventHub
 from gateway.listen import bind_all, listen_error
 from gateway.logging import get_logger
+from gateway.membership import Membership
 from gateway.metrics import GatewayMetrics
 from gateway.multiprocess.siblings import ControlServer, ProcessContext, Siblings
 from gateway.orchestration import Orchestrator
@@ -63,22 +65,29 @@ class Gateway:
             )
         else:
             self.registry = Registry(cfg.breaker, inflight_cap=cfg.limits.max_inflight_per_worker)
-        for wc in cfg.workers:
-            self.registry.add(self.make_worker(wc))
-        try:  # the workers' KV-event streams: the cache-aware policy's precise index
-            self.kv_events = KvEventHub.for_workers(cfg.workers, self._model_of)
-        except ValueError as e:
-            raise ConfigError(f"kv_events: {e}") from None
+        # the workers' KV-event streams (those with [workers.kv_events], from the configuration,
+        # the admin API or discovery): the cache-aware policy's precise index
+        self.kv_events = KvEventHub(self._model_of)
         self.policy = build_policy(
             cfg.policy,
             prefill=cfg.prefill_policy,
             decode=cfg.decode_policy,
             decider=cfg.decider,
-            precise=None if self.kv_events is None else self.kv_events.index,
+            precise=self.kv_events.index,
         )
+        # workers joining and leaving: KV-event subscriptions, the policy's per-worker state
+        self.registry.watch(Membership(self.policy, self.kv_events))
+        for wc in cfg.workers:
+            try:
+                w = self.make_worker(wc)
+            except ValueError as e:
+                raise ConfigError(f"worker {wc.worker_id}: {e}") from None
+            self.registry.add(w)
         self.metrics = metrics or GatewayMetrics()
-        if self.kv_events is not None:
-            self.metrics.registry.register(KvEventCollector(self.kv_events))
+        self.metrics.registry.register(KvEventCollector(self.kv_events))
+        states = cache_states(self.policy)
+        if states:
+            self.metrics.registry.register(CacheCollector(states))
         self.metrics.watch_cluster(self.registry.snapshot, self.registry.pair_states)
         self.orchestrator = Orchestrator(self.registry, self.policy, self.metrics, cfg)
         self.health = HealthChecker(self.registry, cfg.health)
@@ -162,7 +171,9 @@ class Gateway:
     def make_worker(self, wc: WorkerConfig) -> Worker:
         """A `Worker` for one [[workers]] entry (from the file or the admin API)."""
         key = wc.api_key(self.environ)
-        return Worker(
+        if wc.kv_events is not None:
+            KvEventHub.check(wc.engine, wc.kv_events)  # ValueError: a scheme not computable here
+        w = Worker(
             wc.worker_id,
             wc.url,
             wc.role,
@@ -176,6 +187,8 @@ class Gateway:
             connect_timeout_s=self.cfg.timeouts.connect_s,
             authorization=f"Bearer {key}".encode() if key else None,
         )
+        w.kv_events = wc.kv_events
+        return w
 
     def _share(self, limit: int) -> int:
         """This process's part of a gateway-wide limit: all of it, or with several processes
@@ -298,8 +311,7 @@ class Gateway:
                 "the server. Set vocab_size on these workers (--vocab-size) so the gateway refuses "
                 "such requests with a 400",
             )
-        if self.kv_events is not None:
-            await self.kv_events.start()
+        await self.kv_events.start()
         snap = self.registry.snapshot()
         if self.process is not None:
             self.process.started()
@@ -380,8 +392,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
-        if self.kv_events is not None:
-            await self.kv_events.stop()
+        await self.kv_events.stop()
         await self.orchestrator.drain_background()
         await self.registry.close()
 

@@ -529,6 +529,9 @@ class GatewayConfig(_Section, frozen=True):
     fallback: FallbackConfig = FallbackConfig()
     request_id_headers: tuple[str, ...] = ("x-request-id", "x-correlation-id")
     forward_authorization: bool = False  # pass the client's Authorization header to workers
+    # a request with an `x-pdgw-explain` header is answered with an `x-pdgw-decision` header:
+    # why its worker was chosen (policies/explain.py); off: routing stays private
+    explain_header: bool = False
     admin: AdminConfig = AdminConfig()
     kubernetes: KubernetesConfig | None = None  # pod discovery; None: only the configured workers
     shutdown_grace_s: float = 10.0  # SIGTERM: how long in-flight requests may finish before they are cut

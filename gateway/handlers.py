@@ -279,6 +279,8 @@ class Handlers:
             task = res.task if res.task is not None else asyncio.current_task()
             assert task is not None
             ctx = self.orchestrator.context(parsed, request_id, res, task, req.header(b"authorization"))
+            if self.orchestrator.cfg.explain_header and req.header(b"x-pdgw-explain") is not None:
+                ctx.explain = True
             client = self.client_key(req)
             tokens = ctx.tokens if self._count_tokens else 0
             try:

@@ -214,6 +214,13 @@ def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
     return logger
 
 
+def debug_enabled(logger: structlog.typing.FilteringBoundLogger) -> bool:
+    """Would `logger.debug` write anything (with the configuration in force now)?"""
+    bound = logger.bind()
+    check = getattr(bound, "is_enabled_for", None)
+    return False if check is None else bool(check(logging.DEBUG))
+
+
 def info_enabled(logger: structlog.typing.FilteringBoundLogger) -> bool:
     """Would `logger.info` write anything (with the configuration in force now)?"""
     bound = logger.bind()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ssl
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import msgspec
@@ -18,7 +18,7 @@ import msgspec
 from adapters import ADAPTERS, EngineAdapter, ProbeInfo
 from common.workers import Engine, Role, RouteKind, WorkerLoad, WorkerState
 from gateway.breaker import BreakerState, CircuitBreaker
-from gateway.config import BreakerConfig, TimeoutsConfig
+from gateway.config import BreakerConfig, KvEventsConfig, TimeoutsConfig
 from gateway.endpoints import canonical_url
 from gateway.http.client import UpstreamPool
 from policies.snapshot import ClusterSnapshot
@@ -65,6 +65,7 @@ class Worker:
         "inflight",
         "inflight_tokens",
         "info",
+        "kv_events",
         "labels",
         "load",
         "load_path",
@@ -73,6 +74,7 @@ class Worker:
         "port",
         "probe_failures",
         "probe_successes",
+        "reports_details",
         "role",
         "shared",
         "url",
@@ -137,6 +139,12 @@ class Worker:
         # near-tie check)? False once the worker refused them (a vLLM with a low --max-logprobs),
         # True again at the next full info read (gateway/health.py)
         self.near_ties = True
+        # it fills OpenAI's `usage.prompt_tokens_details` (SGLang --enable-cache-report, vLLM
+        # --enable-prompt-tokens-details): learnt from its first answer that has them; from then
+        # on an answer without them reports 0 cached tokens (both engines leave out a 0)
+        self.reports_details = False
+        # where its engine publishes KV-cache events (its [workers.kv_events]; None: it does not)
+        self.kv_events: KvEventsConfig | None = None
         # partner id -> the request whose handoff between this worker and that partner failed
         # last, since this worker's last good handoff, where no one worker was blamed
         # (Registry.record_pair)
@@ -162,6 +170,7 @@ class Worker:
             else self.info.bootstrap_port,
             weight=self.weight,
             block_size=self.info.block_size,
+            kv_capacity_tokens=self.info.kv_capacity_tokens,
             labels=self.labels,
             vocab_size=self.vocab_size,
             decode_alone=self.adapter.decode_alone,
@@ -169,6 +178,15 @@ class Worker:
             inflight_tokens=self.inflight_tokens + self.foreign_tokens,
             load=self.load,
         )
+
+
+class MembershipWatcher(Protocol):
+    """Told when a worker joins or leaves the registry (from the configuration, the admin API or
+    discovery), right after the change."""
+
+    def worker_added(self, worker: Worker) -> None: ...
+
+    def worker_removed(self, worker: Worker) -> None: ...
 
 
 class Registry:
@@ -196,6 +214,9 @@ class Registry:
         # workers whose breaker is open: the open -> half-open transition is a matter of time,
         # looked for at each snapshot while there are any
         self._open: set[Worker] = set()
+        # told of each worker added and removed (the policy's per-worker state, KV-event
+        # subscriptions): `Registry.watch`
+        self._watchers: list[MembershipWatcher] = []
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -205,6 +226,16 @@ class Registry:
         worker.breaker = new_breaker(self._breaker, guard=lambda: self._may_eject(worker))
         self._workers[worker.id] = worker
         self.changed()
+        for watcher in self._watchers:
+            watcher.worker_added(worker)
+
+    def watch(self, watcher: MembershipWatcher) -> None:
+        """Tell `watcher` of every worker added or removed from now on."""
+        self._watchers.append(watcher)
+
+    def _gone(self, worker: Worker) -> None:
+        for watcher in self._watchers:
+            watcher.worker_removed(worker)
 
     async def remove(self, worker_id: str) -> Worker:
         w = self._workers.pop(worker_id)
@@ -218,6 +249,7 @@ class Registry:
         for other in self._workers.values():
             other.failed_partners.pop(worker_id, None)
         self.changed()
+        self._gone(w)
         return w
 
     def get(self, worker_id: str) -> Worker:

@@ -314,6 +314,30 @@ class Decider(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Needs:
+    """What a policy reads beyond what every request carries, so that the request path pays for
+    it only where a policy uses it: `prompt_key` (`RequestView.prompt_key`: the prompt keyed for
+    prefix matching) and `cached_tokens` (`Completed.cached_tokens`: an engine's answer read for
+    the cached tokens it reports). A policy, or a role selector of one, says it with a `needs`
+    attribute; `needs_of` reads it (nothing, where it has none)."""
+
+    prompt_key: bool = False
+    cached_tokens: bool = False
+
+    def __or__(self, other: Needs) -> Needs:
+        return Needs(self.prompt_key or other.prompt_key, self.cached_tokens or other.cached_tokens)
+
+
+NO_NEEDS = Needs()
+
+
+def needs_of(part: object) -> Needs:
+    """A policy's or selector's `needs` (`Needs()` where it declares none)."""
+    got = getattr(part, "needs", None)
+    return got if isinstance(got, Needs) else NO_NEEDS
+
+
 class CacheEstimator(Protocol):
     """Estimates how many prompt tokens a worker already holds in its prefix cache."""
 
@@ -343,12 +367,14 @@ class NonCachedTokensDecider:
 
 
 __all__ = [
+    "NO_NEEDS",
     "CacheEstimator",
     "Completed",
     "Decider",
     "Decision",
     "Failed",
     "Filter",
+    "Needs",
     "NoCacheEstimate",
     "NoCandidates",
     "NonCachedTokensDecider",
@@ -361,6 +387,7 @@ __all__ = [
     "Routed",
     "Scorer",
     "WorkerGone",
+    "needs_of",
     "observers_by_event",
     "pair_id",
     "plan_worker_ids",

@@ -59,6 +59,7 @@ from policies.base import (
     EVENT_TYPES,
     Completed,
     Failed,
+    Needs,
     NoCandidates,
     PolicyEvent,
     Routed,
@@ -134,20 +135,40 @@ class _Pending:
     capacity: int | None
 
 
+# upper bounds of the hit-ratio buckets (reported cached tokens / prompt tokens)
+HIT_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
 class PredictionStats:
-    """Predicted vs reported cached tokens, per (worker, source)."""
+    """Predicted vs reported cached tokens, per (worker, source); with the prompt tokens of the
+    same requests (the hit rate) and a histogram of each request's hit ratio."""
 
     __slots__ = ("_by",)
 
     def __init__(self) -> None:
-        self._by: dict[tuple[str, str], list[float]] = {}  # [n, sum |err|, sum predicted, sum reported]
+        # [n, sum |err|, sum predicted, sum reported, sum prompt, sum ratio, bucket counts...]
+        self._by: dict[tuple[str, str], list[float]] = {}
 
-    def record(self, worker: str, source: str, predicted: int, reported: int) -> None:
-        row = self._by.setdefault((worker, source), [0.0, 0.0, 0.0, 0.0])
+    def record(self, worker: str, source: str, predicted: int, reported: int, prompt: int = 0) -> None:
+        row = self._by.get((worker, source))
+        if row is None:
+            row = self._by[(worker, source)] = [0.0] * (6 + len(HIT_RATIO_BUCKETS))
         row[0] += 1
         row[1] += abs(predicted - reported)
         row[2] += predicted
         row[3] += reported
+        row[4] += prompt
+        ratio = min(1.0, reported / prompt) if prompt > 0 else 0.0
+        row[5] += ratio
+        for i, bound in enumerate(HIT_RATIO_BUCKETS):
+            if ratio <= bound:
+                row[6 + i] += 1
+                break
+
+    def rows(self) -> dict[tuple[str, str], tuple[float, ...]]:
+        """(worker, source) -> (requests, sum |error|, predicted, reported, prompt tokens, sum of
+        the hit ratios, then the requests per bucket of `HIT_RATIO_BUCKETS`, not cumulative)."""
+        return {k: tuple(v) for k, v in self._by.items()}
 
     def forget(self, worker: str) -> None:
         for k in [k for k in self._by if k[0] == worker]:
@@ -155,13 +176,14 @@ class PredictionStats:
 
     def summary(self) -> dict[tuple[str, str], tuple[int, float, float, float]]:
         """(worker, source) -> (requests, mean |error| tokens, total predicted, total reported)."""
-        return {k: (int(n), e / n if n else 0.0, p, r) for k, (n, e, p, r) in self._by.items()}
+        return {k: (int(v[0]), v[1] / v[0] if v[0] else 0.0, v[2], v[3]) for k, v in self._by.items()}
 
 
 class CacheState:
     """What the cache-aware selectors of one policy share (see the module docstring)."""
 
     observes: tuple[type, ...] = EVENT_TYPES
+    needs = Needs(prompt_key=True, cached_tokens=True)
 
     def __init__(
         self,
@@ -177,6 +199,8 @@ class CacheState:
         self.precise = precise if s.use_kv_events else None
         self.queues = PrefillQueues(RateSettings(default_rate=s.prefill_rate))
         self.accuracy = PredictionStats()
+        # routing decisions by (role that prefills, prediction source, matched: cached > 0)
+        self.decisions: dict[tuple[str, str, bool], int] = {}
         self.clock = clock
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._last_sweep = clock()
@@ -287,6 +311,8 @@ class CacheState:
             cached, source = self.cached((precise, approx if approx is not None else EMPTY_LOOKUP), wid)
             cached = min(cached, req_tokens - 1)
         uncached = req_tokens - cached
+        tally = (ev.roles[0].value, source, cached > 0)
+        self.decisions[tally] = self.decisions.get(tally, 0) + 1
         backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)
         self.queues.add(wid, uncached, now)
         capacity = None if w is None else self.capacity(w)
@@ -306,7 +332,8 @@ class CacheState:
         if ev.ttft_s is not None:
             self.queues.learn(p.worker, p.work_tokens, ev.ttft_s)
         if ev.cached_tokens is not None:
-            self.accuracy.record(p.worker, p.source, p.predicted, ev.cached_tokens)
+            prompt = p.predicted + int(p.uncached)
+            self.accuracy.record(p.worker, p.source, p.predicted, ev.cached_tokens, prompt)
             if p.source == "approx":
                 self.approx.feedback(p.model, p.worker, p.predicted, ev.cached_tokens, p.capacity)
             elif p.source == "kv_events" and self.precise is not None:
@@ -494,6 +521,8 @@ def _narrow(
 class CacheAwareSelector:
     """The prefill / colocated `RoleSelector` of `cache_aware` (see the module docstring)."""
 
+    needs = Needs(prompt_key=True, cached_tokens=True)
+
     def __init__(
         self, name: str, state: CacheState, *, rng: _random.Random | None = None, owner: bool = True
     ) -> None:
@@ -626,6 +655,7 @@ class LoadSelector:
 
 
 __all__ = [
+    "HIT_RATIO_BUCKETS",
     "BalanceGatePicker",
     "CacheAwareSelector",
     "CacheAwareSettings",

@@ -26,12 +26,14 @@ from collections.abc import Callable, Sequence
 from policies.base import (
     CacheEstimator,
     Decider,
+    Needs,
     NoCacheEstimate,
     NoCandidates,
     NonCachedTokensDecider,
     PolicyEvent,
     Profile,
     RoleSelector,
+    needs_of,
     observers_by_event,
     pair_id,
 )
@@ -79,6 +81,9 @@ class PDPolicy:
             else:
                 observers.append(sel.observe)
         self._observers = tuple(observers)
+        # what the request path must provide for the selectors and the decider's cache estimate
+        # (a prompt key, cached tokens)
+        self.needs: Needs = needs_of(decode) | needs_of(prefill) | needs_of(colocated) | needs_of(self.cache)
         self._by_event = observers_by_event(observers)
         # the default decider with the default estimate always disaggregates: not asked
         self._always_pd = (

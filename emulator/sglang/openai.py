@@ -179,6 +179,9 @@ class OpenAICall:
         choices = [self._choice(i, items[i], echoes[i], res) for i, res in enumerate(results)]
         pt = sum(r.prompt_tokens for r in results[::n])
         ct = sum(len(r.output_ids) for r in results)
+        cached = (
+            sum(r.cached_tokens for r in results[::n]) if self.runner.s.spec.enable_cache_report else None
+        )
         return json_response(
             {
                 "id": shape.oid,
@@ -186,7 +189,7 @@ class OpenAICall:
                 "created": shape.created,
                 "model": shape.model,
                 "choices": choices,
-                "usage": openai_usage(pt, ct),
+                "usage": openai_usage(pt, ct, cached),
                 "metadata": {
                     "weight_version": "default",
                     "weight_versions": [{"version": "default", "start": 0, "end": ct}],

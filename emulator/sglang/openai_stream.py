@@ -17,12 +17,19 @@ from emulator.sglang.runner import SglangRunner
 from emulator.wire import end_sse, sse, sse_error
 
 
-def openai_usage(prompt_tokens: int, completion: int) -> dict[str, Any]:
+def cache_details(cached: int | None) -> dict[str, int] | None:
+    """`prompt_tokens_details` with `--enable-cache-report` (`cached`: the prompts' cached
+    tokens; None without the flag): SGLang fills it only when the count is above 0
+    (entrypoints/openai/usage_processor.py `_details_if_cached`)."""
+    return {"cached_tokens": cached} if cached else None
+
+
+def openai_usage(prompt_tokens: int, completion: int, cached: int | None = None) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": cache_details(cached),
         "reasoning_tokens": 0,
         "completion_tokens_details": None,
     }
@@ -50,17 +57,16 @@ class Shape:
             c["usage"] = usage
         return sse(c)
 
-    def usage_chunk(self, pt: int, ct: int) -> bytes:
-        usage = (
-            openai_usage(pt, ct)
-            if self.chat
-            else {
-                "prompt_tokens": pt,
-                "total_tokens": pt + ct,
-                "completion_tokens": ct,
-                "reasoning_tokens": 0,
-            }
-        )
+    def usage_chunk(self, pt: int, ct: int, cached: int | None = None) -> bytes:
+        usage: dict[str, Any]
+        if self.chat:
+            usage = openai_usage(pt, ct, cached)
+        else:  # (the completions route leaves out the fields that are None)
+            usage = {"prompt_tokens": pt, "total_tokens": pt + ct, "completion_tokens": ct}
+            details = cache_details(cached)
+            if details is not None:
+                usage["prompt_tokens_details"] = details
+            usage["reasoning_tokens"] = 0
         last: dict[str, Any] = {
             "id": self.oid,
             "object": self.chunk_name,
@@ -103,7 +109,10 @@ class Streamed:
         if self.include_usage:
             pt = sum(r.prompt_tokens for r in results[::n])
             ct = sum(len(r.output_ids) for r in results)
-            await self.resp.write(self.shape.usage_chunk(pt, ct))
+            cached = (
+                sum(r.cached_tokens for r in results[::n]) if self.runner.s.spec.enable_cache_report else None
+            )
+            await self.resp.write(self.shape.usage_chunk(pt, ct, cached))
         return await end_sse(self.resp)
 
     def so_far(self, it: Item, completion: int) -> dict[str, Any] | None:

@@ -21,11 +21,18 @@ def stop_reason_of(stopper: Stopper | None) -> str | int | None:
     return None if stopper is None else stopper.matched
 
 
-def usage(pt: int, ct: int, cached: int, stream: bool) -> dict[str, Any]:
+def usage(pt: int, ct: int, cached: int, stream: bool, details: bool) -> dict[str, Any]:
+    """`details`: --enable-prompt-tokens-details. vLLM 0.32 fills `prompt_tokens_details` only
+    with it and only when some prompt tokens were cached (`if self.enable_prompt_tokens_details
+    and final_res.num_cached_tokens`, entrypoints/openai/completion/serving.py); a whole answer
+    then says null, a stream's usage chunk (dumped with exclude_none) leaves it out."""
     u: dict[str, Any] = {"prompt_tokens": pt, "total_tokens": pt + ct, "completion_tokens": ct}
-    u["prompt_tokens_details"] = {"cached_tokens": cached}
+    d = {"cached_tokens": cached} if details and cached else None
     if not stream:
+        u["prompt_tokens_details"] = d
         u["completion_tokens_details"] = None
+    elif d is not None:
+        u["prompt_tokens_details"] = d
     return u
 
 
@@ -128,8 +135,10 @@ class Shape:
         chat: bool,
         fingerprint: str,
         body: dict[str, Any],
+        details: bool = False,
     ) -> None:
         self.oid = oid
+        self.details = details  # --enable-prompt-tokens-details
         self.created = created
         self.model = model
         self.chat = chat
@@ -195,7 +204,12 @@ class Shape:
     def usage_chunk(self, pt: int, ct: int, cached: int) -> bytes:
         c = {"id": self.oid, "object": self.obj_name, "created": self.created, "model": self.model}
         return sse(
-            c | {"choices": [], "usage": usage(pt, ct, cached, True), "system_fingerprint": self.fingerprint}
+            c
+            | {
+                "choices": [],
+                "usage": usage(pt, ct, cached, True, self.details),
+                "system_fingerprint": self.fingerprint,
+            }
         )
 
     def choice(

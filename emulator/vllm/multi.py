@@ -45,7 +45,13 @@ class MultiCall:
         xrid = request.headers.get("X-Request-Id")
         self.oid = ("chatcmpl-" if chat else "cmpl-") + (xrid if xrid else secrets.token_hex(8))
         self.shape = Shape(
-            self.oid, int(time.time()), body.get("model") or s.model_name, chat, s.fingerprint, body
+            self.oid,
+            int(time.time()),
+            body.get("model") or s.model_name,
+            chat,
+            s.fingerprint,
+            body,
+            details=s.spec.enable_prompt_tokens_details,
         )
         self.stream = bool(body.get("stream"))
         self.chat_echo = vllm_chat_echo(body) if chat else ""
@@ -94,7 +100,7 @@ class MultiCall:
             if self.shape.include_usage:
                 await self.resp.write(self.shape.usage_chunk(pt, ct, cached))
             return await end_sse(self.resp)
-        return self._whole(children, usage(pt, ct, cached, False))
+        return self._whole(children, usage(pt, ct, cached, False, self.shape.details))
 
     async def _start_stream(self) -> web.StreamResponse:
         """The stream and, on chat, every choice's role chunk, then every choice's echo."""

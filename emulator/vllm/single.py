@@ -64,7 +64,13 @@ class SingleCall:
         self.stream = bool(body.get("stream")) and not self.remote_decode
         self.seq = Seq(self.engine_rid, prompt, 1 if self.remote_decode else self.max_new, sample_seed(body))
         self.shape = Shape(
-            oid, int(time.time()), body.get("model") or s.model_name, chat, s.fingerprint, body
+            oid,
+            int(time.time()),
+            body.get("model") or s.model_name,
+            chat,
+            s.fingerprint,
+            body,
+            details=s.spec.enable_prompt_tokens_details,
         )
         self.out: list[int] = []
         self.params_out: dict[str, Any] | None = None
@@ -217,5 +223,5 @@ class SingleCall:
         text, lps = answer_text(self.out, stopper, self.parsed.ask, prompt, self.ec, self.chat_echo)
         prompt_lps = vllm_prompt_logprobs(prompt, plp_k) if plp_k is not None else None
         choice = shape.choice(0, text, lps, finish_of(stopper), stopper, self.out, prompt, prompt_lps)
-        u = usage(len(prompt), len(self.out), self.seq.cached_tokens, False)
+        u = usage(len(prompt), len(self.out), self.seq.cached_tokens, False, shape.details)
         return json_response(shape.whole([choice], u, prompt, prompt_lps, self.params_out))

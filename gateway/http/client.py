@@ -128,6 +128,7 @@ class UpstreamResponse:
         "_flow",
         "_pend",
         "_pipe_fut",
+        "_prev",
         "_released",
         "_sink",
         "_waiter",
@@ -138,6 +139,7 @@ class UpstreamResponse:
         "last_read_at",
         "reads",
         "status",
+        "tail",
     )
 
     def __init__(self, status: int, headers: list[tuple[bytes, bytes]], conn: _UpstreamConnection) -> None:
@@ -165,6 +167,15 @@ class UpstreamResponse:
         # pipe(): the pieces of body of the upstream read being parsed, handed to the sink as one
         # at the end of that read (a 64-event burst is one sink call, not 64)
         self._pend: list[bytes] = []
+        # the body's last read (a piped body's: the last piece the sink got, the one before in
+        # `_prev`; read(): the whole body), for whoever reads an answer's end (`last_bytes`)
+        self.tail = b""
+        self._prev = b""
+
+    def last_bytes(self) -> bytes:
+        """The body's end as read: a piped body's last two reads (a stream's final events), or the
+        whole body that read() returned."""
+        return self._prev + self.tail if self._prev else self.tail
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lowercase), or None."""
@@ -189,6 +200,8 @@ class UpstreamResponse:
         if sink is not None:
             self.reads += 1
             self.last_read_at = self._conn._loop.time()
+            self._prev = self.tail
+            self.tail = data
             try:
                 sink(data)
             except Exception as e:
@@ -293,6 +306,7 @@ class UpstreamResponse:
             data = b"".join(buf)
             buf.clear()
         self._buffered = 0
+        self.tail = data
         return data
 
     async def next_chunk(self) -> bytes:
@@ -366,6 +380,7 @@ class UpstreamResponse:
         backlog = buf[0] if len(buf) == 1 else b"".join(buf)
         buf.clear()
         self.reads += 1
+        self.tail = backlog
         if batch is not None:
             batch.cork()
         try:

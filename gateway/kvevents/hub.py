@@ -29,19 +29,37 @@ class KvEventHub:
         self.index = KvEventIndex(model_of)
         self._subs: dict[str, KvEventSubscriber] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._ctx: zmq.asyncio.Context | None = None
+        self._dropped: set[asyncio.Task[None]] = set()  # cancelled, not yet ended
+        self._running = False
+        self._ctx: zmq.asyncio.Context | None = None  # made with the first subscription
 
     @classmethod
     def for_workers(
         cls, workers: Sequence[WorkerConfig], model_of: Callable[[str], str | None] | None = None
-    ) -> KvEventHub | None:
-        """A hub for the workers that have `kv_events`, None when none has. ValueError when a
-        worker's hash scheme cannot be computed here."""
+    ) -> KvEventHub:
+        """A hub with the workers that have `kv_events` (others can be added at any time).
+        ValueError when a worker's hash scheme cannot be computed here."""
         hub = cls(model_of)
         for wc in workers:
             if wc.kv_events is not None:
                 hub.add(wc.worker_id, wc.engine, wc.kv_events)
-        return hub if hub._subs else None
+        return hub
+
+    def __len__(self) -> int:
+        return len(self._subs)
+
+    @staticmethod
+    def check(engine: Engine, kv: KvEventsConfig) -> None:
+        """ValueError when a worker's hash scheme cannot be computed here (what `add` raises)."""
+        scheme = kv.hash or ADAPTERS[engine].kv_events_format
+        KvEventIndex().add_worker(
+            "-",
+            endpoint=kv.endpoint,
+            scheme=scheme,
+            block_size=kv.block_size,
+            algo=kv.hash_algo,
+            seed=kv.hash_seed,
+        )
 
     def add(self, worker_id: str, engine: Engine, kv: KvEventsConfig) -> None:
         """Index a worker's events (its subscription starts now if the hub is running)."""
@@ -65,21 +83,31 @@ class KvEventHub:
             topic=kv.topic,
             ctx=self._ctx,
         )
-        if self._ctx is not None:
+        if self._running:
             self._start(worker_id)
 
-    async def remove(self, worker_id: str) -> None:
+    def drop(self, worker_id: str) -> None:
+        """Forget a worker (removed from the gateway): its subscription ends (a task cancelled,
+        awaited by `stop`) and its entries leave the index now."""
         task = self._tasks.pop(worker_id, None)
         if task is not None:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            self._dropped.add(task)
+            task.add_done_callback(self._dropped.discard)
         self._subs.pop(worker_id, None)
         self.index.remove_worker(worker_id)
 
+    async def remove(self, worker_id: str) -> None:
+        task = self._tasks.get(worker_id)
+        self.drop(worker_id)
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     def _start(self, worker_id: str) -> None:
         sub = self._subs[worker_id]
-        assert self._ctx is not None
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
         sub.ctx = self._ctx
         task = asyncio.get_running_loop().create_task(sub.run(), name=f"kv-events-{worker_id}")
         task.add_done_callback(self._ended)
@@ -90,14 +118,15 @@ class KvEventHub:
             log.error("kv_events.subscriber_failed", task=task.get_name(), error=repr(task.exception()))
 
     async def start(self) -> None:
-        if self._ctx is not None:
+        if self._running:
             return
-        self._ctx = zmq.asyncio.Context()
+        self._running = True
         for wid in self._subs:
             self._start(wid)
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
+        self._running = False
+        tasks = [*self._tasks.values(), *self._dropped]
         self._tasks.clear()
         for t in tasks:
             t.cancel()

@@ -210,7 +210,9 @@ class KvEventIndex:
     # -- stream state (the subscriber calls these) -----------------------------------------------
 
     def set_state(self, worker_id: str, state: str, reason: str | None = None) -> None:
-        w = self._workers[worker_id]
+        w = self._workers.get(worker_id)
+        if w is None:  # removed from the gateway: its subscription is ending
+            return
         if w.state == "misaligned" and state != "stopped":
             return  # only a new epoch (clear(restart=True)) re-arms a misaligned worker
         w.state = state

@@ -105,6 +105,7 @@ class SharedRegistry(Registry):
         except TableFull:
             del self._workers[worker.id]
             self.changed()
+            self._gone(worker)
             raise
         worker.shared = _Cells(self.table, slot, key)
         old = self._leaving.pop(slot, None)

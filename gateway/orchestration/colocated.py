@@ -8,6 +8,7 @@ from common.workers import Role
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.orchestration.blame import LegShape, leg_failure
 from gateway.orchestration.context import Phase, RequestContext
+from gateway.orchestration.feedback import read_colocated
 from gateway.orchestration.legs import Leg
 from gateway.orchestration.relay import relay
 from gateway.orchestration.services import Services, engine_headers
@@ -35,3 +36,5 @@ async def run_colocated(s: Services, ctx: RequestContext, w: Worker) -> None:
         except (UpstreamConnectError, UpstreamProtocolError) as e:
             raise leg_failure(e, f"worker {w.id}", "colocated", w.id) from None
         leg.complete()
+        if s.needs.cached_tokens:
+            read_colocated(ctx, w, leg.resp)

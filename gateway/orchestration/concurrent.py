@@ -20,6 +20,7 @@ from gateway.http.client import UpstreamResponse
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.orchestration.blame import LegShape, leg_failure, prefill_refusal, upstream_status_error
 from gateway.orchestration.context import Phase, RequestContext
+from gateway.orchestration.feedback import reported
 from gateway.orchestration.legs import Handoff, Leg
 from gateway.orchestration.relay import relay
 from gateway.orchestration.services import Services, engine_headers
@@ -108,7 +109,9 @@ def _judge(
     a = ctx.attempt
     a.prefill_done_at = time.monotonic()
     s.metrics.child(s.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
-    return pleg.worker.adapter.judge_prefill(ctx.req, hctx, status, out)
+    verdict = pleg.worker.adapter.judge_prefill(ctx.req, hctx, status, out)
+    a.cached = reported(pleg.worker, verdict.cached, ctx.view.prompt_tokens)
+    return verdict
 
 
 async def _refused(s: Services, h: Handoff, hctx: HandoffCtx, status: int, verdict: PrefillVerdict) -> None:

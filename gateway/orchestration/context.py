@@ -24,6 +24,7 @@ from common.outcomes import LegRecord
 from common.request import ParsedRequest
 from gateway.deadlines import Deadline, DeadlineWheel
 from gateway.http.server import Responder
+from gateway.orchestration.keying import prompt_key
 from policies.snapshot import RequestView
 
 Header = tuple[bytes, bytes]
@@ -54,6 +55,9 @@ class Attempt(msgspec.Struct, eq=False):
     first_byte_at: float = 0.0
     moved_from: list[str] | None = None  # vLLM decodes this attempt's decode leg left
     legs: list[LegRecord] = []  # each engine leg's outcome, in the order they ended
+    # the prompt tokens the engine that prefilled found cached, as it reported them (None: not
+    # reported, or not read: gateway/orchestration/feedback.py)
+    cached: int | None = None
 
 
 class RequestContext(msgspec.Struct, eq=False):
@@ -82,6 +86,9 @@ class RequestContext(msgspec.Struct, eq=False):
     # its own size explains a run past the total deadline (sizing.py): then no verdict on its workers
     client_sized: bool = False
     error: str | None = None  # the failure's detail, for the access log line (never the client's)
+    # the client asked why its worker was chosen (`explain_header`); the answer's extra headers
+    explain: bool = False
+    extra: tuple[Header, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -120,8 +127,11 @@ class RequestContext(msgspec.Struct, eq=False):
         return u
 
 
-def request_view(req: ParsedRequest, request_id: str, chars_per_token: float) -> RequestView:
-    """What routing needs of a request (policies read only this)."""
+def request_view(
+    req: ParsedRequest, request_id: str, chars_per_token: float, keyed: bool = False
+) -> RequestView:
+    """What routing needs of a request (policies read only this). `keyed`: with its prompt's key
+    (`prompt_key`; where the policy matches prefixes, `Needs.prompt_key`)."""
     units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / chars_per_token) + 1
     return RequestView(
         request_id=request_id,
@@ -133,6 +143,7 @@ def request_view(req: ParsedRequest, request_id: str, chars_per_token: float) ->
         n=req.n,
         greedy=req.greedy,
         session_key=_session_key(req.fields.session_id) or req.fields.user,
+        prompt_key=prompt_key(req) if keyed else None,
     )
 
 

@@ -31,11 +31,12 @@ from common.workers import RouteKind
 from gateway.config import GatewayConfig
 from gateway.deadlines import DeadlineWheel
 from gateway.http.server import HttpResponder, Responder
-from gateway.logging import get_logger, info_enabled, line_logger
+from gateway.logging import debug_enabled, get_logger, info_enabled, line_logger
 from gateway.metrics import GatewayMetrics
 from gateway.orchestration.attempts import backoff_s, out_of_rungs, plan, rung
 from gateway.orchestration.blame import exclusions
 from gateway.orchestration.context import Attempt, Phase, RequestContext, request_view
+from gateway.orchestration.decisions import explain_plan
 from gateway.orchestration.dispatch import execute
 from gateway.orchestration.public import screened
 from gateway.orchestration.quarantine import Quarantine
@@ -71,13 +72,16 @@ class Orchestrator:
         self.quarantine = Quarantine(registry, metrics, r.quarantine_s, r.death_probe_s)
         self._log_done = info_enabled(log)  # the access log line is built only when it is written
         self._access = line_logger(log)  # what writes it
+        self._log_decisions = debug_enabled(log)  # decision records: at debug level
         self._wheel: DeadlineWheel | None = None
         self._done_metrics: dict[tuple[RouteKind, str, str, str], tuple[Any, Any, Any]] = {}
 
     # -- entry ---------------------------------------------------------------------------------
 
     def view(self, req: ParsedRequest, request_id: str) -> RequestView:
-        return request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
+        return request_view(
+            req, request_id, self.cfg.guards.chars_per_token_estimate, self.s.needs.prompt_key
+        )
 
     def context(
         self,
@@ -96,7 +100,9 @@ class Orchestrator:
         wheel = self._wheel
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
-        view = request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
+        view = request_view(
+            req, request_id, self.cfg.guards.chars_per_token_estimate, self.s.needs.prompt_key
+        )
         ctx = RequestContext(req, request_id, res, task, view, wheel, headers, echo)
         ctx.client_sized = outgrows(view, self.cfg.timeouts)
         return ctx
@@ -160,6 +166,8 @@ class Orchestrator:
             ctx.attempt = Attempt()
         if not isinstance(p, Reject):
             ctx.planned = plan_worker_ids(p)
+            if ctx.explain or self._log_decisions:
+                explain_plan(self.s, ctx, p)
             self.policy.observe(routed_event(ctx.view, p))
         return p
 
@@ -168,7 +176,9 @@ class Orchestrator:
         a.phase = Phase.DONE
         ttft = (a.first_byte_at - ctx.began) if a.first_byte_at else None
         # the plan's workers (a moved vLLM decode's new one)
-        self.policy.observe(Completed(ctx.request_id, ctx.planned, ttft_s=ttft, legs=tuple(a.legs)))
+        self.policy.observe(
+            Completed(ctx.request_id, ctx.planned, ttft_s=ttft, cached_tokens=a.cached, legs=tuple(a.legs))
+        )
 
     def _failed(self, ctx: RequestContext, e: UpstreamFailure) -> float:
         """An attempt failed: told to the policy and counted; raises `e` when no other attempt
@@ -212,7 +222,7 @@ class Orchestrator:
             res.end()
         else:
             # errors name their request too
-            res.send(e.status, [*e.headers(), ctx.echo], e.body(ctx.request_id))
+            res.send(e.status, [*e.headers(), ctx.echo, *ctx.extra], e.body(ctx.request_id))
 
     def _done(self, ctx: RequestContext) -> None:
         """The request's counters and latency figures, and its access log line."""

@@ -85,7 +85,7 @@ async def _whole(
     if transform is not None:
         body = transform(body)
     ctx.attempt.first_byte_at = time.monotonic()
-    ctx.res.send(200, [(b"content-type", ctype), ctx.echo], body)
+    ctx.res.send(200, [(b"content-type", ctype), ctx.echo, *ctx.extra], body)
 
 
 class _Stream(msgspec.Struct, eq=False):
@@ -104,7 +104,7 @@ class _Stream(msgspec.Struct, eq=False):
 
     async def run(self, ctype: bytes) -> None:
         ctx, resp = self.ctx, self.resp
-        head = [(b"content-type", ctype), (b"cache-control", b"no-cache"), ctx.echo]
+        head = [(b"content-type", ctype), (b"cache-control", b"no-cache"), ctx.echo, *ctx.extra]
         sink = self._writer(head)
         if self.kept is not None or self.transform is not None:
             sink = self._sink(sink)

@@ -23,6 +23,7 @@ from gateway.logging import get_logger
 from gateway.orchestration.attempts import other_decode
 from gateway.orchestration.blame import DecodeUnreached, LegShape, leg_failure, prefill_refusal
 from gateway.orchestration.context import Phase, RequestContext
+from gateway.orchestration.feedback import reported
 from gateway.orchestration.legs import Handoff, Leg
 from gateway.orchestration.relay import relay
 from gateway.orchestration.services import Services, engine_headers
@@ -90,6 +91,7 @@ async def _prefill(
                 )
             raise prefill_refusal(p.id, d.id, verdict, decode_took=False)
         pleg.complete()
+    ctx.attempt.cached = reported(p, verdict.cached, ctx.view.prompt_tokens)
     return verdict, out, hctx
 
 

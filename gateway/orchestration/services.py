@@ -16,7 +16,7 @@ from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.registry import Registry, Worker
-from policies.base import Policy
+from policies.base import Needs, Policy, needs_of
 
 log = get_logger("pd_gateway.request")
 
@@ -34,7 +34,7 @@ def engine_headers(w: Worker, headers: list[Header]) -> list[Header]:
 
 
 class Services:
-    __slots__ = ("background", "cfg", "metrics", "policy", "registry", "rng")
+    __slots__ = ("background", "cfg", "metrics", "needs", "policy", "registry", "rng")
 
     def __init__(
         self,
@@ -49,6 +49,8 @@ class Services:
         self.metrics = metrics
         self.cfg = cfg
         self.rng = rng
+        # what the policy reads beyond the usual (a prompt key; the cached tokens an answer reports)
+        self.needs: Needs = needs_of(policy)
         self.background: set[asyncio.Task[None]] = set()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:

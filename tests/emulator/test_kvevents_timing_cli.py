@@ -106,7 +106,9 @@ def test_timing_shape() -> None:
 
 async def test_cached_prefix_shortens_prefill_wall_clock(emu: Factory, http: aiohttp.ClientSession) -> None:
     # time_scale 1 on a 70B/A100 profile: a 6000-token prefill takes ~0.25 s, cached ~0.0x s
-    s = await emu("vllm", "both", profile="llama-3-70b-a100", time_scale=1.0)
+    s = await emu(
+        "vllm", "both", profile="llama-3-70b-a100", time_scale=1.0, enable_prompt_tokens_details=True
+    )
     loop = asyncio.get_running_loop()
     body = {"prompt": [1] + [9] * 6000, "max_tokens": 1}
     t0 = loop.time()

@@ -88,7 +88,7 @@ async def test_completions_handoff_equals_colocated(emu: Factory, http: aiohttp.
     assert ds == 200 and dobj["kv_transfer_params"] is None
     assert dobj["choices"][0]["token_ids"] == json.loads(ref)["choices"][0]["token_ids"]
     assert dobj["id"] == pobj["id"] and dobj["id"].startswith("cmpl-")
-    assert dobj["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert dobj["usage"]["prompt_tokens_details"] is None  # (no --enable-prompt-tokens-details)
     async with http.get(d.url + "/metrics") as r:
         m = await r.text()
     assert (
@@ -183,7 +183,7 @@ async def test_get_endpoints(emu: Factory, http: aiohttp.ClientSession) -> None:
 
 
 async def test_x_request_id_and_cached_tokens(emu: Factory, http: aiohttp.ClientSession) -> None:
-    s = await emu("vllm", "both")
+    s = await emu("vllm", "both", enable_prompt_tokens_details=True)
     body = {"prompt": "a" * 40, "max_tokens": 2}
     _, t1 = await post(http, s.url + "/v1/completions", body, "abc")
     _, t2 = await post(
@@ -195,6 +195,22 @@ async def test_x_request_id_and_cached_tokens(emu: Factory, http: aiohttp.Client
     _, t3 = await post(http, s.url + "/v1/completions", body)
     assert json.loads(t1)["id"] == "cmpl-abc" and json.loads(t2)["id"] == "chatcmpl-abc"
     assert json.loads(t3)["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    # vLLM fills the details only when asked to, and only above 0: left out of a stream's usage
+    # chunk, null in a whole answer
+    plain = await emu("vllm", "both")
+    _, t4 = await post(http, plain.url + "/v1/completions", body)
+    _, t5 = await post(http, plain.url + "/v1/completions", body)
+    assert json.loads(t4)["usage"]["prompt_tokens_details"] is None
+    assert json.loads(t5)["usage"]["prompt_tokens_details"] is None
+    _, t6 = await post(http, s.url + "/v1/completions", {"prompt": "zz" * 30, "max_tokens": 2})
+    assert json.loads(t6)["usage"]["prompt_tokens_details"] is None  # nothing cached
+    streamed = body | {"stream": True, "stream_options": {"include_usage": True}}
+    _, t7 = await post(http, s.url + "/v1/completions", streamed)
+    last = [json.loads(line[5:]) for line in t7.splitlines() if line.startswith("data: {")][-1]
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    _, t8 = await post(http, plain.url + "/v1/completions", streamed)
+    last = [json.loads(line[5:]) for line in t8.splitlines() if line.startswith("data: {")][-1]
+    assert "prompt_tokens_details" not in last["usage"]
 
 
 async def test_stale_params_give_wrong_tokens(emu: Factory, http: aiohttp.ClientSession) -> None:

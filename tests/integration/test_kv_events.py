@@ -65,6 +65,7 @@ def spec(engine: str, model: str, port: int, max_total_tokens: int = 2048) -> Em
         kv_events=f"tcp://127.0.0.1:{port}",
         block_size=BLOCK,
         max_total_tokens=max_total_tokens,
+        enable_prompt_tokens_details=engine == "vllm",  # (vLLM reports cached tokens only so)
     )
 
 
@@ -132,7 +133,7 @@ async def generate(http: aiohttp.ClientSession, s: Setup, engine: str, ids: list
 async def caught_up(s: Setup, engine: str, within_s: float = 5.0) -> None:
     """Until the index is live and has applied every batch the engine published."""
     publisher = s.emulators[engine].server.publisher
-    index = s.gateway.kv_events.index  # type: ignore[union-attr]
+    index = s.gateway.kv_events.index
     async with asyncio.timeout(within_s):
         while True:
             w = index.worker(engine)
@@ -150,7 +151,7 @@ def engine_keys(s: Setup, engine: str) -> set[int]:
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 async def test_the_precise_index_predicts_what_the_engine_reports(setup: Setup, engine: str) -> None:
     s = setup
-    index = s.gateway.kv_events.index  # type: ignore[union-attr]
+    index = s.gateway.kv_events.index
     model = f"m-{engine}"
     rng = random.Random(7)
     # conversations over shared system prompts; 2048 tokens of KV: the engine evicts
@@ -190,7 +191,7 @@ async def test_the_precise_index_predicts_what_the_engine_reports(setup: Setup, 
 
 async def test_an_engine_restart_is_a_new_epoch(setup: Setup) -> None:
     s = setup
-    index = s.gateway.kv_events.index  # type: ignore[union-attr]
+    index = s.gateway.kv_events.index
     ids = list(range(3, 200))
     async with aiohttp.ClientSession() as http:
         await generate(http, s, "vllm", ids)
@@ -231,7 +232,7 @@ async def test_an_engine_restart_is_a_new_epoch(setup: Setup) -> None:
 async def test_a_wrong_scheme_or_block_size_is_reported(kv: dict[str, Any], reason: str) -> None:
     s = await start({"vllm": kv, "sglang": kv})
     try:
-        index = s.gateway.kv_events.index  # type: ignore[union-attr]
+        index = s.gateway.kv_events.index
         with capture_logs() as logs:
             async with aiohttp.ClientSession() as http:
                 for engine in ("vllm", "sglang"):

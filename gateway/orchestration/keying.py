@@ -1,0 +1,50 @@
+"""A request's prompt as a `PromptKey` (policies/prompt_key.py), for policies that match prefixes.
+
+Made once per request, and only where the policy reads it (`Needs.prompt_key`): token ids where
+the request has them (a completions `prompt` of ids, `/generate`'s `input_ids`, SGLang's chat
+`input_ids`, which replace its template), else the text (a completions `prompt` or `/generate`
+`text` as given; a chat's messages and tools rendered canonically by `PromptKey.from_chat`).
+Batches are not keyed (None), nor is a prompt in a form only the engines' lax readers take
+(ids as strings or floats): its routing is then load-aware without the cache.
+
+A text prompt's JSON string without escapes is its UTF-8 text between the quotes: taken as it
+is, without decoding it (the usual case, and the cheap one for a long prompt).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from common.request import ParsedRequest
+from common.workers import RouteKind
+from policies.prompt_key import PromptKey
+
+_ids = msgspec.json.Decoder(list[int])
+_text = msgspec.json.Decoder(str)
+_any = msgspec.json.Decoder()
+
+
+def prompt_key(req: ParsedRequest) -> PromptKey | None:
+    """The key of the request's prompt; None for a batch or a prompt it cannot key."""
+    if req.is_batch:
+        return None
+    f = req.fields
+    try:
+        if req.route is RouteKind.CHAT:
+            if f.input_ids:  # SGLang's chat: these ids are its prompt (the template is skipped)
+                return PromptKey.from_token_ids(_ids.decode(f.input_ids))
+            tools = _any.decode(f.tools) if f.tools else None
+            return PromptKey.from_chat(_any.decode(f.messages), tools)
+        if req.route is RouteKind.COMPLETIONS:
+            raw = bytes(f.prompt)
+        else:  # /generate: SGLang reads `input_ids` whenever they are given
+            raw = bytes(f.input_ids) if f.input_ids else bytes(f.text)
+        if req.prompt_is_ids:
+            return PromptKey.from_token_ids(_ids.decode(raw))
+        raw = raw.strip()
+        if b"\\" not in raw and raw[:1] == b'"' and raw[-1:] == b'"':
+            data = raw[1:-1]
+            return PromptKey("text", data, len(data), None)
+        return PromptKey.from_text(_text.decode(raw))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
