@@ -54,6 +54,9 @@ class Attempt(msgspec.Struct, eq=False):
     first_byte_at: float = 0.0
     moved_from: list[str] | None = None  # vLLM decodes this attempt's decode leg left
     legs: list[LegRecord] = []  # each engine leg's outcome, in the order they ended
+    decision: str = ""  # the plan's reason (the decider's verdict: "cost:pd:roomy", ...)
+    chunks: int = 0  # a relayed stream's upstream reads
+    output_tokens: int | None = None  # the answer's own count, where the relay read one
 
 
 class RequestContext(msgspec.Struct, eq=False):
@@ -76,6 +79,9 @@ class RequestContext(msgspec.Struct, eq=False):
     # the workers of the plan running now (a moved vLLM decode's new one), for whoever waits
     # on requests not started yet (the admin API removing a worker)
     planned: tuple[str, ...] = ()
+    # the policy was told `Routed` for the attempt running now and not yet how it ended (every
+    # `Routed` is followed by one `Completed` or `Failed`, whatever way the request ends)
+    routed: bool = False
     outcome: str = "ok"
 
     @property

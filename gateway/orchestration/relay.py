@@ -72,7 +72,9 @@ async def _whole(
     body = await resp.read()
     resp.release()
     if check is not None:
-        why = check.check_end(check.summarize([body]))
+        summary = check.summarize([body])
+        ctx.attempt.output_tokens = summary.completion_tokens
+        why = check.check_end(summary)
         if why is not None:
             raise integrity(s, check, why, w, "before_first_byte")
         if check.verify is not None:
@@ -118,6 +120,9 @@ class _Stream(msgspec.Struct, eq=False):
         resp.release()
         end = time.monotonic()
         a, m = ctx.attempt, self.s.metrics
+        a.chunks = resp.reads
+        if self.watch is not None and self.watch.summary is not None:
+            a.output_tokens = self.watch.summary.completion_tokens
         m.child(m.phase, "decode").observe(end - a.first_byte_at)
         if resp.reads > 1:
             m.child(m.itl, ctx.req.route.value, a.plan_kind).observe(
