@@ -43,6 +43,9 @@ from common.outcomes import LegOutcome
 from policies.base import Completed, Failed, PolicyEvent, PolicyMetric, Routed, WorkerGone
 from policies.snapshot import Role, WorkerState
 
+# the priors' weight in a fit, in outcomes: a few real ones outweigh them
+PRIOR_WEIGHT = 0.5
+
 
 def prefill_work(new: float, cached: float, crossover: float) -> float:
     """Token-equivalents of prefilling `new` tokens after `cached` ones (module docstring)."""
@@ -167,6 +170,7 @@ class _Pending:
 
     __slots__ = (
         "at",
+        "booked",
         "decode",
         "kind",
         "max_tokens",
@@ -180,6 +184,7 @@ class _Pending:
 
     def __init__(self) -> None:
         self.at = 0.0
+        self.booked = 0.0  # prefill seconds booked on its prefilling worker, until settled
         self.kind = ""  # "pd", "local" (a decode or colocated worker prefilling itself)
         self.prefill = ""  # the worker that prefills
         self.decode = ""  # the worker that decodes
@@ -214,6 +219,7 @@ class CostModel:
     _handoff: dict[tuple[str, str], LinearFit] = field(default_factory=dict)
     _tpot: dict[str, Ewma] = field(default_factory=dict)
     _queue: dict[str, tuple[float, float]] = field(default_factory=dict)  # worker -> (seconds, as of)
+    _open: dict[str, float] = field(default_factory=dict)  # worker -> booked seconds not yet settled
     _decoders: dict[str, _Decoder] = field(default_factory=dict)
     _pair_fail: dict[tuple[str, str], float] = field(default_factory=dict)
     _pending: OrderedDict[str, _Pending] = field(default_factory=OrderedDict)
@@ -227,7 +233,13 @@ class CostModel:
     def _new_prefill_fit(self) -> LinearFit:
         p = self.priors
         return LinearFit(
-            p.prefill_overhead_s, 1.0 / p.prefill_rate, 8192.0, forget=p.forget, b_min=1e-9, b_max=1.0
+            p.prefill_overhead_s,
+            1.0 / p.prefill_rate,
+            8192.0,
+            prior_weight=PRIOR_WEIGHT,
+            forget=p.forget,
+            b_min=1e-9,
+            b_max=1.0,
         )
 
     def prefill_fit(self, worker_id: str, peers: tuple[str, ...] = ()) -> tuple[float, float]:
@@ -270,10 +282,22 @@ class CostModel:
 
     def queue_s(self, w: WorkerState, now: float) -> float:
         """Prefill seconds queued on the worker at `now` (module docstring)."""
-        q = self._queue.get(w.id)
-        fluid = 0.0 if q is None else max(0.0, q[0] - (now - q[1]))
+        fluid = self._ahead(w.id, now)
         floor = w.load.waiting * self._mean_request_s
         return fluid if fluid > floor else floor
+
+    def _ahead(self, worker_id: str, now: float) -> float:
+        """The booked seconds left on a worker: draining one second per second, and never more
+        than what was booked for the requests whose prefill is not known to be done (a prefill
+        faster than predicted leaves no phantom queue behind)."""
+        q = self._queue.get(worker_id)
+        if q is None:
+            return 0.0
+        fluid = q[0] - (now - q[1])
+        if fluid <= 0.0:
+            return 0.0
+        open_s = self._open.get(worker_id, 0.0)
+        return fluid if fluid < open_s else open_s
 
     def pair_failure(self, prefill_id: str, decode_id: str) -> float:
         """The share of recent handoffs on the pair that failed (0 without any)."""
@@ -309,9 +333,9 @@ class CostModel:
 
     def _book(self, worker_id: str, seconds: float, now: float) -> float:
         """Add prefill seconds to a worker's queue; returns what was queued ahead."""
-        q = self._queue.get(worker_id)
-        ahead = 0.0 if q is None else max(0.0, q[0] - (now - q[1]))
+        ahead = self._ahead(worker_id, now)
         self._queue[worker_id] = (ahead + seconds, now)
+        self._open[worker_id] = self._open.get(worker_id, 0.0) + seconds
         self._mean_request_s += 0.05 * (seconds - self._mean_request_s)
         return ahead
 
@@ -332,6 +356,7 @@ class CostModel:
         a, b = self.prefill_fit(pre, peers)
         seconds = a + b * p.work
         p.queued_s = self._book(pre, seconds, now)
+        p.booked = seconds
         p.max_tokens = ev.max_tokens
         p.out = self.output_tokens(ev.max_tokens) if ev.max_tokens > 0 else 1
         decoder = self._decoders.get(p.decode)
@@ -349,17 +374,27 @@ class CostModel:
         decoder.running[ev.request_id] = p
         pending = self._pending
         old = pending.pop(ev.request_id, None)  # (a moved decode: routed again)
-        if old is not None and old.decode != p.decode:
-            self._decoders.get(old.decode, _Decoder()).running.pop(ev.request_id, None)
+        if old is not None:
+            self._drop(ev.request_id, old)
+            if old.decode == p.decode:
+                decoder.running[ev.request_id] = p
         pending[ev.request_id] = p
         if len(pending) > self.priors.max_tracked:
             rid, gone = pending.popitem(last=False)
             self._drop(rid, gone)
 
     def _drop(self, rid: str, p: _Pending) -> None:
+        """A request's outcome came (or it is forgotten): off its decoder, its booking settled."""
         d = self._decoders.get(p.decode)
         if d is not None:
             d.running.pop(rid, None)
+        if p.booked:
+            left = self._open.get(p.prefill, 0.0) - p.booked
+            if left > 1e-9:
+                self._open[p.prefill] = left
+            else:
+                self._open.pop(p.prefill, None)
+            p.booked = 0.0
 
     def _completed(self, ev: Completed) -> None:
         p = self._pending.pop(ev.request_id, None)
@@ -383,6 +418,7 @@ class CostModel:
                         pr.transfer_overhead_s,
                         pr.transfer_s_per_token,
                         8192.0,
+                        prior_weight=PRIOR_WEIGHT,
                         forget=pr.forget,
                         b_min=1e-12,
                         b_max=1e-2,
@@ -452,10 +488,14 @@ class CostModel:
         """A worker left or restarted: its queue and decodes are gone; its speed is kept (the
         same hardware, likely)."""
         self._queue.pop(worker_id, None)
-        d = self._decoders.pop(worker_id, None)
+        d = self._decoders.get(worker_id)
         if d is not None:
-            for rid in d.running:
-                self._pending.pop(rid, None)
+            for rid in list(d.running):
+                p = self._pending.pop(rid, None)
+                if p is not None:
+                    self._drop(rid, p)
+            del self._decoders[worker_id]
+        self._open.pop(worker_id, None)
         for key in [k for k in self._pair_fail if worker_id in k]:
             del self._pair_fail[key]
 

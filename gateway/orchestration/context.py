@@ -52,6 +52,7 @@ class Attempt(msgspec.Struct, eq=False):
     started: float = msgspec.field(default_factory=time.monotonic)
     prefill_done_at: float = 0.0
     first_byte_at: float = 0.0
+    first_token_at: float = 0.0  # a relayed stream's first token, as near as the relay knows it
     moved_from: list[str] | None = None  # vLLM decodes this attempt's decode leg left
     legs: list[LegRecord] = []  # each engine leg's outcome, in the order they ended
     decision: str = ""  # the plan's reason (the decider's verdict: "cost:pd:roomy", ...)

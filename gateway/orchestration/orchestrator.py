@@ -283,7 +283,7 @@ def _timings(a: Attempt, stream: bool) -> Timings:
     return Timings(
         end_s=time.monotonic() - start,
         prefill_s=(a.prefill_done_at - start) if a.prefill_done_at else None,
-        first_token_s=(a.first_byte_at - start) if stream and a.first_byte_at else None,
+        first_token_s=(a.first_token_at - start) if stream and a.first_token_at else None,
         chunks=a.chunks,
         output_tokens=a.output_tokens,
     )
