@@ -108,7 +108,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
             flag,
             default=None,
             metavar="NAME",
-            help="round_robin | random | least_load | power_of_two | plugin:NAME"
+            help="round_robin | random | least_load | power_of_two | session_affinity | cache_aware | plugin:NAME"
             + ("" if flag == "--policy" else " (default: --policy)"),
         )
     r.add_argument(

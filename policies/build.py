@@ -25,6 +25,7 @@ from policies.config import (
     PowerOfTwoCfg,
     RandomCfg,
     RoundRobinCfg,
+    SessionAffinityCfg,
     _LoadCfg,
 )
 from policies.cost_model import CostPriors
@@ -36,6 +37,7 @@ from policies.power_of_two import power_of_two_profile
 from policies.prefix_source import PrefixSource
 from policies.random import random_profile
 from policies.round_robin import round_robin_profile
+from policies.session_affinity import SessionAffinityPicker, session_affinity_profile
 
 
 class PolicyBuildError(Exception):
@@ -113,6 +115,9 @@ def build_selector(
             return least_load_profile(_weights(cfg), f"least_load/{role}")
         case PowerOfTwoCfg():
             return power_of_two_profile(_weights(cfg), _rng(cfg.seed, role), f"power_of_two/{role}")
+        case SessionAffinityCfg():
+            picker = SessionAffinityPicker(cfg.load_factor, cfg.ttft_slo_s, cfg.prefill_rate, cfg.waiting_s)
+            return session_affinity_profile(picker, _weights(cfg), f"session_affinity/{role}")
         case CacheAwareCfg():
             ctx = context if context is not None else BuildContext()
             state = ctx.state(cfg)

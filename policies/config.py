@@ -58,6 +58,27 @@ class PowerOfTwoCfg(_LoadCfg, tag="power_of_two", frozen=True):
     seed: int | None = None
 
 
+class SessionAffinityCfg(_LoadCfg, tag="session_affinity", frozen=True):
+    """`policies.session_affinity`: a session (`x-session-id`, body `session_id` or `user`) stays
+    on its rendezvous-hashed worker while that worker's load stays within `load_factor` x the
+    mean and its predicted prefill queue within `ttft_slo_s`; else, and without a session, the
+    least loaded (the load weights)."""
+
+    load_factor: float = 1.25  # consistent hashing with bounded loads: at most this x the mean
+    ttft_slo_s: float = 2.0  # leave the home worker when its predicted queue is longer
+    prefill_rate: float = 10_000.0  # tokens/s: in-flight tokens -> predicted queue seconds
+    waiting_s: float = 0.5  # seconds per request the engine reports waiting
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (math.isfinite(self.load_factor) and self.load_factor >= 1.0):
+            raise ValueError(f"load_factor must be a finite number >= 1, got {self.load_factor}")
+        for name in ("ttft_slo_s", "prefill_rate", "waiting_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+
+
 class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     """`policies.cache_aware`: the lowest predicted time to first token, from the prefix caches
     (docs/policies.md). The first five keys are sglang-router's / vllm-router's, same meaning."""
@@ -120,13 +141,16 @@ class PluginCfg(_Cfg, tag="plugin", frozen=True):
             raise ValueError("plugin name must not be empty")
 
 
-PolicyCfg = RoundRobinCfg | RandomCfg | LeastLoadCfg | PowerOfTwoCfg | CacheAwareCfg | PluginCfg
+PolicyCfg = (
+    RoundRobinCfg | RandomCfg | LeastLoadCfg | PowerOfTwoCfg | SessionAffinityCfg | CacheAwareCfg | PluginCfg
+)
 
 BUILTIN_POLICY_NAMES: tuple[str, ...] = (
     "round_robin",
     "random",
     "least_load",
     "power_of_two",
+    "session_affinity",
     "cache_aware",
 )
 

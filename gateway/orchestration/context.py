@@ -117,8 +117,11 @@ class RequestContext(msgspec.Struct, eq=False):
         return u
 
 
-def request_view(req: ParsedRequest, request_id: str, chars_per_token: float) -> RequestView:
-    """What routing needs of a request (policies read only this)."""
+def request_view(
+    req: ParsedRequest, request_id: str, chars_per_token: float, session: bytes | None = None
+) -> RequestView:
+    """What routing needs of a request (policies read only this). `session`: its session
+    header's value, which comes before the body's `session_id` and `user`."""
     units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / chars_per_token) + 1
     return RequestView(
         request_id=request_id,
@@ -129,7 +132,9 @@ def request_view(req: ParsedRequest, request_id: str, chars_per_token: float) ->
         stream=req.stream,
         n=req.n,
         greedy=req.greedy,
-        session_key=_session_key(req.fields.session_id) or req.fields.user,
+        session_key=(session.decode("latin-1") if session else None)
+        or _session_key(req.fields.session_id)
+        or req.fields.user,
     )
 
 

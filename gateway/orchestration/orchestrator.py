@@ -80,9 +80,11 @@ class Orchestrator:
         res: Responder,
         task: asyncio.Task[None],
         auth: bytes | None = None,
+        session: bytes | None = None,
     ) -> RequestContext:
         """A request's context, for `serve`: `task` is its handler's (what its deadlines cancel),
-        `auth` the client's Authorization header (forwarded where configured)."""
+        `auth` the client's Authorization header (forwarded where configured), `session` its
+        session header's value (`session_headers`)."""
         echo = (b"x-request-id", request_id.encode())
         headers = [(b"content-type", b"application/json"), echo]
         if auth is not None and self.cfg.forward_authorization:
@@ -90,7 +92,7 @@ class Orchestrator:
         wheel = self._wheel
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
-        view = request_view(req, request_id, self.cfg.guards.chars_per_token_estimate)
+        view = request_view(req, request_id, self.cfg.guards.chars_per_token_estimate, session)
         return RequestContext(req, request_id, res, task, view, wheel, headers, echo)
 
     async def serve(self, ctx: RequestContext) -> None:
