@@ -517,6 +517,10 @@ class CostModel:
         """Requests in flight the model keeps (each `Routed` until its `Completed`/`Failed`)."""
         return len(self._pending)
 
+    def booked_s(self, worker_id: str) -> float:
+        """Prefill seconds booked on the worker for requests whose outcome has not come."""
+        return self._open.get(worker_id, 0.0)
+
     def running_on(self, worker_id: str) -> int:
         d = self._decoders.get(worker_id)
         return 0 if d is None else len(d.running)
