@@ -2,15 +2,18 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+PLUGIN := examples/policy-plugin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(PLUGIN)/pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
 .PHONY: venv test lint typecheck pytest run demo bench perf-report clean e2e-vllm e2e-sglang e2e-venvs
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(PLUGIN)/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,bench,emulator]'
+	# the example policy plugin (docs/policies.md): its entry point and its tests run in `make test`
+	$(BIN)/python -m pip install -q --no-deps -e $(PLUGIN)
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

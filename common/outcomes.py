@@ -55,3 +55,38 @@ class LegRecord(msgspec.Struct, frozen=True, gc=False):
     role: str
     outcome: LegOutcome
     error: str | None = None
+
+
+class Timings(msgspec.Struct, frozen=True, gc=False):
+    """When the phases of the attempt that served a request ended, in seconds from the
+    attempt's start (the moment it was planned), for whoever learns a cost model from outcomes
+    (the P/D decider: prefill rates per worker, handoff cost per pair, time per output token).
+
+    `prefill_s`: a P/D prefill's answer came (SGLang's once its KV was sent, vLLM's once its KV
+    was ready to pull); None on a colocated plan. `first_token_s`: a stream's first bytes went to
+    the client (its first token; after a handoff, once its KV came); None for a whole answer,
+    whose first byte is its last. `end_s`: the answer's last byte. `chunks`: the upstream reads
+    of a stream (about one per token event, fewer when events came together), 0 for a whole
+    answer. `output_tokens`: the answer's own count where the gateway read one (a checked
+    stream's usage, a whole answer's), else None."""
+
+    end_s: float
+    prefill_s: float | None = None
+    first_token_s: float | None = None
+    chunks: int = 0
+    output_tokens: int | None = None
+
+    @property
+    def handoff_s(self) -> float | None:
+        """From a P/D prefill's answer to the first token (the KV's transfer, the decode's queue
+        and its first step), where both are known."""
+        if self.prefill_s is None or self.first_token_s is None:
+            return None
+        return max(0.0, self.first_token_s - self.prefill_s)
+
+    @property
+    def decode_s(self) -> float | None:
+        """From the first token to the last (a stream's)."""
+        if self.first_token_s is None:
+            return None
+        return max(0.0, self.end_s - self.first_token_s)

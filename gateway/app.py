@@ -33,6 +33,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.multiprocess.siblings import ControlServer, ProcessContext, Siblings
 from gateway.orchestration import Orchestrator
 from gateway.registry import Registry, Worker
+from policies.base import MetricSource
 from policies.build import build_policy
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ class Gateway:
         if states:
             self.metrics.registry.register(CacheCollector(states))
         self.metrics.watch_cluster(self.registry.snapshot, self.registry.pair_states)
+        if isinstance(self.policy, MetricSource):
+            self.metrics.watch_policy(self.policy.metrics)
         self.orchestrator = Orchestrator(self.registry, self.policy, self.metrics, cfg)
         self.health = HealthChecker(self.registry, cfg.health)
         lim = cfg.limits

@@ -108,7 +108,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
             flag,
             default=None,
             metavar="NAME",
-            help="round_robin | random | least_load | power_of_two | plugin:NAME"
+            help="round_robin | random | least_load | power_of_two | session_affinity | cache_aware | plugin:NAME"
             + ("" if flag == "--policy" else " (default: --policy)"),
         )
     r.add_argument(
@@ -119,6 +119,21 @@ def build_serve_parser() -> argparse.ArgumentParser:
         help="disaggregate only prompts of at least this many tokens (less any the policy knows to be cached "
         f"on the decode: the built-in policies assume none); default {_DECIDER.min_prefill_tokens}: always",
     )
+    r.add_argument(
+        "--decider",
+        default=None,
+        choices=("threshold", "always", "never", "cost_model"),
+        help="disaggregate or not, per request (docs/policies.md, Deciders); default "
+        f"{_DECIDER.type}; cost_model weighs each alternative's predicted TTFT and TPOT",
+    )
+    for flag, key in (("--ttft-slo-s", "ttft_slo_s"), ("--tpot-slo-s", "tpot_slo_s")):
+        r.add_argument(
+            flag,
+            type=float,
+            default=None,
+            metavar="S",
+            help=f"the cost_model decider's SLO (default {getattr(_DECIDER, key)})",
+        )
 
     k = p.add_argument_group("limits")
     k.add_argument(
@@ -219,6 +234,10 @@ def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             guards[key] = args.guards
     if args.min_prefill_tokens is not None:
         section("decider")["min_prefill_tokens"] = args.min_prefill_tokens
+    for key in ("decider", "ttft_slo_s", "tpot_slo_s"):
+        value = getattr(args, key)
+        if value is not None:
+            section("decider")["type" if key == "decider" else key] = value
     if args.request_timeout_s is not None:
         if not (args.request_timeout_s > 0 and math.isfinite(args.request_timeout_s)):
             # checked here: below it would be copied into the phase limits and named after them

@@ -528,6 +528,9 @@ class GatewayConfig(_Section, frozen=True):
     guards: GuardsConfig = GuardsConfig()
     fallback: FallbackConfig = FallbackConfig()
     request_id_headers: tuple[str, ...] = ("x-request-id", "x-correlation-id")
+    # a request's session key (the session_affinity policy), the first of these headers sent,
+    # else the body's `session_id`, else its `user`
+    session_headers: tuple[str, ...] = ("x-session-id",)
     forward_authorization: bool = False  # pass the client's Authorization header to workers
     # a request with an `x-pdgw-explain` header is answered with an `x-pdgw-decision` header:
     # why its worker was chosen (policies/explain.py); off: routing stays private
@@ -553,6 +556,9 @@ class GatewayConfig(_Section, frozen=True):
         for h in self.request_id_headers:
             if not _HEADER_TOKEN.match(h):
                 raise ValueError(f"request_id_headers: {h!r} must be a lowercase header name")
+        for h in self.session_headers:
+            if not _HEADER_TOKEN.match(h):
+                raise ValueError(f"session_headers: {h!r} must be a lowercase header name")
 
     @property
     def effective_prefill_policy(self) -> PolicyCfg:

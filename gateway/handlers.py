@@ -73,6 +73,7 @@ class Handlers:
         self.metrics = metrics
         self.ids = IdGenerator()
         self.id_headers = tuple(h.lower().encode() for h in request_id_headers)
+        self.session_headers = tuple(h.encode() for h in orchestrator.cfg.session_headers)
         self.max_n = max_n
         self.max_tokens_cap = max_tokens_cap
         self.work = work
@@ -278,7 +279,14 @@ class Handlers:
                 return
             task = res.task if res.task is not None else asyncio.current_task()
             assert task is not None
-            ctx = self.orchestrator.context(parsed, request_id, res, task, req.header(b"authorization"))
+            session = None
+            for h in self.session_headers:
+                session = req.header(h)
+                if session is not None:
+                    break
+            ctx = self.orchestrator.context(
+                parsed, request_id, res, task, req.header(b"authorization"), session=session
+            )
             if self.orchestrator.cfg.explain_header and req.header(b"x-pdgw-explain") is not None:
                 ctx.explain = True
             client = self.client_key(req)

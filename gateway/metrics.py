@@ -12,7 +12,7 @@ updated on the hot path.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gateway.breaker import BreakerState
+from policies.base import PolicyMetric
 from policies.snapshot import ClusterSnapshot
 
 if TYPE_CHECKING:
@@ -243,8 +244,31 @@ class GatewayMetrics:
         from the HTTP server at scrape time."""
         self.registry.register(_ConnectionsCollector(stats))
 
+    def watch_policy(self, source: Callable[[], Iterable[PolicyMetric]]) -> None:
+        """What the routing policy exports (its decider's learned rates and verdicts), read at
+        scrape time (`policies.base.MetricSource`)."""
+        self.registry.register(_PolicyCollector(source))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PolicyCollector(Collector):
+    """A policy's `PolicyMetric`s as metric families, one per name (its first doc and kind)."""
+
+    def __init__(self, source: Callable[[], Iterable[PolicyMetric]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for m in self._source():
+            fam = families.get(m.name)
+            if fam is None:
+                names = [k for k, _ in m.labels]
+                kind = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
+                fam = families[m.name] = kind(m.name, m.doc, labels=names)
+            fam.add_metric([v for _, v in m.labels], m.value)
+        yield from families.values()
 
 
 class _ConnectionsCollector(Collector):

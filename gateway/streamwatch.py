@@ -70,6 +70,7 @@ class StreamWatch:
         "_summarize",
         "_write",
         "failed",
+        "summary",
         "violation",
     )
 
@@ -100,6 +101,7 @@ class StreamWatch:
         self._first: Summary | None = None
         self.violation: str | None = None  # a guard failed
         self.failed: str | None = None  # the engine failed before its first token (nothing was sent)
+        self.summary: Summary | None = None  # the whole answer's, once `finish` read it
 
     def write_to(self, write: Callable[[bytes], None]) -> None:
         """Where the passed bytes go from now on (e.g. straight to the client once the first
@@ -174,7 +176,7 @@ class StreamWatch:
         # carry their count): the "finished early" check is skipped, not guessed from the
         # number of events, which is no token count (SGLang sends several tokens per event
         # with --stream-interval > 1 or a held-back multi-byte character; role-only events).
-        end = self._summarize(self._head + _payloads(held))
+        end = self.summary = self._summarize(self._head + _payloads(held))
         if self._first is not None:
             end.first_text = self._first.first_text
             end.first_token_id = self._first.first_token_id

@@ -13,13 +13,13 @@ chooses. `Profile` bundles them and `run_profile()` runs them; the P/D policy in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 
-from common.outcomes import LegRecord
+from common.outcomes import LegRecord, Timings
 from policies.snapshot import (
     ClusterSnapshot,
     Colocated,
@@ -57,6 +57,8 @@ class Routed(msgspec.Struct, frozen=True, tag="routed"):
     max_tokens: int = 0
     prompt_key: PromptKey | None = None  # the request's `RequestView.prompt_key`
     workers: tuple[WorkerState, ...] = ()  # the plan's worker states, in `worker_ids` order
+    reason: str = ""  # the plan's reason (`Colocated.reason`, `Disaggregated.reason`)
+    stream: bool = False
 
     @property
     def disaggregated(self) -> bool:
@@ -70,7 +72,10 @@ class Completed(msgspec.Struct, frozen=True, tag="completed"):
     `cached_tokens`: the prompt tokens the engine that prefilled it found in its prefix cache,
     as it reported them (SGLang `meta_info.cached_tokens`, OpenAI
     `usage.prompt_tokens_details.cached_tokens`); None where it reported nothing. The
-    cache-aware policy compares it with its prediction (accuracy, capacity correction)."""
+    cache-aware policy compares it with its prediction (accuracy, capacity correction).
+
+    `timings`: when the serving attempt's phases ended (`common.outcomes.Timings`: the prefill's
+    answer, the first token, the last byte), what the P/D decider learns its cost model from."""
 
     request_id: str
     worker_ids: tuple[str, ...]
@@ -78,10 +83,13 @@ class Completed(msgspec.Struct, frozen=True, tag="completed"):
     output_tokens: int = 0
     cached_tokens: int | None = None
     legs: tuple[LegRecord, ...] = ()
+    timings: Timings | None = None
 
 
 class Failed(msgspec.Struct, frozen=True, tag="failed"):
-    """An attempt failed. `phase` is where: "connect", "prefill", "handoff", "decode", "guard".
+    """An attempt failed. `phase` is where: "connect", "prefill", "handoff", "decode", "guard";
+    "cancelled" when the client left or a deadline cut the request, "refused" when the gateway
+    refused it after planning: every `Routed` is followed by one `Completed` or `Failed`.
     `legs`: each engine leg's outcome in that attempt, so far (`common.outcomes.LegRecord`)."""
 
     request_id: str
@@ -99,6 +107,27 @@ class WorkerGone(msgspec.Struct, frozen=True, tag="worker_gone"):
 
 
 PolicyEvent = Routed | Completed | Failed | WorkerGone
+
+
+class PolicyMetric(msgspec.Struct, frozen=True):
+    """One value a policy exports (what it learned, what it decided), which the gateway serves
+    on /metrics: `name` a Prometheus metric name, `labels` its (label, value) pairs, `kind`
+    "gauge" or "counter" (a running total)."""
+
+    name: str
+    doc: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+    kind: str = "gauge"
+
+
+@runtime_checkable
+class MetricSource(Protocol):
+    """A policy (or a part of one) with values to export: called at each scrape, outside the
+    request path."""
+
+    def metrics(self) -> Iterable[PolicyMetric]: ...
+
 
 EVENT_TYPES: tuple[type, ...] = (Routed, Completed, Failed, WorkerGone)
 
@@ -146,6 +175,8 @@ def routed_event(req: RequestView, plan: Colocated | Disaggregated) -> Routed:
         max_tokens=req.max_tokens,
         prompt_key=req.prompt_key,
         workers=(plan.prefill, plan.decode) if isinstance(plan, Disaggregated) else (plan.worker,),
+        reason=plan.reason,
+        stream=req.stream,
     )
 
 
@@ -374,6 +405,7 @@ __all__ = [
     "Decision",
     "Failed",
     "Filter",
+    "MetricSource",
     "Needs",
     "NoCacheEstimate",
     "NoCandidates",
@@ -382,6 +414,7 @@ __all__ = [
     "Picker",
     "Policy",
     "PolicyEvent",
+    "PolicyMetric",
     "Profile",
     "RoleSelector",
     "Routed",

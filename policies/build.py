@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import assert_never
 
-from policies.base import CacheEstimator, NonCachedTokensDecider, Policy, RoleSelector
+from policies.base import CacheEstimator, Decider, NonCachedTokensDecider, Policy, RoleSelector, Routed
 from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState, LoadSelector
 from policies.config import (
     CacheAwareCfg,
@@ -25,8 +25,11 @@ from policies.config import (
     PowerOfTwoCfg,
     RandomCfg,
     RoundRobinCfg,
+    SessionAffinityCfg,
     _LoadCfg,
 )
+from policies.cost_model import CostPriors
+from policies.decider import AlwaysDecider, CostModelDecider, CostSettings, NeverDecider, PlanDecider
 from policies.least_load import LoadWeights, least_load_profile
 from policies.pd import PDPolicy
 from policies.plugins import PluginError, PolicyFactory, load_plugin, make_plugin_policy
@@ -34,6 +37,7 @@ from policies.power_of_two import power_of_two_profile
 from policies.prefix_source import PrefixSource
 from policies.random import random_profile
 from policies.round_robin import round_robin_profile
+from policies.session_affinity import SessionAffinityPicker, session_affinity_profile
 
 
 class PolicyBuildError(Exception):
@@ -111,6 +115,9 @@ def build_selector(
             return least_load_profile(_weights(cfg), f"least_load/{role}")
         case PowerOfTwoCfg():
             return power_of_two_profile(_weights(cfg), _rng(cfg.seed, role), f"power_of_two/{role}")
+        case SessionAffinityCfg():
+            picker = SessionAffinityPicker(cfg.load_factor, cfg.ttft_slo_s, cfg.prefill_rate, cfg.waiting_s)
+            return session_affinity_profile(picker, _weights(cfg), f"session_affinity/{role}")
         case CacheAwareCfg():
             ctx = context if context is not None else BuildContext()
             state = ctx.state(cfg)
@@ -165,18 +172,78 @@ def build_policy(
     prefill_sel = build_selector(prefill_cfg, "prefill", loader=loader, context=ctx)
     colocated_sel = build_selector(cfg, "colocated", loader=loader, context=ctx)
     decode_sel = build_selector(decode_cfg, "decode", loader=loader, context=ctx)
-    # a prompt-length decider weighs the decode worker's cache where a cache_aware config keeps
-    # one (with no threshold it always disaggregates: nothing to ask)
-    cache: CacheEstimator | None = None
+    # the decider weighs the workers' caches where a cache_aware config keeps one (a threshold
+    # of 0 always disaggregates: nothing to ask)
+    state: CacheState | None = None
     for c in (cfg, prefill_cfg, decode_cfg):
-        if isinstance(c, CacheAwareCfg) and decider.min_prefill_tokens > 0:
-            cache = ctx.state(c)
+        if isinstance(c, CacheAwareCfg):
+            state = ctx.state(c)
             break
+    asks = decider.type == "cost_model" or (decider.type == "threshold" and decider.min_prefill_tokens > 0)
+    cache: CacheEstimator | None = state if asks else None
     return PDPolicy(
         name,
         decode=decode_sel,
         prefill=prefill_sel,
         colocated=colocated_sel,
-        decider=NonCachedTokensDecider(decider.min_prefill_tokens),
+        decider=build_decider(decider, state, clock),
         cache=cache,
     )
+
+
+def build_decider(
+    cfg: DeciderCfg, cache: CacheState | None = None, clock: Callable[[], float] = time.monotonic
+) -> Decider | PlanDecider:
+    """The decider of `[decider]` (`cache`: the cache-aware state whose index the cost model reads)."""
+    match cfg.type:
+        case "always":
+            return AlwaysDecider()
+        case "never":
+            return NeverDecider()
+        case "threshold":
+            return NonCachedTokensDecider(cfg.min_prefill_tokens)
+        case "cost_model":
+            return CostModelDecider(
+                cost_settings(cfg), clock=clock, cached=None if cache is None else _routed_cache(cache)
+            )
+        case _:
+            assert_never(cfg.type)
+
+
+def cost_settings(cfg: DeciderCfg) -> CostSettings:
+    return CostSettings(
+        ttft_slo_s=cfg.ttft_slo_s,
+        ttft_slo_x=cfg.ttft_slo_x,
+        tpot_slo_s=cfg.tpot_slo_s,
+        tpot_slo_x=cfg.tpot_slo_x,
+        roomy=cfg.roomy,
+        local_penalty=cfg.local_penalty,
+        tpot_risk=cfg.tpot_risk,
+        joint=cfg.joint,
+        pair_candidates=cfg.pair_candidates,
+        pair_slack=cfg.pair_slack,
+        max_candidates=cfg.max_candidates,
+        priors=CostPriors(
+            prefill_rate=cfg.prefill_rate,
+            prefill_overhead_s=cfg.prefill_overhead_s,
+            transfer_s_per_token=cfg.transfer_s_per_token,
+            transfer_overhead_s=cfg.transfer_overhead_s,
+            tpot_s=cfg.tpot_s,
+            crossover_tokens=cfg.crossover_tokens,
+            chunk_tokens=cfg.chunk_tokens,
+            forget=cfg.forget,
+        ),
+    )
+
+
+def _routed_cache(state: CacheState) -> Callable[[Routed, str], int]:
+    """What the cache-aware index predicts a routed request finds cached on a worker (read
+    before the index records the request)."""
+
+    def cached(ev: Routed, worker_id: str) -> int:
+        key = ev.prompt_key
+        if key is None:
+            return 0
+        return state.cached_for(ev.model, key, worker_id)
+
+    return cached

@@ -68,6 +68,7 @@ from policies.base import (
 from policies.least_load import LoadScorer, LoadWeights
 from policies.prefill_cost import PrefillQueues, RateSettings
 from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
+from policies.prompt_key import PromptKey
 from policies.snapshot import RequestView, WorkerState
 
 
@@ -271,6 +272,12 @@ class CacheState:
             )
         return out
 
+    def cached_for(self, model: str, key: PromptKey, worker_id: str) -> int:
+        """The prompt tokens `worker_id` is predicted to hold of the prompt keyed `key`."""
+        precise = None if self.precise is None else self.precise.lookup(model, key, 1)
+        approx = self.approx.lookup(model, key, 1)
+        return self.cached((precise, approx if approx is not None else EMPTY_LOOKUP), worker_id)[0]
+
     def cached_tokens(self, req: RequestView, worker: WorkerState) -> int:
         """`CacheEstimator` for the P/D decider: the decode worker's predicted cache."""
         if req.prompt_key is None:
@@ -318,6 +325,11 @@ class CacheState:
         capacity = None if w is None else self.capacity(w)
         if key is not None:
             self.approx.insert(ev.model, wid, key, capacity)
+            if ev.disaggregated and len(ev.workers) == 2 and ev.workers[1].decode_alone:
+                # a decode that can prefill by itself keeps the prompt's KV it was sent (vLLM's
+                # prefix cache): what the P/D decider weighs when it may prefill the next turn
+                d = ev.workers[1]
+                self.approx.insert(ev.model, d.id, key, self.capacity(d))
         pending = self._pending
         pending[ev.request_id] = _Pending(
             now, wid, ev.model, cached, source, backlog + uncached, uncached, capacity

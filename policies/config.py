@@ -58,6 +58,27 @@ class PowerOfTwoCfg(_LoadCfg, tag="power_of_two", frozen=True):
     seed: int | None = None
 
 
+class SessionAffinityCfg(_LoadCfg, tag="session_affinity", frozen=True):
+    """`policies.session_affinity`: a session (`x-session-id`, body `session_id` or `user`) stays
+    on its rendezvous-hashed worker while that worker's load stays within `load_factor` x the
+    mean and its predicted prefill queue within `ttft_slo_s`; else, and without a session, the
+    least loaded (the load weights)."""
+
+    load_factor: float = 1.25  # consistent hashing with bounded loads: at most this x the mean
+    ttft_slo_s: float = 2.0  # leave the home worker when its predicted queue is longer
+    prefill_rate: float = 10_000.0  # tokens/s: in-flight tokens -> predicted queue seconds
+    waiting_s: float = 0.5  # seconds per request the engine reports waiting
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (math.isfinite(self.load_factor) and self.load_factor >= 1.0):
+            raise ValueError(f"load_factor must be a finite number >= 1, got {self.load_factor}")
+        for name in ("ttft_slo_s", "prefill_rate", "waiting_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+
+
 class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     """`policies.cache_aware`: the lowest predicted time to first token, from the prefix caches
     (docs/policies.md). The first five keys are sglang-router's / vllm-router's, same meaning."""
@@ -120,28 +141,86 @@ class PluginCfg(_Cfg, tag="plugin", frozen=True):
             raise ValueError("plugin name must not be empty")
 
 
-PolicyCfg = RoundRobinCfg | RandomCfg | LeastLoadCfg | PowerOfTwoCfg | CacheAwareCfg | PluginCfg
+PolicyCfg = (
+    RoundRobinCfg | RandomCfg | LeastLoadCfg | PowerOfTwoCfg | SessionAffinityCfg | CacheAwareCfg | PluginCfg
+)
 
 BUILTIN_POLICY_NAMES: tuple[str, ...] = (
     "round_robin",
     "random",
     "least_load",
     "power_of_two",
+    "session_affinity",
     "cache_aware",
 )
 
 
 class DeciderCfg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The disaggregation decider: P/D when `prompt_tokens - cached >= min_prefill_tokens`.
+    """The disaggregation decider (policies/decider.py; docs/policies.md, "Deciders").
 
-    0 (the default) always disaggregates when a P/D pool serves the model.
+    `type`: "threshold" (P/D when `prompt_tokens - cached >= min_prefill_tokens`; 0, the
+    default, always disaggregates when a P/D pool serves the model), "always", "never", or
+    "cost_model" (predicted TTFT and decode slowdown of each alternative, under the SLOs below).
+    A table without `type` that sets `min_prefill_tokens` is a threshold, as before.
     """
 
+    type: Literal["threshold", "always", "never", "cost_model"] = "threshold"
     min_prefill_tokens: int = 0
+    # cost_model: the SLOs a request is held to (seconds; `_x`: a multiple of the request's own
+    # unloaded figure, added to the seconds)
+    ttft_slo_s: float = 2.0
+    ttft_slo_x: float = 0.0
+    tpot_slo_s: float = 0.1
+    tpot_slo_x: float = 0.0
+    roomy: float = 0.0  # P/D whenever its predicted TTFT is within this share of the TTFT SLO (0: off)
+    local_penalty: float = 0.2  # a local or colocated prefill's cost is its TTFT x (1 + this)
+    tpot_risk: float = 0.0  # share of the decodes running there that may be predicted over the TPOT SLO
+    joint: bool = True  # choose the P/D pair jointly (transfer cost, pair failures)
+    pair_candidates: int = 4  # decodes weighed for the pair (the decode policy's pick first)
+    pair_slack: int = 2  # ... those with at most this many more requests in flight
+    max_candidates: int = 16  # prefill / colocated workers scored per decode (the least loaded)
+    # the priors, until outcomes are learned
+    prefill_rate: float = 10_000.0  # tokens/s
+    prefill_overhead_s: float = 0.02
+    transfer_s_per_token: float = 5e-6
+    transfer_overhead_s: float = 0.01
+    tpot_s: float = 0.02
+    crossover_tokens: float = 32_768.0  # where attention costs as much as the dense part (0: tokens)
+    chunk_tokens: int = 8192  # the engines' prefill tokens per step
+    forget: float = 0.05  # the fits' forgetting per outcome (a window of about 1/forget outcomes)
 
     def __post_init__(self) -> None:
         if self.min_prefill_tokens < 0:
             raise ValueError("min_prefill_tokens must be >= 0")
+        for name in (
+            "ttft_slo_s",
+            "ttft_slo_x",
+            "tpot_slo_s",
+            "tpot_slo_x",
+            "roomy",
+            "local_penalty",
+            "tpot_risk",
+            "transfer_s_per_token",
+            "transfer_overhead_s",
+            "prefill_overhead_s",
+            "crossover_tokens",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        for name in ("prefill_rate", "tpot_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if not 0 < self.forget < 1:
+            raise ValueError(f"forget must be in (0, 1), got {self.forget}")
+        if self.tpot_risk > 1:
+            raise ValueError("tpot_risk must be in [0, 1]")
+        for name in ("pair_candidates", "max_candidates", "chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.pair_slack < 0:
+            raise ValueError("pair_slack must be >= 0")
 
 
 def policy_shorthand(value: str) -> dict[str, object]:

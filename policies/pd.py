@@ -4,13 +4,17 @@ For the request's model, with `exclude` applied (worker ids and ``"prefill|decod
 
 1. No worker serves the model at all (usable or not) -> `Reject(..., 404)`.
 2. P/D: the decode candidates are the usable decode workers that have at least one usable
-   prefill worker of the **same engine** whose pair is not excluded. The decode selector picks
-   one, the `Decider` is asked whether to disaggregate (with the `CacheEstimator`'s guess of
-   what is already cached on that decode worker):
-   - yes -> the prefill selector picks among that engine's prefill workers -> `Disaggregated`;
-   - no  -> a colocated worker if there is one, else a decode worker that answers alone
-     (`decode_alone`: vLLM's) prefills itself (`Colocated(decode)`), else (an SGLang decode
-     cannot prefill alone) disaggregate anyway.
+   **compatible** prefill worker (`policies.decider.compatible`: the same engine, block size
+   and `pd-group` label) whose pair is not excluded. The decode selector picks one, then:
+   - a `PlanDecider` (the cost model) is handed the alternatives (the pairs of that decode and
+     of a few others as lightly loaded, the decode prefilling itself where it can, the
+     colocated pool) and its `Verdict` is the plan: `Disaggregated(prefill, decode)` or
+     `Colocated(worker)`;
+   - a plain `Decider` is asked whether to disaggregate (with the `CacheEstimator`'s guess of
+     what is already cached on that decode worker): yes -> the prefill selector picks among
+     its compatible prefill workers -> `Disaggregated`; no -> a colocated worker if there is
+     one, else a decode worker that answers alone (`decode_alone`: vLLM's) prefills itself
+     (`Colocated(decode)`), else (an SGLang decode cannot prefill alone) disaggregate anyway.
 3. No pair possible (no P/D pool, or every pair excluded): a colocated worker; else a usable
    decode worker that answers alone (`Colocated(decode)`); else `Reject(..., 503)`.
 
@@ -21,22 +25,25 @@ to the selectors.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from policies.base import (
     CacheEstimator,
     Decider,
+    MetricSource,
     Needs,
     NoCacheEstimate,
     NoCandidates,
     NonCachedTokensDecider,
     PolicyEvent,
+    PolicyMetric,
     Profile,
     RoleSelector,
     needs_of,
     observers_by_event,
     pair_id,
 )
+from policies.decider import PairChoice, PlanDecider, Verdict, compatible
 from policies.snapshot import (
     ClusterSnapshot,
     Colocated,
@@ -59,18 +66,22 @@ class PDPolicy:
         decode: RoleSelector,
         prefill: RoleSelector,
         colocated: RoleSelector,
-        decider: Decider | None = None,
+        decider: Decider | PlanDecider | None = None,
         cache: CacheEstimator | None = None,
     ) -> None:
         self.name = name
         self.decode = decode
         self.prefill = prefill
         self.colocated = colocated
-        self.decider: Decider = decider if decider is not None else NonCachedTokensDecider()
+        self.decider: Decider | PlanDecider = decider if decider is not None else NonCachedTokensDecider()
         self.cache: CacheEstimator = cache if cache is not None else NoCacheEstimate()
+        self._plan_decider = self.decider if isinstance(self.decider, PlanDecider) else None
         # every stateful part of the distinct selectors, found once: observe() runs twice per
-        # request and would otherwise walk selector -> profile -> parts each time
+        # request and would otherwise walk selector -> profile -> parts each time; a plan
+        # decider first (it books a request's work before the cache-aware index records it)
         observers: list[Callable[[PolicyEvent], None]] = []
+        if self._plan_decider is not None:
+            observers.append(self._plan_decider.observe)
         seen: list[RoleSelector] = []
         for sel in (decode, prefill, colocated):
             if any(sel is s for s in seen):
@@ -96,6 +107,24 @@ class PDPolicy:
         return f"PDPolicy(name={self.name!r})"
 
     def plan(self, req: RequestView, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()) -> Plan:
+        return self._plan(req, snap, exclude, None)
+
+    def explain(
+        self, req: RequestView, snap: ClusterSnapshot, exclude: frozenset[str] = frozenset()
+    ) -> tuple[Plan, Verdict | None]:
+        """The plan, and the cost-model decider's verdict when it made one (every option it
+        weighed, with its predictions). Pure, like `plan`."""
+        out: list[Verdict] = []
+        plan = self._plan(req, snap, exclude, out)
+        return plan, (out[0] if out else None)
+
+    def _plan(
+        self,
+        req: RequestView,
+        snap: ClusterSnapshot,
+        exclude: frozenset[str],
+        verdicts: list[Verdict] | None,
+    ) -> Plan:
         model = req.model
         # the three pools in one pass (`snap.pool` each would walk the workers three times)
         decodes: list[WorkerState] = []
@@ -124,7 +153,11 @@ class PDPolicy:
             decode = _select(self.decode, req, pairable)
             if decode is None:
                 break
-            if not self._always_pd and not self.decider.should_disaggregate(
+            if self._plan_decider is not None:
+                planned = self._decide(req, decode, pairable, partners, colocated, verdicts)
+                if planned is not None:
+                    return planned
+            elif not self._always_pd and not self.decider.should_disaggregate(  # type: ignore[union-attr]
                 req, decode, self.cache.cached_tokens(req, decode)
             ):
                 worker = _select(self.colocated, req, colocated)
@@ -146,20 +179,77 @@ class PDPolicy:
             return Colocated(worker, reason="decode self-prefill")
         return Reject(f"no usable worker for model {model!r}", 503)
 
+    def _decide(
+        self,
+        req: RequestView,
+        decode: WorkerState,
+        pairable: list[WorkerState],
+        partners: dict[str, list[WorkerState]],
+        colocated: list[WorkerState],
+        verdicts: list[Verdict] | None,
+    ) -> Plan | None:
+        """The plan decider's verdict as a plan (None: it had nothing to say)."""
+        decider = self._plan_decider
+        assert decider is not None
+        settings = getattr(decider, "settings", None)
+        joint = getattr(settings, "joint", True)
+        decodes = [decode]
+        if joint:
+            slack = decode.inflight + getattr(settings, "pair_slack", 2)
+            room = getattr(settings, "pair_candidates", 4) - 1
+            others = sorted(
+                (d for d in pairable if d.id != decode.id and d.inflight <= slack),
+                key=lambda d: (d.inflight, d.load.waiting),
+            )
+            decodes += others[: max(0, room)]
+        preferred = _select(self.prefill, req, partners[decode.id])
+        verdict = decider.decide(
+            req,
+            PairChoice(
+                decode=decode,
+                decodes=tuple(decodes),
+                partners={d.id: partners[d.id] for d in decodes},
+                colocated=tuple(colocated),
+                preferred_prefill=preferred,
+            ),
+            self.cache,
+        )
+        if verdict is None:
+            return None
+        if verdicts is not None:
+            verdicts.append(verdict)
+        o = verdict.choice
+        reason = f"cost:{o.kind}:{verdict.reason}"
+        by_id = {w.id: w for w in (*decodes, *colocated)}
+        if o.kind == "pd":
+            d = by_id[o.worker]
+            p = next(w for w in partners[d.id] if w.id == o.prefill)
+            return Disaggregated(p, d, reason=reason)
+        return Colocated(by_id[o.worker], reason=reason)
+
     def observe(self, event: PolicyEvent) -> None:
         """Forward to each distinct selector's stateful parts once (roles may share one)."""
         for observe in self._by_event.get(type(event), self._observers):
             observe(event)
 
+    def metrics(self) -> Iterator[PolicyMetric]:
+        """What the decider and the selectors export (`MetricSource`)."""
+        seen: list[object] = []
+        for part in (self.decider, self.cache, self.decode, self.prefill, self.colocated):
+            if any(part is x for x in seen):
+                continue
+            seen.append(part)
+            if isinstance(part, MetricSource):
+                yield from part.metrics()
+
 
 def _pair_prefills(
     decode: WorkerState, prefills: Sequence[WorkerState], exclude: frozenset[str]
 ) -> list[WorkerState]:
-    """Prefill workers that can pair with `decode`: same engine, pair not excluded."""
-    engine = decode.engine
+    """Prefill workers that can pair with `decode`: compatible, pair not excluded."""
     if not exclude:
-        return [p for p in prefills if p.engine is engine]
-    return [p for p in prefills if p.engine is engine and pair_id(p.id, decode.id) not in exclude]
+        return [p for p in prefills if compatible(p, decode)]
+    return [p for p in prefills if compatible(p, decode) and pair_id(p.id, decode.id) not in exclude]
 
 
 def _select(selector: RoleSelector, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState | None:

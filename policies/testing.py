@@ -26,12 +26,16 @@ roles and engines of a pair, vLLM-only decode self-prefill, 404 vs 503, no needl
 
 from __future__ import annotations
 
+import json
 import random as _random
+from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
-from policies.base import Policy, pair_id, plan_worker_ids, routed_event
+from common.outcomes import Timings
+from policies.base import Completed, Policy, Scorer, pair_id, plan_worker_ids, routed_event
 from policies.snapshot import (
     ClusterSnapshot,
     Colocated,
@@ -320,3 +324,111 @@ def run_conformance(
             )
         if observe and not isinstance(plan, Reject):
             policy.observe(routed_event(req, plan))
+
+
+# ---- scorers, verdicts, offline replay ----------------------------------------------------------
+
+
+def scores(scorer: Scorer, req: RequestView, *workers: WorkerState) -> dict[str, float]:
+    """`scorer`'s scores of `workers` (id -> score; a missing id scores 0), each checked to be a
+    number in [0, 1] as the `Scorer` protocol asks."""
+    got = scorer.score(req, workers)
+    out = {w.id: float(got.get(w.id, 0.0)) for w in workers}
+    bad = {k: v for k, v in out.items() if not 0.0 <= v <= 1.0}
+    if bad:
+        raise AssertionError(f"{scorer.name}: scores outside [0, 1]: {bad}")
+    return out
+
+
+def assert_ranking(
+    scorer: Scorer, req: RequestView, workers: Sequence[WorkerState], best_first: Sequence[str]
+) -> None:
+    """`scorer` ranks `workers` in the order `best_first` (strictly: no ties among them)."""
+    got = scores(scorer, req, *workers)
+    order = sorted(got, key=lambda k: -got[k])
+    ranked = [k for k in order if k in best_first]
+    if ranked != list(best_first) or len({got[k] for k in best_first}) != len(best_first):
+        raise AssertionError(f"{scorer.name}: expected {list(best_first)} best first, got scores {got}")
+
+
+def assert_verdict(
+    policy: Policy, req: RequestView, snap: ClusterSnapshot, *, kind: str, reason: str | None = None
+) -> object:
+    """The cost-model decider's verdict (a P/D policy with `[decider] type = "cost_model"`):
+    its chosen option's `kind` ("pd", "local", "colocated") and, when given, the rule that chose it
+    (`reason`: "roomy", "feasible", "best_effort", "only"). Returns the `Verdict` (every option
+    weighed, with its predictions) for further checks."""
+    explain = getattr(policy, "explain", None)
+    if explain is None:
+        raise AssertionError(f"{policy.name}: no explain(): not a P/D policy")
+    plan, verdict = explain(req, snap)
+    if verdict is None:
+        raise AssertionError(f"{policy.name}: no verdict (not a cost-model decider?), plan {plan!r}")
+    if verdict.kind != kind or (reason is not None and verdict.reason != reason):
+        rows = [(o.kind, o.worker, o.prefill, round(o.ttft_s, 4), round(o.cost, 4)) for o in verdict.options]
+        raise AssertionError(f"expected {kind}/{reason or '*'}, got {verdict.kind}/{verdict.reason}: {rows}")
+    return verdict
+
+
+@dataclass(frozen=True)
+class ReplayRow:
+    """One request of an offline replay: its sizes, its session, and how long it ran (seconds,
+    reported to the policy as its outcome)."""
+
+    prompt_tokens: int
+    max_tokens: int = 16
+    session_key: str | None = None
+    seconds: float = 0.1
+
+
+@dataclass
+class ReplaySummary:
+    plans: Counter[str] = field(default_factory=Counter)  # plan kind -> requests
+    workers: Counter[str] = field(default_factory=Counter)  # worker id -> requests it served a part of
+    reasons: Counter[str] = field(default_factory=Counter)  # plan reason -> requests
+
+
+def trace_rows(path: str | Path, limit: int = 100) -> list[ReplayRow]:
+    """The first `limit` rows of a Mooncake-style JSONL trace (`input_length`, `output_length`,
+    optional `session_id`)."""
+    rows: list[ReplayRow] = []
+    with open(path) as f:
+        for line in f:
+            if len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            sid = r.get("session_id")
+            rows.append(
+                ReplayRow(
+                    int(r["input_length"]), int(r.get("output_length", 16)), None if sid is None else str(sid)
+                )
+            )
+    return rows
+
+
+def replay(
+    policy: Policy, snap: ClusterSnapshot, rows: Iterable[ReplayRow], *, model: str = "m"
+) -> ReplaySummary:
+    """Route a small trace through `policy` offline, as the gateway would: each row is planned
+    against `snap`, told to the policy as `Routed`, then as `Completed` after its `seconds`.
+    No engine runs: what it shows is where each request goes (plan kinds, workers, reasons)."""
+    out = ReplaySummary()
+    for i, row in enumerate(rows):
+        req = make_request(
+            model, row.prompt_tokens, row.max_tokens, request_id=f"replay-{i}", session_key=row.session_key
+        )
+        plan = policy.plan(req, snap)
+        assert_valid_plan(plan, req, snap, allow_reject=True)
+        out.plans[plan_kind(plan)] += 1
+        out.reasons[plan.reason] += 1
+        if isinstance(plan, Reject):
+            continue
+        ids = plan_worker_ids(plan)
+        out.workers.update(ids)
+        policy.observe(routed_event(req, plan))
+        policy.observe(
+            Completed(req.request_id, ids, output_tokens=row.max_tokens, timings=Timings(end_s=row.seconds))
+        )
+    return out

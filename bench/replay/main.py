@@ -248,9 +248,12 @@ class Stopper:
 def _dispatcher(target: RunningTarget, cluster: Cluster) -> rc.Dispatcher:
     if target.url is not None:
         return rc.FrontEnd(target.url)
+    # a mixed cluster (colocated and a P/D pool) is measured through its P/D pool (calibration:
+    # the SLOs' unloaded figures); the direct baseline is refused there before anything starts
+    mixed = cluster.spec.shape == "mixed"
     return rc.Direct(
         cluster.spec.engine,
-        [w.url for w in cluster.colocated],
+        [] if mixed else [w.url for w in cluster.colocated],
         cluster.prefill_addrs(),
         [w.url for w in cluster.decode],
     )

@@ -12,6 +12,7 @@ import contextlib
 import errno
 import socket
 import ssl
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
@@ -134,10 +135,12 @@ class UpstreamResponse:
         "_waiter",
         "_whole",
         "complete",
+        "first_read_at",
         "headers",
         "held_back",
         "last_read_at",
         "reads",
+        "second_read_at",
         "status",
         "tail",
     )
@@ -161,6 +164,10 @@ class UpstreamResponse:
         # pipe's start): what a relay needs for its idle deadline and inter-token figures
         self.reads = 0
         self.last_read_at = 0.0
+        # pipe(): when (time.monotonic()) the first two reads reached the sink, 0.0 until then:
+        # a stream's first token (a chat stream's first read is often its role-only event)
+        self.first_read_at = 0.0
+        self.second_read_at = 0.0
         # pipe(): reading paused because the client is not taking the bytes (its backpressure):
         # while held back, the upstream's silence is the client's doing, not the worker's
         self.held_back = False
@@ -198,10 +205,12 @@ class UpstreamResponse:
         pend.clear()
         sink = self._sink
         if sink is not None:
-            self.reads += 1
+            n = self.reads = self.reads + 1
             self.last_read_at = self._conn._loop.time()
             self._prev = self.tail
             self.tail = data
+            if n <= 2:
+                self._early_read(n)
             try:
                 sink(data)
             except Exception as e:
@@ -381,6 +390,7 @@ class UpstreamResponse:
         buf.clear()
         self.reads += 1
         self.tail = backlog
+        self._early_read(self.reads)
         if batch is not None:
             batch.cork()
         try:
@@ -391,6 +401,12 @@ class UpstreamResponse:
         finally:
             if batch is not None:
                 batch.uncork()
+
+    def _early_read(self, n: int) -> None:
+        if n == 1:
+            self.first_read_at = time.monotonic()
+        elif n == 2:
+            self.second_read_at = time.monotonic()
 
     def _pipe_done(self, fut: asyncio.Future[None]) -> None:
         if fut.cancelled():

@@ -53,11 +53,15 @@ class Attempt(msgspec.Struct, eq=False):
     started: float = msgspec.field(default_factory=time.monotonic)
     prefill_done_at: float = 0.0
     first_byte_at: float = 0.0
+    first_token_at: float = 0.0  # a relayed stream's first token, as near as the relay knows it
     moved_from: list[str] | None = None  # vLLM decodes this attempt's decode leg left
     legs: list[LegRecord] = []  # each engine leg's outcome, in the order they ended
     # the prompt tokens the engine that prefilled found cached, as it reported them (None: not
     # reported, or not read: gateway/orchestration/feedback.py)
     cached: int | None = None
+    decision: str = ""  # the plan's reason (the decider's verdict: "cost:pd:roomy", ...)
+    chunks: int = 0  # a relayed stream's upstream reads
+    output_tokens: int | None = None  # the answer's own count, where the relay read one
 
 
 class RequestContext(msgspec.Struct, eq=False):
@@ -81,6 +85,9 @@ class RequestContext(msgspec.Struct, eq=False):
     # the workers of the plan running now (a moved vLLM decode's new one), for whoever waits
     # on requests not started yet (the admin API removing a worker)
     planned: tuple[str, ...] = ()
+    # the policy was told `Routed` for the attempt running now and not yet how it ended (every
+    # `Routed` is followed by one `Completed` or `Failed`, whatever way the request ends)
+    routed: bool = False
     outcome: str = "ok"
     total: Deadline | None = None  # the request's total deadline, while it is served
     # its own size explains a run past the total deadline (sizing.py): then no verdict on its workers
@@ -128,10 +135,15 @@ class RequestContext(msgspec.Struct, eq=False):
 
 
 def request_view(
-    req: ParsedRequest, request_id: str, chars_per_token: float, keyed: bool = False
+    req: ParsedRequest,
+    request_id: str,
+    chars_per_token: float,
+    keyed: bool = False,
+    session: bytes | None = None,
 ) -> RequestView:
     """What routing needs of a request (policies read only this). `keyed`: with its prompt's key
-    (`prompt_key`; where the policy matches prefixes, `Needs.prompt_key`)."""
+    (`prompt_key`; where the policy matches prefixes, `Needs.prompt_key`). `session`: its session
+    header's value, which comes before the body's `session_id` and `user`."""
     units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / chars_per_token) + 1
     return RequestView(
         request_id=request_id,
@@ -142,7 +154,9 @@ def request_view(
         stream=req.stream,
         n=req.n,
         greedy=req.greedy,
-        session_key=_session_key(req.fields.session_id) or req.fields.user,
+        session_key=(session.decode("latin-1") if session else None)
+        or _session_key(req.fields.session_id)
+        or req.fields.user,
         prompt_key=prompt_key(req) if keyed else None,
     )
 

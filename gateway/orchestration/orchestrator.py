@@ -26,6 +26,7 @@ from common.errors import (
     cancelled_outcome,
     sse_error_event,
 )
+from common.outcomes import Timings
 from common.request import ParsedRequest
 from common.workers import RouteKind
 from gateway.config import GatewayConfig
@@ -90,9 +91,11 @@ class Orchestrator:
         res: Responder,
         task: asyncio.Task[None],
         auth: bytes | None = None,
+        session: bytes | None = None,
     ) -> RequestContext:
         """A request's context, for `serve`: `task` is its handler's (what its deadlines cancel),
-        `auth` the client's Authorization header (forwarded where configured)."""
+        `auth` the client's Authorization header (forwarded where configured), `session` its
+        session header's value (`session_headers`)."""
         echo = (b"x-request-id", request_id.encode())
         headers = [(b"content-type", b"application/json"), echo]
         if auth is not None and self.cfg.forward_authorization:
@@ -101,7 +104,11 @@ class Orchestrator:
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
         view = request_view(
-            req, request_id, self.cfg.guards.chars_per_token_estimate, self.s.needs.prompt_key
+            req,
+            request_id,
+            self.cfg.guards.chars_per_token_estimate,
+            self.s.needs.prompt_key,
+            session,
         )
         ctx = RequestContext(req, request_id, res, task, view, wheel, headers, echo)
         ctx.client_sized = outgrows(view, self.cfg.timeouts)
@@ -149,7 +156,20 @@ class Orchestrator:
             ctx.outcome = cancelled_outcome(e, isinstance(res, HttpResponder) and res.stalled_s > 0)
             raise
         finally:
+            if ctx.routed:  # ended without `Completed` or `Failed`: the policy hears how
+                self._unrouted(ctx)
             self._done(ctx)
+
+    def _unrouted(self, ctx: RequestContext) -> None:
+        """The attempt the policy was told about ended otherwise than served or failed by an
+        engine (the client left, the total deadline, the gateway's own refusal after planning):
+        a `Failed` event, so that what the policy counts per request never drifts."""
+        ctx.routed = False
+        out = ctx.outcome
+        phase = (
+            "cancelled" if out in ("timeout", "client_gone", "client_stalled", "shutting_down") else "refused"
+        )
+        self.policy.observe(Failed(ctx.request_id, ctx.planned, phase, legs=tuple(ctx.attempt.legs)))
 
     def _plan(self, ctx: RequestContext) -> Plan:
         """The next attempt's plan, with what failed excluded; after a failure it must be a rung
@@ -164,10 +184,14 @@ class Orchestrator:
             # after the rung check: a request that fails for good keeps its last attempt's plan
             # and phase in its metrics and log line
             ctx.attempt = Attempt()
+        else:
+            ctx.attempt.started = time.monotonic()  # (made with the context, before admission)
         if not isinstance(p, Reject):
+            ctx.attempt.decision = p.reason
             ctx.planned = plan_worker_ids(p)
             if ctx.explain or self._log_decisions:
                 explain_plan(self.s, ctx, p)
+            ctx.routed = True
             self.policy.observe(routed_event(ctx.view, p))
         return p
 
@@ -175,9 +199,18 @@ class Orchestrator:
         a = ctx.attempt
         a.phase = Phase.DONE
         ttft = (a.first_byte_at - ctx.began) if a.first_byte_at else None
+        ctx.routed = False
         # the plan's workers (a moved vLLM decode's new one)
         self.policy.observe(
-            Completed(ctx.request_id, ctx.planned, ttft_s=ttft, cached_tokens=a.cached, legs=tuple(a.legs))
+            Completed(
+                ctx.request_id,
+                ctx.planned,
+                ttft_s=ttft,
+                cached_tokens=a.cached,
+                output_tokens=a.output_tokens or 0,
+                legs=tuple(a.legs),
+                timings=_timings(a, ctx.req.stream),
+            )
         )
 
     def _failed(self, ctx: RequestContext, e: UpstreamFailure) -> float:
@@ -187,6 +220,7 @@ class Orchestrator:
         a = ctx.attempt
         ctx.history.append(f"{a.plan_kind}:{a.phase.value}:{e.code.value}")
         ran = ctx.planned  # the plan's workers (a moved vLLM decode's new one)
+        ctx.routed = False
         self.policy.observe(Failed(ctx.request_id, ran, e.phase, legs=tuple(a.legs)))
         self.metrics.child(self.metrics.upstream_errors, e.worker or "", e.phase, e.code.value).inc()
         if ctx.responded or ctx.attempt_no >= self.cfg.retries.max_attempts or ctx.drops > 1:
@@ -263,6 +297,7 @@ class Orchestrator:
             model=req.model[:200],  # a client's name for it, served or not: never a whole body
             route=req.route.value,
             plan=a.plan_kind,
+            decision=a.decision or None,
             prefill=a.prefill,
             decode=a.decode,
             attempts=ctx.attempt_no,
@@ -277,3 +312,15 @@ class Orchestrator:
 
     async def drain_background(self, within_s: float = 5.0) -> None:
         await self.s.drain(within_s)
+
+
+def _timings(a: Attempt, stream: bool) -> Timings:
+    """When the served attempt's phases ended, from its start (`common.outcomes.Timings`)."""
+    start = a.started
+    return Timings(
+        end_s=time.monotonic() - start,
+        prefill_s=(a.prefill_done_at - start) if a.prefill_done_at else None,
+        first_token_s=(a.first_token_at - start) if stream and a.first_token_at else None,
+        chunks=a.chunks,
+        output_tokens=a.output_tokens,
+    )

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from common.errors import UpstreamFailure, UpstreamTimeout
+from common.workers import RouteKind
 from gateway.guards import Guard
 from gateway.http.client import UpstreamResponse
 from gateway.http.errors import UpstreamProtocolError
@@ -73,7 +74,9 @@ async def _whole(
     body = await resp.read()
     resp.release()
     if check is not None:
-        why = check.check_end(check.summarize([body]))
+        summary = check.summarize([body])
+        ctx.attempt.output_tokens = summary.completion_tokens
+        why = check.check_end(summary)
         if why is not None:
             raise integrity(s, check, why, w, "before_first_byte")
         if check.verify is not None:
@@ -119,6 +122,16 @@ class _Stream(msgspec.Struct, eq=False):
         resp.release()
         end = time.monotonic()
         a, m = ctx.attempt, self.s.metrics
+        a.chunks = resp.reads
+        watch = self.watch
+        if watch is not None:  # checked: the stream started with its first token
+            a.first_token_at = a.first_byte_at
+            if watch.summary is not None:
+                a.output_tokens = watch.summary.completion_tokens
+        else:  # started with the response head: the first token came with the first read, or
+            # (a chat stream, whose first event is role-only) with the second
+            chat = ctx.req.route is RouteKind.CHAT
+            a.first_token_at = resp.second_read_at if chat else resp.first_read_at
         m.child(m.phase, "decode").observe(end - a.first_byte_at)
         if resp.reads > 1:
             m.child(m.itl, ctx.req.route.value, a.plan_kind).observe(

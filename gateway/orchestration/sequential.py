@@ -37,7 +37,9 @@ log = get_logger("pd_gateway.request")
 
 async def run_sequential(s: Services, ctx: RequestContext, p: Worker, d: Worker, hctx: HandoffCtx) -> None:
     t0 = time.monotonic()
-    pleg = Leg(s, ctx, p, ctx.tokens, Role.PREFILL, LegShape.ALONE)
+    # the prefill counts as in flight until its answer is in (its KV is ready to pull), with the
+    # prompt's tokens: it generates none of the answer
+    pleg = Leg(s, ctx, p, ctx.view.prompt_tokens, Role.PREFILL, LegShape.ALONE)
     verdict, out, hctx = await _prefill(s, ctx, pleg, d, hctx)
     a = ctx.attempt
     a.prefill_done_at = time.monotonic()

@@ -54,6 +54,24 @@ def test_a_tiny_replay_through_the_direct_baseline_and_the_gateway(tmp_path: Pat
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_tiny_replay_on_a_mixed_cluster_with_the_cost_model_decider(tmp_path: Path) -> None:
+    """A mixed cluster (colocated and a P/D pool) is calibrated through its P/D pool; the
+    gateway's cost-model decider serves it (it was refused before the replay started)."""
+    out = tmp_path / "res"
+    rc = replay_main.main(
+        [
+            "--synthetic", "chat", "--synthetic-requests", "4", "--synthetic-rate", "8",
+            "--engine", "sglang", "--prefill", "1", "--decode", "1", "--colocated", "1",
+            "--time-scale", "0.02", "--target", "cost=gateway --decider cost_model",
+            "--slo-ttft", "10", "--slo-tpot", "1", "--out", str(out), "--no-progress", "--no-plots",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    s = data["runs"][0]["summary"]
+    assert (s["requests"], s["completed"], s["errors"]) == (4, 4, 0), s
+
+
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_stops_the_run_writes_partial_results_and_leaves_no_process(
     tmp_path: Path, presses: int

@@ -1,0 +1,1 @@
+"""An example pd-gateway policy plugin (see policy.py)."""
