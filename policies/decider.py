@@ -261,6 +261,13 @@ class CostModelDecider:
                 options.append(self._local("local", d, prompt, cached_on(d), peers, now))
         for w in _bounded(choice.colocated, s.max_candidates):
             options.append(self._local("colocated", w, prompt, cached_on(w), peers, now))
+        return self._price(options, choice)
+
+    def _price(self, options: list[Option], choice: PairChoice) -> Verdict | None:
+        """The verdict among `options`: each priced against the request's TTFT SLO (a pair's
+        failure rate at the SLO, a local prefill's penalty), then `_choose`."""
+        s = self.settings
+        m = self.model
         if not options:
             return None
         unloaded = min(o.prefill_s + o.transfer_s for o in options)

@@ -1,0 +1,322 @@
+"""The state of the `cache_aware` policy (see policies/cache_aware.py for the model): its
+settings, the per-worker predictions (`CacheState.estimates`), and what it learns from outcomes
+(`CacheState.observe`: the approximate index, prefill queues and rates, prediction accuracy)."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from policies.approx_index import ApproxIndex
+from policies.base import (
+    EVENT_TYPES,
+    Completed,
+    Failed,
+    Needs,
+    PolicyEvent,
+    Routed,
+    WorkerGone,
+)
+from policies.prefill_cost import PrefillQueues, RateSettings
+from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
+from policies.prompt_key import PromptKey
+from policies.snapshot import RequestView, WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class CacheAwareSettings:
+    """The knobs (`policies.config.CacheAwareCfg` documents each)."""
+
+    cache_threshold: float = 0.0
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    eviction_interval_s: float = 120.0
+    max_tree_size: int = 1 << 24
+    block_tokens: int = 16
+    chars_per_token: float = 4.0
+    worker_cache_tokens: int | None = None
+    prefill_rate: float = 10_000.0
+    inflight_factor: float = 1.0
+    saturation_wait_s: float = 10.0
+    max_candidates: int = 16
+    scan_limit: int = 64
+    sample: int = 4
+    use_kv_events: bool = True
+    max_pending: int = 100_000
+
+
+# ---- predictions -------------------------------------------------------------------------------
+
+
+class Estimate(msgspec.Struct, frozen=True, gc=False):
+    """One candidate as the policy saw it (a row of a `DecisionRecord`)."""
+
+    worker: str
+    cached_tokens: int  # predicted, before `cache_threshold`
+    source: str  # "kv_events", "approx" or "none"
+    backlog_tokens: float
+    rate: float  # tokens/s
+    ttft_s: float  # predicted
+    inflight: int
+    cost: float  # ttft_s * (1 + inflight_factor * inflight)
+    saturated: bool
+
+
+class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
+    """A routing decision: the candidates with their predictions, the per-scorer scores, the
+    choice and why (`min_ttft`, `balance_gate`, `all_saturated`, `load`)."""
+
+    role: str
+    prompt_tokens: int
+    keyed: str | None  # "tokens", "text" or None (no prompt key)
+    candidates: tuple[Estimate, ...]
+    scores: dict[str, dict[str, float]]
+    chosen: str
+    reason: str
+
+
+@dataclass(slots=True)
+class _Pending:
+    at: float  # when routed
+    worker: str
+    model: str
+    predicted: int
+    source: str
+    work_tokens: float  # backlog + uncached at routing
+    uncached: float
+    capacity: int | None
+
+
+# upper bounds of the hit-ratio buckets (reported cached tokens / prompt tokens)
+HIT_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+class PredictionStats:
+    """Predicted vs reported cached tokens, per (worker, source); with the prompt tokens of the
+    same requests (the hit rate) and a histogram of each request's hit ratio."""
+
+    __slots__ = ("_by",)
+
+    def __init__(self) -> None:
+        # [n, sum |err|, sum predicted, sum reported, sum prompt, sum ratio, bucket counts...]
+        self._by: dict[tuple[str, str], list[float]] = {}
+
+    def record(self, worker: str, source: str, predicted: int, reported: int, prompt: int = 0) -> None:
+        row = self._by.get((worker, source))
+        if row is None:
+            row = self._by[(worker, source)] = [0.0] * (6 + len(HIT_RATIO_BUCKETS))
+        row[0] += 1
+        row[1] += abs(predicted - reported)
+        row[2] += predicted
+        row[3] += reported
+        row[4] += prompt
+        ratio = min(1.0, reported / prompt) if prompt > 0 else 0.0
+        row[5] += ratio
+        for i, bound in enumerate(HIT_RATIO_BUCKETS):
+            if ratio <= bound:
+                row[6 + i] += 1
+                break
+
+    def rows(self) -> dict[tuple[str, str], tuple[float, ...]]:
+        """(worker, source) -> (requests, sum |error|, predicted, reported, prompt tokens, sum of
+        the hit ratios, then the requests per bucket of `HIT_RATIO_BUCKETS`, not cumulative)."""
+        return {k: tuple(v) for k, v in self._by.items()}
+
+    def forget(self, worker: str) -> None:
+        for k in [k for k in self._by if k[0] == worker]:
+            del self._by[k]
+
+    def summary(self) -> dict[tuple[str, str], tuple[int, float, float, float]]:
+        """(worker, source) -> (requests, mean |error| tokens, total predicted, total reported)."""
+        return {k: (int(v[0]), v[1] / v[0] if v[0] else 0.0, v[2], v[3]) for k, v in self._by.items()}
+
+
+class CacheState:
+    """What the cache-aware selectors of one policy share (see the module docstring)."""
+
+    observes: tuple[type, ...] = EVENT_TYPES
+    needs = Needs(prompt_key=True, cached_tokens=True)
+
+    def __init__(
+        self,
+        settings: CacheAwareSettings | None = None,
+        *,
+        precise: PrefixSource | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        s = self.settings = settings or CacheAwareSettings()
+        self.approx = ApproxIndex(
+            block_tokens=s.block_tokens, chars_per_token=s.chars_per_token, budget_tokens=s.max_tree_size
+        )
+        self.precise = precise if s.use_kv_events else None
+        self.queues = PrefillQueues(RateSettings(default_rate=s.prefill_rate))
+        self.accuracy = PredictionStats()
+        # routing decisions by (role that prefills, prediction source, matched: cached > 0)
+        self.decisions: dict[tuple[str, str, bool], int] = {}
+        self.clock = clock
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._last_sweep = clock()
+
+    # -- reads (pure) -----------------------------------------------------------------------
+
+    def lookups(self, req: RequestView) -> tuple[Lookup | None, Lookup]:
+        """(precise, approximate) lookups of the request's prompt."""
+        key = req.prompt_key
+        if key is None:
+            return None, NO_LOOKUP
+        k = self.settings.max_candidates
+        precise = None if self.precise is None else self.precise.lookup(req.model, key, k)
+        approx = self.approx.lookup(req.model, key, k)
+        return precise, approx if approx is not None else EMPTY_LOOKUP
+
+    @staticmethod
+    def cached(lookups: tuple[Lookup | None, Lookup], worker_id: str) -> tuple[int, str]:
+        precise, approx = lookups
+        if precise is not None:
+            got = precise.cached_tokens(worker_id)
+            if got is not None:
+                return got, "kv_events"
+        got = approx.cached_tokens(worker_id)
+        return (got or 0), ("approx" if approx is not NO_LOOKUP else "none")
+
+    def capacity(self, w: WorkerState) -> int | None:
+        return w.kv_capacity_tokens if w.kv_capacity_tokens is not None else self.settings.worker_cache_tokens
+
+    def estimates(
+        self,
+        req: RequestView,
+        cands: Sequence[WorkerState],
+        lookups: tuple[Lookup | None, Lookup] | None = None,
+        now: float | None = None,
+    ) -> list[Estimate]:
+        lookups = self.lookups(req) if lookups is None else lookups
+        now = self.clock() if now is None else now
+        s = self.settings
+        prompt = max(1, req.prompt_tokens)
+        limit = prompt - 1
+        threshold = s.cache_threshold * prompt
+        factor = s.inflight_factor
+        queues = self.queues
+        out: list[Estimate] = []
+        for w in cands:
+            cached, source = self.cached(lookups, w.id)
+            if cached > limit:
+                cached = limit
+            credit = cached if cached > threshold else 0
+            wid = w.id
+            rate = queues.rate(wid)
+            backlog = queues.backlog(wid, now, w.load.waiting)
+            wait = backlog / rate
+            ttft = wait + (prompt - credit) / rate
+            out.append(
+                Estimate(
+                    worker=wid,
+                    cached_tokens=cached,
+                    source=source,
+                    backlog_tokens=backlog,
+                    rate=rate,
+                    ttft_s=ttft,
+                    inflight=w.inflight,
+                    cost=ttft * (1.0 + factor * w.inflight),
+                    saturated=wait > s.saturation_wait_s,
+                )
+            )
+        return out
+
+    def cached_for(self, model: str, key: PromptKey, worker_id: str) -> int:
+        """The prompt tokens `worker_id` is predicted to hold of the prompt keyed `key`."""
+        precise = None if self.precise is None else self.precise.lookup(model, key, 1)
+        approx = self.approx.lookup(model, key, 1)
+        return self.cached((precise, approx if approx is not None else EMPTY_LOOKUP), worker_id)[0]
+
+    def cached_tokens(self, req: RequestView, worker: WorkerState) -> int:
+        """`CacheEstimator` for the P/D decider: the decode worker's predicted cache."""
+        if req.prompt_key is None:
+            return 0
+        cached, _ = self.cached(self.lookups(req), worker.id)
+        return min(cached, max(0, req.prompt_tokens - 1))
+
+    # -- observe ----------------------------------------------------------------------------
+
+    def observe(self, event: PolicyEvent) -> None:
+        match event:
+            case Routed():
+                self._routed(event)
+            case Completed():
+                self._completed(event)
+            case Failed():
+                p = self._pending.pop(event.request_id, None)
+                if p is not None:  # its prefill will not run (or ran and is lost): not queued
+                    self.queues.add(p.worker, -p.uncached, self.clock())
+            case WorkerGone():
+                self.approx.forget(event.worker_id)
+                self.queues.forget(event.worker_id)
+                self.accuracy.forget(event.worker_id)
+        now = self.clock()
+        if now - self._last_sweep >= self.settings.eviction_interval_s:
+            self._sweep(now)
+
+    def _routed(self, ev: Routed) -> None:
+        wid = ev.worker_ids[0]  # the worker that prefills (P/D: the prefill; else the one worker)
+        w = ev.workers[0] if ev.workers else None
+        key = ev.prompt_key
+        now = self.clock()
+        req_tokens = max(1, ev.prompt_tokens)
+        cached, source = 0, "none"
+        if key is not None:
+            precise = None if self.precise is None else self.precise.lookup(ev.model, key, 1)
+            approx = self.approx.lookup(ev.model, key, 1)
+            cached, source = self.cached((precise, approx if approx is not None else EMPTY_LOOKUP), wid)
+            cached = min(cached, req_tokens - 1)
+        uncached = req_tokens - cached
+        tally = (ev.roles[0].value, source, cached > 0)
+        self.decisions[tally] = self.decisions.get(tally, 0) + 1
+        backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)
+        self.queues.add(wid, uncached, now)
+        capacity = None if w is None else self.capacity(w)
+        if key is not None:
+            self.approx.insert(ev.model, wid, key, capacity)
+            if ev.disaggregated and len(ev.workers) == 2 and ev.workers[1].decode_alone:
+                # a decode that can prefill by itself keeps the prompt's KV it was sent (vLLM's
+                # prefix cache): what the P/D decider weighs when it may prefill the next turn
+                d = ev.workers[1]
+                self.approx.insert(ev.model, d.id, key, self.capacity(d))
+        pending = self._pending
+        pending[ev.request_id] = _Pending(
+            now, wid, ev.model, cached, source, backlog + uncached, uncached, capacity
+        )
+        if len(pending) > self.settings.max_pending:
+            pending.popitem(last=False)
+
+    def _completed(self, ev: Completed) -> None:
+        p = self._pending.pop(ev.request_id, None)
+        if p is None:
+            return
+        if ev.ttft_s is not None:
+            self.queues.learn(p.worker, p.work_tokens, ev.ttft_s)
+        if ev.cached_tokens is not None:
+            prompt = p.predicted + int(p.uncached)
+            self.accuracy.record(p.worker, p.source, p.predicted, ev.cached_tokens, prompt)
+            if p.source == "approx":
+                self.approx.feedback(p.model, p.worker, p.predicted, ev.cached_tokens, p.capacity)
+            elif p.source == "kv_events" and self.precise is not None:
+                self.precise.outcome(p.worker, p.predicted, ev.cached_tokens)
+
+    def _sweep(self, now: float) -> None:
+        """Every `eviction_interval`: forget requests routed longer ago than that whose outcome
+        never came (a cancelled request may send none), oldest first."""
+        self._last_sweep = now
+        horizon = now - self.settings.eviction_interval_s
+        pending = self._pending
+        while pending:
+            rid, p = next(iter(pending.items()))
+            if p.at > horizon:
+                break
+            del pending[rid]
+
+
+# ---- filter, scorers, pickers -------------------------------------------------------------------
