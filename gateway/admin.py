@@ -63,6 +63,7 @@ from common.errors import (
     NotFound,
     Unauthorized,
 )
+from gateway.admin_fanout import _add_admission, _applied, _pass_on
 from gateway.admission import Admission
 from gateway.breaker import BreakerState
 from gateway.config import ConfigError, WorkerConfig
@@ -73,7 +74,7 @@ from gateway.logging import get_logger
 from gateway.registry import Registry, Worker
 
 if TYPE_CHECKING:
-    from gateway.multiprocess.siblings import SiblingAnswer, Siblings
+    from gateway.multiprocess.siblings import Siblings
     from gateway.orchestration import RequestContext
 
 log = get_logger("pd_gateway.admin")
@@ -242,8 +243,9 @@ class Admin:
 
     # -- operations --------------------------------------------------------------------------
 
-    async def add(self, req: HttpRequest) -> tuple[int, Any]:
-        wc = _decode_worker(req.body)
+    async def _new_worker(self, wc: WorkerConfig) -> Worker:
+        """The worker `wc` describes, built, when it may be added: its key env allowed, its id and URL
+        not taken, not this gateway itself; BadRequest or Conflict otherwise."""
         if wc.api_key_env is not None and wc.api_key_env not in self.allowed_key_envs:
             raise BadRequest(
                 "api_key_env may only name a variable that a configured worker already uses",
@@ -264,6 +266,12 @@ class Admin:
         if taken:
             await w.pool.close()
             raise Conflict(f"worker {taken[0]!r} already has url {w.url}", param="url")
+        return w
+
+    async def add(self, req: HttpRequest) -> tuple[int, Any]:
+        wc = _decode_worker(req.body)
+        w = await self._new_worker(wc)
+        wid = wc.worker_id
         require = _flag(req.query, "require_healthy", True)
         others = [*self.registry.workers(), *self._adding.values()]
         self._adding[wid] = w  # reserved while it is resolved and probed
@@ -394,65 +402,6 @@ async def drain_and_remove(
         "pending": pending,
         "waited_s": waited,
     }
-
-
-async def _pass_on(
-    fan: Siblings, req: HttpRequest, target: str, *, timeout_s: float = 60.0
-) -> list[SiblingAnswer]:
-    """The admin request, as received (its token included), to every other process."""
-    headers = [(b"authorization", req.header(b"authorization") or b"")]
-    if req.body:
-        headers.append((b"content-type", b"application/json"))
-    return await fan.ask(req.method, target, body=req.body, headers=headers, timeout_s=timeout_s)
-
-
-def _applied(answers: list[SiblingAnswer], fan: Siblings, *, ok: tuple[int, ...]) -> dict[str, Any]:
-    """How many processes hold the change (this one did), and what the others said if not."""
-    failed = [
-        {
-            "process": a.process,
-            "status": a.status,
-            "error": a.error or a.body.decode("utf-8", "replace")[:300],
-        }
-        for a in answers
-        if a.status not in ok
-    ]
-    if failed:
-        log.error("admin.not_applied_everywhere", failed=failed)
-    return {"count": fan.ctx.count, "applied": 1 + len(answers) - len(failed), "failed": failed}
-
-
-_ADMISSION_SUMS = (
-    "active",
-    "active_tokens",
-    "queued",
-    "clients",
-    "admitted",
-    "admitted_after_queue",
-    "queue_wait_s",
-    "max_concurrent",
-    "max_queue",
-)
-
-
-def _add_admission(own: dict[str, Any], answers: list[SiblingAnswer], fan: Siblings) -> dict[str, Any]:
-    """Every process's admission counters added up (each holds its share of the limits)."""
-    out = dict(own)
-    out["shed"] = dict(own.get("shed", {}))
-    answered = 1
-    for a in answers:
-        if a.status != 200:
-            continue
-        answered += 1
-        other = msgspec.json.decode(a.body)
-        for k in _ADMISSION_SUMS:
-            out[k] = out.get(k, 0) + other.get(k, 0)
-        if out.get("max_inflight_tokens") is not None and other.get("max_inflight_tokens") is not None:
-            out["max_inflight_tokens"] += other["max_inflight_tokens"]
-        for reason, n in other.get("shed", {}).items():
-            out["shed"][reason] = out["shed"].get(reason, 0) + n
-    out["processes"] = {"count": fan.ctx.count, "answered": answered}
-    return out
 
 
 def _decode_worker(body: bytes) -> WorkerConfig:
