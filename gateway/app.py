@@ -26,7 +26,7 @@ from gateway.health import HealthChecker
 from gateway.http.limits import ServerLimits
 from gateway.http.server import HttpServer, start_server
 from gateway.kvevents.hub import KvEventCollector, KvEventHub
-from gateway.listen import bind_all, listen_error
+from gateway.listen import bind_host, listen_error
 from gateway.logging import get_logger
 from gateway.membership import Membership
 from gateway.metrics import GatewayMetrics
@@ -235,12 +235,12 @@ class Gateway:
         host, port = self.cfg.listen.host, self.cfg.listen.port
         # several processes (serve --workers N): each listens on the same ports (SO_REUSEPORT)
         many = self.process is not None
-        socks = await _bind(host, port, reuse_port=many)
+        socks = await bind_host(host, port, reuse_port=many)
         admin_socks: list[socket.socket] = []
         try:
             admin_cfg = self.cfg.admin
             if self.admin is not None and admin_cfg.listen_port is not None:
-                admin_socks = await _bind(admin_cfg.listen_host, admin_cfg.listen_port, reuse_port=many)
+                admin_socks = await bind_host(admin_cfg.listen_host, admin_cfg.listen_port, reuse_port=many)
             twins = await first_duplicate(self.registry.workers())
             if twins is not None:
                 a, b, (addr, aport) = twins
@@ -432,22 +432,6 @@ def default_max_connections() -> int:
     if soft == resource.RLIM_INFINITY:
         return 65536
     return max(64, min(65536, soft // 2))
-
-
-async def _bind(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
-    """`listen.bind_all` for `host`, resolved without blocking the loop; the sockets are
-    non-blocking, as the loop's server wants them."""
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(
-            host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-    except OSError as e:  # socket.gaierror
-        raise listen_error(host, port, e) from None
-    socks = bind_all(infos, host, port, reuse_port=reuse_port)
-    for sock in socks:
-        sock.setblocking(False)
-    return socks
 
 
 async def run_forever(gw: Gateway, grace_s: float = 10.0, *, hurry_signal: int | None = None) -> None:

@@ -5,6 +5,7 @@ listening (connections are refused until the server starts), with the options as
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterable
 from typing import Any
@@ -48,4 +49,20 @@ def bind_all(
         raise
     if not socks:
         raise ListenError(f"cannot listen on {host}:{port}: no address")
+    return socks
+
+
+async def bind_host(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
+    """`bind_all` for `host`, resolved without blocking the loop; the sockets are
+    non-blocking, as the loop's server wants them."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(
+            host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except OSError as e:  # socket.gaierror
+        raise listen_error(host, port, e) from None
+    socks = bind_all(infos, host, port, reuse_port=reuse_port)
+    for sock in socks:
+        sock.setblocking(False)
     return socks
