@@ -11,15 +11,12 @@ from urllib.parse import urlsplit
 
 from adapters import ADAPTERS, EngineAdapter, ProbeInfo
 from common.workers import Engine, Role, WorkerLoad, WorkerState
-from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.breaker import CircuitBreaker
 from gateway.config import BreakerConfig, KvEventsConfig, TimeoutsConfig
 from gateway.endpoints import canonical_url
 from gateway.http.client import UpstreamPool
 
 _TIMEOUTS = TimeoutsConfig()
-
-_CLOSED = BreakerState.CLOSED
-_NO_PAIRS: frozenset[str] = frozenset()
 
 
 def new_breaker(cfg: BreakerConfig, guard: Callable[[], bool] | None = None) -> CircuitBreaker:
