@@ -134,6 +134,7 @@ class UpstreamResponse:
         "_waiter",
         "_whole",
         "complete",
+        "first_data_at",
         "headers",
         "held_back",
         "last_read_at",
@@ -161,6 +162,9 @@ class UpstreamResponse:
         # pipe's start): what a relay needs for its idle deadline and inter-token figures
         self.reads = 0
         self.last_read_at = 0.0
+        # the loop time the first body bytes were buffered before a pipe() or read() took them
+        # (0: none were): how long an answer's start waited (a P/D stream for its prefill's verdict)
+        self.first_data_at = 0.0
         # pipe(): reading paused because the client is not taking the bytes (its backpressure):
         # while held back, the upstream's silence is the client's doing, not the worker's
         self.held_back = False
@@ -209,6 +213,8 @@ class UpstreamResponse:
                 self._conn.abort()
                 return False
             return True
+        if not self.first_data_at:
+            self.first_data_at = self._conn._loop.time()
         self._buf.append(data)
         self._buffered += len(data)
         if self._waiter is not None:
