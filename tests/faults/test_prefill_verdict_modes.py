@@ -7,6 +7,7 @@ ends cleanly with `[DONE]` and wrong tokens, and the hold is measured
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -61,7 +62,7 @@ def held(m: GatewayMetrics, what: str) -> int:
 
 
 @pytest.fixture(params=MODES)
-async def cluster(request: pytest.FixtureRequest) -> Cluster:
+async def cluster(request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
     c = await build_cluster(
         time_scale=0.05,
         guards=GuardsConfig(prefill_verdict=request.param),
@@ -69,7 +70,7 @@ async def cluster(request: pytest.FixtureRequest) -> Cluster:
         retries=RetriesConfig(max_attempts=2, backoff_initial_s=0.01),
         breaker=BreakerConfig(failure_threshold=1000, open_s=0.01),  # every request reaches the pair
     )
-    yield c  # type: ignore[misc]
+    yield c
     await stop_cluster(c)
 
 
