@@ -360,12 +360,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+HOLD = "pdgw_prefill_verdict_hold_seconds"
+
+
+async def verdict_holds(url: str) -> dict[str, dict[str, float]]:
+    """A gateway's `pdgw_prefill_verdict_hold_seconds` after the run, by `held`: how many
+    handoffs, how many held over 50 ms, and the bucket bound under which 99 % fell."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
+        text = await r.text()
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    for line in text.splitlines():
+        if line.startswith(HOLD + "_bucket{"):
+            labels, _, value = line[len(HOLD) + 8 :].partition("} ")
+            fields = dict(kv.split("=", 1) for kv in labels.split(","))
+            held, le = fields["held"].strip('"'), fields["le"].strip('"')
+            buckets.setdefault(held, []).append((float(le), float(value)))
+    out = {}
+    for held, bs in buckets.items():
+        bs.sort()
+        n = bs[-1][1]
+        if not n:
+            continue
+        over_50ms = n - next(c for le, c in bs if le >= 0.05)
+        p99 = next(le for le, c in bs if c >= 0.99 * n)
+        out[held] = {"n": n, "over_50ms": over_50ms, "p99_le_s": p99}
+    return out
+
+
 async def measure(targets: list[tuple[str, Target]], args: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     for name, target in targets:
         records = await run_workload(target, args)
         s = summary(name, records)
         print_summary(s)
+        if name in GATEWAYS and target.url is not None:
+            s["verdict_hold"] = holds = await verdict_holds(target.url)
+            for held, h in holds.items():
+                print(
+                    f"  verdict hold ({held})     {h['n']:.0f} handoffs, {h['over_50ms']:.0f} over 50 ms, "
+                    f"p99 <= {h['p99_le_s'] * 1000:g} ms"
+                )
         out.append(s)
     base = next((s for s in out if s["target"] == "direct"), None)
     if base is not None and base["ttft_ms"].get("n"):
