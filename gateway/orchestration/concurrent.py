@@ -27,7 +27,7 @@ from gateway.orchestration.legs import Handoff, Leg
 from gateway.orchestration.relay import relay
 from gateway.orchestration.services import Services, engine_headers
 from gateway.orchestration.shadow import decode_check
-from gateway.orchestration.verify import DecodeCheck
+from gateway.orchestration.verify import DecodeCheck, guarded, verifiable
 from gateway.registry import Worker
 
 # How long a refused SGLang prefill waits for its decode's answer to the same body: a decode
@@ -145,7 +145,8 @@ async def _decode_first(s: Services, ctx: RequestContext, h: Handoff, hctx: Hand
     async def settle(gate: PrefillGate) -> DecodeCheck | None:
         return await _settle(s, ctx, h, hctx, gate, t0)
 
-    return PrefillGate(pcall, settle, sound, hctx.stream_usage)
+    keep = guarded(s.cfg, req) and verifiable(req)
+    return PrefillGate(pcall, settle, sound, hctx.stream_usage, keep)
 
 
 async def _settle(

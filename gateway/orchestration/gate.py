@@ -35,6 +35,9 @@ class PrefillGate(msgspec.Struct, eq=False):
     # the prefill's adapter's quick verdict on (status, body): True when it is a sound basis
     sound: Callable[[int, bytes], bool]
     drop_usage: bool  # the decode was asked for a usage chunk the client did not ask for
+    # the stream is kept for a verification run, which only the verdict says is due (a suspect
+    # pair, a sampled `shadow_before_delivery`): its end then waits for the run too
+    keep: bool
     check: DecodeCheck | None = None  # once settled
     stopped: bool = False  # a bad verdict cancelled the relay's pipe
     decode_refused: bool = False  # the decode's stream was its refusal of the request (set by the relay)

@@ -57,7 +57,10 @@ def relay(
         if gate is not None:
             return _whole_gated(s, ctx, resp, w, ctype, gate)
         return _whole(s, ctx, resp, w, ctype, transform, check)
-    kept: list[bytes] | None = [] if check is not None and check.verify is not None else None
+    if gate is not None:
+        kept: list[bytes] | None = [] if gate.keep else None
+    else:
+        kept = [] if check is not None and check.verify is not None else None
     return _Stream(s, ctx, resp, w, phase, transform, check, kept, gate).run(ctype)
 
 
@@ -267,8 +270,12 @@ class _Stream(msgspec.Struct, eq=False):
     async def _end(self, watch: StreamWatch) -> None:
         """The upstream stream ended: its held end is released only if the answer passes."""
         check, resp, w, res = self.check, self.resp, self.w, self.ctx.res
-        if self.kept is not None and watch.violation is None:
-            assert check is not None
+        if (
+            self.kept is not None
+            and check is not None
+            and check.verify is not None
+            and watch.violation is None
+        ):
             # the end (finish event, usage, [DONE]) is still held: release it only if the
             # stream agrees with its verification run
             why = await verified(self.s, check, b"".join(self.kept), stream=True)
