@@ -9,7 +9,8 @@ the prefill's (or decode's) requests, and sends `--requests` greedy completions,
 streamed, 64 at a time. Every answer is compared with a colocated reference emulator outside the
 gateway. Presets: `default` (the shipped `[guards]`), `strict` (`shadow_fraction = 1.0`,
 `shadow_before_delivery = true`: every greedy answer verified by a colocated re-run before its
-clean end), `off` (`--no-guards`: no length preflight, no decode consistency). The table
+clean end), `before_end` (the defaults with `prefill_verdict = "before_end"`), `off`
+(`--no-guards`: no length preflight, no decode consistency, `prefill_verdict = "before_end"`). The table
 (markdown) goes to stdout; docs/guards.md quotes it.
 """
 
@@ -37,7 +38,9 @@ MAX_TOKENS = 8
 PRESETS = {
     "default": GuardsConfig(),
     "strict": GuardsConfig(shadow_fraction=1.0, shadow_before_delivery=True),
-    "off": GuardsConfig(length_preflight=False, decode_consistency=False),
+    # SGLang streams relayed before the prefill's verdict, checked before their end
+    "before_end": GuardsConfig(prefill_verdict="before_end"),
+    "off": GuardsConfig(length_preflight=False, decode_consistency=False, prefill_verdict="before_end"),
 }
 # fault kinds that corrupt a handoff, and which leg the emulator injects each into
 KINDS = {

@@ -15,6 +15,8 @@ Targets, any of them in one run (``--via``):
 * ``sglang-router``: the real Rust router (``sglang-router``, in the dev extra) started in front
   of the pair;
 * ``gateway``, ``gateway-noguards``: ``pd-gateway serve`` started in front of the pair;
+  ``gateway-before-end``: the same with ``[guards] prefill_verdict = "before_end"`` (the decode's
+  tokens relayed before the prefill's verdict, docs/guards.md);
 * ``URL``: any front end already serving the pair (the gateway, say): ``--pair-url`` prints the
   pair's addresses and waits, so that one can be started against them; or ``--prefill`` /
   ``--decode`` point at a pair started elsewhere.
@@ -23,8 +25,9 @@ Targets, any of them in one run (``--via``):
     python -m bench.stream_bunching --via direct --json out.json
     python -m bench.stream_bunching --via http://127.0.0.1:8080 --prefill URL:BPORT --decode URL
 
-The figures are the distribution (median, p90, max) of tokens in the first read and of tokens
-per event over the short streams, and their TTFT. Reads are what the client's socket returned
+The figures are the distribution (median, p90, p99, max) of tokens in the first read and of
+tokens per event over the short streams, and their TTFT (with each target's TTFT less
+``direct``'s at the same percentile, where ``direct`` ran too). Reads are what the client's socket returned
 (aiohttp ``iter_any``): a slow client merges reads, so the event counts are the engine's own.
 """
 
@@ -36,6 +39,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -203,6 +207,7 @@ def dist(values: list[float]) -> dict[str, float]:
         "n": len(v),
         "median": statistics.median(v),
         "p90": v[min(len(v) - 1, int(0.9 * len(v)))],
+        "p99": v[min(len(v) - 1, int(0.99 * len(v)))],
         "max": v[-1],
     }
 
@@ -256,13 +261,19 @@ def print_summary(s: dict[str, Any]) -> None:
     def fmt(d: dict[str, float]) -> str:
         if not d.get("n"):
             return "-"
-        return f"median {d['median']:.0f}, p90 {d['p90']:.0f}, max {d['max']:.0f}"
+        return f"median {d['median']:.0f}, p90 {d['p90']:.0f}, p99 {d['p99']:.0f}, max {d['max']:.0f}"
 
     print(f"{s['target']}: {s['streams']} short streams, {s['failed']} failed {s['errors'] or ''}")
     print(f"  tokens in the first read  {fmt(s['first_read_tokens'])}")
     print(f"  tokens per event          {fmt(s['tokens_per_event'])}")
     print(f"  most tokens in one event  {fmt(s['max_event_tokens'])}")
     print(f"  TTFT ms                   {fmt(s['ttft_ms'])}")
+    added = s.get("ttft_added_ms")
+    if added:
+        print(
+            f"  TTFT added vs direct, ms  median {added['median']:.0f}, p90 {added['p90']:.0f}, "
+            f"p99 {added['p99']:.0f}"
+        )
 
 
 def start_pair(group: procs.ProcessGroup, args: argparse.Namespace) -> tuple[procs.Upstream, procs.Upstream]:
@@ -290,14 +301,23 @@ def start_router(group: procs.ProcessGroup, prefill: str, bootstrap_port: int, d
     return url
 
 
+GATEWAYS = ("gateway", "gateway-noguards", "gateway-before-end")
+
+
 def start_gateway(
-    group: procs.ProcessGroup, prefill: str, bootstrap_port: int, decode: str, guards: bool, model: str
+    group: procs.ProcessGroup, prefill: str, bootstrap_port: int, decode: str, name: str, model: str
 ) -> str:
-    """`pd-gateway serve` in front of the pair (`--no-guards` unless `guards`); its URL."""
+    """`pd-gateway serve` in front of the pair, as `name` (one of GATEWAYS) says; its URL."""
     port = procs.free_port()
-    extra = ["--model", model] + ([] if guards else ["--no-guards"])
+    extra = ["--model", model]
+    if name == "gateway-noguards":
+        extra.append("--no-guards")
+    elif name == "gateway-before-end":
+        conf = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
+        with conf:
+            conf.write('[guards]\nprefill_verdict = "before_end"\n')
+        extra += ["--config", conf.name]
     argv = procs.gateway_argv("sglang", port, [(prefill, bootstrap_port)], [decode], extra=extra)
-    name = "gateway" if guards else "gateway-noguards"
     gateway = group.add(procs.start_process(name, argv, cwd=procs.REPO_ROOT))
     url = f"http://{HOST}:{port}"
     gateway.wait_http(f"{url}/readiness", 90.0)
@@ -312,7 +332,10 @@ def parse_pair(value: str) -> tuple[str, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.stream_bunching", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--via", action="append", default=[], help="direct, sglang-router or a front end URL (repeatable)"
+        "--via",
+        action="append",
+        default=[],
+        help="direct, sglang-router, gateway, gateway-noguards, gateway-before-end or a front end URL (repeatable)",
     )
     p.add_argument(
         "--prefill", type=parse_pair, default=None, help="a running pair's prefill as URL:BOOTSTRAP_PORT"
@@ -337,13 +360,59 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+HOLD = "pdgw_prefill_verdict_hold_seconds"
+
+
+async def verdict_holds(url: str) -> dict[str, dict[str, float]]:
+    """A gateway's `pdgw_prefill_verdict_hold_seconds` after the run, by `held`: how many
+    handoffs, how many held over 50 ms, and the bucket bound under which 99 % fell."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
+        text = await r.text()
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    for line in text.splitlines():
+        if line.startswith(HOLD + "_bucket{"):
+            labels, _, value = line[len(HOLD) + 8 :].partition("} ")
+            fields = dict(kv.split("=", 1) for kv in labels.split(","))
+            held, le = fields["held"].strip('"'), fields["le"].strip('"')
+            buckets.setdefault(held, []).append((float(le), float(value)))
+    out = {}
+    for held, bs in buckets.items():
+        bs.sort()
+        n = bs[-1][1]
+        if not n:
+            continue
+        over_50ms = n - next(c for le, c in bs if le >= 0.05)
+        p99 = next(le for le, c in bs if c >= 0.99 * n)
+        out[held] = {"n": n, "over_50ms": over_50ms, "p99_le_s": p99}
+    return out
+
+
 async def measure(targets: list[tuple[str, Target]], args: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     for name, target in targets:
         records = await run_workload(target, args)
         s = summary(name, records)
         print_summary(s)
+        if name in GATEWAYS and target.url is not None:
+            s["verdict_hold"] = holds = await verdict_holds(target.url)
+            for held, h in holds.items():
+                print(
+                    f"  verdict hold ({held})     {h['n']:.0f} handoffs, {h['over_50ms']:.0f} over 50 ms, "
+                    f"p99 <= {h['p99_le_s'] * 1000:g} ms"
+                )
         out.append(s)
+    base = next((s for s in out if s["target"] == "direct"), None)
+    if base is not None and base["ttft_ms"].get("n"):
+        for s in out:
+            if s is not base and s["ttft_ms"].get("n"):
+                s["ttft_added_ms"] = {
+                    k: s["ttft_ms"][k] - base["ttft_ms"][k] for k in ("median", "p90", "p99", "max")
+                }
+        print("\nTTFT added vs direct (same percentile), ms:")
+        for s in out:
+            if "ttft_added_ms" in s:
+                a = s["ttft_added_ms"]
+                print(f"  {s['target']}: median {a['median']:.0f}, p90 {a['p90']:.0f}, p99 {a['p99']:.0f}")
     return out
 
 
@@ -372,8 +441,8 @@ def main(argv: list[str] | None = None) -> int:
             elif via == "sglang-router":
                 url = start_router(group, *pair)
                 targets.append((via, Target(url, None, None)))
-            elif via in ("gateway", "gateway-noguards"):
-                url = start_gateway(group, *pair, guards=via == "gateway", model=args.model)
+            elif via in GATEWAYS:
+                url = start_gateway(group, *pair, name=via, model=args.model)
                 targets.append((via, Target(url, None, None)))
             else:
                 targets.append((via, Target(via.rstrip("/"), None, None)))

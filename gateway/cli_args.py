@@ -154,7 +154,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
         "--guards",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="KV-integrity guards (length preflight, decode consistency); --no-guards turns them off",
+        help="KV-integrity guards (length preflight, decode consistency); --no-guards turns them off "
+        "and checks the prefill's verdict before a stream's end, not its first byte",
     )
     k.add_argument(
         "--admin-token-env",
@@ -232,6 +233,9 @@ def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         guards = section("guards")
         for key in ("length_preflight", "decode_consistency"):
             guards[key] = args.guards
+        # guards off: nothing is held for the prefill's verdict either (it is still checked,
+        # before the stream's end)
+        guards["prefill_verdict"] = "before_first_byte" if args.guards else "before_end"
     if args.min_prefill_tokens is not None:
         section("decider")["min_prefill_tokens"] = args.min_prefill_tokens
     for key in ("decider", "ttft_slo_s", "tpot_slo_s"):

@@ -35,6 +35,9 @@ from policies.config import DeciderCfg, PolicyCfg, RoundRobinCfg, policy_shortha
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 FallbackRung = Literal["other_pair", "colocated", "decode_self_prefill", "shed"]
+# when an SGLang P/D stream's prefill verdict must be in: before the decode's first byte reaches
+# the client (its tokens wait for it), or before the stream's end (they flow at once)
+PrefillVerdictAt = Literal["before_first_byte", "before_end"]
 POLICY_FIELDS = ("policy", "prefill_policy", "decode_policy")
 PHASE_TIMEOUTS = ("connect_s", "prefill_s", "handoff_s", "idle_s", "client_stall_s")
 
@@ -228,6 +231,9 @@ class GuardsConfig(_Section, frozen=True):
     chars_per_token_estimate: float = 4.0  # prompt length estimate without a tokenizer
     near_tie_alternatives: int = 3  # vLLM: a greedy prefill is asked for its best first tokens (0: not)
     near_tie_margin: float = 0.2  # nats: a decode first token this close to the prefill's is a tie
+    # SGLang P/D streams: the prefill's verdict checked before the first byte (tokens held until
+    # it is in) or before the stream's end (tokens flow; a bad verdict ends it with an error event)
+    prefill_verdict: PrefillVerdictAt = "before_first_byte"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.shadow_fraction <= 1.0:

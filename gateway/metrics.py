@@ -179,6 +179,14 @@ class GatewayMetrics:
             buckets=_LAT_BUCKETS,
             registry=r,
         )
+        self.verdict_hold = Histogram(
+            "pdgw_prefill_verdict_hold_seconds",
+            "SGLang P/D handoffs: how long the decode's bytes waited for the prefill's verdict, "
+            "by what was held (first_byte: the answer's start; end: a stream's end)",
+            ("held",),
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
         self.upstream_errors = Counter(
             "pdgw_upstream_errors",
             "Engine failures by worker, phase and code",

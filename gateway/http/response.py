@@ -49,6 +49,7 @@ class UpstreamResponse:
         "_waiter",
         "_whole",
         "complete",
+        "first_data_at",
         "first_read_at",
         "headers",
         "held_back",
@@ -78,6 +79,9 @@ class UpstreamResponse:
         # pipe's start): what a relay needs for its idle deadline and inter-token figures
         self.reads = 0
         self.last_read_at = 0.0
+        # the loop time the first body bytes were buffered before a pipe() or read() took them
+        # (0: none were): how long an answer's start waited (a P/D stream for its prefill's verdict)
+        self.first_data_at = 0.0
         # pipe(): when (time.monotonic()) the first two reads reached the sink, 0.0 until then:
         # a stream's first token (a chat stream's first read is often its role-only event)
         self.first_read_at = 0.0
@@ -132,6 +136,8 @@ class UpstreamResponse:
                 self._conn.abort()
                 return False
             return True
+        if not self.first_data_at:
+            self.first_data_at = self._conn._loop.time()
         self._buf.append(data)
         self._buffered += len(data)
         if self._waiter is not None:

@@ -1,5 +1,6 @@
 """The concurrent shape (SGLang): prefill and decode start together; the decode's bytes are held
-until the prefill's verdict is in (its response arrives once the KV has been shipped).
+until the prefill's verdict is in (its response arrives once the KV has been shipped), or, for a
+stream with `guards.prefill_verdict = "before_end"`, only the stream's end is (gate.py).
 
 One deadline covers both phases: `prefill_s` to the prefill's verdict, then (rescheduled) the
 decode's response headers within `handoff_s` (plus `per_token_s` per token of a non-streamed
@@ -21,10 +22,12 @@ from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.orchestration.blame import LegShape, leg_failure, prefill_refusal, upstream_status_error
 from gateway.orchestration.context import Phase, RequestContext
 from gateway.orchestration.feedback import reported
+from gateway.orchestration.gate import PrefillGate
 from gateway.orchestration.legs import Handoff, Leg
 from gateway.orchestration.relay import relay
 from gateway.orchestration.services import Services, engine_headers
 from gateway.orchestration.shadow import decode_check
+from gateway.orchestration.verify import DecodeCheck, guarded, verifiable
 from gateway.registry import Worker
 
 # How long a refused SGLang prefill waits for its decode's answer to the same body: a decode
@@ -45,6 +48,13 @@ async def run_concurrent(s: Services, ctx: RequestContext, p: Worker, d: Worker,
         # the engine already took would wait for KV that never comes); a retry gets a new room
         pleg.call = p.pool.fetch("POST", req.path, engine_headers(p, ctx.headers), pbody, replay=False)
         dleg.call = d.pool.start("POST", req.path, engine_headers(d, ctx.headers), dbody, replay=False)
+        if req.stream and s.cfg.guards.prefill_verdict == "before_end":
+            gate = await _decode_first(s, ctx, h, hctx)
+            if gate is not None:
+                assert dleg.resp is not None
+                await relay(s, ctx, dleg.resp, d, phase="decode", gate=gate)
+                dleg.complete()
+                return
         prefill_out = await _through_handoff(s, ctx, h, hctx)
         s.metrics.child(s.metrics.phase, "handoff").observe(time.monotonic() - ctx.attempt.prefill_done_at)
         assert dleg.resp is not None
@@ -67,6 +77,7 @@ async def _through_handoff(s: Services, ctx: RequestContext, h: Handoff, hctx: H
         with ctx.wheel.after(t.prefill_s, ctx.task) as deadline:
             status, out = await _await_prefill(pleg.call, dleg.call, p, d)
             verdict = _judge(s, ctx, pleg, hctx, status, out, t0)
+            _observe_hold(s, dleg.call)
             if not verdict.ok:
                 await _refused(s, h, hctx, status, verdict)
             pleg.complete()
@@ -84,13 +95,7 @@ async def _through_handoff(s: Services, ctx: RequestContext, h: Handoff, hctx: H
                 raise leg_failure(e, f"decode {d.id}", "decode", d.id) from None
     except TimeoutError:
         if not in_handoff:
-            raise UpstreamTimeout(
-                f"prefill {p.id} gave no verdict within {t.prefill_s:g}s (an SGLang prefill "
-                f"answers once its KV reached decode {d.id}: either may be the one stuck)",
-                phase="prefill",
-                worker=p.id,
-                public=f"the prefill gave no verdict within {t.prefill_s:g}s",
-            ) from None
+            raise _no_verdict(s, p, d) from None
         raise UpstreamTimeout(
             f"decode {d.id} sent no response headers within {wait_s:g}s of the prefill's verdict",
             phase="handoff",
@@ -98,6 +103,88 @@ async def _through_handoff(s: Services, ctx: RequestContext, h: Handoff, hctx: H
             public=f"the decode sent no response headers within {wait_s:g}s of the prefill's verdict",
         ) from None
     return out
+
+
+def _observe_hold(s: Services, decode_call: asyncio.Future[UpstreamResponse] | None) -> None:
+    """The prefill's verdict is in: how long the decode's first bytes waited for it."""
+    waited = 0.0
+    if decode_call is not None and decode_call.done() and not decode_call.cancelled():
+        if decode_call.exception() is None:
+            at = decode_call.result().first_data_at
+            if at:
+                waited = max(0.0, asyncio.get_running_loop().time() - at)
+    s.metrics.child(s.metrics.verdict_hold, "first_byte").observe(waited)
+
+
+async def _decode_first(s: Services, ctx: RequestContext, h: Handoff, hctx: HandoffCtx) -> PrefillGate | None:
+    """`prefill_verdict = "before_end"`: the decode's response headers, awaited beside the
+    prefill's answer. A gate (`dleg.resp` set) when the decode answered 200 first: its stream is
+    relayed at once and the verdict judged before its end. None when the prefill answered first,
+    the decode failed or refused, or its bytes are rewritten with the prefill's answer (SGLang's
+    logprob merge): the held path (`_through_handoff`) takes it from there."""
+    pleg, dleg = h.prefill, h.decode
+    p, d = pleg.worker, dleg.worker
+    pcall, dcall = pleg.call, dleg.call
+    assert pcall is not None and dcall is not None
+    if d.adapter.decode_transformer(ctx.req, b"") is not None:
+        return None
+    t0 = time.monotonic()
+    try:
+        with ctx.wheel.after(s.cfg.timeouts.prefill_s, ctx.task):
+            await asyncio.wait((pcall, dcall), return_when=asyncio.FIRST_COMPLETED)
+    except TimeoutError:
+        raise _no_verdict(s, p, d) from None
+    if pcall.done() or dcall.cancelled() or dcall.exception() is not None or dcall.result().status != 200:
+        return None
+    dleg.resp = dcall.result()
+    req = ctx.req
+
+    def sound(status: int, body: bytes) -> bool:
+        return p.adapter.judge_prefill(req, hctx, status, body).ok
+
+    async def settle(gate: PrefillGate) -> DecodeCheck | None:
+        return await _settle(s, ctx, h, hctx, gate, t0)
+
+    keep = guarded(s.cfg, req) and verifiable(req)
+    return PrefillGate(pcall, settle, sound, hctx.stream_usage, keep)
+
+
+async def _settle(
+    s: Services, ctx: RequestContext, h: Handoff, hctx: HandoffCtx, gate: PrefillGate, t0: float
+) -> DecodeCheck | None:
+    """The prefill's verdict on a stream already relayed: awaited (within what is left of
+    `prefill_s`) and judged; a bad one raises the handoff's error. Returns the decode check."""
+    pleg, dleg = h.prefill, h.decode
+    p, d = pleg.worker, dleg.worker
+    assert pleg.call is not None
+    held = not gate.stopped and not pleg.call.done()  # the stream's end waits for the verdict
+    since = time.monotonic()
+    left = max(0.0, t0 + s.cfg.timeouts.prefill_s - since)
+    try:
+        with ctx.wheel.after(left, ctx.task):
+            status, out = await _await_prefill(pleg.call, dleg.call, p, d)
+    except TimeoutError:
+        raise _no_verdict(s, p, d) from None
+    if not gate.stopped:
+        s.metrics.child(s.metrics.verdict_hold, "end").observe(time.monotonic() - since if held else 0.0)
+    verdict = _judge(s, ctx, pleg, hctx, status, out, t0)
+    if not verdict.ok:
+        stage = "mid_stream" if ctx.res.started else "before_first_byte"
+        await _refused(s, h, hctx, status, verdict, decode_refused=gate.decode_refused, stage=stage)
+    pleg.complete()
+    h.check = gate.check = decode_check(s, hctx, ctx.req, p.adapter, out)
+    return h.check
+
+
+def _no_verdict(s: Services, p: Worker, d: Worker) -> UpstreamTimeout:
+    t = s.cfg.timeouts.prefill_s
+    return UpstreamTimeout(
+        f"prefill {p.id} gave no verdict within {t:g}s (an SGLang prefill answers once its KV "
+        f"reached decode {d.id}: either may be the one stuck)",
+        phase="prefill",
+        worker=p.id,
+        public=f"the prefill gave no verdict within {t:g}s",
+    )
 
 
 def _judge(
@@ -114,18 +201,30 @@ def _judge(
     return verdict
 
 
-async def _refused(s: Services, h: Handoff, hctx: HandoffCtx, status: int, verdict: PrefillVerdict) -> None:
+async def _refused(
+    s: Services,
+    h: Handoff,
+    hctx: HandoffCtx,
+    status: int,
+    verdict: PrefillVerdict,
+    *,
+    decode_refused: bool | None = None,
+    stage: str = "before_first_byte",
+) -> None:
     """Raise the error of a prefill answer that is no basis for the decode. The decode, sent the
     same body, is waiting for this KV: it is aborted on the way out. The guard's catch, unless
-    the decode refused the request too (the request's fault) or the prefill failed (5xx: an
-    upstream error)."""
+    the decode refused the request too (the request's fault; `decode_refused`: known already, as
+    for a stream relayed before the verdict) or the prefill failed (5xx: an upstream error)."""
     p, d, decode_call = h.prefill.worker, h.decode.worker, h.decode.call
     assert decode_call is not None
-    took = status != 200 and status < 500 and not await _refused_too(d, decode_call, _AGREEMENT_S)
+    if decode_refused is None:
+        took = status != 200 and status < 500 and not await _refused_too(d, decode_call, _AGREEMENT_S)
+    else:
+        took = status != 200 and status < 500 and not decode_refused
     if (status == 200 or took) and not verdict.handoff:
         s.guard_failed(
             Guard.PREFILL_VERDICT,
-            "before_first_byte",
+            stage,
             hctx.request_id,
             verdict.reason,
             prefill=p.id,

@@ -3,6 +3,9 @@
 With a `DecodeCheck` (a disaggregated decode), nothing reaches the client before the answer's
 first token agrees with the prefill, and a stream's end is checked before it is sent
 (gateway/streamwatch.py holds those two places and passes the rest through as it arrives).
+With a `PrefillGate` (an SGLang stream relayed before its prefill's verdict), the check is not
+known until the verdict is in: the first token is checked against it if it is in by then, and
+the stream's end waits for it (gate.py).
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from typing import Any
 import msgspec
 
 from common.errors import UpstreamFailure, UpstreamTimeout
+from common.summary import Summary
 from common.workers import RouteKind
 from gateway.guards import Guard
 from gateway.http.client import UpstreamResponse
 from gateway.http.errors import UpstreamProtocolError
 from gateway.orchestration.blame import upstream_status_error
 from gateway.orchestration.context import Header, Phase, RequestContext
+from gateway.orchestration.gate import PrefillGate
 from gateway.orchestration.public import EventScreen
 from gateway.orchestration.services import Services
 from gateway.orchestration.shadow import maybe_shadow, verified
@@ -42,6 +47,7 @@ def relay(
     phase: str,
     transform: Transform | None = None,
     check: DecodeCheck | None = None,
+    gate: PrefillGate | None = None,
 ) -> Coroutine[Any, Any, None]:
     """Relay `resp`, worker `w`'s answer, to the client (see the module docstring); to be
     awaited (a plain function that picks the coroutine: one frame less per request)."""
@@ -49,9 +55,22 @@ def relay(
     if resp.status != 200:
         return _refusal(resp, w, phase, ctype)
     if not ctype.startswith(_EVENT_STREAM):
+        if gate is not None:
+            return _whole_gated(s, ctx, resp, w, ctype, gate)
         return _whole(s, ctx, resp, w, ctype, transform, check)
-    kept: list[bytes] | None = [] if check is not None and check.verify is not None else None
-    return _Stream(s, ctx, resp, w, phase, transform, check, kept).run(ctype)
+    if gate is not None:
+        kept: list[bytes] | None = [] if gate.keep else None
+    else:
+        kept = [] if check is not None and check.verify is not None else None
+    return _Stream(s, ctx, resp, w, phase, transform, check, kept, gate).run(ctype)
+
+
+async def _whole_gated(
+    s: Services, ctx: RequestContext, resp: UpstreamResponse, w: Worker, ctype: bytes, gate: PrefillGate
+) -> None:
+    """A whole answer where a stream was expected: nothing goes out before the verdict."""
+    check = await gate.settle(gate)
+    await _whole(s, ctx, resp, w, ctype, None, check)
 
 
 async def _refusal(resp: UpstreamResponse, w: Worker, phase: str, ctype: bytes) -> None:
@@ -103,6 +122,7 @@ class _Stream(msgspec.Struct, eq=False):
     check: DecodeCheck | None
     # a stream verified before its clean end: its bytes are kept for the comparison
     kept: list[bytes] | None
+    gate: PrefillGate | None = None
     watch: StreamWatch | None = None
 
     async def run(self, ctype: bytes) -> None:
@@ -115,6 +135,10 @@ class _Stream(msgspec.Struct, eq=False):
         # response counts the reads and keeps the last one's time, and a failed first-token
         # check raises out of the feed, which stops the pipe and closes the upstream connection.
         await self._pipe(resp.pipe(sink, flow=ctx.res, batch=ctx.res))
+        gate = self.gate
+        if gate is not None:  # the end is held until the prefill's verdict is in
+            gate.decode_refused = not ctx.res.started and self.w.adapter.refused_in_stream(resp.last_bytes())
+            self.check = await gate.settle(gate)
         if ctx.res.started:
             ctx.res.cork()  # the held end of the stream and its last chunk go out in one send
         if self.watch is not None:
@@ -144,6 +168,8 @@ class _Stream(msgspec.Struct, eq=False):
         starts the client's stream once the first token passed."""
         ctx, check = self.ctx, self.check
         res, a = ctx.res, ctx.attempt
+        if check is None and self.gate is not None:
+            return self._gated_watch(head)
         if check is None:
             res.start_stream(200, head)
             a.first_byte_at = time.monotonic()
@@ -169,6 +195,35 @@ class _Stream(msgspec.Struct, eq=False):
         )
         return watch.feed
 
+    def _gated_watch(self, head: list[Header]) -> Callable[[bytes], None]:
+        """The watch of a stream relayed before its prefill's verdict: its first token checked
+        if the verdict is in by then, its end held until it is (`run`)."""
+        gate, res, a, w, req = self.gate, self.ctx.res, self.ctx.attempt, self.w, self.ctx.req
+        assert gate is not None
+
+        def started_write(data: bytes) -> None:
+            res.start_stream(200, head, data)
+            a.first_byte_at = time.monotonic()
+            a.phase = Phase.STREAMING
+            watch.write_to(res.write)
+
+        def first(summary: Summary) -> str | None:
+            # (the verdict is not in yet: the first token is compared at the end, `check_end`)
+            return None if gate.check is None else gate.check.check_first(summary)
+
+        def end(summary: Summary) -> str | None:
+            return None if gate.check is None else gate.check.check_end(summary)
+
+        watch = self.watch = StreamWatch(
+            started_write,
+            lambda payloads: w.adapter.summarize(req, payloads),
+            first,
+            end,
+            ends=w.adapter.stream_end_markers,
+            drop_usage=w.adapter.without_usage_chunk if gate.drop_usage else None,
+        )
+        return watch.feed
+
     def _sink(self, write: Callable[[bytes], None]) -> Callable[[bytes], None]:
         """`write`, keeping the bytes for a verification and rewriting them for the client."""
         kept, transform = self.kept, self.transform
@@ -186,6 +241,9 @@ class _Stream(msgspec.Struct, eq=False):
         loop, seconds = self.ctx.wheel.loop, self.s.cfg.timeouts.idle_s
         idle = _IdleDeadline(loop, resp, piped, seconds)
         idle.timer = loop.call_at(resp.last_read_at + seconds, idle.check)
+        gate = self.gate
+        if gate is not None:
+            gate.stop_on_failure(piped)
         try:
             await piped
         except StreamStopped:
@@ -195,8 +253,16 @@ class _Stream(msgspec.Struct, eq=False):
             raise integrity(self.s, check, watch.violation, w, "before_first_byte") from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if not idle.fired or (task is not None and task.cancelling()):
+            if task is not None and task.cancelling():
                 raise  # the client went away or an outer deadline expired: not ours
+            if gate is not None and gate.stopped:
+                resp.abort()
+                await gate.settle(gate)  # raises the prefill's failure
+                raise UpstreamFailure(  # (a verdict that stopped the stream is a bad one)
+                    f"the prefill's verdict stopped worker {w.id}'s stream", phase="prefill", worker=w.id
+                ) from None
+            if not idle.fired:
+                raise
             resp.abort()
             where = "mid-stream" if resp.reads else "after its response headers"
             raise UpstreamTimeout(
@@ -217,8 +283,12 @@ class _Stream(msgspec.Struct, eq=False):
     async def _end(self, watch: StreamWatch) -> None:
         """The upstream stream ended: its held end is released only if the answer passes."""
         check, resp, w, res = self.check, self.resp, self.w, self.ctx.res
-        assert check is not None
-        if self.kept is not None and watch.violation is None:
+        if (
+            self.kept is not None
+            and check is not None
+            and check.verify is not None
+            and watch.violation is None
+        ):
             # the end (finish event, usage, [DONE]) is still held: release it only if the
             # stream agrees with its verification run
             why = await verified(self.s, check, b"".join(self.kept), stream=True)
@@ -237,6 +307,7 @@ class _Stream(msgspec.Struct, eq=False):
                 held=True,
             )
         if why is not None:
+            assert check is not None  # (only a check finds a violation)
             resp.release()
             raise integrity(self.s, check, why, w, "mid_stream" if res.started else "before_first_byte")
 

@@ -241,6 +241,18 @@ def test_flags_vllm_prefill_has_no_bootstrap_port() -> None:
         parse_serve_args(["--engine", "vllm", "--prefill", "http://h:1", "9000"])
 
 
+def test_no_guards_holds_nothing_for_the_prefill_verdict() -> None:
+    """`--no-guards`: the checks off, and an SGLang stream's tokens flow before the prefill's
+    verdict (checked before the end); the default holds them until it is in."""
+    off = parse_serve_args(["--decode", "http://h:2", "--no-guards"]).guards
+    assert (off.length_preflight, off.decode_consistency, off.prefill_verdict) == (False, False, "before_end")
+    on = parse_serve_args(["--decode", "http://h:2", "--guards"]).guards
+    assert on.prefill_verdict == "before_first_byte"
+    assert parse_serve_args(["--decode", "http://h:2"]).guards.prefill_verdict == "before_first_byte"
+    with pytest.raises(ConfigError, match="prefill_verdict"):
+        config_from_raw({"guards": {"prefill_verdict": "never"}})
+
+
 def test_flags_scalars_and_policies() -> None:
     c = parse_serve_args(
         [
