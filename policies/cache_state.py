@@ -21,6 +21,7 @@ from policies.base import (
     Routed,
     WorkerGone,
 )
+from policies.pending import expire
 from policies.prefill_cost import PrefillQueues, RateSettings
 from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
 from policies.prompt_key import PromptKey
@@ -310,13 +311,7 @@ class CacheState:
         """Every `eviction_interval`: forget requests routed longer ago than that whose outcome
         never came (a cancelled request may send none), oldest first."""
         self._last_sweep = now
-        horizon = now - self.settings.eviction_interval_s
-        pending = self._pending
-        while pending:
-            rid, p = next(iter(pending.items()))
-            if p.at > horizon:
-                break
-            del pending[rid]
+        expire(self._pending, now - self.settings.eviction_interval_s)
 
 
 # ---- filter, scorers, pickers -------------------------------------------------------------------

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from common.outcomes import LegOutcome
 from policies.base import Completed, Failed, PolicyEvent, PolicyMetric, Routed, WorkerGone
 from policies.estimators import PRIOR_WEIGHT, Ewma, LinearFit, prefill_work
+from policies.pending import expire
 from policies.snapshot import Role, WorkerState
 
 
@@ -399,13 +400,7 @@ class CostModel:
     def _sweep(self, now: float) -> None:
         """Forget requests whose outcome never came (`priors.horizon_s`), and idle decoders."""
         self._last_sweep = now
-        horizon = now - self.priors.horizon_s
-        pending = self._pending
-        while pending:
-            rid, p = next(iter(pending.items()))
-            if p.at > horizon:
-                break
-            del pending[rid]
+        for rid, p in expire(self._pending, now - self.priors.horizon_s):
             self._drop(rid, p)
 
     # -- accounting, for tests and the admin view ---------------------------------------------
