@@ -351,6 +351,22 @@ def _splice(body: bytes, extra: bytes) -> bytes:
     return body[:-1] + b"," + extra + b"}"
 
 
+def vllm_prefill_dict(body: dict[str, object]) -> dict[str, object]:
+    """The prefill leg of vLLM's NIXL handoff, as its toy proxy builds it."""
+    p = dict(body)
+    p.update(max_tokens=1, stream=False)
+    p.pop("stream_options", None)
+    p["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    return p
+
+
 class SglangPDSession(Session):
     """The SGLang handoff done by the client itself: the same body, with a fresh bootstrap
     room, to prefill and decode at once; the decode's answer is the result, the prefill's is
@@ -410,18 +426,7 @@ class VllmPDSession(Session):
         self.pconn = Conn(*prefill)
         self.dconn = Conn(*decode, check_tail)
         self.path = path
-        pbody = dict(body)
-        pbody.update(max_tokens=1, stream=False)
-        pbody.pop("stream_options", None)
-        pbody["kv_transfer_params"] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
-        self.pbody = json.dumps(pbody, separators=(",", ":")).encode()
+        self.pbody = json.dumps(vllm_prefill_dict(body), separators=(",", ":")).encode()
         self.dbody = json.dumps(body, separators=(",", ":")).encode()
         self.n = 0
         self.tag = f"{random.getrandbits(32):08x}"

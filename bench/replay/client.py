@@ -63,22 +63,6 @@ def request_dict(model: str, prompt: str, row: Row) -> dict[str, Any]:
     return body
 
 
-def vllm_prefill_dict(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg of vLLM's NIXL handoff, as its toy proxy builds it."""
-    p = dict(body)
-    p.update(max_tokens=1, stream=False)
-    p.pop("stream_options", None)
-    p["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-    return p
-
-
 def encode(obj: Any) -> bytes:
     return msgspec.json.encode(obj)
 

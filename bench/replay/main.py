@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import procs
+from bench.loadgen import vllm_prefill_dict
 from bench.replay import client as rc
 from bench.replay import prompts, reference, report, synthetic, trace
 from bench.replay.cluster import Cluster, ClusterSpec, start_cluster
@@ -205,7 +206,7 @@ def build_items(
         text = builder.text(row)
         builder.check(row, text)
         body = rc.request_dict(spec.model, text, row)
-        pbody = rc.encode(rc.vllm_prefill_dict(body)) if direct_vllm_pd else None
+        pbody = rc.encode(vllm_prefill_dict(body)) if direct_vllm_pd else None
         items.append(rc.Item(i, row, rc.encode(body), pbody))
     return items
 
@@ -266,7 +267,7 @@ def _tiny_items(
     for k in range(n):
         row = trace.Row(0.0, 64, 2, (-(1 << 40) - tag * 1000 - k,))
         body = rc.request_dict(spec.model, builder.text(row), row)
-        pbody = rc.encode(rc.vllm_prefill_dict(body)) if vllm_pd else None
+        pbody = rc.encode(vllm_prefill_dict(body)) if vllm_pd else None
         items.append(rc.Item(-1, row, rc.encode(body), pbody))
     return items
 
@@ -309,7 +310,7 @@ async def calibrate(
                 tuple(-(1 << 41) - k * 100000 - j for j in range(trace.blocks_needed(length))),
             )
             body = rc.request_dict(cluster.spec.model, builder.text(row), row)
-            pbody = rc.encode(rc.vllm_prefill_dict(body)) if vllm_pd else None
+            pbody = rc.encode(vllm_prefill_dict(body)) if vllm_pd else None
             rec = Record(index=-1, input_length=length, output_length=16)
             await dispatch.send(rc.Item(-1, row, rc.encode(body), pbody), rec)
             if not rec.ok:

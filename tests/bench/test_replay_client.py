@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from bench.loadgen import vllm_prefill_dict
 from bench.replay import client as rc
 from bench.replay import prompts
 from bench.replay.trace import Row
@@ -26,7 +27,7 @@ def items(
         n = -(-(length + i) // 512)
         row = Row(i * t_step, length + i, out, tuple(1000 + 20 * i + k for k in range(n)))
         body = rc.request_dict(MODEL, BUILDER.text(row), row)
-        pbody = rc.encode(rc.vllm_prefill_dict(body)) if vllm_pd else None
+        pbody = rc.encode(vllm_prefill_dict(body)) if vllm_pd else None
         res.append(rc.Item(i, row, rc.encode(body), pbody))
     return res
 
