@@ -193,6 +193,20 @@ class TokenBounds:
                 n += 1
         return n
 
+    def state(self) -> list[dict[str, object]]:
+        """Each model's bounds, for the admin API."""
+        now = time.monotonic()
+        return [
+            {
+                "model": name,
+                "proven_up_to": m.low,
+                "unproven_in_flight": m.turn is not None,
+                "killed_by": m.killer if m.until > now else None,
+                "refusing_s": round(m.until - now, 1) if m.until > now else 0.0,
+            }
+            for name, m in self._models.items()
+        ]
+
     def _refuse(self, ctx: RequestContext, m: _Model) -> None:
         """Raise `UnprovenTokenIds` where a recent death refuses this unproven request."""
         left = m.until - time.monotonic()

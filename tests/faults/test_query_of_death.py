@@ -320,3 +320,40 @@ async def test_probe_after_death_tries_ids_below_the_one_that_killed() -> None:
         assert len([n for n, e in emus.items() if e.dead]) == 2
     finally:
         await stop(emus, gw)
+
+
+async def test_after_a_death_unproven_ids_are_refused_until_an_operator_resets_the_bounds() -> None:
+    """The price of the default (`"refuse"`): a valid id above every id served so far is refused
+    too while a death is remembered; the admin API shows why and forgets the death on request."""
+    from gateway.config import AdminConfig
+
+    emus, gw = await colocated_and_pair(admin=AdminConfig(token="t"))
+    auth = {"authorization": "Bearer t"}
+    try:
+        await served_traffic(gw.url)  # ids up to 200
+        oov = {"model": "m", "input_ids": [5, BIG], "sampling_params": {"max_new_tokens": 2}}
+        assert (await call(gw.url, GEN, oov))[0] == 400
+        valid = {**oov, "input_ids": [5, 250]}  # inside the vocabulary (259), but unproven
+        status, out = await call(gw.url, GEN, valid)
+        assert status == 400 and "above every id this model has been seen to serve" in out["error"]["message"]
+        async with aiohttp.ClientSession(headers=auth) as s:
+            async with s.get(gw.url + "/admin/token_bounds") as r:
+                state = (await r.json())["models"]
+            assert state == [
+                {
+                    "model": "m",
+                    "proven_up_to": 200,
+                    "unproven_in_flight": False,
+                    "killed_by": BIG,
+                    "refusing_s": state[0]["refusing_s"],
+                }
+            ]
+            assert state[0]["refusing_s"] > 290
+            async with s.post(gw.url + "/admin/token_bounds/reset?model=m") as r:
+                assert r.status == 200 and (await r.json())["reset"] == 1
+        status, out = await call(gw.url, GEN, valid)  # tried again, alone: served and proven
+        assert status == 200, out
+        assert gw.orchestrator.bounds.low("m") == 250
+        assert len([n for n, e in emus.items() if e.dead]) == 1
+    finally:
+        await stop(emus, gw)
