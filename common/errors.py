@@ -30,6 +30,7 @@ class ErrorCode(enum.StrEnum):
     KV_INTEGRITY = "kv_integrity_violation"
     REQUEST_QUARANTINED = "request_quarantined"
     ENGINE_DROPPED_REQUEST = "engine_dropped_request"
+    UNPROVEN_TOKEN_IDS = "unproven_token_ids"
     REQUEST_EXCEEDS_DEADLINE = "request_exceeds_deadline"
     UNAUTHORIZED = "unauthorized"
     CONFLICT = "conflict"

@@ -19,6 +19,7 @@ class SamplingParams(msgspec.Struct):
     n: int | None = None
     sampling_seed: msgspec.Raw = msgspec.Raw()  # empty: absent
     stop_token_ids: msgspec.Raw = msgspec.Raw()  # empty: absent (token ids: checked like a prompt's)
+    min_new_tokens: msgspec.Raw = msgspec.Raw()  # empty: absent (what makes SGLang read stop ids)
 
 
 class StreamOptions(msgspec.Struct):
@@ -51,6 +52,7 @@ class Fields(msgspec.Struct):
     top_logprobs: msgspec.Raw = msgspec.Raw()  # empty: absent
     rid: msgspec.Raw = msgspec.Raw()  # empty: absent
     stop_token_ids: msgspec.Raw = msgspec.Raw()  # empty: absent (token ids: checked like a prompt's)
+    min_tokens: msgspec.Raw = msgspec.Raw()  # empty: absent (what makes SGLang read stop ids)
     user: str | None = None
     session_id: Any = None  # not an engine field: a routing hint when a string or an integer
     # fields the gateway owns on the way to engines; a client must not smuggle them in

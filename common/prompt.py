@@ -163,23 +163,37 @@ def _same_batch(text: bytes, input_ids: bytes) -> None:
         )
 
 
-def other_ids(route: RouteKind, f: Fields) -> list[tuple[int, str]]:
-    """(largest id, parameter) of the token ids an engine reads besides the prompt: SGLang's
-    chat `input_ids` (its prompt when given: the template is skipped, serving_chat.py:1947),
-    and `stop_token_ids` (top level, or in `/generate`'s `sampling_params`, one object or a
-    list): with a minimum length, SGLang 0.5.23 scatters them into a vocabulary-wide tensor
-    (penaltylib/min_new_tokens.py) and its scheduler dies on one outside the vocabulary; vLLM
-    refuses those itself. Negative ids and shapes no engine reads as ids are a 400."""
-    out: list[tuple[int, str]] = []
+def other_ids(route: RouteKind, f: Fields) -> list[tuple[int, str, bool]]:
+    """(largest id, parameter, read as an index) of the token ids an engine reads besides the
+    prompt: SGLang's chat `input_ids` (its prompt when given: the template is skipped,
+    serving_chat.py:1947), and `stop_token_ids` (top level, or in `/generate`'s
+    `sampling_params`, one object or a list): with a minimum length, SGLang 0.5.23 scatters them
+    into a vocabulary-wide tensor (penaltylib/min_new_tokens.py) and its scheduler dies on one
+    outside the vocabulary (then they are read as an index, as a prompt's ids are); vLLM refuses
+    those itself. Negative ids and shapes no engine reads as ids are a 400."""
+    out: list[tuple[int, str, bool]] = []
     if route is RouteKind.CHAT and given(f.input_ids):
-        out.append((_lax_id_list(bytes(f.input_ids), "input_ids", empty_ok=False), "input_ids"))
+        out.append((_lax_id_list(bytes(f.input_ids), "input_ids", empty_ok=False), "input_ids", True))
     if given(f.stop_token_ids):
-        out.append((_lax_id_list(bytes(f.stop_token_ids), "stop_token_ids"), "stop_token_ids"))
+        top = _lax_id_list(bytes(f.stop_token_ids), "stop_token_ids")
+        out.append((top, "stop_token_ids", _positive(f.min_tokens)))
     sp = f.sampling_params
     for x in sp if isinstance(sp, list) else (sp,) if sp is not None else ():
         if given(x.stop_token_ids):
-            out.append((_lax_id_list(bytes(x.stop_token_ids), "stop_token_ids"), "stop_token_ids"))
+            top = _lax_id_list(bytes(x.stop_token_ids), "stop_token_ids")
+            out.append((top, "stop_token_ids", _positive(x.min_new_tokens)))
     return out
+
+
+def _positive(raw: msgspec.Raw) -> bool:
+    """Is a minimum length given that may be above 0 (anything but a zero, or absent)?"""
+    if not given(raw):
+        return False
+    try:
+        value = _any_decoder.decode(bytes(raw))
+        return not (isinstance(value, (int, float, str)) and float(value) == 0)
+    except (msgspec.DecodeError, ValueError):
+        return True
 
 
 def _lax_id_list(raw: bytes, param: str, *, empty_ok: bool = True) -> int:

@@ -44,6 +44,7 @@ class ParsedRequest:
         "has_owned_fields",
         "id_param",
         "include_usage",
+        "index_id",
         "is_batch",
         "local_prefill",
         "max_id",
@@ -95,15 +96,21 @@ class ParsedRequest:
         # `input_ids`, `stop_token_ids`), and the parameter that holds it, for the vocabulary
         # check against the chosen workers (a negative id is a 400 here already)
         self.id_param = prompt_param(route, f)
+        # the largest id an engine reads as an index (the prompt's; stop ids with a minimum
+        # length): what the token-id bounds learned where no vocabulary size is known compare
+        # (gateway/orchestration/token_bounds.py)
+        self.index_id = self.max_id
         sp = f.sampling_params
         if (
             f.stop_token_ids
             or (f.input_ids and route is RouteKind.CHAT)
             or (sp is not None and (sp.__class__ is list or sp.stop_token_ids))  # type: ignore[union-attr]
         ):
-            for top, param in other_ids(route, f):
+            for top, param, indexed in other_ids(route, f):
                 if top > self.max_id:
                     self.max_id, self.id_param = top, param
+                if indexed and top > self.index_id:
+                    self.index_id = top
         self._read_sampling(route, f)
         explicit = self.max_tokens
         self.local_prefill = (

@@ -26,6 +26,11 @@ the method or the body is looked at, so an unauthenticated caller can neither ad
                                            with its breaker (an open one takes the pair out of
                                            routing although both workers are usable)
     GET    /admin/admission                admission control counters
+    GET    /admin/token_bounds             per model whose workers do not check token ids: the
+                                           largest id proven served, and a recent engine death
+                                           of an unproven id (gateway/orchestration/token_bounds.py)
+    POST   /admin/token_bounds/reset       forget those deaths (`?model=`: of one model), so that
+                                           unproven ids are tried again
 
 `{id}` is percent-decoded (a worker whose id is its URL is `/admin/workers/http%3A%2F%2Fh%3A1`).
 A worker added here may name `api_key_env` only if a configured worker already names that
@@ -76,6 +81,7 @@ from gateway.registry import Registry, Worker
 if TYPE_CHECKING:
     from gateway.multiprocess.siblings import Siblings
     from gateway.orchestration import RequestContext
+    from gateway.orchestration.token_bounds import TokenBounds
 
 log = get_logger("pd_gateway.admin")
 
@@ -119,6 +125,7 @@ class Admin:
         allowed_key_envs: frozenset[str] = frozenset(),
         admission: Admission | None = None,
         siblings: Siblings | None = None,
+        token_bounds: TokenBounds | None = None,
     ) -> None:
         if not token:
             raise ValueError("the admin token must not be empty")
@@ -130,6 +137,7 @@ class Admin:
         self.allowed_key_envs = allowed_key_envs
         self.admission = admission
         self.siblings = siblings  # the other processes (serve --workers N); None: this one alone
+        self.token_bounds = token_bounds
         # set by the gateway: generation requests whose response has not started yet
         self.unstarted: Callable[[], list[RequestContext]] = list
         # set by the gateway: the (host, port) pairs it listens on (its own and the admin API's
@@ -203,6 +211,30 @@ class Admin:
                 return 200, own
             answers = await fan.ask("GET", "/local/admission", timeout_s=5.0)
             return 200, _add_admission(own, answers, fan)
+        if parts[0] == "token_bounds" and self.token_bounds is not None:
+            return await self._token_bounds(req, parts[1:], fan, self.token_bounds)
+        raise NotFound(f"no admin route for {m} {req.path}")
+
+    async def _token_bounds(
+        self, req: HttpRequest, action: list[str], fan: Siblings | None, bounds: TokenBounds
+    ) -> tuple[int, Any]:
+        m = req.method
+        if not action:
+            if m not in ("GET", "HEAD"):
+                raise _method(m, "GET")
+            return 200, {"models": bounds.state()}
+        if action == ["reset"]:
+            if m != "POST":
+                raise _method(m, "POST")
+            model = _query(req.query).get("model", [None])[0]
+            out: dict[str, Any] = {"reset": bounds.reset(model)}
+            if fan is not None:
+                out["processes"] = _applied(
+                    await _pass_on(fan, req, req.path + (f"?{req.query}" if req.query else "")),
+                    fan,
+                    ok=(200,),
+                )
+            return 200, out
         raise NotFound(f"no admin route for {m} {req.path}")
 
     async def _remove_everywhere(

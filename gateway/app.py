@@ -169,6 +169,7 @@ class Gateway:
             allowed_key_envs=frozenset(w.api_key_env for w in cfg.workers if w.api_key_env),
             admission=self.admission,
             siblings=self.siblings,
+            token_bounds=self.orchestrator.bounds,
         )
 
     def make_worker(self, wc: WorkerConfig) -> Worker:

@@ -96,6 +96,11 @@ class RetriesConfig(_Section, frozen=True):
     # quarantine_s (0: never quarantined) (gateway/orchestration/quarantine.py)
     quarantine_s: float = 300.0
     death_probe_s: float = 0.5
+    # where a model's workers neither check token ids nor have a vocab_size, after an engine died
+    # of a request with token ids above every id served: for quarantine_s, "refuse" every such
+    # request, or "probe": refuse only ids at or above the one that killed, try those below one
+    # at a time (each may cost another engine) (gateway/orchestration/token_bounds.py)
+    unproven_after_death: Literal["refuse", "probe"] = "refuse"
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:

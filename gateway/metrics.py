@@ -217,7 +217,10 @@ class GatewayMetrics:
             "pdgw_query_of_death",
             "Requests whose engine failed holding them: engine_died (it is gone), quarantined "
             "(a second death for the request's fingerprint), not_retried (a second drop), "
-            "refused (a copy of a quarantined request, sent to no engine)",
+            "refused (a copy of a quarantined request, sent to no engine); requests with token "
+            "ids above every id their model served (no vocab_size): unproven_killed (its engine "
+            "died of it), unproven_refused (refused after such a death), unproven_waited (waited "
+            "for another's outcome)",
             ("event",),
             registry=r,
         )

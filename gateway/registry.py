@@ -111,6 +111,11 @@ class Registry:
 
     # -- state ----------------------------------------------------------------------------------
 
+    @property
+    def version(self) -> int:
+        """Bumped by every change but in-flight counts (membership, health, breakers, load)."""
+        return self._version
+
     def changed(self) -> None:
         self._version += 1
         self._models = None

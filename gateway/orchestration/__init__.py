@@ -17,6 +17,8 @@ Read from the top:
     attempts.py      planning with exclusions, the fallback ladder, backoff
     dispatch.py      one attempt's plan to the handoff shape that runs it
     checks.py        before dispatch: vocabulary, length preflight, why a plan is a Reject
+    quarantine.py    queries of death: no blind retry after an engine died holding a request
+    token_bounds.py  without a vocabulary size: token ids proven served, unproven ids alone
     colocated.py     one worker does both phases
     concurrent.py    SGLang: prefill and decode at once, the decode held until the verdict
     sequential.py    vLLM: prefill, judge its KV params, then decode (moved if unreached)

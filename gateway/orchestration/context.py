@@ -82,6 +82,9 @@ class RequestContext(msgspec.Struct, eq=False):
     exclude: set[str] = set()  # worker and pair ids that failed for this request
     last_error: UpstreamFailure | None = None
     drops: int = 0  # attempts whose engine broke its connection holding the request (quarantine.py)
+    # its token ids are above every id its model has been seen to serve: it holds its model's
+    # turn for such requests until it ends (token_bounds.py)
+    unproven: bool = False
     # the workers of the plan running now (a moved vLLM decode's new one), for whoever waits
     # on requests not started yet (the admin API removing a worker)
     planned: tuple[str, ...] = ()

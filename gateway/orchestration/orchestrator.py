@@ -43,6 +43,7 @@ from gateway.orchestration.public import screened
 from gateway.orchestration.quarantine import Quarantine
 from gateway.orchestration.services import Services
 from gateway.orchestration.sizing import exceeded, outgrows
+from gateway.orchestration.token_bounds import TokenBounds
 from gateway.registry import Registry
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
 from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
@@ -71,6 +72,7 @@ class Orchestrator:
         self.s = Services(registry, policy, metrics, self.cfg, rng or random.Random())
         r = self.cfg.retries
         self.quarantine = Quarantine(registry, metrics, r.quarantine_s, r.death_probe_s)
+        self.bounds = TokenBounds(registry, metrics, r.quarantine_s, r.unproven_after_death == "probe")
         self._log_done = info_enabled(log)  # the access log line is built only when it is written
         self._access = line_logger(log)  # what writes it
         self._log_decisions = debug_enabled(log)  # decision records: at debug level
@@ -120,17 +122,23 @@ class Orchestrator:
         try:
             with ctx.wheel.after(self.cfg.timeouts.total_s, ctx.task) as ctx.total:
                 self.quarantine.check(ctx)  # a copy of a request that coincided with an engine death
+                if ctx.req.index_id >= 0 and not self.bounds.proven(ctx):
+                    await self.bounds.turn(ctx)  # token ids above every one served (token_bounds.py)
                 while True:
                     p = self._plan(ctx)
                     try:
                         await execute(self.s, ctx, p)
                     except UpstreamFailure as e:
                         if e.held:  # the engine may have died of it: one more try at most
-                            await self.quarantine.held(ctx, e)
+                            died = await self.quarantine.held(ctx, e)
+                            if died and ctx.unproven:  # of its unproven token ids: no other try
+                                self.bounds.killed(ctx, e, died)
                         # raises when no other attempt may follow; else after the backoff
                         await asyncio.sleep(self._failed(ctx, e))
                         continue
                     self._served(ctx)
+                    if ctx.unproven:
+                        self.bounds.done(ctx, served=True)
                     return
         except TimeoutError:
             if ctx.client_sized:  # its own size explains it: the client's (sizing.py)
@@ -156,6 +164,8 @@ class Orchestrator:
             ctx.outcome = cancelled_outcome(e, isinstance(res, HttpResponder) and res.stalled_s > 0)
             raise
         finally:
+            if ctx.unproven:  # not served: the next unproven request of its model may go
+                self.bounds.done(ctx, served=False)
             if ctx.routed:  # ended without `Completed` or `Failed`: the policy hears how
                 self._unrouted(ctx)
             self._done(ctx)

@@ -136,13 +136,13 @@ class Quarantine:
             retry_after_s=max(1.0, left),
         )
 
-    async def held(self, ctx: RequestContext, e: UpstreamFailure) -> None:
+    async def held(self, ctx: RequestContext, e: UpstreamFailure) -> list[str]:
         """An attempt's engine failed the request it held (`e.held`): probe whether the
         attempt's engines died (both legs of a P/D attempt: a query of death kills the prefill
         and the decode it is sent to). Each death, or else a broken connection, counts against
         the request (`ctx.drops`): at two it gets no other try (`e.instead` is then what its
         client is told). Each death is remembered against the request's fingerprint; the
-        second quarantines it."""
+        second quarantines it. Returns the workers found dead."""
         ids = ctx.planned or ((e.worker,) if e.worker is not None else ())
         workers = [w for i in ids if (w := self.registry.find(i)) is not None]
         gone = await asyncio.gather(*(engine_gone(w, self.probe_s) for w in workers))
@@ -156,6 +156,7 @@ class Quarantine:
                 "engines died or broke their connection while holding this request, twice; "
                 "it is not tried on another"
             )
+        return died
 
     def _died(self, ctx: RequestContext, e: UpstreamFailure, worker: str) -> None:
         """The engine holding the request died: one more death against its fingerprint. One

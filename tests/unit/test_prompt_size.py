@@ -90,3 +90,41 @@ def test_the_load_estimate_stays_an_upper_bound() -> None:
 def test_a_lax_token_id_that_is_no_integer_is_a_400() -> None:
     with pytest.raises(BadRequest):
         parse(RouteKind.COMPLETIONS, {"prompt": [1, "\u00b2"]})  # "²".isdigit() is true
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "max_id", "index_id"),
+    [
+        (RouteKind.COMPLETIONS, {"prompt": [5, 300]}, 300, 300),
+        (RouteKind.COMPLETIONS, {"prompt": "hi"}, -1, -1),
+        # stop ids are read as an index only with a minimum length (SGLang's min-new-tokens
+        # penalizer scatters them); the configured vocabulary check counts them always
+        (RouteKind.COMPLETIONS, {"prompt": [5], "stop_token_ids": [999]}, 999, 5),
+        (RouteKind.COMPLETIONS, {"prompt": "hi", "stop_token_ids": [999], "min_tokens": 1}, 999, 999),
+        (RouteKind.COMPLETIONS, {"prompt": "hi", "stop_token_ids": [999], "min_tokens": "2"}, 999, 999),
+        (RouteKind.COMPLETIONS, {"prompt": "hi", "stop_token_ids": [999], "min_tokens": 0}, 999, -1),
+        (RouteKind.COMPLETIONS, {"prompt": "hi", "stop_token_ids": [999], "min_tokens": 0.0}, 999, -1),
+        (RouteKind.CHAT, {"messages": [{"role": "user", "content": "x"}], "input_ids": [5, 300]}, 300, 300),
+        (
+            RouteKind.GENERATE,
+            {"text": "hi", "sampling_params": {"stop_token_ids": [999], "min_new_tokens": 1}},
+            999,
+            999,
+        ),
+        (
+            RouteKind.GENERATE,
+            {
+                "text": ["a", "b"],
+                "sampling_params": [{"stop_token_ids": [7]}, {"stop_token_ids": [9], "min_new_tokens": 3}],
+            },
+            9,
+            9,
+        ),
+        (RouteKind.GENERATE, {"input_ids": [4], "sampling_params": {"stop_token_ids": [999]}}, 999, 4),
+    ],
+)
+def test_the_ids_an_engine_reads_as_an_index(
+    route: RouteKind, body: dict[str, object], max_id: int, index_id: int
+) -> None:
+    req = parse(route, body)
+    assert (req.max_id, req.index_id) == (max_id, index_id)
