@@ -127,6 +127,10 @@ class EngineAdapter(Protocol):
     # a decode worker of this engine can answer a request alone, prefill included (vLLM's
     # kv_both can; an SGLang decode server cannot)
     decode_alone: ClassVar[bool]
+    # the engine's steps decode its running requests beside a prefill's chunks (vLLM's scheduler:
+    # running requests first, then prefill chunks in the rest of the token budget), rather than
+    # pausing them for prefill-only steps (SGLang's default): how long a prefill stalls a decode
+    decodes_beside_prefill: ClassVar[bool]
     # the engine refuses a prompt's token id outside its vocabulary itself (vLLM 0.32 does; SGLang
     # 0.5.23 does not, and one such id kills its scheduler): where it does not, only a configured
     # `vocab_size` lets the gateway refuse it (gateway/orchestration/checks.py)

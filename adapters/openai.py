@@ -20,6 +20,7 @@ class OpenAIAdapter(SharedShapes):
     splits_samples: ClassVar[bool] = False  # colocated only
     routes: ClassVar[frozenset[RouteKind]] = frozenset((RouteKind.COMPLETIONS, RouteKind.CHAT))
     decode_alone: ClassVar[bool] = True  # colocated only: never a decode
+    decodes_beside_prefill: ClassVar[bool] = False  # unknown: a prefill may hold its decodes
     checks_token_ids: ClassVar[bool] = True  # (an OpenAI-compatible server's own concern)
     prefill_bootstrap: ClassVar[bool] = False
     # an OpenAI server's events are read in vLLM's spelling; its hash scheme must be configured

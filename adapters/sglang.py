@@ -142,6 +142,9 @@ class SGLangAdapter(SharedShapes):
     splits_samples: ClassVar[bool] = True  # 0.5.23 gives all samples one room: n > 1 hangs in P/D
     routes: ClassVar[frozenset[RouteKind]] = frozenset(RouteKind)
     decode_alone: ClassVar[bool] = False
+    # SGLang 0.5.23 managers/scheduler.py `get_next_batch_to_run`: with prefill work a step is a
+    # prefill step (enable_mixed_chunk off by default); the decodes wait
+    decodes_beside_prefill: ClassVar[bool] = False
     checks_token_ids: ClassVar[bool] = False  # its embedding lookup raises, the server exits
     prefill_bootstrap: ClassVar[bool] = True
     kv_events_format: ClassVar[Literal["vllm", "sglang"]] = "sglang"

@@ -115,6 +115,8 @@ class VLLMAdapter(SharedShapes):
     splits_samples: ClassVar[bool] = False  # n > 1 is served by the decode alone (supports_pd)
     routes: ClassVar[frozenset[RouteKind]] = frozenset((RouteKind.COMPLETIONS, RouteKind.CHAT))
     decode_alone: ClassVar[bool] = True  # kv_both
+    # vLLM 0.32 v1/core/sched/scheduler.py `schedule`: RUNNING first, then WAITING chunks
+    decodes_beside_prefill: ClassVar[bool] = True
     checks_token_ids: ClassVar[bool] = True  # a 400 for an id past the vocabulary
     prefill_bootstrap: ClassVar[bool] = False  # (the KV goes by kv_transfer_params)
     kv_events_format: ClassVar[Literal["vllm", "sglang"]] = "vllm"

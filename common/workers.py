@@ -61,6 +61,9 @@ class WorkerState(msgspec.Struct, frozen=True, gc=False):
     # a decode worker of this engine answers a request alone, prefill included (vLLM's kv_both
     # can; an SGLang decode server cannot): its adapter's `decode_alone`
     decode_alone: bool = False
+    # its steps decode the running requests beside a prefill's chunks (vLLM), rather than pausing
+    # them for prefill-only steps (SGLang): its adapter's `decodes_beside_prefill`
+    decodes_beside_prefill: bool = False
     weight: float = 1.0
     labels: tuple[tuple[str, str], ...] = ()
     inflight: int = 0  # requests the gateway has in flight on it

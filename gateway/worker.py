@@ -163,6 +163,7 @@ class Worker:
             labels=self.labels,
             vocab_size=self.vocab_size,
             decode_alone=self.adapter.decode_alone,
+            decodes_beside_prefill=self.adapter.decodes_beside_prefill,
             inflight=self.inflight + self.foreign_inflight,
             inflight_tokens=self.inflight_tokens + self.foreign_tokens,
             load=self.load,

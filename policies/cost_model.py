@@ -21,9 +21,19 @@ request path sends (`Routed`, then `Completed` with `common.outcomes.Timings`, o
   gateway replicas sent).
 - **Stalls**: a worker that decodes and prefills (a vLLM decode prefilling a request itself, a
   colocated worker) runs its prefill chunks in the steps of its running decodes, which wait for
-  them: every second of prefill routed to it is a second added to each decode running there. Per
-  worker the model keeps the running decodes, each with the prefill seconds routed there before
-  it started, so a running decode's predicted time per token is `base + stalls / tokens`.
+  them: a second of prefill that runs while a request decodes there is a second added to that
+  decode. Per worker the model keeps the requests routed to decode there, each with its
+  predicted decode window (from its predicted first token -- a P/D request's prefill queue,
+  prefill and handoff; a local one's queue and prefill -- for its expected output tokens) and
+  the prefill seconds predicted to overlap it so far (`stall`); a local prefill booked there
+  runs from the end of the worker's queue for its own time, and adds to each decode the part
+  inside that decode's window -- on vLLM at most one prefill chunk's time per token the decode
+  has left (its scheduler runs the running decodes in every step and fills the rest of the
+  token budget with prefill chunks: vLLM v1/core/sched/scheduler.py `schedule`), on SGLang all
+  of it (a step with prefill work decodes nothing: SGLang managers/scheduler.py
+  `get_next_batch_to_run`, mixed chunks off by default). So a P/D request still queued on its
+  prefill worker is not slowed by local prefills that end before its KV arrives. A decode's
+  predicted time per token is `base + stall / tokens`.
 - **Pair reliability**: the share of recent handoffs on each pair that failed.
 
 Priors (`CostPriors`) hold until outcomes arrive; a worker without outcomes of its own takes the
@@ -33,6 +43,7 @@ mean of its peers' fits that have some (the same hardware, likely). Reads (`pref
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -40,6 +51,7 @@ from dataclasses import dataclass, field
 
 from common.outcomes import LegOutcome
 from policies.base import Completed, Failed, PolicyEvent, PolicyMetric, Routed, WorkerGone
+from policies.cost_requests import Decoder, Pending, overlap
 from policies.estimators import PRIOR_WEIGHT, Ewma, LinearFit, prefill_work
 from policies.pending import expire
 from policies.snapshot import Role, WorkerState
@@ -63,47 +75,6 @@ class CostPriors:
     horizon_s: float = 600.0  # a request whose outcome never came is forgotten after this
 
 
-class _Pending:
-    """A routed request, until its outcome: what the model predicted and booked for it."""
-
-    __slots__ = (
-        "at",
-        "booked",
-        "decode",
-        "kind",
-        "max_tokens",
-        "out",
-        "prefill",
-        "queued_s",
-        "start_cum",
-        "transfer_tokens",
-        "work",
-    )
-
-    def __init__(self) -> None:
-        self.at = 0.0
-        self.booked = 0.0  # prefill seconds booked on its prefilling worker, until settled
-        self.kind = ""  # "pd", "local" (a decode or colocated worker prefilling itself)
-        self.prefill = ""  # the worker that prefills
-        self.decode = ""  # the worker that decodes
-        self.work = 0.0  # its prefill work (token-equivalents)
-        self.queued_s = 0.0  # prefill seconds queued ahead of it on its prefilling worker
-        self.transfer_tokens = 0
-        self.out = 1  # output tokens expected
-        self.max_tokens = 0
-        self.start_cum = 0.0  # its decode worker's stall counter when it started decoding
-
-
-class _Decoder:
-    """A worker that decodes: the stall counter and the decodes running on it."""
-
-    __slots__ = ("routed_s", "running")
-
-    def __init__(self) -> None:
-        self.routed_s = 0.0  # prefill seconds ever routed to it to run beside its decodes
-        self.running: dict[str, _Pending] = {}
-
-
 @dataclass
 class CostModel:
     """The learned state (module docstring). One per policy; `observe` is fed every event."""
@@ -118,9 +89,9 @@ class CostModel:
     _tpot: dict[str, Ewma] = field(default_factory=dict)
     _queue: dict[str, tuple[float, float]] = field(default_factory=dict)  # worker -> (seconds, as of)
     _open: dict[str, float] = field(default_factory=dict)  # worker -> booked seconds not yet settled
-    _decoders: dict[str, _Decoder] = field(default_factory=dict)
+    _decoders: dict[str, Decoder] = field(default_factory=dict)
     _pair_fail: dict[tuple[str, str], float] = field(default_factory=dict)
-    _pending: OrderedDict[str, _Pending] = field(default_factory=OrderedDict)
+    _pending: OrderedDict[str, Pending] = field(default_factory=OrderedDict)
     _mean_request_s: float = 0.1
     _fill: Ewma = field(default_factory=lambda: Ewma(1.0, 0.05))  # output tokens / max_tokens
     verdicts: dict[str, int] = field(default_factory=dict)  # plan reason -> requests routed so
@@ -205,13 +176,25 @@ class CostModel:
         """The output tokens a request of this budget is expected to generate."""
         return max(1, round(max_tokens * min(1.0, max(0.05, self._fill.mean))))
 
-    def stalls(self, w: WorkerState, now: float) -> tuple[float, list[tuple[float, int]]]:
-        """(the worker's stall counter including what is queued, [(stall so far, output tokens)]
-        of each decode running on it)."""
+    def stalls(
+        self, w: WorkerState, start: float, seconds: float, chunk_s: float
+    ) -> list[tuple[float, float, int]]:
+        """For a prefill of `seconds` that would run on the worker from `start` in steps of at
+        most `chunk_s`: (predicted stall so far, what this prefill adds, output tokens) of each
+        request routed to decode there."""
         d = self._decoders.get(w.id)
         if d is None:
-            return 0.0, []
-        return d.routed_s, [(d.routed_s - r.start_cum, r.out) for r in d.running.values()]
+            return []
+        end = start + seconds
+        return [(r.stall, overlap(start, end, r, chunk_s), r.out) for r in d.running.values()]
+
+    def chunk_s(self, w: WorkerState, a: float, b: float) -> float:
+        """The longest a prefill on `w` (whose fit is (a, b)) holds a decode there per token:
+        one full chunk (a step) where the engine decodes in every step (vLLM), else without
+        bound (module docstring)."""
+        if not w.decodes_beside_prefill:
+            return math.inf
+        return a + b * self.priors.chunk_tokens
 
     # -- observe ------------------------------------------------------------------------------
 
@@ -242,7 +225,7 @@ class CostModel:
         self.verdicts[ev.reason or "-"] = self.verdicts.get(ev.reason or "-", 0) + 1
         if len(self.verdicts) > 64:  # reasons are the policy's own strings; bounded all the same
             self.verdicts.pop(next(iter(self.verdicts)))
-        p = _Pending()
+        p = Pending()
         p.at = now
         prompt = max(1, ev.prompt_tokens)
         pre = ev.worker_ids[0]
@@ -259,16 +242,26 @@ class CostModel:
         p.out = self.output_tokens(ev.max_tokens) if ev.max_tokens > 0 else 1
         decoder = self._decoders.get(p.decode)
         if decoder is None:
-            decoder = self._decoders[p.decode] = _Decoder()
+            decoder = self._decoders[p.decode] = Decoder()
+        p.step = self.tpot(p.decode)[0]
+        p.dur = max(0, p.out - 1) * p.step
         if ev.disaggregated:
             p.kind = "pd"
             d_cached = 0 if self.cached is None else min(prompt - 1, max(0, self.cached(ev, p.decode)))
             p.transfer_tokens = prompt - d_cached
-            p.start_cum = decoder.routed_s  # what is queued there now runs during its decode
+            ha, hb = self.handoff_fit(pre, p.decode)
+            p.start = now + p.queued_s + seconds + ha + hb * p.transfer_tokens
+            # the local prefills queued on its decode worker that run on after its KV arrives
+            p.stall = max(0.0, now + self._ahead(p.decode, now) - p.start)
         else:
             p.kind = "local"
-            decoder.routed_s += seconds  # its prefill runs beside the decodes running there
-            p.start_cum = decoder.routed_s  # its own and what was queued ahead come before its decode
+            # its prefill runs beside the decodes there: each is slowed by the part inside its
+            # window; its own decode starts after it
+            begin = now + p.queued_s
+            chunk = self.chunk_s(ev.workers[0], a, b) if ev.workers else math.inf
+            for r in decoder.running.values():
+                r.stall += overlap(begin, begin + seconds, r, chunk)
+            p.start = begin + seconds
         decoder.running[ev.request_id] = p
         pending = self._pending
         old = pending.pop(ev.request_id, None)  # (a moved decode: routed again)
@@ -281,7 +274,7 @@ class CostModel:
             rid, gone = pending.popitem(last=False)
             self._drop(rid, gone)
 
-    def _drop(self, rid: str, p: _Pending) -> None:
+    def _drop(self, rid: str, p: Pending) -> None:
         """A request's outcome came (or it is forgotten): off its decoder, its booking settled."""
         d = self._decoders.get(p.decode)
         if d is not None:
@@ -331,7 +324,7 @@ class CostModel:
         # came together: a time per token on the high side)
         self._learn_tpot(p, t.decode_s, counted if counted is not None else t.chunks)
 
-    def _learn_prefill(self, worker_id: str, p: _Pending, seconds: float) -> None:
+    def _learn_prefill(self, worker_id: str, p: Pending, seconds: float) -> None:
         """The request's prefill ended `seconds` after it was routed, behind `queued_s` of
         predicted work: its own took the rest."""
         own = seconds - p.queued_s
@@ -342,13 +335,11 @@ class CostModel:
             fit = self._prefill[worker_id] = self._new_prefill_fit()
         fit.add(p.work, own)
 
-    def _learn_tpot(self, p: _Pending, decode_s: float | None, tokens: int | None) -> None:
+    def _learn_tpot(self, p: Pending, decode_s: float | None, tokens: int | None) -> None:
         if decode_s is None or tokens is None or tokens < 2:
             return
-        d = self._decoders.get(p.decode)
-        stall = 0.0 if d is None else max(0.0, d.routed_s - p.start_cum)
         steps = tokens - 1
-        base = max(0.0, decode_s - stall) / steps
+        base = max(0.0, decode_s - p.stall) / steps
         e = self._tpot.get(p.decode)
         if e is None:
             e = self._tpot[p.decode] = Ewma(self.priors.tpot_s)

@@ -26,20 +26,29 @@ keeps one, else none), in seconds (policies/cost_model.py has the terms and how 
     prefill(w)     = a(w) + b(w) * work(w)                              learned per worker
     P/D via (p, d) : ttft = queue(p) + prefill(p) + handoff(p, d, P - cached(d))
                      cost = ttft + pair_failure(p, d) * ttft_slo
+                     tpot = base(d) + min(queue(d) - ttft, tokens * chunk(d)) / tokens
+                            (the local prefills queued on d that still run once its KV is there)
     local on d     : ttft = queue(d) + prefill(d)           (d has decode_alone)
-                     each decode i running on d: tpot_i = base(d) + (stalls_i + prefill(d)) / tokens_i
+                     each decode i routed to d whose window this prefill overlaps:
+                     tpot_i = base(d) + (stalls_i + added_i) / tokens_i
                      itl = base(d) + b(d) * min(work(d), chunk_tokens)   (the steps while it prefills)
     colocated c    : the same as local, on c
                      cost = ttft * (1 + local_penalty)
 
-where `queue(w)` is the prefill seconds queued on w, `stalls_i` the prefill seconds routed to run
-beside decode i since it started, and `tokens_i` its expected output tokens. SLOs per request:
+where `queue(w)` is the prefill seconds queued on w, `stalls_i` the local prefill seconds
+predicted to run inside decode i's window so far, `added_i` the part of this prefill that would
+(it runs over [now + queue(d), now + queue(d) + prefill(d)); decode i's window opens at its
+predicted first token, and a chunked prefill holds it at most `chunk(d)`, one step, per token it
+has left), and `tokens_i` its expected output tokens. A P/D request still waiting for its KV
+(queued on the prefill pool) is not slowed by a local prefill that ends before it arrives.
+SLOs per request:
 
     ttft_slo = ttft_slo_s + ttft_slo_x * unloaded      (unloaded: the best option without queues)
     tpot_slo = tpot_slo_s + tpot_slo_x * base_floor(w)  (base_floor: w's best recent time per token)
 
-A local or colocated option is **allowed** only while the decodes running there stay within the
-TPOT SLO (no more than `tpot_risk` of them predicted over). Then:
+A local or colocated option is **allowed** only while the decodes it overlaps there stay within
+the TPOT SLO (no more than `tpot_risk` of those running predicted over); a P/D option only while
+its own predicted tpot does (else the P/D options are weighed all the same when none is). Then:
 
 1. the best P/D pair's ttft <= `roomy` * ttft_slo: **P/D** (the prefill pool has room; the
    decodes are left alone) — reason `roomy` (off by default: `roomy = 0`);
@@ -124,8 +133,10 @@ class Option(msgspec.Struct, frozen=True, gc=False):
     transfer_s: float  # of which the handoff (P/D)
     cached_tokens: int  # predicted cached where it prefills
     itl_s: float  # local/colocated: the time per step of the decodes running there while it prefills
-    tpot_s: float  # local/colocated: the worst predicted time per token of a decode running there
-    tpot_over: int  # local/colocated: running decodes predicted over the TPOT SLO
+    # local/colocated: the worst predicted time per token of a decode it slows there; P/D: its own
+    tpot_s: float
+    # local/colocated: decodes it slows predicted over the TPOT SLO; P/D: 1 when its own would be
+    tpot_over: int
     running: int  # local/colocated: decodes running there
     allowed: bool  # within the TPOT gate
     cost: float
@@ -210,7 +221,6 @@ class CostModelDecider:
         m = self.model
         now = m.clock()
         prompt = max(1, req.prompt_tokens)
-        crossover = s.priors.crossover_tokens
         memo: dict[str, int] = {}
 
         def cached_on(w: WorkerState) -> int:
@@ -219,16 +229,42 @@ class CostModelDecider:
                 got = memo[w.id] = min(prompt - 1, max(0, cache.cached_tokens(req, w)))
             return got
 
-        options: list[Option] = []
         peers = tuple(p.id for ps in choice.partners.values() for p in ps)
-        # P/D pairs
+        options = self._pairs(req, choice, cached_on, peers, now)
+        # where it decodes, prefilling itself
+        for d in choice.decodes:
+            if d.decode_alone:
+                options.append(self._local("local", d, prompt, cached_on(d), peers, now))
+        for w in _bounded(choice.colocated, s.max_candidates):
+            options.append(self._local("colocated", w, prompt, cached_on(w), peers, now))
+        return self._price(options, choice)
+
+    def _pairs(
+        self,
+        req: RequestView,
+        choice: PairChoice,
+        cached_on: Callable[[WorkerState], int],
+        peers: tuple[str, ...],
+        now: float,
+    ) -> list[Option]:
+        """Every P/D pair's option (module docstring)."""
+        s = self.settings
+        m = self.model
+        prompt = max(1, req.prompt_tokens)
+        crossover = s.priors.crossover_tokens
+        out = m.output_tokens(req.max_tokens) if req.max_tokens > 0 else 1
+        options: list[Option] = []
         for d in choice.decodes:
             d_cached = cached_on(d)
             step = 0.0
+            chunk = 0.0
             dq = m.queue_s(d, now)
             if dq > 0:  # its first token waits for the step in progress (a prefill chunk)
                 a_d, b_d = m.prefill_fit(d.id, peers)
-                step = min(dq, a_d + b_d * s.priors.chunk_tokens)
+                chunk = m.chunk_s(d, a_d, b_d)
+                step = min(dq, chunk)
+            base, floor = m.tpot(d.id)
+            tpot_slo = s.tpot_slo_s + s.tpot_slo_x * floor
             for p in _bounded(choice.partners.get(d.id, ()), s.max_candidates):
                 c = cached_on(p)
                 a, b = m.prefill_fit(p.id, peers)
@@ -237,6 +273,11 @@ class CostModelDecider:
                 ha, hb = m.handoff_fit(p.id, d.id)
                 transfer = ha + hb * (prompt - d_cached) + step
                 ttft = queue + own + transfer
+                # the local prefills queued on d that still run once its KV is there slow it
+                tpot = base
+                if dq > ttft and out > 1:
+                    tpot += min(dq - ttft, (out - 1) * chunk) / (out - 1)
+                over = int(tpot > tpot_slo)
                 options.append(
                     Option(
                         kind="pd",
@@ -248,20 +289,14 @@ class CostModelDecider:
                         transfer_s=transfer,
                         cached_tokens=c,
                         itl_s=0.0,
-                        tpot_s=0.0,
-                        tpot_over=0,
+                        tpot_s=tpot,
+                        tpot_over=over,
                         running=0,
-                        allowed=True,
+                        allowed=not over,
                         cost=ttft,  # the pair's failures are priced once the SLO is known
                     )
                 )
-        # where it decodes, prefilling itself
-        for d in choice.decodes:
-            if d.decode_alone:
-                options.append(self._local("local", d, prompt, cached_on(d), peers, now))
-        for w in _bounded(choice.colocated, s.max_candidates):
-            options.append(self._local("colocated", w, prompt, cached_on(w), peers, now))
-        return self._price(options, choice)
+        return options
 
     def _price(self, options: list[Option], choice: PairChoice) -> Verdict | None:
         """The verdict among `options`: each priced against the request's TTFT SLO (a pair's
@@ -298,11 +333,13 @@ class CostModelDecider:
         queue = m.queue_s(w, now)
         base, floor = m.tpot(w.id)
         tpot_slo = s.tpot_slo_s + s.tpot_slo_x * floor
-        _, running = m.stalls(w, now)
+        running = m.stalls(w, now + queue, own, m.chunk_s(w, a, b))
         worst = 0.0
         over = 0
-        for stall, tokens in running:
-            t = base + (stall + own) / max(1, tokens - 1)
+        for stall, added, tokens in running:
+            if added <= 0.0:  # this prefill runs before its decode starts or after it ends
+                continue
+            t = base + (stall + added) / max(1, tokens - 1)
             if t > worst:
                 worst = t
             if t > tpot_slo:
@@ -349,7 +386,7 @@ def _choose(options: list[Option], choice: PairChoice, slo: float, roomy: float)
         # ties: the decode policy's pick, then the prefill policy's
         return (o.cost, o.worker != d0, o.prefill != pref)
 
-    pds = [o for o in options if o.kind == "pd"]
+    pds = [o for o in options if o.kind == "pd" and o.allowed] or [o for o in options if o.kind == "pd"]
     alts = [o for o in options if o.kind != "pd" and o.allowed]
     best_pd = min(pds, key=key) if pds else None
     if best_pd is not None and best_pd.ttft_s <= roomy * slo:

@@ -52,8 +52,10 @@ from policies.snapshot import (
 
 PlanKind = Literal["colocated", "disaggregated", "reject"]
 
-# what the built-in adapters declare (adapters/*.py `decode_alone`): policies cannot import them
+# what the built-in adapters declare (adapters/*.py `decode_alone`, `decodes_beside_prefill`):
+# policies cannot import them
 _DECODE_ALONE = {Engine.SGLANG: False, Engine.VLLM: True, Engine.OPENAI: True}
+_BESIDE_PREFILL = {Engine.SGLANG: False, Engine.VLLM: True, Engine.OPENAI: False}
 
 
 def make_worker(
@@ -93,6 +95,7 @@ def make_worker(
         weight=weight,
         labels=tuple(labels),
         decode_alone=_DECODE_ALONE[engine] if decode_alone is None else decode_alone,
+        decodes_beside_prefill=_BESIDE_PREFILL[engine],
         inflight=inflight,
         inflight_tokens=inflight_tokens,
         load=WorkerLoad(running=running, waiting=waiting),

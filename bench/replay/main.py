@@ -27,6 +27,7 @@ import signal
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--synthetic-requests", type=int, default=200)
     g.add_argument(
         "--synthetic-rate", type=float, default=2.0, help="mean requests/s of the generated workload"
+    )
+    g.add_argument(
+        "--synthetic-user-tokens", type=int, default=512, help="mean own prompt tokens of a generated request"
+    )
+    g.add_argument(
+        "--synthetic-output-tokens", type=int, default=128, help="mean output tokens of a generated request"
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument(
@@ -139,10 +146,18 @@ def load_rows(args: argparse.Namespace) -> tuple[list[trace.Row], str]:
     else:
         rows = synthetic.generate(
             synthetic.SynthSpec(
-                args.synthetic, requests=args.synthetic_requests, rate=args.synthetic_rate, seed=args.seed
+                args.synthetic,
+                requests=args.synthetic_requests,
+                rate=args.synthetic_rate,
+                seed=args.seed,
+                user_tokens=args.synthetic_user_tokens,
+                output_tokens=args.synthetic_output_tokens,
             )
         )
-        desc = f"synthetic {args.synthetic} (seed {args.seed}, {args.synthetic_rate:g} req/s)"
+        desc = (
+            f"synthetic {args.synthetic} (seed {args.seed}, {args.synthetic_rate:g} req/s, mean own prompt "
+            f"{args.synthetic_user_tokens} and output {args.synthetic_output_tokens} tokens)"
+        )
     if args.slice:
         a, _, b = args.slice.partition(":")
         start, end = int(a or 0), int(b) if b else None
@@ -376,6 +391,7 @@ async def one_run(
                 "argv": target.argv,
             }
             after = cluster.counters()
+            _save_policy_metrics(target, log_dir, desc)
             extra["workers"] = {
                 w.name: report.WorkerLoad(w.role, after[w.name].minus(before[w.name]))
                 for w in cluster.workers
@@ -383,6 +399,26 @@ async def one_run(
         finally:
             dispatch.close()
     return records, extra
+
+
+def _save_policy_metrics(target: RunningTarget, log_dir: Path, desc: str) -> None:
+    """The gateway's own policy and plan figures at the end of a run (the decider's verdicts,
+    learned rates, fallbacks), kept beside the logs as `<run>.metrics.txt` to see what it chose."""
+    if target.spec.kind != "gateway" or target.url is None:
+        return
+    try:
+        with urllib.request.urlopen(target.url + "/metrics", timeout=10.0) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return
+    keep = [
+        line
+        for line in text.splitlines()
+        if line.startswith(("pdgw_decider", "pdgw_fallbacks", "pdgw_requests"))
+    ]
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in desc)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / f"{name}.metrics.txt").write_text("\n".join(keep) + "\n")
 
 
 def _spread(workers: dict[str, report.WorkerLoad]) -> tuple[float, float]:

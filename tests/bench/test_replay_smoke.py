@@ -61,6 +61,7 @@ def test_a_tiny_replay_on_a_mixed_cluster_with_the_cost_model_decider(tmp_path: 
     rc = replay_main.main(
         [
             "--synthetic", "chat", "--synthetic-requests", "4", "--synthetic-rate", "8",
+            "--synthetic-user-tokens", "3000", "--synthetic-output-tokens", "40",
             "--engine", "sglang", "--prefill", "1", "--decode", "1", "--colocated", "1",
             "--time-scale", "0.02", "--target", "cost=gateway --decider cost_model",
             "--slo-ttft", "10", "--slo-tpot", "1", "--out", str(out), "--no-progress", "--no-plots",
@@ -70,6 +71,13 @@ def test_a_tiny_replay_on_a_mixed_cluster_with_the_cost_model_decider(tmp_path: 
     data = json.loads((out / "results.json").read_text())
     s = data["runs"][0]["summary"]
     assert (s["requests"], s["completed"], s["errors"]) == (4, 4, 0), s
+    # the generated prompts are sized as asked (a 1,024-token system prompt, then ~3,000 own)
+    lengths = [r["input_length"] for r in data["runs"][0]["records"]]
+    assert sum(lengths) / len(lengths) > 2500, lengths
+    # what the decider chose is kept beside the logs: one verdict per request
+    [kept] = (out / "logs").glob("*.metrics.txt")
+    verdicts = [ln for ln in kept.read_text().splitlines() if ln.startswith("pdgw_decider_verdicts_total")]
+    assert sum(float(ln.rsplit(" ", 1)[1]) for ln in verdicts) >= 4, verdicts
 
 
 @pytest.mark.parametrize("presses", [1, 2])

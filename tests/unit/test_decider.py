@@ -232,9 +232,9 @@ def test_a_flaky_pair_is_priced_out() -> None:
 
 def test_the_tpot_gate_keeps_prefills_off_a_worker_whose_decodes_would_slow_too_much() -> None:
     d = decider(tpot_slo_s=0.05)
-    # twenty short answers decoding on c1: a 3 s prefill beside them adds 3 s / 8 tokens each
+    # twenty answers decoding on c1: a 4 s prefill beside them adds 4 s / 64 tokens each
     for i in range(20):
-        d.observe(local_event(f"r{i}", 10, max_tokens=8))
+        d.observe(local_event(f"r{i}", 10, max_tokens=64))
     v = d.decide(make_request(prompt_tokens=30_000), choice(), NoCacheEstimate())
     assert v is not None
     col = next(o for o in v.options if o.kind == "colocated")
@@ -385,3 +385,95 @@ def test_a_prefill_faster_than_predicted_leaves_no_phantom_queue() -> None:
     m.observe(Completed("r2", ("p1", "d1"), timings=Timings(end_s=0.9, prefill_s=0.8)))
     assert m.prefill_samples("p1") == 2
     assert m.tracked() == 0
+
+
+# -- stalls: which running decodes a local prefill slows ------------------------------------------
+
+VD2 = make_worker("vd2", "decode", "vllm")
+
+
+@dataclass
+class StallCase:
+    name: str
+    pd_waiting: int  # P/D requests routed to vd1 whose prefills are queued behind ~9 s on vp1
+    decoding: int  # requests decoding on vd1 now (short prompts it prefilled itself)
+    kind: str  # the verdict for a 3,000-token prompt
+    tpot_over: int  # running decodes the local option is predicted to push over the TPOT SLO
+
+
+STALL_CASES = [
+    # their KV arrives long after a 0.3 s local prefill is over: it slows none of them
+    StallCase("P/D requests still queued on the prefill pool: prefill locally", 2, 0, "local", 0),
+    # the same prefill runs beside decodes that are running: 0.3 s over 7 tokens breaks them
+    StallCase("decodes running there: P/D", 2, 2, "pd", 2),
+]
+
+
+@pytest.mark.parametrize("case", STALL_CASES, ids=[c.name for c in STALL_CASES])
+def test_a_local_prefill_is_gated_only_by_the_decodes_it_overlaps(case: StallCase) -> None:
+    d = decider(tpot_slo_s=0.05)
+    for i in range(case.pd_waiting):  # 4.4 s of prefill each on vp1
+        d.observe(pd_event(f"pd{i}", 30_000, p=VP1, d=VD1, max_tokens=8))
+    for i in range(case.decoding):
+        d.observe(local_event(f"loc{i}", 10, VD1, max_tokens=8))
+    v = d.decide(make_request(prompt_tokens=3000), choice(VD1, (VP1,), ()), NoCacheEstimate())
+    assert v is not None
+    local = next(o for o in v.options if o.kind == "local")
+    assert local.running == case.pd_waiting + case.decoding
+    assert local.tpot_over == case.tpot_over
+    assert v.kind == case.kind, [(o.kind, round(o.ttft_s, 3), o.allowed) for o in v.options]
+
+
+def test_a_decode_near_its_end_is_stalled_at_most_a_chunk_per_token_left() -> None:
+    """Chunked prefill: the decode makes a token in each step, so a 4.4 s prefill that reaches a
+    decode with 3 tokens to go holds it for 3 chunks, not 4.4 s."""
+    clock = Clock()
+    m = CostModel(CostPriors(chunk_tokens=512), clock=clock)
+    m.observe(local_event("r1", 10, VD1, max_tokens=64))  # 63 tokens at 20 ms: 1.26 s
+    clock.t += 0.02 + 60 * 0.02  # its first token, then 60 more
+    a, b = m.prefill_fit("vd1")
+    chunk = m.chunk_s(VD1, a, b)
+    [(stall, added, out)] = m.stalls(VD1, clock.t, 4.4, chunk)
+    assert stall == 0.0 and out == 64
+    assert added == pytest.approx(3 * chunk, rel=0.05)
+    # one that has just started decoding is held for all of it
+    m.observe(local_event("r2", 10, VD1, max_tokens=64))
+    clock.t += 0.03
+    added2 = max(x for _, x, _ in m.stalls(VD1, clock.t, 4.4, chunk))
+    assert added2 == pytest.approx(4.4)
+
+
+def test_an_sglang_worker_holds_its_decodes_for_the_whole_prefill() -> None:
+    """SGLang runs a step with prefill work as a prefill step: a decode with 3 tokens to go waits
+    for all of a 4.4 s prefill, not 3 chunks."""
+    clock = Clock()
+    m = CostModel(CostPriors(chunk_tokens=512), clock=clock)
+    m.observe(local_event("r1", 10, C1, max_tokens=64))
+    clock.t += 0.02 + 60 * 0.02
+    a, b = m.prefill_fit("c1")
+    assert m.chunk_s(C1, a, b) == float("inf")
+    [(_, added, _)] = m.stalls(C1, clock.t, 4.4, m.chunk_s(C1, a, b))
+    assert added == pytest.approx(4.4)
+
+
+def test_a_pd_decode_avoids_a_worker_whose_queued_local_prefill_would_break_its_tpot() -> None:
+    """vd1 (the decode policy's pick, with the faster handoff) has 4 s of local prefill queued;
+    a P/D request decoding there would be held by what is left of it once its KV arrives."""
+    clock = Clock()
+    d = CostModelDecider(CostSettings(tpot_slo_s=0.05, priors=CostPriors(chunk_tokens=512)), clock=clock)
+    for i in range(40):  # the handoff to vd2 is learned slow (0.3 s more)
+        for dec, extra in ((VD1, 0.0), (VD2, 0.3)):
+            rid = f"{dec.id}-{i}"
+            d.observe(pd_event(rid, 4000, p=VP1, d=dec))
+            t = Timings(end_s=1.0, prefill_s=0.3, first_token_s=0.3 + 0.01 + extra)
+            d.observe(Completed(rid, ("vp1", dec.id), timings=t))
+            clock.t += 60.0
+    d.observe(local_event("long", 30_000, VD1, max_tokens=8))  # ~4 s of prefill on vd1
+    both = PairChoice(decode=VD1, decodes=(VD1, VD2), partners={"vd1": (VP1,), "vd2": (VP1,)}, colocated=())
+    v = d.decide(make_request(prompt_tokens=2000, max_tokens=64), both, NoCacheEstimate())
+    assert v is not None
+    on_vd1 = next(o for o in v.options if o.kind == "pd" and o.worker == "vd1")
+    assert on_vd1.tpot_over == 1 and not on_vd1.allowed
+    assert v.choice.worker == "vd2", [
+        (o.kind, o.worker, round(o.ttft_s, 3), round(o.tpot_s, 3)) for o in v.options
+    ]
