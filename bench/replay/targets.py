@@ -13,7 +13,8 @@ A target is written `KIND[:POLICY]` or `LABEL=KIND [ARGS...]`:
     `sgl-ca-tight=sglang-router --policy cache_aware --balance-abs-threshold 8`). Colocated
     workers are given as `--worker-urls`; a P/D pool through each router's own P/D mode
     (sglang-router `--pd-disaggregation` for SGLang engines, vllm-router
-    `--vllm-pd-disaggregation` for vLLM engines). Neither takes a mixed pool.
+    `--vllm-pd-disaggregation` for vLLM engines). Neither takes a mixed pool: there a router
+    gets the P/D pool only (its always-disaggregate) and the colocated workers stay idle.
 """
 
 from __future__ import annotations
@@ -56,11 +57,9 @@ class TargetSpec:
 
     def check(self, cluster_shape: str, engine: str) -> None:
         """Refuse a router in a shape it cannot serve, before anything starts."""
-        if self.kind in ("sglang-router", "vllm-router") and cluster_shape == "mixed":
-            raise ValueError(f"{self.label}: {self.kind} takes colocated workers or a P/D pool, not both")
-        if cluster_shape == "pd" and self.kind == "sglang-router" and engine != "sglang":
+        if cluster_shape in ("pd", "mixed") and self.kind == "sglang-router" and engine != "sglang":
             raise ValueError(f"{self.label}: sglang-router's P/D mode speaks SGLang's handoff only")
-        if cluster_shape == "pd" and self.kind == "vllm-router" and engine != "vllm":
+        if cluster_shape in ("pd", "mixed") and self.kind == "vllm-router" and engine != "vllm":
             raise ValueError(f"{self.label}: vllm-router's P/D mode here is vLLM's (NIXL) handoff only")
         if cluster_shape == "mixed" and self.kind == "direct":
             raise ValueError(f"{self.label}: the direct baseline takes colocated workers or a P/D pool")
@@ -110,7 +109,7 @@ def target_argv(spec: TargetSpec, cluster: Cluster, port: int, prom_port: int) -
         return [*argv, *spec.args]
     mod = "sglang_router" if spec.kind == "sglang-router" else "vllm_router"
     argv = [sys.executable, "-m", f"{mod}.launch_router"]
-    if cluster.colocated:
+    if not cluster.prefill:
         argv += ["--worker-urls", *(w.url for w in cluster.colocated)]
     else:
         argv.append("--pd-disaggregation" if spec.kind == "sglang-router" else "--vllm-pd-disaggregation")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from bench.replay import reference, synthetic, trace
-from bench.replay.cluster import counters_from_metrics, kv_capacity_from_metrics
-from bench.replay.targets import TargetSpec
+from bench.replay.cluster import Cluster, ClusterSpec, Worker, counters_from_metrics, kv_capacity_from_metrics
+from bench.replay.targets import TargetSpec, target_argv
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "mooncake_synthetic_head.jsonl"
 
@@ -94,9 +94,31 @@ def test_target_specs() -> None:
         TargetSpec.parse("nginx")
     with pytest.raises(ValueError, match="SGLang's handoff"):
         TargetSpec.parse("sglang-router").check("pd", "vllm")
-    with pytest.raises(ValueError, match="not both"):
-        TargetSpec.parse("vllm-router").check("mixed", "vllm")
+    with pytest.raises(ValueError, match="SGLang's handoff"):
+        TargetSpec.parse("sglang-router").check("mixed", "vllm")
+    TargetSpec.parse("vllm-router").check("mixed", "vllm")
     TargetSpec.parse("vllm-router").check("colocated", "sglang")
+
+
+def test_a_router_on_a_mixed_cluster_gets_its_p_d_pool_only() -> None:
+    """The Rust routers take colocated workers or a P/D pool: on a mixed cluster they are the
+    always-disaggregate baseline, the colocated worker idle."""
+    workers = [
+        Worker("c0", "both", "http://127.0.0.1:1"),
+        Worker("p0", "prefill", "http://127.0.0.1:2", bootstrap_port=9),
+        Worker("d0", "decode", "http://127.0.0.1:3"),
+    ]
+    cluster = Cluster(ClusterSpec(engine="sglang", colocated=1, prefill=1, decode=1), workers)
+    argv = target_argv(TargetSpec.parse("sglang-router:cache_aware"), cluster, 10, 11)
+    assert "--pd-disaggregation" in argv and "--worker-urls" not in argv
+    assert "http://127.0.0.1:1" not in argv
+    assert argv[argv.index("--prefill") : argv.index("--prefill") + 3] == [
+        "--prefill",
+        "http://127.0.0.1:2",
+        "9",
+    ]
+    gw = target_argv(TargetSpec.parse("gateway:least_load"), cluster, 10, 11)
+    assert "http://127.0.0.1:1" in gw
 
 
 def _r(t: float, n_blocks: int, ids: tuple[int, ...]) -> trace.Row:
