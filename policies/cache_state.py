@@ -297,10 +297,14 @@ class CacheState:
         p = self._pending.pop(ev.request_id, None)
         if p is None:
             return
-        if ev.ttft_s is not None:
-            self.queues.learn(p.worker, p.work_tokens, ev.ttft_s)
+        prompt = p.predicted + int(p.uncached)
+        seconds = _prefill_seconds(ev)
+        if seconds is not None:
+            work = p.work_tokens
+            if ev.cached_tokens is not None:  # the work the engine did, not the predicted
+                work += p.predicted - min(ev.cached_tokens, prompt - 1)
+            self.queues.learn(p.worker, work, seconds)
         if ev.cached_tokens is not None:
-            prompt = p.predicted + int(p.uncached)
             self.accuracy.record(p.worker, p.source, p.predicted, ev.cached_tokens, prompt)
             if p.source == "approx":
                 self.approx.feedback(p.model, p.worker, p.predicted, ev.cached_tokens, p.capacity)
@@ -312,6 +316,17 @@ class CacheState:
         never came (a cancelled request may send none), oldest first."""
         self._last_sweep = now
         expire(self._pending, now - self.settings.eviction_interval_s)
+
+
+def _prefill_seconds(ev: Completed) -> float | None:
+    """How long after it was routed the request's prefill ended, where the gateway saw it: a P/D
+    prefill's answer, else a stream's first token. None for a whole answer (its first byte is
+    its last: decode included) and where no timings came. (Not `Completed.ttft_s`: a stream's is
+    its response head, which an engine sends before it has computed anything.)"""
+    t = ev.timings
+    if t is None:
+        return None
+    return t.prefill_s if t.prefill_s is not None else t.first_token_s
 
 
 # ---- filter, scorers, pickers -------------------------------------------------------------------

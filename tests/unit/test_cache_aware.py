@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 
+from common.outcomes import Timings
 from policies.base import Completed, Failed, Routed, WorkerGone, routed_event
 from policies.build import build_policy
 from policies.cache_aware import (
@@ -51,6 +52,11 @@ def route(st: CacheState, r: RequestView, w: WorkerState) -> None:
 
 
 PREFIX = list(range(1000, 1800))  # 800 tokens = 50 blocks of 16
+
+
+def stream(first_token_s: float, end_s: float = 5.0) -> Timings:
+    """A colocated stream's timings: its first token `first_token_s` after it was routed."""
+    return Timings(end_s, first_token_s=first_token_s, chunks=10)
 
 
 # ---- prompt keys ---------------------------------------------------------------------------------
@@ -135,6 +141,47 @@ def test_rate_is_learned_from_outcomes(work: float, seconds: float, expect: floa
     q = PrefillQueues(RateSettings(default_rate=1000.0))
     q.learn("w", work, seconds)
     assert q.rate("w") == pytest.approx(expect)
+
+
+def test_an_unmeasured_worker_prefills_at_the_measured_ones_mean() -> None:
+    q = PrefillQueues(RateSettings(default_rate=1000.0))
+    assert q.rate("new") == 1000.0  # nothing measured: the default
+    q.learn("a", 40_000, 1.0)
+    q.learn("b", 20_000, 1.0)
+    assert q.rate("new") == pytest.approx(30_000.0)
+    assert q.backlog_rate("new", 0.0)[1] == pytest.approx(30_000.0)
+    q.forget("a")
+    assert q.rate("new") == pytest.approx(20_000.0)
+    q.forget("b")
+    assert q.rate("new") == 1000.0
+
+
+@dataclass
+class LearnCase:
+    name: str
+    timings: Timings | None
+    ttft_s: float | None
+    cached: int | None  # reported
+    rate: float  # learned (default 1000 where nothing is learned)
+
+
+# PREFIX (800 tokens) routed to an idle worker with nothing predicted cached
+LEARN_CASES = [
+    LearnCase("a stream: its first token", stream(0.4), 0.001, None, 2000.0),
+    LearnCase("the response head (ttft_s) is not a first token", None, 0.001, None, 1000.0),
+    LearnCase("a whole answer: its first byte is its end", Timings(0.2), 0.2, None, 1000.0),
+    LearnCase("a P/D prefill's answer", Timings(3.0, prefill_s=0.2, first_token_s=0.5), 0.5, None, 4000.0),
+    LearnCase("the reported cache shrinks the work", stream(0.1), 0.1, 400, 4000.0),
+]
+
+
+@pytest.mark.parametrize("case", LEARN_CASES, ids=lambda c: c.name)
+def test_the_prefill_rate_is_learned_from_when_the_prefill_ended(case: LearnCase) -> None:
+    clock = Clock()
+    st = state(clock, prefill_rate=1000.0)
+    route(st, req(PREFIX, "r1"), make_worker("a"))
+    st.observe(Completed("r1", ("a",), ttft_s=case.ttft_s, cached_tokens=case.cached, timings=case.timings))
+    assert st.queues.rate("a") == pytest.approx(case.rate)
 
 
 # ---- scorer / filter / pickers (tables) -------------------------------------------------------------
@@ -380,12 +427,12 @@ def test_outcomes_feed_accuracy_rates_and_capacity() -> None:
     st = state(clock, worker_cache_tokens=1600, prefill_rate=1000.0)
     a = make_worker("a")
     route(st, req(PREFIX, "r1"), a)
-    st.observe(Completed("r1", ("a",), ttft_s=0.4, cached_tokens=0))
+    st.observe(Completed("r1", ("a",), ttft_s=0.4, cached_tokens=0, timings=stream(0.4)))
+    assert st.queues.rate("a") == pytest.approx(2000.0)  # 800 tokens in 0.4 s
     route(st, req(PREFIX + [1] * 32, "r2"), a)  # predicted: the 800 tokens of PREFIX
     st.observe(Completed("r2", ("a",), ttft_s=0.1, cached_tokens=96))  # the engine had evicted
     acc = st.accuracy.summary()[("a", "approx")]
     assert acc[0] == 2 and acc[2] == 800 and acc[3] == 96
-    assert st.queues.rate("a") != 1000.0  # learned from the first outcome (800 tokens in 0.4 s)
     assert st.approx._scale["a"] == pytest.approx(0.9)  # the modelled capacity shrank
 
 
