@@ -9,7 +9,9 @@ colocated workers, a vLLM decode prefilling itself):
                   (sglang-router's meaning: a match counts only when match / prompt exceeds it),
                   at most prompt - 1 (an engine always computes the last token)
     uncached(w) = prompt - cached(w)
-    ttft(w)     = (backlog(w) + uncached(w)) / rate(w)       (policies/prefill_cost.py)
+    work(w)     = uncached(w) x (1 + (cached(w) + uncached(w) / 2) / attention_tokens)
+                  (dense-token equivalents: attention grows with the context, policies/prefill_cost.py)
+    ttft(w)     = (backlog(w) + work(w)) / rate(w)
     cost(w)     = ttft(w) * (1 + inflight_factor * inflight(w))
 
 and picks the lowest cost (score `min cost / cost(w)` in (0, 1]; ties: fewer requests in
@@ -294,6 +296,7 @@ class CacheAwareSelector:
         limit = prompt - 1
         threshold = s.cache_threshold * prompt
         factor = s.inflight_factor
+        attention = s.attention_tokens
         saturation = s.saturation_wait_s
         backlog_rate = state.queues.backlog_rate
         precise, approx = lookups
@@ -310,9 +313,11 @@ class CacheAwareSelector:
                 cached = limit
             backlog, rate = backlog_rate(wid, now, w.load.waiting)
             wait = backlog / rate
-            cost = (wait + (prompt - (cached if cached > threshold else 0)) / rate) * (
-                1.0 + factor * w.inflight
-            )
+            credit = cached if cached > threshold else 0
+            new: float = prompt - credit
+            if attention > 0.0:  # prefill_work, inlined (the hot loop)
+                new *= 1.0 + (credit + 0.5 * new) / attention
+            cost = (wait + new / rate) * (1.0 + factor * w.inflight)
             (saturated if wait > saturation else rows).append((cost, w.inflight, w))
         if not rows:
             rows = saturated

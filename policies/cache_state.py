@@ -22,7 +22,7 @@ from policies.base import (
     WorkerGone,
 )
 from policies.pending import expire
-from policies.prefill_cost import PrefillQueues, RateSettings
+from policies.prefill_cost import PrefillQueues, RateSettings, prefill_work
 from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
 from policies.prompt_key import PromptKey
 from policies.snapshot import RequestView, WorkerState
@@ -41,6 +41,7 @@ class CacheAwareSettings:
     chars_per_token: float = 4.0
     worker_cache_tokens: int | None = None
     prefill_rate: float = 10_000.0
+    attention_tokens: float = 32_768.0
     inflight_factor: float = 1.0
     saturation_wait_s: float = 10.0
     max_candidates: int = 16
@@ -87,8 +88,9 @@ class _Pending:
     model: str
     predicted: int
     source: str
-    work_tokens: float  # backlog + uncached at routing
-    uncached: float
+    backlog: float  # the worker's queued work when this was routed
+    uncached: float  # tokens
+    work: float  # its own prefill work (`prefill_work`)
     capacity: int | None
 
 
@@ -201,6 +203,7 @@ class CacheState:
         limit = prompt - 1
         threshold = s.cache_threshold * prompt
         factor = s.inflight_factor
+        attention = s.attention_tokens
         queues = self.queues
         out: list[Estimate] = []
         for w in cands:
@@ -212,7 +215,7 @@ class CacheState:
             rate = queues.rate(wid)
             backlog = queues.backlog(wid, now, w.load.waiting)
             wait = backlog / rate
-            ttft = wait + (prompt - credit) / rate
+            ttft = wait + prefill_work(prompt - credit, credit, attention) / rate
             out.append(
                 Estimate(
                     worker=wid,
@@ -252,7 +255,7 @@ class CacheState:
             case Failed():
                 p = self._pending.pop(event.request_id, None)
                 if p is not None:  # its prefill will not run (or ran and is lost): not queued
-                    self.queues.add(p.worker, -p.uncached, self.clock())
+                    self.queues.add(p.worker, -p.work, self.clock())
             case WorkerGone():
                 self.approx.forget(event.worker_id)
                 self.queues.forget(event.worker_id)
@@ -274,10 +277,11 @@ class CacheState:
             cached, source = self.cached((precise, approx if approx is not None else EMPTY_LOOKUP), wid)
             cached = min(cached, req_tokens - 1)
         uncached = req_tokens - cached
+        work = prefill_work(uncached, cached, self.settings.attention_tokens)
         tally = (ev.roles[0].value, source, cached > 0)
         self.decisions[tally] = self.decisions.get(tally, 0) + 1
         backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)
-        self.queues.add(wid, uncached, now)
+        self.queues.add(wid, work, now)
         capacity = None if w is None else self.capacity(w)
         if key is not None:
             self.approx.insert(ev.model, wid, key, capacity)
@@ -288,7 +292,7 @@ class CacheState:
                 self.approx.insert(ev.model, d.id, key, self.capacity(d))
         pending = self._pending
         pending[ev.request_id] = _Pending(
-            now, wid, ev.model, cached, source, backlog + uncached, uncached, capacity
+            now, wid, ev.model, cached, source, backlog, uncached, work, capacity
         )
         if len(pending) > self.settings.max_pending:
             pending.popitem(last=False)
@@ -300,10 +304,11 @@ class CacheState:
         prompt = p.predicted + int(p.uncached)
         seconds = _prefill_seconds(ev)
         if seconds is not None:
-            work = p.work_tokens
+            work = p.work
             if ev.cached_tokens is not None:  # the work the engine did, not the predicted
-                work += p.predicted - min(ev.cached_tokens, prompt - 1)
-            self.queues.learn(p.worker, work, seconds)
+                cached = min(ev.cached_tokens, prompt - 1)
+                work = prefill_work(prompt - cached, cached, self.settings.attention_tokens)
+            self.queues.learn(p.worker, p.backlog + work, seconds)
         if ev.cached_tokens is not None:
             self.accuracy.record(p.worker, p.source, p.predicted, ev.cached_tokens, prompt)
             if p.source == "approx":

@@ -19,6 +19,18 @@ mean of the measured workers' rates (the pool is usually alike), `default_rate` 
 measured: a fixed guess next to measured rates would make a new or idle worker look faster or
 slower than it is, and a worker that looks slower is never sent the request that would measure
 it.
+Work is counted in dense-token equivalents, not tokens (`prefill_work`): a prefill's FLOPs are
+`2 x params x U` for the matmuls plus `4 x layers x hidden x U x (C + U / 2)` for attention over
+the causal context (`C` cached tokens before the `U` new ones), so
+
+    work(U, C) = U x (1 + (C + U / 2) / attention_tokens),  attention_tokens = params / (2 x layers x hidden)
+
+(about 30,500 for Llama-3-8B, 53,000 for Llama-3-70B: the context length at which attention
+costs as much as the matmuls). Counting tokens instead makes one rate wrong for every length:
+a 191k-token prompt prefills at a third of a 20k one's tokens per second, so its backlog was
+predicted to drain three times too fast and the requests sent after it to its worker (cache
+hits, cheap on paper) waited seconds that no prediction showed.
+
 The engine's own report of waiting requests puts a floor under the backlog (work other gateway
 replicas sent): `waiting * mean uncached tokens per request`.
 """
@@ -28,9 +40,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def prefill_work(uncached: float, cached: float, attention_tokens: float) -> float:
+    """Dense-token equivalents of prefilling `uncached` tokens after `cached` ones (see the
+    module docstring); `attention_tokens` <= 0 counts plain tokens."""
+    if attention_tokens <= 0.0 or uncached <= 0.0:
+        return uncached
+    return uncached * (1.0 + (cached + 0.5 * uncached) / attention_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class RateSettings:
-    default_rate: float = 10_000.0  # tokens/s before any measurement
+    default_rate: float = 10_000.0  # work (dense-token equivalents) per second before any measurement
     min_rate: float = 100.0
     max_rate: float = 10_000_000.0
     learn_min_tokens: int = 256  # requests with less work are not measured (overheads dominate)

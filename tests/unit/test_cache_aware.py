@@ -23,7 +23,7 @@ from policies.cache_aware import (
     SaturationFilter,
 )
 from policies.config import CacheAwareCfg, DeciderCfg, parse_policy
-from policies.prefill_cost import PrefillQueues, RateSettings
+from policies.prefill_cost import PrefillQueues, RateSettings, prefill_work
 from policies.prompt_key import PromptKey, render_chat
 from policies.snapshot import Colocated, Disaggregated, RequestView, RouteKind, WorkerState
 from policies.testing import make_snapshot, make_worker, run_conformance
@@ -156,6 +156,35 @@ def test_an_unmeasured_worker_prefills_at_the_measured_ones_mean() -> None:
     assert q.rate("new") == 1000.0
 
 
+@pytest.mark.parametrize(
+    ("uncached", "cached", "attention", "work"),
+    [
+        (1000, 0, 0.0, 1000.0),  # off: plain tokens
+        (1000, 0, 1000.0, 1500.0),  # its own causal context: half of it on average
+        (1000, 3000, 1000.0, 4500.0),  # a cached prefix is read by every new token
+        (191_000, 0, 30_500.0, 191_000 * (1 + 95_500 / 30_500)),  # the trace's longest: ~4x
+        (0, 5000, 1000.0, 0.0),  # nothing to compute
+    ],
+)
+def test_prefill_work_counts_attention(uncached: int, cached: int, attention: float, work: float) -> None:
+    assert prefill_work(uncached, cached, attention) == pytest.approx(work)
+
+
+def test_a_long_prompt_queues_longer_than_its_tokens_say() -> None:
+    """One 40k-token prompt ahead of a short request takes as long as several times its tokens
+    of short prompts: the worker behind it looks busier than the one behind 40k short tokens."""
+    clock = Clock()
+    st = state(clock, prefill_rate=10_000.0, attention_tokens=8000.0, inflight_factor=0.0)
+    a, b = make_worker("a"), make_worker("b")
+    route(st, req(list(range(40_000)), "long"), a)
+    for i in range(10):
+        route(st, req([i] * 4000, f"s{i}"), b)
+    est = {e.worker: e for e in st.estimates(req([7] * 100), [a, b])}
+    assert est["a"].backlog_tokens == pytest.approx(40_000 * (1 + 20_000 / 8000))
+    assert est["b"].backlog_tokens == pytest.approx(10 * 4000 * (1 + 2000 / 8000))
+    assert est["a"].ttft_s > 2 * est["b"].ttft_s
+
+
 @dataclass
 class LearnCase:
     name: str
@@ -178,7 +207,7 @@ LEARN_CASES = [
 @pytest.mark.parametrize("case", LEARN_CASES, ids=lambda c: c.name)
 def test_the_prefill_rate_is_learned_from_when_the_prefill_ended(case: LearnCase) -> None:
     clock = Clock()
-    st = state(clock, prefill_rate=1000.0)
+    st = state(clock, prefill_rate=1000.0, attention_tokens=0.0)
     route(st, req(PREFIX, "r1"), make_worker("a"))
     st.observe(Completed("r1", ("a",), ttft_s=case.ttft_s, cached_tokens=case.cached, timings=case.timings))
     assert st.queues.rate("a") == pytest.approx(case.rate)
@@ -424,7 +453,7 @@ def test_load_selector_samples_large_pools() -> None:
 
 def test_outcomes_feed_accuracy_rates_and_capacity() -> None:
     clock = Clock()
-    st = state(clock, worker_cache_tokens=1600, prefill_rate=1000.0)
+    st = state(clock, worker_cache_tokens=1600, prefill_rate=1000.0, attention_tokens=0.0)
     a = make_worker("a")
     route(st, req(PREFIX, "r1"), a)
     st.observe(Completed("r1", ("a",), ttft_s=0.4, cached_tokens=0, timings=stream(0.4)))
@@ -438,7 +467,7 @@ def test_outcomes_feed_accuracy_rates_and_capacity() -> None:
 
 def test_failed_requests_leave_the_queue_and_gone_workers_are_forgotten() -> None:
     clock = Clock()
-    st = state(clock, prefill_rate=1000.0)
+    st = state(clock, prefill_rate=1000.0, attention_tokens=0.0)
     a = make_worker("a")
     route(st, req(PREFIX, "r1"), a)
     assert st.queues.backlog("a", clock.t) == 800
