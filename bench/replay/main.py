@@ -27,6 +27,7 @@ import signal
 import statistics
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -376,6 +377,7 @@ async def one_run(
                 "argv": target.argv,
             }
             after = cluster.counters()
+            _save_policy_metrics(target, log_dir)
             extra["workers"] = {
                 w.name: report.WorkerLoad(w.role, after[w.name].minus(before[w.name]))
                 for w in cluster.workers
@@ -383,6 +385,24 @@ async def one_run(
         finally:
             dispatch.close()
     return records, extra
+
+
+def _save_policy_metrics(target: RunningTarget, log_dir: Path) -> None:
+    """A gateway's `pdgw_cache_*` metrics after the replay (what its cache-aware policy predicted
+    against what the engines reported, per worker), next to its log: `LABEL-pdgw_cache-N.prom`."""
+    if target.spec.kind != "gateway" or target.url is None:
+        return
+    try:
+        with urllib.request.urlopen(target.url + "/metrics", timeout=10.0) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except OSError:
+        return
+    lines = [ln for ln in text.splitlines() if ln.startswith(("pdgw_cache_", "# HELP pdgw_cache_"))]
+    if not lines:
+        return
+    stem = target.spec.label.replace("/", "_").replace(":", "_")
+    n = sum(1 for _ in log_dir.glob(f"{stem}-pdgw_cache-*.prom"))
+    (log_dir / f"{stem}-pdgw_cache-{n}.prom").write_text("\n".join(lines) + "\n")
 
 
 def _spread(workers: dict[str, report.WorkerLoad]) -> tuple[float, float]:
