@@ -64,7 +64,7 @@ class Estimate(msgspec.Struct, frozen=True, gc=False):
     rate: float  # tokens/s
     ttft_s: float  # predicted
     inflight: int
-    cost: float  # ttft_s * (1 + inflight_factor * inflight)
+    cost: float  # queue wait + own prefill * (1 + inflight_factor * inflight)
     saturated: bool
 
 
@@ -215,7 +215,8 @@ class CacheState:
             rate = queues.rate(wid)
             backlog = queues.backlog(wid, now, w.load.waiting)
             wait = backlog / rate
-            ttft = wait + prefill_work(prompt - credit, credit, attention) / rate
+            own = prefill_work(prompt - credit, credit, attention) / rate
+            ttft = wait + own
             out.append(
                 Estimate(
                     worker=wid,
@@ -225,7 +226,7 @@ class CacheState:
                     rate=rate,
                     ttft_s=ttft,
                     inflight=w.inflight,
-                    cost=ttft * (1.0 + factor * w.inflight),
+                    cost=wait + own * (1.0 + factor * w.inflight),
                     saturated=wait > s.saturation_wait_s,
                 )
             )

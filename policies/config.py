@@ -103,8 +103,8 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # prefill work counts attention: new x (1 + (cached + new / 2) / attention_tokens) dense
     # tokens; params / (2 x layers x hidden): ~30,500 for Llama-3-8B, ~53,000 for 70B; 0: tokens
     attention_tokens: float = 32_768.0
-    # cost = predicted TTFT x (1 + inflight_factor x requests in flight): LMetric's batch term at
-    # 1.0; 0: the predicted TTFT alone
+    # cost = queued wait + own prefill x (1 + inflight_factor x requests in flight): LMetric's
+    # batch term at 1.0; 0: the predicted TTFT alone
     inflight_factor: float = 1.0
     saturation_wait_s: float = 10.0  # queued prefill beyond this: no new work while others have less
     max_candidates: int = 16  # deepest-matching workers considered in a large pool

@@ -270,6 +270,15 @@ SCORE_CASES = [
         advance_s=1.0,
     ),
     ScoreCase(
+        "in flight weighs on the own prefill, not on the queue ahead",
+        [(PREFIX, "b"), (list(range(5000, 5500)), "b")],  # b: 0.3 s still queued after 1 s
+        PREFIX + [9] * 100,  # b: 0.3 + 0.1 x 3 = 0.6 s; a: 0.9 s (0.4 x 3 = 1.2 s if the queue weighed)
+        "b",
+        {"prefill_rate": 1000.0, "attention_tokens": 0.0},
+        inflight={"b": 2},
+        advance_s=1.0,
+    ),
+    ScoreCase(
         "inflight_factor 0: the predicted TTFT alone",
         [(PREFIX, "b")],
         PREFIX + [9] * 1000,
