@@ -60,8 +60,8 @@ class Estimate(msgspec.Struct, frozen=True, gc=False):
     worker: str
     cached_tokens: int  # predicted, before `cache_threshold`
     source: str  # "kv_events", "approx" or "none"
-    backlog_tokens: float
-    rate: float  # tokens/s
+    backlog_tokens: float  # queued prefill work (dense-token equivalents)
+    rate: float  # prefill work per second (policies/prefill_cost.py)
     ttft_s: float  # predicted
     inflight: int
     cost: float  # queue wait + own prefill * (1 + inflight_factor * inflight)
