@@ -23,8 +23,9 @@ nothing), so a worker busy with many requests needs a proportionally larger cach
 take one more, which keeps a prefix every request shares (a system prompt) from pulling all of
 them onto one worker. The queue ahead is not multiplied: it delays this request, and it is
 there whichever worker is chosen (multiplying it too scattered a conversation's turns away from
-their cache whenever its worker had a little queued: 42-45 % reuse on the Mooncake slice
-against 45-47 % this way). 0 leaves the predicted TTFT alone. Affinity is never a reason to overload a worker:
+their cache whenever its worker had a little queued: 35-45 % reuse on the Mooncake slice
+against 45-47 % this way). 0 leaves the predicted TTFT alone. Affinity is never a reason to
+overload a worker:
 
 - a worker whose queued prefill alone takes longer than `saturation_wait_s` is **saturated**:
   filtered out while any worker is not (`SaturationFilter`);
