@@ -22,7 +22,7 @@ from policies.base import (
     WorkerGone,
 )
 from policies.pending import expire
-from policies.prefill_cost import PrefillQueues, RateSettings
+from policies.prefill_cost import PrefillQueues, RateSettings, prefill_work
 from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
 from policies.prompt_key import PromptKey
 from policies.snapshot import RequestView, WorkerState
@@ -41,6 +41,7 @@ class CacheAwareSettings:
     chars_per_token: float = 4.0
     worker_cache_tokens: int | None = None
     prefill_rate: float = 10_000.0
+    attention_tokens: float = 32_768.0
     inflight_factor: float = 1.0
     saturation_wait_s: float = 10.0
     max_candidates: int = 16
@@ -59,11 +60,11 @@ class Estimate(msgspec.Struct, frozen=True, gc=False):
     worker: str
     cached_tokens: int  # predicted, before `cache_threshold`
     source: str  # "kv_events", "approx" or "none"
-    backlog_tokens: float
-    rate: float  # tokens/s
+    backlog_tokens: float  # queued prefill work (dense-token equivalents)
+    rate: float  # prefill work per second (policies/prefill_cost.py)
     ttft_s: float  # predicted
     inflight: int
-    cost: float  # ttft_s * (1 + inflight_factor * inflight)
+    cost: float  # queue wait + own prefill * (1 + inflight_factor * inflight)
     saturated: bool
 
 
@@ -87,8 +88,9 @@ class _Pending:
     model: str
     predicted: int
     source: str
-    work_tokens: float  # backlog + uncached at routing
-    uncached: float
+    backlog: float  # the worker's queued work when this was routed
+    uncached: float  # tokens
+    work: float  # its own prefill work (`prefill_work`)
     capacity: int | None
 
 
@@ -201,6 +203,7 @@ class CacheState:
         limit = prompt - 1
         threshold = s.cache_threshold * prompt
         factor = s.inflight_factor
+        attention = s.attention_tokens
         queues = self.queues
         out: list[Estimate] = []
         for w in cands:
@@ -212,7 +215,8 @@ class CacheState:
             rate = queues.rate(wid)
             backlog = queues.backlog(wid, now, w.load.waiting)
             wait = backlog / rate
-            ttft = wait + (prompt - credit) / rate
+            own = prefill_work(prompt - credit, credit, attention) / rate
+            ttft = wait + own
             out.append(
                 Estimate(
                     worker=wid,
@@ -222,7 +226,7 @@ class CacheState:
                     rate=rate,
                     ttft_s=ttft,
                     inflight=w.inflight,
-                    cost=ttft * (1.0 + factor * w.inflight),
+                    cost=wait + own * (1.0 + factor * w.inflight),
                     saturated=wait > s.saturation_wait_s,
                 )
             )
@@ -252,7 +256,7 @@ class CacheState:
             case Failed():
                 p = self._pending.pop(event.request_id, None)
                 if p is not None:  # its prefill will not run (or ran and is lost): not queued
-                    self.queues.add(p.worker, -p.uncached, self.clock())
+                    self.queues.add(p.worker, -p.work, self.clock())
             case WorkerGone():
                 self.approx.forget(event.worker_id)
                 self.queues.forget(event.worker_id)
@@ -274,10 +278,11 @@ class CacheState:
             cached, source = self.cached((precise, approx if approx is not None else EMPTY_LOOKUP), wid)
             cached = min(cached, req_tokens - 1)
         uncached = req_tokens - cached
+        work = prefill_work(uncached, cached, self.settings.attention_tokens)
         tally = (ev.roles[0].value, source, cached > 0)
         self.decisions[tally] = self.decisions.get(tally, 0) + 1
         backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)
-        self.queues.add(wid, uncached, now)
+        self.queues.add(wid, work, now)
         capacity = None if w is None else self.capacity(w)
         if key is not None:
             self.approx.insert(ev.model, wid, key, capacity)
@@ -288,7 +293,7 @@ class CacheState:
                 self.approx.insert(ev.model, d.id, key, self.capacity(d))
         pending = self._pending
         pending[ev.request_id] = _Pending(
-            now, wid, ev.model, cached, source, backlog + uncached, uncached, capacity
+            now, wid, ev.model, cached, source, backlog, uncached, work, capacity
         )
         if len(pending) > self.settings.max_pending:
             pending.popitem(last=False)
@@ -297,10 +302,15 @@ class CacheState:
         p = self._pending.pop(ev.request_id, None)
         if p is None:
             return
-        if ev.ttft_s is not None:
-            self.queues.learn(p.worker, p.work_tokens, ev.ttft_s)
+        prompt = p.predicted + int(p.uncached)
+        seconds = _prefill_seconds(ev)
+        if seconds is not None:
+            work = p.work
+            if ev.cached_tokens is not None:  # the work the engine did, not the predicted
+                cached = min(ev.cached_tokens, prompt - 1)
+                work = prefill_work(prompt - cached, cached, self.settings.attention_tokens)
+            self.queues.learn(p.worker, p.backlog + work, seconds)
         if ev.cached_tokens is not None:
-            prompt = p.predicted + int(p.uncached)
             self.accuracy.record(p.worker, p.source, p.predicted, ev.cached_tokens, prompt)
             if p.source == "approx":
                 self.approx.feedback(p.model, p.worker, p.predicted, ev.cached_tokens, p.capacity)
@@ -312,6 +322,17 @@ class CacheState:
         never came (a cancelled request may send none), oldest first."""
         self._last_sweep = now
         expire(self._pending, now - self.settings.eviction_interval_s)
+
+
+def _prefill_seconds(ev: Completed) -> float | None:
+    """How long after it was routed the request's prefill ended, where the gateway saw it: a P/D
+    prefill's answer, else a stream's first token. None for a whole answer (its first byte is
+    its last: decode included) and where no timings came. (Not `Completed.ttft_s`: a stream's is
+    its response head, which an engine sends before it has computed anything.)"""
+    t = ev.timings
+    if t is None:
+        return None
+    return t.prefill_s if t.prefill_s is not None else t.first_token_s
 
 
 # ---- filter, scorers, pickers -------------------------------------------------------------------

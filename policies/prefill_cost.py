@@ -10,10 +10,27 @@ request on a worker is then
 in seconds, the unit-consistent cost the cache-aware policy minimises (the anchors' cache-vs-load
 constants become one quantity: SMG's expected wait, Mooncake's T_queue + T_prefill).
 
-The rate starts at `default_rate` and is learned from what requests took: a request routed when
-the worker's backlog was `B` with `U` uncached tokens, whose first token came after `t` seconds,
-saw the worker prefill about `(B + U) / t` tokens per second (an exponentially weighted average,
-only from requests with enough work to dominate their fixed overheads; clamped to a sane range).
+The rate is learned from what requests took: a request routed when the worker's backlog was `B`
+with `U` uncached tokens, whose prefill ended `t` seconds later (its first token, or a P/D
+prefill's answer), saw the worker prefill about `(B + U) / t` tokens per second (an
+exponentially weighted average, only from requests with enough work to dominate their fixed
+overheads; clamped to a sane range). A worker with no measurement yet is taken to prefill at the
+mean of the measured workers' rates (the pool is usually alike), `default_rate` while none is
+measured: a fixed guess next to measured rates would make a new or idle worker look faster or
+slower than it is, and a worker that looks slower is never sent the request that would measure
+it.
+Work is counted in dense-token equivalents, not tokens (`prefill_work`): a prefill's FLOPs are
+`2 x params x U` for the matmuls plus `4 x layers x hidden x U x (C + U / 2)` for attention over
+the causal context (`C` cached tokens before the `U` new ones), so
+
+    work(U, C) = U x (1 + (C + U / 2) / attention_tokens),  attention_tokens = params / (2 x layers x hidden)
+
+(about 30,500 for Llama-3-8B, 53,000 for Llama-3-70B: the context length at which attention
+costs as much as the matmuls). Counting tokens instead makes one rate wrong for every length:
+a 191k-token prompt prefills at a third of a 20k one's tokens per second, so its backlog was
+predicted to drain three times too fast and the requests sent after it to its worker (cache
+hits, cheap on paper) waited seconds that no prediction showed.
+
 The engine's own report of waiting requests puts a floor under the backlog (work other gateway
 replicas sent): `waiting * mean uncached tokens per request`.
 """
@@ -23,9 +40,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def prefill_work(uncached: float, cached: float, attention_tokens: float) -> float:
+    """Dense-token equivalents of prefilling `uncached` tokens after `cached` ones (see the
+    module docstring); `attention_tokens` <= 0 counts plain tokens."""
+    if attention_tokens <= 0.0 or uncached <= 0.0:
+        return uncached
+    return uncached * (1.0 + (cached + 0.5 * uncached) / attention_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class RateSettings:
-    default_rate: float = 10_000.0  # tokens/s before any measurement
+    default_rate: float = 10_000.0  # work (dense-token equivalents) per second before any measurement
     min_rate: float = 100.0
     max_rate: float = 10_000_000.0
     learn_min_tokens: int = 256  # requests with less work are not measured (overheads dominate)
@@ -39,16 +64,18 @@ class PrefillQueues:
     `forget` are called from the policy's `observe`.
     """
 
-    __slots__ = ("_mean_uncached", "_queue", "_rate", "settings")
+    __slots__ = ("_mean_uncached", "_prior", "_queue", "_rate", "_rate_sum", "settings")
 
     def __init__(self, settings: RateSettings | None = None) -> None:
         self.settings = settings or RateSettings()
         self._queue: dict[str, tuple[float, float]] = {}  # worker -> (tokens, as of)
         self._rate: dict[str, float] = {}
+        self._rate_sum = 0.0
+        self._prior = self.settings.default_rate  # an unmeasured worker's: the measured ones' mean
         self._mean_uncached = 1024.0  # SMG's mean_prefill_tokens default, until measured
 
     def rate(self, worker_id: str) -> float:
-        return self._rate.get(worker_id, self.settings.default_rate)
+        return self._rate.get(worker_id, self._prior)
 
     def backlog(self, worker_id: str, now: float, waiting: int = 0) -> float:
         """Tokens still queued for prefill on the worker at `now`."""
@@ -61,7 +88,7 @@ class PrefillQueues:
 
     def backlog_rate(self, worker_id: str, now: float, waiting: int = 0) -> tuple[float, float]:
         """(backlog, rate) in one call (the policy's loop over candidates)."""
-        rate = self._rate.get(worker_id, self.settings.default_rate)
+        rate = self._rate.get(worker_id, self._prior)
         q = self._queue.get(worker_id)
         fluid = 0.0
         if q is not None:
@@ -88,8 +115,17 @@ class PrefillQueues:
             return
         sample = min(max(work_tokens / seconds, s.min_rate), s.max_rate)
         old = self._rate.get(worker_id)
-        self._rate[worker_id] = sample if old is None else old + s.smoothing * (sample - old)
+        new = sample if old is None else old + s.smoothing * (sample - old)
+        self._rate[worker_id] = new
+        self._reprior(new - (old or 0.0))
 
     def forget(self, worker_id: str) -> None:
         self._queue.pop(worker_id, None)
-        self._rate.pop(worker_id, None)
+        old = self._rate.pop(worker_id, None)
+        if old is not None:
+            self._reprior(-old)
+
+    def _reprior(self, change: float) -> None:
+        rates = self._rate
+        self._rate_sum = self._rate_sum + change if rates else 0.0
+        self._prior = self._rate_sum / len(rates) if rates else self.settings.default_rate

@@ -402,23 +402,28 @@ async def one_run(
 
 
 def _save_policy_metrics(target: RunningTarget, log_dir: Path, desc: str) -> None:
-    """The gateway's own policy and plan figures at the end of a run (the decider's verdicts,
-    learned rates, fallbacks), kept beside the logs as `<run>.metrics.txt` to see what it chose."""
+    """A gateway's own policy figures at the end of a run, kept beside its logs: the decider's
+    verdicts, learned rates and fallbacks as `<run>.metrics.txt` (what it chose), and its
+    `pdgw_cache_*` metrics (what its cache-aware policy predicted against what the engines
+    reported, per worker) as `LABEL-pdgw_cache-N.prom`."""
     if target.spec.kind != "gateway" or target.url is None:
         return
     try:
         with urllib.request.urlopen(target.url + "/metrics", timeout=10.0) as resp:
-            text = resp.read().decode()
+            text = resp.read().decode("utf-8", "replace")
     except OSError:
         return
-    keep = [
-        line
-        for line in text.splitlines()
-        if line.startswith(("pdgw_decider", "pdgw_fallbacks", "pdgw_requests"))
-    ]
+    lines = text.splitlines()
+    keep = [ln for ln in lines if ln.startswith(("pdgw_decider", "pdgw_fallbacks", "pdgw_requests"))]
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in desc)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / f"{name}.metrics.txt").write_text("\n".join(keep) + "\n")
+    cache = [ln for ln in lines if ln.startswith(("pdgw_cache_", "# HELP pdgw_cache_"))]
+    if not cache:
+        return
+    stem = target.spec.label.replace("/", "_").replace(":", "_")
+    n = sum(1 for _ in log_dir.glob(f"{stem}-pdgw_cache-*.prom"))
+    (log_dir / f"{stem}-pdgw_cache-{n}.prom").write_text("\n".join(cache) + "\n")
 
 
 def _spread(workers: dict[str, report.WorkerLoad]) -> tuple[float, float]:

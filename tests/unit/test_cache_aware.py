@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 
+from common.outcomes import Timings
 from policies.base import Completed, Failed, Routed, WorkerGone, routed_event
 from policies.build import build_policy
 from policies.cache_aware import (
@@ -22,7 +23,7 @@ from policies.cache_aware import (
     SaturationFilter,
 )
 from policies.config import CacheAwareCfg, DeciderCfg, parse_policy
-from policies.prefill_cost import PrefillQueues, RateSettings
+from policies.prefill_cost import PrefillQueues, RateSettings, prefill_work
 from policies.prompt_key import PromptKey, render_chat
 from policies.snapshot import Colocated, Disaggregated, RequestView, RouteKind, WorkerState
 from policies.testing import make_snapshot, make_worker, run_conformance
@@ -51,6 +52,11 @@ def route(st: CacheState, r: RequestView, w: WorkerState) -> None:
 
 
 PREFIX = list(range(1000, 1800))  # 800 tokens = 50 blocks of 16
+
+
+def stream(first_token_s: float, end_s: float = 5.0) -> Timings:
+    """A colocated stream's timings: its first token `first_token_s` after it was routed."""
+    return Timings(end_s, first_token_s=first_token_s, chunks=10)
 
 
 # ---- prompt keys ---------------------------------------------------------------------------------
@@ -137,6 +143,76 @@ def test_rate_is_learned_from_outcomes(work: float, seconds: float, expect: floa
     assert q.rate("w") == pytest.approx(expect)
 
 
+def test_an_unmeasured_worker_prefills_at_the_measured_ones_mean() -> None:
+    q = PrefillQueues(RateSettings(default_rate=1000.0))
+    assert q.rate("new") == 1000.0  # nothing measured: the default
+    q.learn("a", 40_000, 1.0)
+    q.learn("b", 20_000, 1.0)
+    assert q.rate("new") == pytest.approx(30_000.0)
+    assert q.backlog_rate("new", 0.0)[1] == pytest.approx(30_000.0)
+    q.forget("a")
+    assert q.rate("new") == pytest.approx(20_000.0)
+    q.forget("b")
+    assert q.rate("new") == 1000.0
+
+
+@pytest.mark.parametrize(
+    ("uncached", "cached", "attention", "work"),
+    [
+        (1000, 0, 0.0, 1000.0),  # off: plain tokens
+        (1000, 0, 1000.0, 1500.0),  # its own causal context: half of it on average
+        (1000, 3000, 1000.0, 4500.0),  # a cached prefix is read by every new token
+        (191_000, 0, 30_500.0, 191_000 * (1 + 95_500 / 30_500)),  # the trace's longest: ~4x
+        (0, 5000, 1000.0, 0.0),  # nothing to compute
+    ],
+)
+def test_prefill_work_counts_attention(uncached: int, cached: int, attention: float, work: float) -> None:
+    assert prefill_work(uncached, cached, attention) == pytest.approx(work)
+
+
+def test_a_long_prompt_queues_longer_than_its_tokens_say() -> None:
+    """One 40k-token prompt ahead of a short request takes as long as several times its tokens
+    of short prompts: the worker behind it looks busier than the one behind 40k short tokens."""
+    clock = Clock()
+    st = state(clock, prefill_rate=10_000.0, attention_tokens=8000.0, inflight_factor=0.0)
+    a, b = make_worker("a"), make_worker("b")
+    route(st, req(list(range(40_000)), "long"), a)
+    for i in range(10):
+        route(st, req([i] * 4000, f"s{i}"), b)
+    est = {e.worker: e for e in st.estimates(req([7] * 100), [a, b])}
+    assert est["a"].backlog_tokens == pytest.approx(40_000 * (1 + 20_000 / 8000))
+    assert est["b"].backlog_tokens == pytest.approx(10 * 4000 * (1 + 2000 / 8000))
+    assert est["a"].ttft_s > 2 * est["b"].ttft_s
+
+
+@dataclass
+class LearnCase:
+    name: str
+    timings: Timings | None
+    ttft_s: float | None
+    cached: int | None  # reported
+    rate: float  # learned (default 1000 where nothing is learned)
+
+
+# PREFIX (800 tokens) routed to an idle worker with nothing predicted cached
+LEARN_CASES = [
+    LearnCase("a stream: its first token", stream(0.4), 0.001, None, 2000.0),
+    LearnCase("the response head (ttft_s) is not a first token", None, 0.001, None, 1000.0),
+    LearnCase("a whole answer: its first byte is its end", Timings(0.2), 0.2, None, 1000.0),
+    LearnCase("a P/D prefill's answer", Timings(3.0, prefill_s=0.2, first_token_s=0.5), 0.5, None, 4000.0),
+    LearnCase("the reported cache shrinks the work", stream(0.1), 0.1, 400, 4000.0),
+]
+
+
+@pytest.mark.parametrize("case", LEARN_CASES, ids=lambda c: c.name)
+def test_the_prefill_rate_is_learned_from_when_the_prefill_ended(case: LearnCase) -> None:
+    clock = Clock()
+    st = state(clock, prefill_rate=1000.0, attention_tokens=0.0)
+    route(st, req(PREFIX, "r1"), make_worker("a"))
+    st.observe(Completed("r1", ("a",), ttft_s=case.ttft_s, cached_tokens=case.cached, timings=case.timings))
+    assert st.queues.rate("a") == pytest.approx(case.rate)
+
+
 # ---- scorer / filter / pickers (tables) -------------------------------------------------------------
 
 
@@ -191,6 +267,15 @@ SCORE_CASES = [
         "a",
         {"prefill_rate": 1e6},
         inflight={"b": 3},
+        advance_s=1.0,
+    ),
+    ScoreCase(
+        "in flight weighs on the own prefill, not on the queue ahead",
+        [(PREFIX, "b"), (list(range(5000, 5500)), "b")],  # b: 0.3 s still queued after 1 s
+        PREFIX + [9] * 100,  # b: 0.3 + 0.1 x 3 = 0.6 s; a: 0.9 s (0.4 x 3 = 1.2 s if the queue weighed)
+        "b",
+        {"prefill_rate": 1000.0, "attention_tokens": 0.0},
+        inflight={"b": 2},
         advance_s=1.0,
     ),
     ScoreCase(
@@ -377,21 +462,21 @@ def test_load_selector_samples_large_pools() -> None:
 
 def test_outcomes_feed_accuracy_rates_and_capacity() -> None:
     clock = Clock()
-    st = state(clock, worker_cache_tokens=1600, prefill_rate=1000.0)
+    st = state(clock, worker_cache_tokens=1600, prefill_rate=1000.0, attention_tokens=0.0)
     a = make_worker("a")
     route(st, req(PREFIX, "r1"), a)
-    st.observe(Completed("r1", ("a",), ttft_s=0.4, cached_tokens=0))
+    st.observe(Completed("r1", ("a",), ttft_s=0.4, cached_tokens=0, timings=stream(0.4)))
+    assert st.queues.rate("a") == pytest.approx(2000.0)  # 800 tokens in 0.4 s
     route(st, req(PREFIX + [1] * 32, "r2"), a)  # predicted: the 800 tokens of PREFIX
     st.observe(Completed("r2", ("a",), ttft_s=0.1, cached_tokens=96))  # the engine had evicted
     acc = st.accuracy.summary()[("a", "approx")]
     assert acc[0] == 2 and acc[2] == 800 and acc[3] == 96
-    assert st.queues.rate("a") != 1000.0  # learned from the first outcome (800 tokens in 0.4 s)
     assert st.approx._scale["a"] == pytest.approx(0.9)  # the modelled capacity shrank
 
 
 def test_failed_requests_leave_the_queue_and_gone_workers_are_forgotten() -> None:
     clock = Clock()
-    st = state(clock, prefill_rate=1000.0)
+    st = state(clock, prefill_rate=1000.0, attention_tokens=0.0)
     a = make_worker("a")
     route(st, req(PREFIX, "r1"), a)
     assert st.queues.backlog("a", clock.t) == 800
