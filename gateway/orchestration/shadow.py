@@ -41,19 +41,22 @@ def decode_check(
         ctx.decode.context_length,
     )
     c.on_tie = lambda check, decode: _near_tie(s, check, decode)
-    g = s.cfg.guards
+    if not verifiable(req):
+        return c
     suspects = s.registry.suspect_pairs()  # a shared empty set while no pair is suspect
-    if verifiable(req) and (
-        (suspects and f"{ctx.prefill.id}|{ctx.decode.id}" in suspects)
-        or (g.shadow_before_delivery and g.shadow_fraction > 0 and s.rng.random() < g.shadow_fraction)
-    ):
+    suspect = suspects and f"{ctx.prefill.id}|{ctx.decode.id}" in suspects
+    # a sampled share is verified before delivery too (`shadow_before_delivery`, the default);
+    # an unsampled request pays one countdown step here
+    if suspect or (s.sample_before_delivery and s.verify_share.due()):
         # verified before delivery: a colocated re-run of the first tokens starts now, beside
         # the decode, and the answer is released only if it agrees
         worker = shadow_worker(s, c)
         if worker is not None:
             c.verify = asyncio.ensure_future(shadow_run(s, c, worker))
         else:
-            log.info("verify.unavailable", request_id=ctx.request_id, reason="no colocated worker")
+            s.metrics.child(s.metrics.shadow_runs, "before_delivery", "unavailable").inc()
+            if suspect:
+                log.info("verify.unavailable", request_id=ctx.request_id, reason="no colocated worker")
     return c
 
 
@@ -104,16 +107,10 @@ async def verified(s: Services, c: DecodeCheck, body: bytes, stream: bool = Fals
 def maybe_shadow(s: Services, c: DecodeCheck, delivered: bytes) -> None:
     """Shadow verification after delivery: re-run a sampled share of greedy answers and compare
     their first tokens (in the background)."""
-    g = s.cfg.guards
     req = c.req
-    if (
-        g.shadow_fraction <= 0
-        or g.shadow_before_delivery
-        or not req.greedy
-        or req.route is RouteKind.GENERATE
-    ):
+    if s.cfg.guards.shadow_before_delivery or not req.greedy or req.route is RouteKind.GENERATE:
         return
-    if s.rng.random() >= g.shadow_fraction:
+    if not s.verify_share.due():
         return
     worker = shadow_worker(s, c)
     if worker is None:
