@@ -2,16 +2,21 @@
 the share of answers delivered clean (HTTP 200, or a stream ended by `[DONE]`) with wrong tokens.
 
     python -m bench.guard_misses [--requests 400] [--fraction 0.2] [--kinds a,b] [--engines sglang,vllm]
+                                 [--presets default,strict] [--guards shadow_fraction=0.02]
 
 Each cell starts its own emulated P/D pair and a colocated worker of the engine behind one
 gateway (all in this process, real sockets on 127.0.0.1), injects the fault into `--fraction` of
 the prefill's (or decode's) requests, and sends `--requests` greedy completions, half of them
 streamed, 64 at a time. Every answer is compared with a colocated reference emulator outside the
-gateway. Presets: `default` (the shipped `[guards]`), `strict` (`shadow_fraction = 1.0`,
+gateway. Presets: `default` (the shipped `[guards]`: a 5 % sample of greedy answers verified
+before delivery, every one through a suspect pair), `strict` (`shadow_fraction = 1.0`,
 `shadow_before_delivery = true`: every greedy answer verified by a colocated re-run before its
 clean end), `before_end` (the defaults with `prefill_verdict = "before_end"`), `off`
 (`--no-guards`: no length preflight, no decode consistency, `prefill_verdict = "before_end"`). The table
-(markdown) goes to stdout; docs/guards.md quotes it.
+(markdown) goes to stdout; docs/guards.md quotes it. "last wrong" is the place, in the order
+the answers came back, of the last one delivered wrong; "re-runs per 100 P/D" counts colocated
+verification re-runs per 100 handoffs the prefill received. `--guards key=value,...` sets
+`[guards]` values on every preset (a candidate default, e.g. `--guards shadow_fraction=0.02`).
 """
 
 from __future__ import annotations
