@@ -49,6 +49,9 @@ class Registry:
         # pair id -> (its last suspicion's window, when that ended or ends): kept after the end,
         # so that a pair failing again soon after is suspected for twice as long (`mark_suspect`)
         self._suspicion: dict[str, tuple[float, float]] = {}
+        # bumped whenever a pair is marked suspect: an answer on its way since before tells it
+        # may have to be verified (one comparison per answer while nothing changes)
+        self.suspect_epoch = 0
         self._breaker = breaker or BreakerConfig()
         self._version = 0  # bumped by anything but in-flight counts (membership, health, breakers, load)
         self._models: tuple[str, ...] | None = None  # cached until membership or info changes
@@ -323,6 +326,7 @@ class Registry:
                 window = min(2 * last_window, SUSPECT_ESCALATION * window_s)
         self._suspect_until[pair_id] = now + window
         self._suspicion[pair_id] = (window, now + window)
+        self.suspect_epoch += 1
 
     def suspect_pairs(self) -> frozenset[str]:
         """Pair ids under suspicion now (expired ones are dropped); one dict check per request

@@ -43,6 +43,7 @@ class Services:
         "policy",
         "registry",
         "rng",
+        "sample_after_delivery",
         "sample_before_delivery",
         "verify_share",
     )
@@ -62,7 +63,9 @@ class Services:
         self.rng = rng
         # the share of greedy P/D answers verified by a colocated re-run (`guards.shadow_fraction`)
         self.verify_share = ShareSampler(cfg.guards.shadow_fraction, rng)
-        self.sample_before_delivery = cfg.guards.shadow_before_delivery and cfg.guards.shadow_fraction > 0
+        g = cfg.guards
+        self.sample_before_delivery = g.shadow_before_delivery and g.shadow_fraction > 0
+        self.sample_after_delivery = not g.shadow_before_delivery and g.shadow_fraction > 0
         # what the policy reads beyond the usual (a prompt key; the cached tokens an answer reports)
         self.needs: Needs = needs_of(policy)
         self.background: set[asyncio.Task[None]] = set()

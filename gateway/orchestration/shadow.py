@@ -39,6 +39,7 @@ def decode_check(
         req,
         prefill_adapter.summarize_prefill(req, prefill_body),
         ctx.decode.context_length,
+        s.registry.suspect_epoch,
     )
     c.on_tie = lambda check, decode: _near_tie(s, check, decode)
     if not verifiable(req):
@@ -58,6 +59,18 @@ def decode_check(
             if suspect:
                 log.info("verify.unavailable", request_id=ctx.request_id, reason="no colocated worker")
     return c
+
+
+def verify_late(s: Services, c: DecodeCheck) -> None:
+    """A whole answer is in, unverified, and some pair became suspect since its handoff
+    started: if it was this answer's pair, a re-run starts now and the answer waits for it (the
+    answers already on their way when a pair is caught are not delivered unverified)."""
+    c.epoch = s.registry.suspect_epoch
+    if not verifiable(c.req) or f"{c.ctx.prefill.id}|{c.ctx.decode.id}" not in s.registry.suspect_pairs():
+        return
+    worker = shadow_worker(s, c)
+    if worker is not None:
+        c.verify = asyncio.ensure_future(shadow_run(s, c, worker))
 
 
 def _near_tie(s: Services, c: DecodeCheck, decode: Summary) -> None:
@@ -108,7 +121,7 @@ def maybe_shadow(s: Services, c: DecodeCheck, delivered: bytes) -> None:
     """Shadow verification after delivery: re-run a sampled share of greedy answers and compare
     their first tokens (in the background)."""
     req = c.req
-    if s.cfg.guards.shadow_before_delivery or not req.greedy or req.route is RouteKind.GENERATE:
+    if not s.sample_after_delivery or not req.greedy or req.route is RouteKind.GENERATE:
         return
     if not s.verify_share.due():
         return

@@ -53,6 +53,9 @@ class DecodeCheck(msgspec.Struct, eq=False):
     req: ParsedRequest
     prefill: Summary
     context_length: int | None = None  # the decode's
+    # the registry's `suspect_epoch` when the handoff started: another one at its end means a
+    # pair became suspect meanwhile, maybe this one (`shadow.verify_late`)
+    epoch: int = 0
     # a colocated re-run whose answer must agree before this one is delivered, or None
     verify: asyncio.Future[bytes | None] | None = None
     # told once when the decode's first token is a near tie of the prefill's, not its own

@@ -346,6 +346,39 @@ async def test_default_guards_find_a_consistently_corrupting_pair(colocated: boo
         await stop_cluster(c)
 
 
+@pytest.mark.timeout(120)
+async def test_an_answer_in_flight_when_its_pair_is_caught_is_verified() -> None:
+    """A whole answer whose handoff started before its pair became suspect (another of its
+    answers was caught meanwhile; here the test marks the pair, as a failed check does) is
+    verified before delivery too, not sent unverified because its check was set up earlier. The prefill computes
+    on a truncated KV consistently (no cheap check sees it) and no sampling is on: without the
+    late verification this answer is delivered wrong."""
+    guards = GuardsConfig(shadow_fraction=0.0)
+    c = await build_cluster(colocated_fallback=True, time_scale=1.0, guards=guards)
+    try:
+        prompt = PROMPTS[5]
+        b = {"model": "m-vllm", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(c.reference["m-vllm"].url + "/v1/completions", json=b) as r:
+                want = (await r.json())["choices"][0]["text"]
+            await c.emulators["vllm-p"].set_faults(["silent_truncation:1"])
+            task = asyncio.ensure_future(s.post(c.url + "/v1/completions", json=b))
+            for _ in range(500):  # the decode has the request: its handoff's check is set up
+                if (await c.emulators["vllm-d"].stats())["received"] >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert not task.done()
+            c.gateway.registry.mark_suspect("vllm-p|vllm-d", 60.0)
+            async with await task as r:
+                assert r.status == 200
+                got = (await r.json())["choices"][0]["text"]
+        assert got == want  # served again elsewhere after the late re-run disagreed
+        text = c.gateway.metrics.render().decode()
+        assert _metric(text, 'guard="shadow",stage="before_first_byte"') == 1
+    finally:
+        await stop_cluster(c)
+
+
 @pytest.mark.parametrize("include_usage", [False, True], ids=["no_usage", "usage"])
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
 async def test_several_tokens_per_event_are_not_an_early_finish(route: str, include_usage: bool) -> None:
