@@ -16,7 +16,7 @@ import hashlib
 from adapters import EngineAdapter, HandoffCtx
 from common.request import ParsedRequest
 from common.summary import Summary
-from common.workers import Role, RouteKind
+from common.workers import Role, RouteKind, WorkerState
 from gateway.guards import Guard
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.logging import get_logger
@@ -51,7 +51,7 @@ def decode_check(
     if suspect or (s.sample_before_delivery and s.verify_share.due()):
         # verified before delivery: a colocated re-run of the first tokens starts now, beside
         # the decode, and the answer is released only if it agrees
-        worker = shadow_worker(s, c)
+        worker = shadow_worker(s, c, sampled=not suspect)
         if worker is not None:
             c.verify = asyncio.ensure_future(shadow_run(s, c, worker))
         else:
@@ -66,7 +66,11 @@ def verify_late(s: Services, c: DecodeCheck) -> None:
     started: if it was this answer's pair, a re-run starts now and the answer waits for it (the
     answers already on their way when a pair is caught are not delivered unverified)."""
     c.epoch = s.registry.suspect_epoch
-    if not verifiable(c.req) or f"{c.ctx.prefill.id}|{c.ctx.decode.id}" not in s.registry.suspect_pairs():
+    if (
+        c.tied
+        or not verifiable(c.req)
+        or f"{c.ctx.prefill.id}|{c.ctx.decode.id}" not in s.registry.suspect_pairs()
+    ):
         return
     worker = shadow_worker(s, c)
     if worker is not None:
@@ -87,12 +91,17 @@ def _near_tie(s: Services, c: DecodeCheck, decode: Summary) -> None:
     )
 
 
-def shadow_worker(s: Services, c: DecodeCheck) -> Worker | None:
+def shadow_worker(s: Services, c: DecodeCheck, sampled: bool = False) -> Worker | None:
     """Where a shadow re-run goes: a colocated worker of the model, else the decode worker
-    itself (without KV params) where its engine's decode answers alone."""
-    targets = s.registry.snapshot().pool(Role.COLOCATED, c.req.model)
+    itself (without KV params) where its engine's decode answers alone. A sampled re-run
+    (not one for a suspect pair) goes to no worker at its in-flight cap."""
+    targets: tuple[WorkerState | Worker, ...] = s.registry.snapshot().pool(Role.COLOCATED, c.req.model)
     if not targets and c.ctx.decode.decode_alone:
         targets = (c.ctx.decode,)
+    if sampled and targets:
+        full = s.registry.full()
+        if full:
+            targets = tuple(t for t in targets if t.id not in full)
     if not targets:
         return None
     return s.registry.find(s.rng.choice(targets).id)
@@ -102,6 +111,12 @@ async def verified(s: Services, c: DecodeCheck, body: bytes, stream: bool = Fals
     """Why the answer (a whole body, or a stream's bytes) disagrees with its verification
     run, or None (it agrees, or there is no verdict)."""
     assert c.verify is not None
+    if c.tied:
+        # the answer went on from the prefill's near-tied runner-up (numerics, accepted by the
+        # first-token check): a re-run takes the prefill's own token and cannot follow it
+        c.drop_verification()
+        s.metrics.child(s.metrics.shadow_runs, "before_delivery", "near_tie").inc()
+        return None
     out = await c.verify
     c.verify = None
     got = c.adapter.answer_text(c.req, body, stream=stream)
@@ -121,7 +136,7 @@ def maybe_shadow(s: Services, c: DecodeCheck, delivered: bytes) -> None:
     """Shadow verification after delivery: re-run a sampled share of greedy answers and compare
     their first tokens (in the background)."""
     req = c.req
-    if not s.sample_after_delivery or not req.greedy or req.route is RouteKind.GENERATE:
+    if not s.sample_after_delivery or not req.greedy or req.route is RouteKind.GENERATE or c.tied:
         return
     if not s.verify_share.due():
         return

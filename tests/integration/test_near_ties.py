@@ -65,6 +65,31 @@ async def test_a_decode_on_the_other_side_of_a_near_tie_is_no_failure(
         assert failures > 0 and ties == 0
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_near_tie_answer_is_not_held_to_a_re_run(stream: bool) -> None:
+    """With every greedy answer verified (`shadow_fraction = 1.0`; the default samples 5 %), an
+    answer that went on from the prefill's near-tied runner-up differs from a re-run, which takes
+    the prefill's own token: it is delivered as the decode drew it, no guard failure, counted
+    in `pdgw_shadow_runs_total{outcome="near_tie"}` (not compared)."""
+    c = await build_cluster(faults={"vllm-d": ["tie_flip"]}, guards=GuardsConfig(shadow_fraction=1.0))
+    try:
+        flipped = 0
+        route = "/v1/completions"
+        for i in range(40):
+            body = body_for(route, "m-vllm", f"near tie {i}", stream, max_tokens=6)
+            s, _, raw = await post(c.url + route, body)
+            assert s == 200, raw
+            got = generated(route, raw, stream)[0]
+            _, _, ref = await post(c.reference["m-vllm"].url + route, body)
+            flipped += got != generated(route, ref, stream)[0]
+        text = c.gateway.metrics.render().decode()
+        assert flipped > 0 and "pdgw_guard_failures_total{" not in text
+        assert _count(text, 'pdgw_shadow_runs_total{outcome="near_tie"') == flipped
+        assert _count(text, 'pdgw_shadow_runs_total{outcome="agreed"') == 40 - flipped
+    finally:
+        await stop_cluster(c)
+
+
 async def test_a_prefill_that_takes_fewer_logprobs_is_asked_for_none() -> None:
     """A vLLM prefill run with `--max-logprobs` below `near_tie_alternatives` refuses the near-tie
     logprobs with a 400: its first such request is sent again without them, and the worker is
