@@ -66,11 +66,7 @@ def verify_late(s: Services, c: DecodeCheck) -> None:
     started: if it was this answer's pair, a re-run starts now and the answer waits for it (the
     answers already on their way when a pair is caught are not delivered unverified)."""
     c.epoch = s.registry.suspect_epoch
-    if (
-        c.tied
-        or not verifiable(c.req)
-        or f"{c.ctx.prefill.id}|{c.ctx.decode.id}" not in s.registry.suspect_pairs()
-    ):
+    if not verifiable(c.req) or f"{c.ctx.prefill.id}|{c.ctx.decode.id}" not in s.registry.suspect_pairs():
         return
     worker = shadow_worker(s, c)
     if worker is not None:
@@ -111,12 +107,6 @@ async def verified(s: Services, c: DecodeCheck, body: bytes, stream: bool = Fals
     """Why the answer (a whole body, or a stream's bytes) disagrees with its verification
     run, or None (it agrees, or there is no verdict)."""
     assert c.verify is not None
-    if c.tied:
-        # the answer went on from the prefill's near-tied runner-up (numerics, accepted by the
-        # first-token check): a re-run takes the prefill's own token and cannot follow it
-        c.drop_verification()
-        s.metrics.child(s.metrics.shadow_runs, "before_delivery", "near_tie").inc()
-        return None
     out = await c.verify
     c.verify = None
     got = c.adapter.answer_text(c.req, body, stream=stream)
