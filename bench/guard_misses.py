@@ -2,16 +2,21 @@
 the share of answers delivered clean (HTTP 200, or a stream ended by `[DONE]`) with wrong tokens.
 
     python -m bench.guard_misses [--requests 400] [--fraction 0.2] [--kinds a,b] [--engines sglang,vllm]
+                                 [--presets default,strict] [--guards shadow_fraction=0.02]
 
 Each cell starts its own emulated P/D pair and a colocated worker of the engine behind one
 gateway (all in this process, real sockets on 127.0.0.1), injects the fault into `--fraction` of
 the prefill's (or decode's) requests, and sends `--requests` greedy completions, half of them
 streamed, 64 at a time. Every answer is compared with a colocated reference emulator outside the
-gateway. Presets: `default` (the shipped `[guards]`), `strict` (`shadow_fraction = 1.0`,
+gateway. Presets: `default` (the shipped `[guards]`: a 5 % sample of greedy answers verified
+before delivery, every one through a suspect pair), `strict` (`shadow_fraction = 1.0`,
 `shadow_before_delivery = true`: every greedy answer verified by a colocated re-run before its
 clean end), `before_end` (the defaults with `prefill_verdict = "before_end"`), `off`
 (`--no-guards`: no length preflight, no decode consistency, `prefill_verdict = "before_end"`). The table
-(markdown) goes to stdout; docs/guards.md quotes it.
+(markdown) goes to stdout; docs/guards.md quotes it. "last wrong" is the place, in the order
+the answers came back, of the last one delivered wrong; "re-runs per 100 P/D" counts colocated
+verification re-runs per 100 handoffs the prefill received. `--guards key=value,...` sets
+`[guards]` values on every preset (a candidate default, e.g. `--guards shadow_fraction=0.02`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections import Counter
 from typing import Any, Literal
 
 import aiohttp
+import msgspec
 
 from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
@@ -153,6 +159,7 @@ class Cell:
                 prompt, stream = rng.choice(PROMPTS), i % 2 == 1
                 async with sem, s.post(url, json=body(prompt, stream)) as r:
                     raw = await r.read()
+                outcomes["answered"] += 1  # this answer's place in the order they came back
                 if r.status != 200:
                     outcomes["error"] += 1
                     return
@@ -163,19 +170,27 @@ class Cell:
                     outcomes["correct"] += 1
                 else:
                     outcomes["wrong"] += 1
+                    outcomes["last_wrong"] = outcomes["answered"]
 
             await asyncio.gather(*(one(i) for i in range(n)))
-        outcomes["caught"] = int(guard_failures(self.gw.metrics.render().decode()))
+        metrics = self.gw.metrics.render().decode()
+        outcomes["caught"] = int(guard_failures(metrics))
+        outcomes["reruns"] = int(_sum(metrics, "pdgw_shadow_runs_total{", exclude='outcome="unavailable"'))
+        outcomes["prefills"] = int((await self.emus["prefill"].stats())["received"])
         return outcomes
+
+
+def _sum(metrics: str, prefix: str, exclude: str | None = None) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(prefix) and (exclude is None or exclude not in line)
+    )
 
 
 def guard_failures(metrics: str) -> float:
     """The sum of `pdgw_guard_failures_total`: handoffs the guards caught."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("pdgw_guard_failures_total{")
-    )
+    return _sum(metrics, "pdgw_guard_failures_total{")
 
 
 async def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -184,7 +199,12 @@ async def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         for kind in args.kinds:
             for preset in args.presets:
                 t0 = time.monotonic()
-                async with Cell(engine, PRESETS[preset]) as cell:
+                guards = (
+                    msgspec.structs.replace(PRESETS[preset], **args.guards)
+                    if args.guards
+                    else PRESETS[preset]
+                )
+                async with Cell(engine, guards) as cell:
                     got = await cell.run(kind, args.fraction, args.requests, args.seed)
                 injected = args.fraction * args.requests
                 rows.append(
@@ -197,6 +217,12 @@ async def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "error": got["error"],
                         "wrong": got["wrong"],
                         "caught": got["caught"],
+                        # answers in the order they came back: the last wrong one's place (0: none)
+                        "last_wrong": got["last_wrong"],
+                        # colocated verification re-runs per 100 handoffs the prefill received
+                        "reruns_per_100": round(100 * got["reruns"] / got["prefills"], 1)
+                        if got["prefills"]
+                        else 0.0,
                         "miss_rate": got["wrong"] / injected if injected else 0.0,
                         "seconds": round(time.monotonic() - t0, 1),
                     }
@@ -207,15 +233,31 @@ async def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]], fraction: float) -> str:
     out = [
-        f"| fault kind ({fraction:.0%} of requests) | engine | guards | delivered wrong | guards caught | clear error | correct | miss rate |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| fault kind ({fraction:.0%} of requests) | engine | guards | delivered wrong | guards caught | clear error | correct | miss rate | last wrong | re-runs per 100 P/D |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        last = f"#{r['last_wrong']}" if r["last_wrong"] else "—"
         out.append(
             f"| `{r['kind']}` | {r['engine']} | {r['preset']} | {r['wrong']} of {r['requests']} | "
-            f"{r['caught']} | {r['error']} | {r['correct']} | {r['miss_rate']:.1%} |"
+            f"{r['caught']} | {r['error']} | {r['correct']} | {r['miss_rate']:.1%} | {last} | "
+            f"{r['reruns_per_100']:.1f} |"
         )
     return "\n".join(out)
+
+
+def _overrides(v: str) -> dict[str, Any]:
+    """`key=value,...` of `[guards]` fields, each value read as JSON (else as a string)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, v.split(",")):
+        key, _, raw = item.partition("=")
+        if key not in GuardsConfig.__struct_fields__:
+            raise argparse.ArgumentTypeError(f"no [guards] setting {key!r}")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engines", type=lambda v: v.split(","), default=["sglang", "vllm"])
     ap.add_argument("--presets", type=lambda v: v.split(","), default=list(PRESETS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--guards",
+        type=_overrides,
+        default={},
+        help="`[guards]` values set on every preset, e.g. shadow_fraction=0.1 (to measure a candidate)",
+    )
     return ap
 
 

@@ -229,9 +229,10 @@ class LimitsConfig(_Section, frozen=True):
 class GuardsConfig(_Section, frozen=True):
     length_preflight: bool = True  # prompt + max_tokens vs the chosen workers' context length
     decode_consistency: bool = True  # decode's prompt tokens == prefill's; greedy first token agrees
-    shadow_fraction: float = 0.0  # share of requests also run colocated and compared
+    # share of greedy P/D answers also run colocated (or vLLM: on the decode alone) and compared
+    shadow_fraction: float = 0.05
     shadow_tokens: int = 8  # tokens a shadow run generates and compares
-    shadow_before_delivery: bool = False  # sampled shadows hold a whole answer until they agree
+    shadow_before_delivery: bool = True  # a sampled answer's clean end waits until its re-run agrees
     suspect_window_s: float = 120.0  # after a KV-integrity failure: the pair's answers verified first
     chars_per_token_estimate: float = 4.0  # prompt length estimate without a tokenizer
     near_tie_alternatives: int = 3  # vLLM: a greedy prefill is asked for its best first tokens (0: not)

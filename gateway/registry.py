@@ -34,6 +34,11 @@ class MembershipWatcher(Protocol):
     def worker_removed(self, worker: Worker) -> None: ...
 
 
+# a suspicion's window doubles each time its pair fails again soon after its end, up to this
+# many times `guards.suspect_window_s` (`Registry.mark_suspect`)
+SUSPECT_ESCALATION = 32
+
+
 class Registry:
     def __init__(self, breaker: BreakerConfig | None = None, inflight_cap: int = 0) -> None:
         self.inflight_cap = inflight_cap  # requests in flight per worker before it is skipped; 0 = no cap
@@ -41,6 +46,12 @@ class Registry:
         self._workers: dict[str, Worker] = {}
         self._pair_breakers: dict[str, CircuitBreaker] = {}
         self._suspect_until: dict[str, float] = {}  # pair id -> monotonic time its suspicion ends
+        # pair id -> (its last suspicion's window, when that ended or ends): kept after the end,
+        # so that a pair failing again soon after is suspected for twice as long (`mark_suspect`)
+        self._suspicion: dict[str, tuple[float, float]] = {}
+        # bumped whenever a pair is marked suspect: an answer on its way since before tells it
+        # may have to be verified (one comparison per answer while nothing changes)
+        self.suspect_epoch = 0
         self._breaker = breaker or BreakerConfig()
         self._version = 0  # bumped by anything but in-flight counts (membership, health, breakers, load)
         self._models: tuple[str, ...] | None = None  # cached until membership or info changes
@@ -91,6 +102,8 @@ class Registry:
             del self._pair_breakers[key]
         for key in [k for k in self._suspect_until if worker_id in k.split("|")]:
             del self._suspect_until[key]
+        for key in [k for k in self._suspicion if worker_id in k.split("|")]:
+            del self._suspicion[key]
         for other in self._workers.values():
             other.failed_partners.pop(worker_id, None)
         self.changed()
@@ -299,9 +312,26 @@ class Registry:
 
     def mark_suspect(self, pair_id: str, window_s: float) -> None:
         """A handoff on this pair failed a KV-integrity check: suspect it for `window_s` (renewed
-        by each new failure). Suspect pairs get their answers verified before delivery."""
-        if window_s > 0 and all(wid in self._workers for wid in pair_id.split("|")):
-            self._suspect_until[pair_id] = time.monotonic() + window_s
+        by each new failure). Suspect pairs get their answers verified before delivery.
+
+        A pair that fails again within one window of its last suspicion's end (a corruption
+        that comes and goes, or one too rare to recur within the window) is suspected for twice
+        its last window, up to `SUSPECT_ESCALATION` times `window_s`; one that stayed clean for
+        a whole window after it starts again at `window_s`."""
+        if window_s <= 0 or not all(wid in self._workers for wid in pair_id.split("|")):
+            return
+        now = time.monotonic()
+        window = window_s
+        last = self._suspicion.get(pair_id)
+        if last is not None:
+            last_window, ended = last
+            if now < ended:  # still suspect: renewed for its current window
+                window = last_window
+            elif now - ended < last_window:  # back within one window of the end: escalated
+                window = min(2 * last_window, SUSPECT_ESCALATION * window_s)
+        self._suspect_until[pair_id] = now + window
+        self._suspicion[pair_id] = (window, now + window)
+        self.suspect_epoch += 1
 
     def suspect_pairs(self) -> frozenset[str]:
         """Pair ids under suspicion now (expired ones are dropped); one dict check per request

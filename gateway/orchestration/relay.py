@@ -28,7 +28,7 @@ from gateway.orchestration.context import Header, Phase, RequestContext
 from gateway.orchestration.gate import PrefillGate
 from gateway.orchestration.public import EventScreen
 from gateway.orchestration.services import Services
-from gateway.orchestration.shadow import maybe_shadow, verified
+from gateway.orchestration.shadow import maybe_shadow, verified, verify_late
 from gateway.orchestration.verify import DecodeCheck, integrity
 from gateway.registry import Worker
 from gateway.streamwatch import StreamStopped, StreamWatch
@@ -98,11 +98,13 @@ async def _whole(
         why = check.check_end(summary)
         if why is not None:
             raise integrity(s, check, why, w, "before_first_byte")
+        if check.verify is None and check.epoch != s.registry.suspect_epoch:
+            verify_late(s, check)
         if check.verify is not None:
             why = await verified(s, check, body)
             if why is not None:
                 raise integrity(s, check, why, w, "before_first_byte", Guard.SHADOW)
-        else:
+        elif s.sample_after_delivery:
             maybe_shadow(s, check, body)
     if transform is not None:
         body = transform(body)

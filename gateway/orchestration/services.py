@@ -15,6 +15,7 @@ from gateway.http.client import UpstreamResponse
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
+from gateway.orchestration.sampling import ShareSampler
 from gateway.registry import Registry, Worker
 from policies.base import Needs, Policy, needs_of
 
@@ -34,7 +35,18 @@ def engine_headers(w: Worker, headers: list[Header]) -> list[Header]:
 
 
 class Services:
-    __slots__ = ("background", "cfg", "metrics", "needs", "policy", "registry", "rng")
+    __slots__ = (
+        "background",
+        "cfg",
+        "metrics",
+        "needs",
+        "policy",
+        "registry",
+        "rng",
+        "sample_after_delivery",
+        "sample_before_delivery",
+        "verify_share",
+    )
 
     def __init__(
         self,
@@ -49,6 +61,11 @@ class Services:
         self.metrics = metrics
         self.cfg = cfg
         self.rng = rng
+        # the share of greedy P/D answers verified by a colocated re-run (`guards.shadow_fraction`)
+        self.verify_share = ShareSampler(cfg.guards.shadow_fraction, rng)
+        g = cfg.guards
+        self.sample_before_delivery = g.shadow_before_delivery and g.shadow_fraction > 0
+        self.sample_after_delivery = not g.shadow_before_delivery and g.shadow_fraction > 0
         # what the policy reads beyond the usual (a prompt key; the cached tokens an answer reports)
         self.needs: Needs = needs_of(policy)
         self.background: set[asyncio.Task[None]] = set()

@@ -16,7 +16,7 @@ import hashlib
 from adapters import EngineAdapter, HandoffCtx
 from common.request import ParsedRequest
 from common.summary import Summary
-from common.workers import Role, RouteKind
+from common.workers import Role, RouteKind, WorkerState
 from gateway.guards import Guard
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.logging import get_logger
@@ -39,22 +39,38 @@ def decode_check(
         req,
         prefill_adapter.summarize_prefill(req, prefill_body),
         ctx.decode.context_length,
+        s.registry.suspect_epoch,
     )
     c.on_tie = lambda check, decode: _near_tie(s, check, decode)
-    g = s.cfg.guards
+    if not verifiable(req):
+        return c
     suspects = s.registry.suspect_pairs()  # a shared empty set while no pair is suspect
-    if verifiable(req) and (
-        (suspects and f"{ctx.prefill.id}|{ctx.decode.id}" in suspects)
-        or (g.shadow_before_delivery and g.shadow_fraction > 0 and s.rng.random() < g.shadow_fraction)
-    ):
+    suspect = suspects and f"{ctx.prefill.id}|{ctx.decode.id}" in suspects
+    # a sampled share is verified before delivery too (`shadow_before_delivery`, the default);
+    # an unsampled request pays one countdown step here
+    if suspect or (s.sample_before_delivery and s.verify_share.due()):
         # verified before delivery: a colocated re-run of the first tokens starts now, beside
         # the decode, and the answer is released only if it agrees
-        worker = shadow_worker(s, c)
+        worker = shadow_worker(s, c, sampled=not suspect)
         if worker is not None:
             c.verify = asyncio.ensure_future(shadow_run(s, c, worker))
         else:
-            log.info("verify.unavailable", request_id=ctx.request_id, reason="no colocated worker")
+            s.metrics.child(s.metrics.shadow_runs, "before_delivery", "unavailable").inc()
+            if suspect:
+                log.info("verify.unavailable", request_id=ctx.request_id, reason="no colocated worker")
     return c
+
+
+def verify_late(s: Services, c: DecodeCheck) -> None:
+    """A whole answer is in, unverified, and some pair became suspect since its handoff
+    started: if it was this answer's pair, a re-run starts now and the answer waits for it (the
+    answers already on their way when a pair is caught are not delivered unverified)."""
+    c.epoch = s.registry.suspect_epoch
+    if not verifiable(c.req) or f"{c.ctx.prefill.id}|{c.ctx.decode.id}" not in s.registry.suspect_pairs():
+        return
+    worker = shadow_worker(s, c)
+    if worker is not None:
+        c.verify = asyncio.ensure_future(shadow_run(s, c, worker))
 
 
 def _near_tie(s: Services, c: DecodeCheck, decode: Summary) -> None:
@@ -71,12 +87,17 @@ def _near_tie(s: Services, c: DecodeCheck, decode: Summary) -> None:
     )
 
 
-def shadow_worker(s: Services, c: DecodeCheck) -> Worker | None:
+def shadow_worker(s: Services, c: DecodeCheck, sampled: bool = False) -> Worker | None:
     """Where a shadow re-run goes: a colocated worker of the model, else the decode worker
-    itself (without KV params) where its engine's decode answers alone."""
-    targets = s.registry.snapshot().pool(Role.COLOCATED, c.req.model)
+    itself (without KV params) where its engine's decode answers alone. A sampled re-run
+    (not one for a suspect pair) goes to no worker at its in-flight cap."""
+    targets: tuple[WorkerState | Worker, ...] = s.registry.snapshot().pool(Role.COLOCATED, c.req.model)
     if not targets and c.ctx.decode.decode_alone:
         targets = (c.ctx.decode,)
+    if sampled and targets:
+        full = s.registry.full()
+        if full:
+            targets = tuple(t for t in targets if t.id not in full)
     if not targets:
         return None
     return s.registry.find(s.rng.choice(targets).id)
@@ -104,16 +125,10 @@ async def verified(s: Services, c: DecodeCheck, body: bytes, stream: bool = Fals
 def maybe_shadow(s: Services, c: DecodeCheck, delivered: bytes) -> None:
     """Shadow verification after delivery: re-run a sampled share of greedy answers and compare
     their first tokens (in the background)."""
-    g = s.cfg.guards
     req = c.req
-    if (
-        g.shadow_fraction <= 0
-        or g.shadow_before_delivery
-        or not req.greedy
-        or req.route is RouteKind.GENERATE
-    ):
+    if not s.sample_after_delivery or not req.greedy or req.route is RouteKind.GENERATE or c.tied:
         return
-    if s.rng.random() >= g.shadow_fraction:
+    if not s.verify_share.due():
         return
     worker = shadow_worker(s, c)
     if worker is None:

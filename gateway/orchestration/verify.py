@@ -53,6 +53,9 @@ class DecodeCheck(msgspec.Struct, eq=False):
     req: ParsedRequest
     prefill: Summary
     context_length: int | None = None  # the decode's
+    # the registry's `suspect_epoch` when the handoff started: another one at its end means a
+    # pair became suspect meanwhile, maybe this one (`shadow.verify_late`)
+    epoch: int = 0
     # a colocated re-run whose answer must agree before this one is delivered, or None
     verify: asyncio.Future[bytes | None] | None = None
     # told once when the decode's first token is a near tie of the prefill's, not its own
@@ -107,8 +110,13 @@ def integrity(
     s: Services, c: DecodeCheck, why: str, w: Worker, stage: str, guard: Guard = Guard.DECODE_CONSISTENCY
 ) -> KVIntegrityError:
     """A handoff's answer failed a check: counted, and the pair is suspect from now on (its
-    next answers are verified before delivery)."""
-    s.registry.mark_suspect(f"{c.ctx.prefill.id}|{c.ctx.decode.id}", s.cfg.guards.suspect_window_s)
+    next answers are verified before delivery). Not for an answer that went on from the
+    prefill's near-tied runner-up and then differed from its re-run (which takes the prefill's
+    own token): numerics can do that to a sound answer, so it is served again elsewhere, but
+    the pair is not suspected for it (that would have every answer of a pair whose first tokens
+    tie now and then verified)."""
+    if not (c.tied and guard is Guard.SHADOW):
+        s.registry.mark_suspect(f"{c.ctx.prefill.id}|{c.ctx.decode.id}", s.cfg.guards.suspect_window_s)
     s.guard_failed(
         guard,
         stage,

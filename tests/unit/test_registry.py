@@ -174,3 +174,42 @@ def test_a_worker_removed_at_its_cap_or_under_suspicion_leaves_nothing_to_its_su
     reg.add(again)
     assert reg.full() == set()
     assert reg.open_pairs() == frozenset() and reg.suspect_pairs() == frozenset()
+
+
+class _Clock:
+    """`time` as the registry reads it, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_pair_failing_again_soon_after_its_suspicion_is_suspected_longer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A suspicion is renewed by each failure; a pair failing again within one window of its
+    suspicion's end (a corruption that comes and goes) gets twice its last window, up to 32
+    times the configured one; after a clean window it starts again at the configured one."""
+    import gateway.registry as registry_module
+
+    clock = _Clock()
+    monkeypatch.setattr(registry_module, "time", clock)
+    reg, p, d, _ = _registry()
+    pair = f"{p.id}|{d.id}"
+
+    def suspect_after(dt: float) -> bool:
+        clock.now += dt
+        return pair in reg.suspect_pairs()
+
+    reg.mark_suspect(pair, 10.0)
+    assert suspect_after(5.0)
+    reg.mark_suspect(pair, 10.0)  # renewed while suspect: the same window, from now
+    assert suspect_after(9.0) and not suspect_after(2.0)
+    reg.mark_suspect(pair, 10.0)  # 1 s after the end: twice as long
+    assert suspect_after(19.0) and not suspect_after(2.0)
+    for window in (40.0, 80.0, 160.0, 320.0, 320.0):  # capped at 32 x 10 s
+        reg.mark_suspect(pair, 10.0)
+        assert suspect_after(window - 1.0) and not suspect_after(2.0)
+    clock.now += 320.0  # a clean window after the end: back to 10 s
+    reg.mark_suspect(pair, 10.0)
+    assert suspect_after(9.0) and not suspect_after(2.0)
