@@ -89,7 +89,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         chars_per_token=cfg.chars_per_token,
         worker_cache_tokens=cfg.worker_cache_tokens,
         prefill_rate=cfg.prefill_rate,
-        attention_tokens=cfg.attention_tokens,
+        crossover_tokens=cfg.crossover_tokens,
         inflight_factor=cfg.inflight_factor,
         saturation_wait_s=cfg.saturation_wait_s,
         max_candidates=cfg.max_candidates,

@@ -9,7 +9,7 @@ colocated workers, a vLLM decode prefilling itself):
                   (sglang-router's meaning: a match counts only when match / prompt exceeds it),
                   at most prompt - 1 (an engine always computes the last token)
     uncached(w) = prompt - cached(w)
-    work(w)     = uncached(w) x (1 + (cached(w) + uncached(w) / 2) / attention_tokens)
+    work(w)     = uncached(w) x (1 + (cached(w) + uncached(w) / 2) / crossover_tokens)
                   (dense-token equivalents: attention grows with the context, policies/prefill_cost.py)
     ttft(w)     = (backlog(w) + work(w)) / rate(w)
     cost(w)     = backlog(w) / rate(w) + work(w) / rate(w) * (1 + inflight_factor * inflight(w))
@@ -301,7 +301,7 @@ class CacheAwareSelector:
         limit = prompt - 1
         threshold = s.cache_threshold * prompt
         factor = s.inflight_factor
-        attention = s.attention_tokens
+        attention = s.crossover_tokens
         saturation = s.saturation_wait_s
         backlog_rate = state.queues.backlog_rate
         precise, approx = lookups

@@ -21,8 +21,9 @@ from policies.base import (
     Routed,
     WorkerGone,
 )
+from policies.estimators import prefill_work
 from policies.pending import expire
-from policies.prefill_cost import PrefillQueues, RateSettings, prefill_work
+from policies.prefill_cost import PrefillQueues, RateSettings
 from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
 from policies.prompt_key import PromptKey
 from policies.snapshot import RequestView, WorkerState
@@ -41,7 +42,7 @@ class CacheAwareSettings:
     chars_per_token: float = 4.0
     worker_cache_tokens: int | None = None
     prefill_rate: float = 10_000.0
-    attention_tokens: float = 32_768.0
+    crossover_tokens: float = 32_768.0
     inflight_factor: float = 1.0
     saturation_wait_s: float = 10.0
     max_candidates: int = 16
@@ -203,7 +204,7 @@ class CacheState:
         limit = prompt - 1
         threshold = s.cache_threshold * prompt
         factor = s.inflight_factor
-        attention = s.attention_tokens
+        attention = s.crossover_tokens
         queues = self.queues
         out: list[Estimate] = []
         for w in cands:
@@ -278,7 +279,7 @@ class CacheState:
             cached, source = self.cached((precise, approx if approx is not None else EMPTY_LOOKUP), wid)
             cached = min(cached, req_tokens - 1)
         uncached = req_tokens - cached
-        work = prefill_work(uncached, cached, self.settings.attention_tokens)
+        work = prefill_work(uncached, cached, self.settings.crossover_tokens)
         tally = (ev.roles[0].value, source, cached > 0)
         self.decisions[tally] = self.decisions.get(tally, 0) + 1
         backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)
@@ -308,7 +309,7 @@ class CacheState:
             work = p.work
             if ev.cached_tokens is not None:  # the work the engine did, not the predicted
                 cached = min(ev.cached_tokens, prompt - 1)
-                work = prefill_work(prompt - cached, cached, self.settings.attention_tokens)
+                work = prefill_work(prompt - cached, cached, self.settings.crossover_tokens)
             self.queues.learn(p.worker, p.backlog + work, seconds)
         if ev.cached_tokens is not None:
             self.accuracy.record(p.worker, p.source, p.predicted, ev.cached_tokens, prompt)

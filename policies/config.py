@@ -100,9 +100,9 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # bound (only max_tree_size)
     worker_cache_tokens: int | None = None
     prefill_rate: float = 10_000.0  # work/s a worker prefills, until measured (and learned)
-    # prefill work counts attention: new x (1 + (cached + new / 2) / attention_tokens) dense
+    # prefill work counts attention: new x (1 + (cached + new / 2) / crossover_tokens) dense
     # tokens; params / (2 x layers x hidden): ~30,500 for Llama-3-8B, ~53,000 for 70B; 0: tokens
-    attention_tokens: float = 32_768.0
+    crossover_tokens: float = 32_768.0
     # cost = queued wait + own prefill x (1 + inflight_factor x requests in flight): LMetric's
     # batch term at 1.0; 0: the predicted TTFT alone
     inflight_factor: float = 1.0
@@ -129,8 +129,8 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
                 raise ValueError(f"{name} must be >= 1")
         if not (math.isfinite(self.inflight_factor) and self.inflight_factor >= 0):
             raise ValueError(f"inflight_factor must be a finite number >= 0, got {self.inflight_factor}")
-        if not (math.isfinite(self.attention_tokens) and self.attention_tokens >= 0):
-            raise ValueError(f"attention_tokens must be a finite number >= 0, got {self.attention_tokens}")
+        if not (math.isfinite(self.crossover_tokens) and self.crossover_tokens >= 0):
+            raise ValueError(f"crossover_tokens must be a finite number >= 0, got {self.crossover_tokens}")
         if self.worker_cache_tokens is not None and self.worker_cache_tokens < 1:
             raise ValueError("worker_cache_tokens must be >= 1")
 

@@ -19,11 +19,12 @@ mean of the measured workers' rates (the pool is usually alike), `default_rate` 
 measured: a fixed guess next to measured rates would make a new or idle worker look faster or
 slower than it is, and a worker that looks slower is never sent the request that would measure
 it.
-Work is counted in dense-token equivalents, not tokens (`prefill_work`): a prefill's FLOPs are
+Work is counted in dense-token equivalents, not tokens (`policies.estimators.prefill_work`, the
+cost model's): a prefill's FLOPs are
 `2 x params x U` for the matmuls plus `4 x layers x hidden x U x (C + U / 2)` for attention over
 the causal context (`C` cached tokens before the `U` new ones), so
 
-    work(U, C) = U x (1 + (C + U / 2) / attention_tokens),  attention_tokens = params / (2 x layers x hidden)
+    work(U, C) = U x (1 + (C + U / 2) / crossover_tokens),  crossover_tokens = params / (2 x layers x hidden)
 
 (about 30,500 for Llama-3-8B, 53,000 for Llama-3-70B: the context length at which attention
 costs as much as the matmuls). Counting tokens instead makes one rate wrong for every length:
@@ -38,14 +39,6 @@ replicas sent): `waiting * mean uncached tokens per request`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-def prefill_work(uncached: float, cached: float, attention_tokens: float) -> float:
-    """Dense-token equivalents of prefilling `uncached` tokens after `cached` ones (see the
-    module docstring); `attention_tokens` <= 0 counts plain tokens."""
-    if attention_tokens <= 0.0 or uncached <= 0.0:
-        return uncached
-    return uncached * (1.0 + (cached + 0.5 * uncached) / attention_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,8 @@ from policies.cache_aware import (
     SaturationFilter,
 )
 from policies.config import CacheAwareCfg, DeciderCfg, parse_policy
-from policies.prefill_cost import PrefillQueues, RateSettings, prefill_work
+from policies.estimators import prefill_work
+from policies.prefill_cost import PrefillQueues, RateSettings
 from policies.prompt_key import PromptKey, render_chat
 from policies.snapshot import Colocated, Disaggregated, RequestView, RouteKind, WorkerState
 from policies.testing import make_snapshot, make_worker, run_conformance
@@ -174,7 +175,7 @@ def test_a_long_prompt_queues_longer_than_its_tokens_say() -> None:
     """One 40k-token prompt ahead of a short request takes as long as several times its tokens
     of short prompts: the worker behind it looks busier than the one behind 40k short tokens."""
     clock = Clock()
-    st = state(clock, prefill_rate=10_000.0, attention_tokens=8000.0, inflight_factor=0.0)
+    st = state(clock, prefill_rate=10_000.0, crossover_tokens=8000.0, inflight_factor=0.0)
     a, b = make_worker("a"), make_worker("b")
     route(st, req(list(range(40_000)), "long"), a)
     for i in range(10):
@@ -207,7 +208,7 @@ LEARN_CASES = [
 @pytest.mark.parametrize("case", LEARN_CASES, ids=lambda c: c.name)
 def test_the_prefill_rate_is_learned_from_when_the_prefill_ended(case: LearnCase) -> None:
     clock = Clock()
-    st = state(clock, prefill_rate=1000.0, attention_tokens=0.0)
+    st = state(clock, prefill_rate=1000.0, crossover_tokens=0.0)
     route(st, req(PREFIX, "r1"), make_worker("a"))
     st.observe(Completed("r1", ("a",), ttft_s=case.ttft_s, cached_tokens=case.cached, timings=case.timings))
     assert st.queues.rate("a") == pytest.approx(case.rate)
@@ -274,7 +275,7 @@ SCORE_CASES = [
         [(PREFIX, "b"), (list(range(5000, 5500)), "b")],  # b: 0.3 s still queued after 1 s
         PREFIX + [9] * 100,  # b: 0.3 + 0.1 x 3 = 0.6 s; a: 0.9 s (0.4 x 3 = 1.2 s if the queue weighed)
         "b",
-        {"prefill_rate": 1000.0, "attention_tokens": 0.0},
+        {"prefill_rate": 1000.0, "crossover_tokens": 0.0},
         inflight={"b": 2},
         advance_s=1.0,
     ),
@@ -462,7 +463,7 @@ def test_load_selector_samples_large_pools() -> None:
 
 def test_outcomes_feed_accuracy_rates_and_capacity() -> None:
     clock = Clock()
-    st = state(clock, worker_cache_tokens=1600, prefill_rate=1000.0, attention_tokens=0.0)
+    st = state(clock, worker_cache_tokens=1600, prefill_rate=1000.0, crossover_tokens=0.0)
     a = make_worker("a")
     route(st, req(PREFIX, "r1"), a)
     st.observe(Completed("r1", ("a",), ttft_s=0.4, cached_tokens=0, timings=stream(0.4)))
@@ -476,7 +477,7 @@ def test_outcomes_feed_accuracy_rates_and_capacity() -> None:
 
 def test_failed_requests_leave_the_queue_and_gone_workers_are_forgotten() -> None:
     clock = Clock()
-    st = state(clock, prefill_rate=1000.0, attention_tokens=0.0)
+    st = state(clock, prefill_rate=1000.0, crossover_tokens=0.0)
     a = make_worker("a")
     route(st, req(PREFIX, "r1"), a)
     assert st.queues.backlog("a", clock.t) == 800
