@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from httptools import (
     HttpParserCallbackError,
@@ -23,6 +22,7 @@ from .errors import error_body
 from .parsing import _CONTINUE, RequestParsing
 from .request import HttpRequest, Refusal, _Err, _RequestError, _StopParsing, _target_path
 from .responder import HttpResponder, _status_line
+from .transport import adopt
 
 if TYPE_CHECKING:
     from .server import HttpServer
@@ -133,14 +133,7 @@ class HttpConnection(RequestParsing, asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it
-        self._transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, AttributeError):
-                pass
+        self._transport = adopt(transport)
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
             self._client = (str(peer[0]), int(peer[1]))

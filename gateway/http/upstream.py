@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from httptools import HttpParserCallbackError, HttpParserError, HttpResponseParser
 
 from .errors import UpstreamProtocolError
 from .response import UpstreamResponse
+from .transport import adopt
 
 if TYPE_CHECKING:
     from .client import UpstreamPool
@@ -107,14 +107,7 @@ class _UpstreamConnection(asyncio.Protocol):
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it
-        self._transport = cast(asyncio.Transport, transport)
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except (OSError, AttributeError):
-                pass
+        self._transport = adopt(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
