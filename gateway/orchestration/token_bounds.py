@@ -79,7 +79,6 @@ class TokenBounds:
 
     __slots__ = (
         "_guarded",
-        "_low",
         "_models",
         "_version",
         "metrics",
@@ -95,7 +94,6 @@ class TokenBounds:
         self.metrics = metrics
         self.seconds = seconds
         self.probe_after_death = probe_after_death
-        self._low: dict[str, int] = {}  # model -> its `low` (what `proven` reads)
         self._models: dict[str, _Model] = {}
         self._guarded: dict[str, bool] = {}  # model -> no worker of it needs the bounds
         self._version = -1  # the registry's version `_guarded` was found at
@@ -104,10 +102,13 @@ class TokenBounds:
         """Are the request's token ids all at most its model's `low`? (Asked of requests with
         token ids only: `index_id >= 0`.)"""
         req = ctx.req
-        return req.index_id <= self._low.get(req.model, -1)
+        m = self._models.get(req.model)
+        return m is not None and req.index_id <= m.low
 
     def low(self, model: str) -> int:
-        return self._low.get(model, -1)
+        """Every id up to it is proven for `model` (-1: none yet)."""
+        m = self._models.get(model)
+        return -1 if m is None else m.low
 
     async def turn(self, ctx: RequestContext) -> None:
         """An unproven request: returns when it may be sent (`ctx.unproven` set: its outcome
@@ -139,7 +140,6 @@ class TokenBounds:
             return
         if served and req.index_id > m.low:
             m.low = req.index_id
-            self._low[req.model] = m.low
         turn, m.turn = m.turn, None
         if turn is not None and not turn.done():
             turn.set_result(None)
