@@ -51,10 +51,7 @@ def decode_check(
     if suspect or (s.sample_before_delivery and s.verify_share.due()):
         # verified before delivery: a colocated re-run of the first tokens starts now, beside
         # the decode, and the answer is released only if it agrees
-        worker = shadow_worker(s, c, sampled=not suspect)
-        if worker is not None:
-            c.verify = asyncio.ensure_future(shadow_run(s, c, worker))
-        else:
+        if not _verify_now(s, c, sampled=not suspect):
             s.metrics.child(s.metrics.shadow_runs, "before_delivery", "unavailable").inc()
             if suspect:
                 log.info("verify.unavailable", request_id=ctx.request_id, reason="no colocated worker")
@@ -68,9 +65,16 @@ def verify_late(s: Services, c: DecodeCheck) -> None:
     c.epoch = s.registry.suspect_epoch
     if not verifiable(c.req) or f"{c.ctx.prefill.id}|{c.ctx.decode.id}" not in s.registry.suspect_pairs():
         return
-    worker = shadow_worker(s, c)
-    if worker is not None:
-        c.verify = asyncio.ensure_future(shadow_run(s, c, worker))
+    _verify_now(s, c)
+
+
+def _verify_now(s: Services, c: DecodeCheck, sampled: bool = False) -> bool:
+    """Start the re-run `c`'s answer waits for before delivery; False where no worker can run it."""
+    worker = shadow_worker(s, c, sampled)
+    if worker is None:
+        return False
+    c.verify = asyncio.ensure_future(shadow_run(s, c, worker))
+    return True
 
 
 def _near_tie(s: Services, c: DecodeCheck, decode: Summary) -> None:
