@@ -21,7 +21,7 @@ from structlog.testing import capture_logs
 from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
-from gateway.config import AdminConfig, GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
+from gateway.config import AdminConfig, GatewayConfig, GuardsConfig, HealthConfig, ListenConfig, WorkerConfig
 from tests.integration.test_gateway import post
 
 BODY = {"model": "m", "prompt": "tell me a story", "max_tokens": 12, "temperature": 0}
@@ -37,6 +37,8 @@ async def vllm_pd(
     )
     ds = [await start_emulator(EmulatorSpec(engine="vllm", role="decode", model="m")) for _ in range(decodes)]
     config.setdefault("health", HealthConfig(interval_s=3600.0, timeout_s=2.0))
+    # these tests count each engine's requests: no sampled verification re-run on a decode
+    config.setdefault("guards", GuardsConfig(shadow_fraction=0.0))
     gw = Gateway(
         GatewayConfig(
             listen=ListenConfig(host="127.0.0.1", port=0),
