@@ -56,6 +56,10 @@ from policies.estimators import PRIOR_WEIGHT, Ewma, LinearFit, prefill_work
 from policies.pending import expire
 from policies.snapshot import Role, WorkerState
 
+# the `Routed.reason` of a verification re-run booked on the worker it runs on (a local prefill
+# of its prompt: `policies.decider.RerunPlacer`); not a routing verdict
+RERUN_REASON = "verify"
+
 
 @dataclass(frozen=True, slots=True)
 class CostPriors:
@@ -95,6 +99,7 @@ class CostModel:
     _mean_request_s: float = 0.1
     _fill: Ewma = field(default_factory=lambda: Ewma(1.0, 0.05))  # output tokens / max_tokens
     verdicts: dict[str, int] = field(default_factory=dict)  # plan reason -> requests routed so
+    reruns: dict[str, int] = field(default_factory=dict)  # worker -> verification re-runs booked there
     _last_sweep: float = 0.0
 
     # -- reads --------------------------------------------------------------------------------
@@ -222,7 +227,10 @@ class CostModel:
 
     def _routed(self, ev: Routed) -> None:
         now = self.clock()
-        self.verdicts[ev.reason or "-"] = self.verdicts.get(ev.reason or "-", 0) + 1
+        if ev.reason != RERUN_REASON:
+            self.verdicts[ev.reason or "-"] = self.verdicts.get(ev.reason or "-", 0) + 1
+        elif ev.worker_ids:
+            self.reruns[ev.worker_ids[0]] = self.reruns.get(ev.worker_ids[0], 0) + 1
         if len(self.verdicts) > 64:  # reasons are the policy's own strings; bounded all the same
             self.verdicts.pop(next(iter(self.verdicts)))
         p = Pending()
@@ -453,6 +461,14 @@ class CostModel:
                 "Recent share of failed handoffs per (prefill, decode) pair",
                 (("prefill", p), ("decode", d)),
                 share,
+            )
+        for wid, n in self.reruns.items():
+            yield PolicyMetric(
+                "pdgw_decider_reruns",
+                "Verification re-runs booked as a local prefill on the worker they ran on",
+                (("worker", wid),),
+                float(n),
+                kind="counter",
             )
         for reason, n in self.verdicts.items():
             yield PolicyMetric(

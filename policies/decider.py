@@ -167,6 +167,24 @@ class PairChoice(msgspec.Struct, frozen=True, gc=False):
 
 
 @runtime_checkable
+class RerunPlacer(Protocol):
+    """A policy that places the verification re-runs (docs/guards.md, "Verified before
+    delivery") and books them: a re-run is a whole prefill of the prompt plus a few tokens on
+    the worker it lands on, which stalls the decodes running there like a local prefill."""
+
+    def place_rerun(
+        self, req: RequestView, candidates: Sequence[WorkerState], cache: CacheEstimator
+    ) -> WorkerState | None:
+        """Which of `candidates` (never empty) runs the re-run of `req`; None: no preference. Pure."""
+        ...
+
+    def observe_rerun(self, event: PolicyEvent) -> None:
+        """A re-run's `Routed` (reason `RERUN_REASON`, request id `<request>-verify`), then its
+        `Completed` or `Failed`: exactly one, whatever way it ends."""
+        ...
+
+
+@runtime_checkable
 class PlanDecider(Protocol):
     """A decider that weighs whole alternatives (the P/D pair included) and says which."""
 
@@ -361,6 +379,34 @@ class CostModelDecider:
             allowed=allowed,
             cost=queue + own,
         )
+
+    # -- verification re-runs ------------------------------------------------------------------
+
+    def place_rerun(
+        self, req: RequestView, candidates: Sequence[WorkerState], cache: CacheEstimator
+    ) -> WorkerState | None:
+        """The candidate where a re-run of `req` (its whole prompt, `req.max_tokens` tokens) puts
+        the fewest running decodes over the TPOT SLO, then answers first (the verified answer's
+        end waits for it). Each is weighed as a local prefill there (`_local`). Pure."""
+        if not candidates:
+            return None
+        m = self.model
+        now = m.clock()
+        prompt = max(1, req.prompt_tokens)
+        peers = tuple(w.id for w in candidates)
+        best: WorkerState | None = None
+        best_key = (0, 0.0)
+        for w in candidates:
+            cached = min(prompt - 1, max(0, cache.cached_tokens(req, w)))
+            o = self._local("rerun", w, prompt, cached, peers, now)
+            k = (o.tpot_over, o.ttft_s)
+            if best is None or k < best_key:
+                best, best_key = w, k
+        return best
+
+    def observe_rerun(self, event: PolicyEvent) -> None:
+        """A re-run booked as a local prefill on its worker, settled at its end (`RerunPlacer`)."""
+        self.model.observe(event)
 
     # -- learning -------------------------------------------------------------------------------
 

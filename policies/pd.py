@@ -43,7 +43,7 @@ from policies.base import (
     observers_by_event,
     pair_id,
 )
-from policies.decider import PairChoice, PlanDecider, Verdict, compatible
+from policies.decider import PairChoice, PlanDecider, RerunPlacer, Verdict, compatible
 from policies.snapshot import (
     ClusterSnapshot,
     Colocated,
@@ -226,6 +226,23 @@ class PDPolicy:
             p = next(w for w in partners[d.id] if w.id == o.prefill)
             return Disaggregated(p, d, reason=reason)
         return Colocated(by_id[o.worker], reason=reason)
+
+    def place_rerun(
+        self, req: RequestView, candidates: Sequence[WorkerState], cache: CacheEstimator | None = None
+    ) -> WorkerState | None:
+        """Where a verification re-run goes (`policies.decider.RerunPlacer`): the plan decider's
+        choice where it weighs re-runs (the cost model), else no preference."""
+        d = self._plan_decider
+        if isinstance(d, RerunPlacer):
+            return d.place_rerun(req, candidates, self.cache if cache is None else cache)
+        return None
+
+    def observe_rerun(self, event: PolicyEvent) -> None:
+        """A verification re-run's events, for the plan decider alone: it books the re-run as a
+        local prefill on its worker (the selectors' state is about requests, not re-runs)."""
+        d = self._plan_decider
+        if isinstance(d, RerunPlacer):
+            d.observe_rerun(event)
 
     def observe(self, event: PolicyEvent) -> None:
         """Forward to each distinct selector's stateful parts once (roles may share one)."""

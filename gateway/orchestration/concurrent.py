@@ -83,7 +83,7 @@ async def _through_handoff(s: Services, ctx: RequestContext, h: Handoff, hctx: H
             pleg.complete()
             in_handoff = True
             a.phase = Phase.HANDOFF
-            h.check = decode_check(s, hctx, ctx.req, p.adapter, out)
+            h.check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view)
             decode_call = dleg.call
             assert decode_call is not None
             if not decode_call.done():
@@ -172,7 +172,7 @@ async def _settle(
         stage = "mid_stream" if ctx.res.started else "before_first_byte"
         await _refused(s, h, hctx, status, verdict, decode_refused=gate.decode_refused, stage=stage)
     pleg.complete()
-    h.check = gate.check = decode_check(s, hctx, ctx.req, p.adapter, out)
+    h.check = gate.check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view)
     return h.check
 
 

@@ -158,7 +158,7 @@ def _check(
     if verdict.kv_params is None:
         log.info("request.prefill_stopped", request_id=hctx.request_id, prefill=p.id, decode=d.id)
         return None
-    check = decode_check(s, hctx, ctx.req, p.adapter, out)
+    check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view)
     if check is not None:
         if not verdict.same_first_token:
             check.prefill.first_token_id = None  # its token is no measure of the decode's

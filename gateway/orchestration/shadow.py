@@ -1,6 +1,12 @@
 """Shadow verification (docs/guards.md, guard 4): a greedy answer re-run for a few tokens on a
-colocated worker (an engine whose decode answers alone: the decode worker itself, without KV
-params) and compared.
+colocated worker (else on a decode whose engine answers alone, without KV params) and compared.
+
+A re-run is a whole prefill of the prompt on the worker it lands on, so it is placed and booked
+like one: the policy picks among the candidates where it weighs re-runs (the cost-model decider:
+the fewest running decodes pushed over their TPOT SLO, then the earliest answer), else the least
+loaded; while it runs it counts in flight on its worker (`Registry.acquire`) and the policy's
+decider books it as a local prefill there (`observe_rerun`: `Routed`, then one `Completed` or
+`Failed` however it ends).
 
 Two uses: before delivery (`decode_check` starts the run beside the decode for a suspect pair
 or a sampled share; the relay holds the answer's end until `verified` says it agrees), and after
@@ -13,22 +19,36 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+import msgspec
+
 from adapters import EngineAdapter, HandoffCtx
 from common.request import ParsedRequest
 from common.summary import Summary
 from common.workers import Role, RouteKind, WorkerState
+from gateway.breaker import BreakerState
 from gateway.guards import Guard
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.logging import get_logger
 from gateway.orchestration.services import Services, engine_headers
 from gateway.orchestration.verify import DecodeCheck, guarded, verifiable
 from gateway.registry import Worker
+from policies.base import Completed, Failed, Routed
+from policies.cost_model import RERUN_REASON
+from policies.snapshot import RequestView
+
+# the request id a re-run is booked under (`<request id>-verify`)
+RERUN_SUFFIX = "-verify"
 
 log = get_logger("pd_gateway.request")
 
 
 def decode_check(
-    s: Services, ctx: HandoffCtx, req: ParsedRequest, prefill_adapter: EngineAdapter, prefill_body: bytes
+    s: Services,
+    ctx: HandoffCtx,
+    req: ParsedRequest,
+    prefill_adapter: EngineAdapter,
+    prefill_body: bytes,
+    view: RequestView | None = None,
 ) -> DecodeCheck | None:
     """The decode-consistency check for one handoff, or None where it does not apply."""
     if not guarded(s.cfg, req):
@@ -40,6 +60,7 @@ def decode_check(
         prefill_adapter.summarize_prefill(req, prefill_body),
         ctx.decode.context_length,
         s.registry.suspect_epoch,
+        view=view,
     )
     c.on_tie = lambda check, decode: _near_tie(s, check, decode)
     if not verifiable(req):
@@ -92,19 +113,39 @@ def _near_tie(s: Services, c: DecodeCheck, decode: Summary) -> None:
 
 
 def shadow_worker(s: Services, c: DecodeCheck, sampled: bool = False) -> Worker | None:
-    """Where a shadow re-run goes: a colocated worker of the model, else the decode worker
-    itself (without KV params) where its engine's decode answers alone. A sampled re-run
-    (not one for a suspect pair) goes to no worker at its in-flight cap."""
-    targets: tuple[WorkerState | Worker, ...] = s.registry.snapshot().pool(Role.COLOCATED, c.req.model)
-    if not targets and c.ctx.decode.decode_alone:
-        targets = (c.ctx.decode,)
+    """Where a shadow re-run goes: a colocated worker of the model, else a decode of the
+    model whose engine's decode answers alone (without KV params; the handoff's decode among
+    them). A sampled re-run (not one for a suspect pair) goes to no worker at its in-flight cap.
+    Among them, the policy's choice where it places re-runs, else the least loaded."""
+    snap = s.registry.snapshot()
+    model = c.req.model
+    targets: tuple[WorkerState, ...] = snap.pool(Role.COLOCATED, model)
+    decode = c.ctx.decode
+    if not targets and decode.decode_alone:
+        targets = tuple(
+            w for w in snap.pool(Role.DECODE, model) if w.decode_alone and w.engine is decode.engine
+        ) or (decode,)
     if sampled and targets:
         full = s.registry.full()
         if full:
             targets = tuple(t for t in targets if t.id not in full)
     if not targets:
         return None
-    return s.registry.find(s.rng.choice(targets).id)
+    pick: WorkerState | None = None
+    place = getattr(s.policy, "place_rerun", None)
+    if place is not None and c.view is not None and len(targets) > 1:
+        pick = place(_rerun_view(s, c.view), targets)
+    if pick is None:
+        least = min(w.inflight for w in targets)
+        pick = s.rng.choice([w for w in targets if w.inflight == least])
+    return s.registry.find(pick.id)
+
+
+def _rerun_view(s: Services, view: RequestView) -> RequestView:
+    """The re-run as routing sees it: the request's prompt, `shadow_tokens` tokens."""
+    return msgspec.structs.replace(
+        view, request_id=view.request_id + RERUN_SUFFIX, max_tokens=s.cfg.guards.shadow_tokens, stream=False
+    )
 
 
 async def verified(s: Services, c: DecodeCheck, body: bytes, stream: bool = False) -> str | None:
@@ -141,22 +182,58 @@ def maybe_shadow(s: Services, c: DecodeCheck, delivered: bytes) -> None:
 
 
 async def shadow_run(s: Services, c: DecodeCheck, w: Worker) -> bytes | None:
-    """The request's first `shadow_tokens` tokens, greedy, on `w` alone; None if it failed."""
+    """The request's first `shadow_tokens` tokens, greedy, on `w` alone; None if it failed.
+    Counted in flight on `w` and booked with the policy while it runs (module docstring)."""
     body = w.adapter.shadow_body(c.req, s.cfg.guards.shadow_tokens)
     headers = [
         (b"content-type", b"application/json"),
         (b"x-request-id", f"{c.ctx.request_id}-shadow".encode()),
     ]
+    view = None if c.view is None else _rerun_view(s, c.view)
+    tokens = 0 if view is None else view.prompt_tokens + view.max_tokens
+    book = getattr(s.policy, "observe_rerun", None) if view is not None else None
+    # counted in flight on its worker; not on one whose breaker is not closed (a half-open
+    # worker's one trial is a request's, whose outcome the breaker waits for)
+    counted = w.breaker.state is BreakerState.CLOSED
+    if counted:
+        s.registry.acquire(w, tokens)
+    out: bytes | None = None
     try:
-        async with asyncio.timeout(s.cfg.timeouts.prefill_s):
-            status, out = await w.pool.fetch("POST", c.req.path, engine_headers(w, headers), body)
-    except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
-        log.info("shadow.skipped", request_id=c.ctx.request_id, worker=w.id, error=str(e))
-        return None
-    if status != 200:
-        log.info("shadow.skipped", request_id=c.ctx.request_id, worker=w.id, error=f"HTTP {status}")
-        return None
-    return out
+        if book is not None:
+            assert view is not None
+            state = w.state()
+            book(
+                Routed(
+                    request_id=view.request_id,
+                    model=view.model,
+                    worker_ids=(w.id,),
+                    roles=(state.role,),
+                    prompt_tokens=view.prompt_tokens,
+                    max_tokens=view.max_tokens,
+                    prompt_key=view.prompt_key,
+                    workers=(state,),
+                    reason=RERUN_REASON,
+                )
+            )
+        try:
+            async with asyncio.timeout(s.cfg.timeouts.prefill_s):
+                status, out = await w.pool.fetch("POST", c.req.path, engine_headers(w, headers), body)
+        except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
+            log.info("shadow.skipped", request_id=c.ctx.request_id, worker=w.id, error=str(e))
+            return None
+        if status != 200:
+            log.info("shadow.skipped", request_id=c.ctx.request_id, worker=w.id, error=f"HTTP {status}")
+            out = None
+        return out
+    finally:
+        if counted:
+            s.registry.release(w, tokens)
+        if book is not None:
+            assert view is not None
+            if out is not None:
+                book(Completed(view.request_id, (w.id,), output_tokens=view.max_tokens))
+            else:
+                book(Failed(view.request_id, (w.id,), phase="verify"))
 
 
 def texts_agree(got: str, want: str) -> bool:

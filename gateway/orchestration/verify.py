@@ -23,6 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.guards import Guard, check_decode
 from gateway.orchestration.services import Services
 from gateway.registry import Worker
+from policies.snapshot import RequestView
 
 
 def guarded(cfg: GatewayConfig, req: ParsedRequest) -> bool:
@@ -58,6 +59,8 @@ class DecodeCheck(msgspec.Struct, eq=False):
     epoch: int = 0
     # a colocated re-run whose answer must agree before this one is delivered, or None
     verify: asyncio.Future[bytes | None] | None = None
+    # the request as routing saw it: what a re-run is booked with on the worker it runs on
+    view: RequestView | None = None
     # told once when the decode's first token is a near tie of the prefill's, not its own
     on_tie: Callable[[DecodeCheck, Summary], None] | None = None
     tied: bool = False

@@ -4,10 +4,12 @@ Hypothesis draws a batch of requests (SGLang or vLLM P/D models with colocated f
 short or long prompts, streamed or whole, some cut by their client at a random moment) and
 fires it at once through a gateway in front of emulated engines that fail a share of requests
 (prefill errors, failed KV transfers, decodes crashing mid-stream), with the `cost_model`
-decider planning. While the batch runs, every worker's in-flight count and tokens are sampled
-and must never be negative; once it is over, every count is back at zero, in the registry and
-in the decider's own books (every `Routed` got exactly one `Completed` or `Failed`: nothing is
-left queued or decoding).
+decider planning, and half the greedy P/D answers verified by a re-run (booked with the
+decider and counted in flight on the worker it runs on, cut with its answer). While the batch
+runs, every worker's in-flight count and tokens are sampled and must never be negative; once
+it is over, every count is back at zero, in the registry and in the decider's own books (every
+`Routed` got exactly one `Completed` or `Failed`: nothing is left queued or decoding, re-runs
+included).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.config import BreakerConfig, RetriesConfig
+from gateway.config import BreakerConfig, GuardsConfig, RetriesConfig
 from policies.config import DeciderCfg
 from policies.decider import CostModelDecider
 from tests.integration.conftest import Cluster, build_cluster, stop_cluster
@@ -84,13 +86,14 @@ def test_counters_never_go_negative_and_always_return_to_zero() -> None:
             # requests into refusals, which plan nothing
             breaker=BreakerConfig(failure_threshold=1_000_000),
             retries=RetriesConfig(max_attempts=3, backoff_initial_s=0.001, backoff_max_s=0.005),
+            guards=GuardsConfig(shadow_fraction=0.5),
         )
     )
     policy = cluster.gateway.policy
     decider = policy.decider  # type: ignore[attr-defined]
     assert isinstance(decider, CostModelDecider)
     model = decider.model
-    seen = {"routed": 0, "negative": []}  # type: dict[str, Any]
+    seen = {"routed": 0, "reruns": 0, "negative": []}  # type: dict[str, Any]
 
     async def batch(reqs: list[dict[str, Any]]) -> None:
         stop = asyncio.Event()
@@ -127,6 +130,7 @@ def test_counters_never_go_negative_and_always_return_to_zero() -> None:
             assert model.running_on(wid) == 0, wid
             assert model.booked_s(wid) == 0.0, wid
         seen["routed"] = sum(model.verdicts.values())
+        seen["reruns"] = sum(model.reruns.values())
 
     try:
         check()
@@ -134,3 +138,4 @@ def test_counters_never_go_negative_and_always_return_to_zero() -> None:
         runner.run(stop_cluster(cluster))
         runner.close()
     assert seen["routed"] > 0
+    assert seen["reruns"] > 0

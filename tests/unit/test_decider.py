@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from common.outcomes import LegOutcome, LegRecord, Timings
-from policies.base import Completed, Failed, NoCacheEstimate, routed_event
+from policies.base import Completed, Failed, NoCacheEstimate, Routed, routed_event
 from policies.build import build_policy
 from policies.config import DeciderCfg, LeastLoadCfg
-from policies.cost_model import CostModel, CostPriors, prefill_work
+from policies.cost_model import RERUN_REASON, CostModel, CostPriors, prefill_work
 from policies.decider import CostModelDecider, CostSettings, PairChoice, Verdict, compatible
 from policies.snapshot import Colocated, Disaggregated, RequestView, WorkerState
 from policies.testing import make_request, make_snapshot, make_worker
@@ -477,3 +478,87 @@ def test_a_pd_decode_avoids_a_worker_whose_queued_local_prefill_would_break_its_
     assert v.choice.worker == "vd2", [
         (o.kind, o.worker, round(o.ttft_s, 3), round(o.tpot_s, 3)) for o in v.options
     ]
+
+
+# -- verification re-runs (issue #31: the default guards re-run 5 % of greedy P/D answers) -------
+
+
+def rerun_event(rid: str, prompt: int, w: WorkerState, shadow_tokens: int = 8) -> Routed:
+    """A verification re-run as the gateway books it (gateway/orchestration/shadow.py)."""
+    req = make_request(prompt_tokens=prompt, max_tokens=shadow_tokens, request_id=f"{rid}-verify")
+    return msgspec.structs.replace(routed_event(req, Colocated(w)), reason=RERUN_REASON)
+
+
+def test_a_rerun_booked_on_a_decode_is_a_local_prefill_there() -> None:
+    """A re-run is a whole prefill of its prompt on the decode it lands on. Booked, it queues
+    the local prefills routed there after it, and stalls the decodes running there (what the
+    TPOT gate weighs next). With the prefill pool 3 s deep, a 3,000-token prompt prefills on
+    vd1; with a 20,000-token re-run booked there (~2.6 s), it goes P/D."""
+    clock = Clock()
+    d = decider(clock, tpot_slo_s=0.05)
+    _busy(d, 3.0, VP1)
+    for i in range(2):
+        d.observe(local_event(f"loc{i}", 10, VD1, max_tokens=40))  # 0.8 s of decode each
+    clock.t += 0.1
+    req = make_request(prompt_tokens=3000)
+    v = d.decide(req, choice(VD1, (VP1,), ()), NoCacheEstimate())
+    assert v is not None
+    assert v.kind == "local", v.options
+    d.place_rerun(req, (VD1,), NoCacheEstimate())  # pure: books nothing
+    assert d.model.queue_s(VD1, clock.t) == 0.0
+    d.observe_rerun(rerun_event("pd0", 20_000, VD1))
+    assert d.model.queue_s(VD1, clock.t) > 2.0
+    assert d.model.running_on("vd1") == 3 and d.model.booked_s("vd1") > 2.0
+    # the running decodes are held by it for the rest of their windows
+    stalls = sorted(s for s, _, out in d.model.stalls(VD1, clock.t, 0.0, 1.0) if out == 40)
+    assert len(stalls) == 2 and all(s > 0.6 for s in stalls), stalls
+    v = d.decide(req, choice(VD1, (VP1,), ()), NoCacheEstimate())
+    assert v is not None
+    assert v.kind == "pd", [(o.kind, o.ttft_s, o.tpot_over, o.allowed) for o in v.options]
+    local = next(o for o in v.options if o.kind == "local")
+    assert local.queue_s > 2.0
+    # not a routing verdict
+    assert RERUN_REASON not in d.model.verdicts
+
+
+@pytest.mark.parametrize("end", ["completed", "failed"])
+def test_a_rerun_booking_is_settled_at_its_end(end: str) -> None:
+    clock = Clock()
+    d = decider(clock)
+    d.observe_rerun(rerun_event("pd0", 20_000, VD1))
+    assert d.model.tracked() == 1 and d.model.booked_s("vd1") > 0.0
+    clock.t += 0.5
+    ev = Completed("pd0-verify", ("vd1",)) if end == "completed" else Failed("pd0-verify", ("vd1",), "verify")
+    d.observe_rerun(ev)
+    assert d.model.tracked() == 0 and d.model.running_on("vd1") == 0 and d.model.booked_s("vd1") == 0.0
+    assert d.model.queue_s(VD1, clock.t) == 0.0
+
+
+def test_a_rerun_goes_where_it_puts_no_running_decode_over_its_tpot_slo() -> None:
+    """vd1 runs the verified answer itself (8 tokens: a 2 s prefill beside it breaks its TPOT),
+    vd2 a long answer (200 tokens: the same prefill adds 10 ms a token). The re-run goes to
+    vd2, not to the verified answer's own decode."""
+    clock = Clock()
+    d = decider(clock, tpot_slo_s=0.05)
+    d.observe(local_event("long", 10, VD2, max_tokens=200))
+    d.observe(pd_event("v", 20_000, p=VP1, d=VD1, max_tokens=8))
+    clock.t += 2.2  # its prefill answered: its decode starts now
+    req = make_request(prompt_tokens=20_000, max_tokens=8, request_id="v-verify")
+    assert d.place_rerun(req, (VD1, VD2), NoCacheEstimate()) == VD2
+    # with a local prefill queued on vd2 as well, the idle-but-slower choice changes: vd1's
+    # only decode is over either way, so the earlier answer wins
+    d.observe(local_event("queued", 30_000, VD2, max_tokens=8))
+    assert d.place_rerun(req, (VD1, VD2), NoCacheEstimate()) == VD1
+
+
+def test_the_pd_policy_places_reruns_through_its_decider_only() -> None:
+    """`PDPolicy.place_rerun`: the cost-model decider's choice; other deciders have none (the
+    gateway then takes the least loaded). Re-run events reach the decider alone."""
+    pol = build_policy(LeastLoadCfg(), decider=DeciderCfg(type="cost_model"))
+    req = make_request(prompt_tokens=20_000, max_tokens=8)
+    assert pol.place_rerun(req, (VD1, VD2)) in (VD1, VD2)  # type: ignore[attr-defined]
+    pol.observe_rerun(rerun_event("r", 20_000, VD1))  # type: ignore[attr-defined]
+    assert pol.decider.model.running_on("vd1") == 1  # type: ignore[attr-defined]
+    plain = build_policy(LeastLoadCfg(), decider=DeciderCfg(type="always"))
+    assert plain.place_rerun(req, (VD1, VD2)) is None  # type: ignore[attr-defined]
+    plain.observe_rerun(rerun_event("r", 20_000, VD1))  # type: ignore[attr-defined]
