@@ -385,21 +385,34 @@ class CostModelDecider:
     def place_rerun(
         self, req: RequestView, candidates: Sequence[WorkerState], cache: CacheEstimator
     ) -> WorkerState | None:
-        """The candidate where a re-run of `req` (its whole prompt, `req.max_tokens` tokens) puts
-        the fewest running decodes over the TPOT SLO, then answers first (the verified answer's
-        end waits for it). Each is weighed as a local prefill there (`_local`). Pure."""
+        """The candidate where a re-run of `req` (its whole prompt, `req.max_tokens` tokens),
+        weighed as a local prefill there from the end of its queue, puts the fewest running
+        decodes over the TPOT SLO, then slows the fewest, then answers first (a verified answer's
+        end waits for it). Pure."""
         if not candidates:
             return None
+        s = self.settings
         m = self.model
         now = m.clock()
         prompt = max(1, req.prompt_tokens)
         peers = tuple(w.id for w in candidates)
         best: WorkerState | None = None
-        best_key = (0, 0.0)
+        best_key = (0, 0, 0.0)
         for w in candidates:
             cached = min(prompt - 1, max(0, cache.cached_tokens(req, w)))
-            o = self._local("rerun", w, prompt, cached, peers, now)
-            k = (o.tpot_over, o.ttft_s)
+            a, b = m.prefill_fit(w.id, peers)
+            own = a + b * prefill_work(prompt - cached, cached, s.priors.crossover_tokens)
+            queue = m.queue_s(w, now)
+            base, floor = m.tpot(w.id)
+            tpot_slo = s.tpot_slo_s + s.tpot_slo_x * floor
+            over = slowed = 0
+            for stall, added, tokens in m.stalls(w, now + queue, own, m.chunk_s(w, a, b)):
+                if added <= 0.0:
+                    continue
+                slowed += 1
+                if base + (stall + added) / max(1, tokens - 1) > tpot_slo:
+                    over += 1
+            k = (over, slowed, queue + own)
             if best is None or k < best_key:
                 best, best_key = w, k
         return best

@@ -10,6 +10,7 @@ ends (`pdgw_fallbacks_total{rung="other_decode"}`, log event `request.decode_mov
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -27,7 +28,7 @@ from gateway.orchestration.feedback import reported
 from gateway.orchestration.legs import Handoff, Leg
 from gateway.orchestration.relay import relay
 from gateway.orchestration.services import Services, engine_headers
-from gateway.orchestration.shadow import decode_check
+from gateway.orchestration.shadow import decode_check, start_early
 from gateway.orchestration.verify import DecodeCheck
 from gateway.registry import Worker
 from policies.base import Failed, routed_event
@@ -40,18 +41,25 @@ async def run_sequential(s: Services, ctx: RequestContext, p: Worker, d: Worker,
     # the prefill counts as in flight until its answer is in (its KV is ready to pull), with the
     # prompt's tokens: it generates none of the answer
     pleg = Leg(s, ctx, p, ctx.view.prompt_tokens, Role.PREFILL, LegShape.ALONE)
-    verdict, out, hctx = await _prefill(s, ctx, pleg, d, hctx)
-    a = ctx.attempt
-    a.prefill_done_at = time.monotonic()
-    a.phase = Phase.HANDOFF
-    s.metrics.child(s.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
-    tried = {d.id}
-    while True:
-        try:
-            await _decode(s, ctx, pleg, d, hctx, verdict, out)
-            return
-        except DecodeUnreached as e:
-            d = _move_decode(s, ctx, p, d, tried, e)
+    # a sampled verification re-run starts with the prefill (shadow.start_early); whatever
+    # way the attempt ends, it is not left running (a decode check that took it has awaited it)
+    early = start_early(s, ctx.req, ctx.view, hctx)
+    try:
+        verdict, out, hctx = await _prefill(s, ctx, pleg, d, hctx)
+        a = ctx.attempt
+        a.prefill_done_at = time.monotonic()
+        a.phase = Phase.HANDOFF
+        s.metrics.child(s.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
+        tried = {d.id}
+        while True:
+            try:
+                await _decode(s, ctx, pleg, d, hctx, verdict, out, early)
+                return
+            except DecodeUnreached as e:
+                d = _move_decode(s, ctx, p, d, tried, e)
+    finally:
+        if early is not None:
+            early.cancel()
 
 
 async def _prefill(
@@ -113,15 +121,16 @@ async def _decode(
     hctx: HandoffCtx,
     verdict: PrefillVerdict,
     out: bytes,
+    early: asyncio.Task[bytes | None] | None = None,
 ) -> None:
     """The decode leg after a good prefill: `DecodeUnreached` when the request never reached
-    decode `d`."""
+    decode `d`. `early`: its sampled re-run, started with the prefill."""
     req = ctx.req
     p = pleg.worker
     dbody = d.adapter.decode_body(req, hctx, verdict)
     dleg = Leg(s, ctx, d, ctx.tokens, Role.DECODE, LegShape.SEQUENTIAL)
     async with Handoff(s, ctx, pleg, dleg, concurrent=False) as h:
-        h.check = _check(s, ctx, hctx, p, d, verdict, out)
+        h.check = _check(s, ctx, hctx, p, d, verdict, out, early)
         wait_s = s.head_budget(req, d, s.cfg.timeouts.handoff_s)
         try:
             with ctx.wheel.after(wait_s, ctx.task):
@@ -151,14 +160,19 @@ def _check(
     d: Worker,
     verdict: PrefillVerdict,
     out: bytes,
+    early: asyncio.Task[bytes | None] | None = None,
 ) -> DecodeCheck | None:
     """The decode's consistency check. A prefill that ended on its first token (EOS or a stop id)
     hands over no KV: the decode computes the prompt itself, with the client's whole request, and
     nothing was handed over for a check."""
     if verdict.kv_params is None:
         log.info("request.prefill_stopped", request_id=hctx.request_id, prefill=p.id, decode=d.id)
+        if early is not None:
+            early.cancel()  # nothing was handed over to verify
         return None
-    check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view)
+    check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view, early)
+    if check is None and early is not None:
+        early.cancel()
     if check is not None:
         if not verdict.same_first_token:
             check.prefill.first_token_id = None  # its token is no measure of the decode's

@@ -49,8 +49,11 @@ def decode_check(
     prefill_adapter: EngineAdapter,
     prefill_body: bytes,
     view: RequestView | None = None,
+    early: asyncio.Task[bytes | None] | None = None,
 ) -> DecodeCheck | None:
-    """The decode-consistency check for one handoff, or None where it does not apply."""
+    """The decode-consistency check for one handoff, or None where it does not apply. `early`:
+    the sampled re-run started with the prefill (`start_early`), which the answer then waits
+    for instead of a sampling decision made here."""
     if not guarded(s.cfg, req):
         return None
     c = DecodeCheck(
@@ -64,6 +67,9 @@ def decode_check(
     )
     c.on_tie = lambda check, decode: _near_tie(s, check, decode)
     if not verifiable(req):
+        return c
+    if early is not None and not early.cancelled() and not early.cancelling():
+        c.verify = early  # (one a moved decode's first handoff dropped is not taken again)
         return c
     suspects = s.registry.suspect_pairs()  # a shared empty set while no pair is suspect
     suspect = suspects and f"{ctx.prefill.id}|{ctx.decode.id}" in suspects
@@ -87,6 +93,24 @@ def verify_late(s: Services, c: DecodeCheck) -> None:
     if not verifiable(c.req) or f"{c.ctx.prefill.id}|{c.ctx.decode.id}" not in s.registry.suspect_pairs():
         return
     _verify_now(s, c)
+
+
+def start_early(
+    s: Services, req: ParsedRequest, view: RequestView, hctx: HandoffCtx
+) -> asyncio.Task[bytes | None] | None:
+    """The sampled re-run of a handoff whose decode starts only after its prefill answered (vLLM's
+    sequential shape), started with the prefill instead of at its verdict: it then runs while the
+    prefill does, and the answer's held end rarely waits for it (at the verdict, a re-run of a
+    long prompt ended long after a short answer, whose time per token it made). None where the
+    request is not sampled (or not verifiable), or no worker can run it. The caller cancels it
+    where the attempt ends before its decode check takes it (`decode_check`'s `early`)."""
+    if not (s.sample_before_delivery and guarded(s.cfg, req) and verifiable(req)) or not s.verify_share.due():
+        return None
+    w = _pick(s, req, view, hctx.decode, sampled=True)
+    if w is None:
+        s.metrics.child(s.metrics.shadow_runs, "before_delivery", "unavailable").inc()
+        return None
+    return asyncio.create_task(_rerun(s, req, view, hctx.request_id, w))
 
 
 def _verify_now(s: Services, c: DecodeCheck, sampled: bool = False) -> bool:
@@ -113,14 +137,20 @@ def _near_tie(s: Services, c: DecodeCheck, decode: Summary) -> None:
 
 
 def shadow_worker(s: Services, c: DecodeCheck, sampled: bool = False) -> Worker | None:
+    """Where a shadow re-run of `c`'s answer goes (`_pick`)."""
+    return _pick(s, c.req, c.view, c.ctx.decode, sampled)
+
+
+def _pick(
+    s: Services, req: ParsedRequest, view: RequestView | None, decode: WorkerState, sampled: bool = False
+) -> Worker | None:
     """Where a shadow re-run goes: a colocated worker of the model, else a decode of the
-    model whose engine's decode answers alone (without KV params; the handoff's decode among
+    model whose engine's decode answers alone (without KV params; the handoff's `decode` among
     them). A sampled re-run (not one for a suspect pair) goes to no worker at its in-flight cap.
     Among them, the policy's choice where it places re-runs, else the least loaded."""
     snap = s.registry.snapshot()
-    model = c.req.model
+    model = req.model
     targets: tuple[WorkerState, ...] = snap.pool(Role.COLOCATED, model)
-    decode = c.ctx.decode
     if not targets and decode.decode_alone:
         targets = tuple(
             w for w in snap.pool(Role.DECODE, model) if w.decode_alone and w.engine is decode.engine
@@ -133,8 +163,8 @@ def shadow_worker(s: Services, c: DecodeCheck, sampled: bool = False) -> Worker 
         return None
     pick: WorkerState | None = None
     place = getattr(s.policy, "place_rerun", None)
-    if place is not None and c.view is not None and len(targets) > 1:
-        pick = place(_rerun_view(s, c.view), targets)
+    if place is not None and view is not None and len(targets) > 1:
+        pick = place(_rerun_view(s, view), targets)
     if pick is None:
         least = min(w.inflight for w in targets)
         pick = s.rng.choice([w for w in targets if w.inflight == least])
@@ -182,14 +212,21 @@ def maybe_shadow(s: Services, c: DecodeCheck, delivered: bytes) -> None:
 
 
 async def shadow_run(s: Services, c: DecodeCheck, w: Worker) -> bytes | None:
+    """The first `shadow_tokens` tokens of `c`'s request on `w` (`_rerun`)."""
+    return await _rerun(s, c.req, c.view, c.ctx.request_id, w)
+
+
+async def _rerun(
+    s: Services, req: ParsedRequest, rview: RequestView | None, request_id: str, w: Worker
+) -> bytes | None:
     """The request's first `shadow_tokens` tokens, greedy, on `w` alone; None if it failed.
     Counted in flight on `w` and booked with the policy while it runs (module docstring)."""
-    body = w.adapter.shadow_body(c.req, s.cfg.guards.shadow_tokens)
+    body = w.adapter.shadow_body(req, s.cfg.guards.shadow_tokens)
     headers = [
         (b"content-type", b"application/json"),
-        (b"x-request-id", f"{c.ctx.request_id}-shadow".encode()),
+        (b"x-request-id", f"{request_id}-shadow".encode()),
     ]
-    view = None if c.view is None else _rerun_view(s, c.view)
+    view = None if rview is None else _rerun_view(s, rview)
     tokens = 0 if view is None else view.prompt_tokens + view.max_tokens
     book = getattr(s.policy, "observe_rerun", None) if view is not None else None
     # counted in flight on its worker; not on one whose breaker is not closed (a half-open
@@ -217,12 +254,12 @@ async def shadow_run(s: Services, c: DecodeCheck, w: Worker) -> bytes | None:
             )
         try:
             async with asyncio.timeout(s.cfg.timeouts.prefill_s):
-                status, out = await w.pool.fetch("POST", c.req.path, engine_headers(w, headers), body)
+                status, out = await w.pool.fetch("POST", req.path, engine_headers(w, headers), body)
         except (TimeoutError, UpstreamConnectError, UpstreamProtocolError) as e:
-            log.info("shadow.skipped", request_id=c.ctx.request_id, worker=w.id, error=str(e))
+            log.info("shadow.skipped", request_id=request_id, worker=w.id, error=str(e))
             return None
         if status != 200:
-            log.info("shadow.skipped", request_id=c.ctx.request_id, worker=w.id, error=f"HTTP {status}")
+            log.info("shadow.skipped", request_id=request_id, worker=w.id, error=f"HTTP {status}")
             out = None
         return out
     finally:

@@ -545,10 +545,24 @@ def test_a_rerun_goes_where_it_puts_no_running_decode_over_its_tpot_slo() -> Non
     clock.t += 2.2  # its prefill answered: its decode starts now
     req = make_request(prompt_tokens=20_000, max_tokens=8, request_id="v-verify")
     assert d.place_rerun(req, (VD1, VD2), NoCacheEstimate()) == VD2
-    # with a local prefill queued on vd2 as well, the idle-but-slower choice changes: vd1's
-    # only decode is over either way, so the earlier answer wins
+    # with a 30,000-token local prefill queued on vd2 as well, the re-run there would come
+    # after it and break the long answer too, and slow the queued one: vd1 slows one decode
     d.observe(local_event("queued", 30_000, VD2, max_tokens=8))
     assert d.place_rerun(req, (VD1, VD2), NoCacheEstimate()) == VD1
+
+
+def test_a_rerun_started_with_its_prefill_goes_where_it_slows_no_decode() -> None:
+    """A re-run started with the verified request's prefill (the vLLM shape) runs while the
+    prefill does: it ends before that request's own decode starts on vd1, so vd1 is where it
+    slows nothing; on vd2 it would slow the long answer there (within its SLO)."""
+    clock = Clock()
+    d = decider(clock, tpot_slo_s=0.05)
+    d.observe(local_event("long", 10, VD2, max_tokens=200))
+    clock.t += 0.1
+    _busy(d, 3.0, VP1)  # the prefill pool is 3 s deep
+    d.observe(pd_event("v", 20_000, p=VP1, d=VD1, max_tokens=8))
+    req = make_request(prompt_tokens=20_000, max_tokens=8, request_id="v-verify")
+    assert d.place_rerun(req, (VD2, VD1), NoCacheEstimate()) == VD1
 
 
 def test_the_pd_policy_places_reruns_through_its_decider_only() -> None:
