@@ -170,7 +170,7 @@ def _check(
         if early is not None:
             early.cancel()  # nothing was handed over to verify
         return None
-    check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view, early)
+    check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view, early, drawn=True)
     if check is None and early is not None:
         early.cancel()
     if check is not None:

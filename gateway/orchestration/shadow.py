@@ -50,10 +50,11 @@ def decode_check(
     prefill_body: bytes,
     view: RequestView | None = None,
     early: asyncio.Task[bytes | None] | None = None,
+    drawn: bool = False,
 ) -> DecodeCheck | None:
     """The decode-consistency check for one handoff, or None where it does not apply. `early`:
     the sampled re-run started with the prefill (`start_early`), which the answer then waits
-    for instead of a sampling decision made here."""
+    for; `drawn`: the handoff's sampling draw was made then (`early` None: not picked)."""
     if not guarded(s.cfg, req):
         return None
     c = DecodeCheck(
@@ -68,14 +69,19 @@ def decode_check(
     c.on_tie = lambda check, decode: _near_tie(s, check, decode)
     if not verifiable(req):
         return c
-    if early is not None and not early.cancelled() and not early.cancelling():
-        c.verify = early  # (one a moved decode's first handoff dropped is not taken again)
-        return c
+    if drawn:
+        if early is not None and not early.cancelled() and not early.cancelling():
+            c.verify = early
+            return c
+        # picked, and its re-run dropped with a moved decode's first handoff: again, now
+        picked = early is not None
+    else:
+        # a sampled share is verified before delivery too (`shadow_before_delivery`, the
+        # default); an unsampled request pays one countdown step here
+        picked = s.sample_before_delivery and s.verify_share.due()
     suspects = s.registry.suspect_pairs()  # a shared empty set while no pair is suspect
     suspect = suspects and f"{ctx.prefill.id}|{ctx.decode.id}" in suspects
-    # a sampled share is verified before delivery too (`shadow_before_delivery`, the default);
-    # an unsampled request pays one countdown step here
-    if suspect or (s.sample_before_delivery and s.verify_share.due()):
+    if suspect or picked:
         # verified before delivery: a colocated re-run of the first tokens starts now, beside
         # the decode, and the answer is released only if it agrees
         if not _verify_now(s, c, sampled=not suspect):
