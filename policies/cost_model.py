@@ -462,6 +462,10 @@ class CostModel:
                 (("prefill", p), ("decode", d)),
                 share,
             )
+        yield from self._counters()
+
+    def _counters(self) -> Iterator[PolicyMetric]:
+        """The running totals: re-runs booked per worker, requests per verdict."""
         for wid, n in self.reruns.items():
             yield PolicyMetric(
                 "pdgw_decider_reruns",
