@@ -26,7 +26,7 @@ from gateway.orchestration.gate import PrefillGate
 from gateway.orchestration.legs import Handoff, Leg
 from gateway.orchestration.relay import relay
 from gateway.orchestration.services import Services, engine_headers
-from gateway.orchestration.shadow import decode_check
+from gateway.orchestration.shadow import decode_check, start_early
 from gateway.orchestration.verify import DecodeCheck, guarded, verifiable
 from gateway.registry import Worker
 
@@ -48,22 +48,33 @@ async def run_concurrent(s: Services, ctx: RequestContext, p: Worker, d: Worker,
         # the engine already took would wait for KV that never comes); a retry gets a new room
         pleg.call = p.pool.fetch("POST", req.path, engine_headers(p, ctx.headers), pbody, replay=False)
         dleg.call = d.pool.start("POST", req.path, engine_headers(d, ctx.headers), dbody, replay=False)
-        if req.stream and s.cfg.guards.prefill_verdict == "before_end":
-            gate = await _decode_first(s, ctx, h, hctx)
-            if gate is not None:
-                assert dleg.resp is not None
-                await relay(s, ctx, dleg.resp, d, phase="decode", gate=gate)
-                dleg.complete()
-                return
-        prefill_out = await _through_handoff(s, ctx, h, hctx)
-        s.metrics.child(s.metrics.phase, "handoff").observe(time.monotonic() - ctx.attempt.prefill_done_at)
-        assert dleg.resp is not None
-        transform = d.adapter.decode_transformer(req, prefill_out)
-        await relay(s, ctx, dleg.resp, d, phase="decode", transform=transform, check=h.check)
-        dleg.complete()
+        # a sampled verification re-run starts with the legs (shadow.start_early), not at the
+        # prefill's verdict; whatever way the attempt ends, it is not left running
+        early = start_early(s, req, ctx.view, hctx)
+        try:
+            if req.stream and s.cfg.guards.prefill_verdict == "before_end":
+                gate = await _decode_first(s, ctx, h, hctx, early)
+                if gate is not None:
+                    assert dleg.resp is not None
+                    await relay(s, ctx, dleg.resp, d, phase="decode", gate=gate)
+                    dleg.complete()
+                    return
+            prefill_out = await _through_handoff(s, ctx, h, hctx, early)
+            s.metrics.child(s.metrics.phase, "handoff").observe(
+                time.monotonic() - ctx.attempt.prefill_done_at
+            )
+            assert dleg.resp is not None
+            transform = d.adapter.decode_transformer(req, prefill_out)
+            await relay(s, ctx, dleg.resp, d, phase="decode", transform=transform, check=h.check)
+            dleg.complete()
+        finally:
+            if early is not None:
+                early.cancel()
 
 
-async def _through_handoff(s: Services, ctx: RequestContext, h: Handoff, hctx: HandoffCtx) -> bytes:
+async def _through_handoff(
+    s: Services, ctx: RequestContext, h: Handoff, hctx: HandoffCtx, early: asyncio.Task[bytes | None] | None
+) -> bytes:
     """To the decode's response headers, past the prefill's verdict; returns the prefill's body."""
     pleg, dleg = h.prefill, h.decode
     p, d = pleg.worker, dleg.worker
@@ -83,7 +94,7 @@ async def _through_handoff(s: Services, ctx: RequestContext, h: Handoff, hctx: H
             pleg.complete()
             in_handoff = True
             a.phase = Phase.HANDOFF
-            h.check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view)
+            h.check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view, early, drawn=True)
             decode_call = dleg.call
             assert decode_call is not None
             if not decode_call.done():
@@ -116,7 +127,9 @@ def _observe_hold(s: Services, decode_call: asyncio.Future[UpstreamResponse] | N
     s.metrics.child(s.metrics.verdict_hold, "first_byte").observe(waited)
 
 
-async def _decode_first(s: Services, ctx: RequestContext, h: Handoff, hctx: HandoffCtx) -> PrefillGate | None:
+async def _decode_first(
+    s: Services, ctx: RequestContext, h: Handoff, hctx: HandoffCtx, early: asyncio.Task[bytes | None] | None
+) -> PrefillGate | None:
     """`prefill_verdict = "before_end"`: the decode's response headers, awaited beside the
     prefill's answer. A gate (`dleg.resp` set) when the decode answered 200 first: its stream is
     relayed at once and the verdict judged before its end. None when the prefill answered first,
@@ -143,14 +156,20 @@ async def _decode_first(s: Services, ctx: RequestContext, h: Handoff, hctx: Hand
         return p.adapter.judge_prefill(req, hctx, status, body).ok
 
     async def settle(gate: PrefillGate) -> DecodeCheck | None:
-        return await _settle(s, ctx, h, hctx, gate, t0)
+        return await _settle(s, ctx, h, hctx, gate, t0, early)
 
     keep = guarded(s.cfg, req) and verifiable(req)
     return PrefillGate(pcall, settle, sound, hctx.stream_usage, keep)
 
 
 async def _settle(
-    s: Services, ctx: RequestContext, h: Handoff, hctx: HandoffCtx, gate: PrefillGate, t0: float
+    s: Services,
+    ctx: RequestContext,
+    h: Handoff,
+    hctx: HandoffCtx,
+    gate: PrefillGate,
+    t0: float,
+    early: asyncio.Task[bytes | None] | None = None,
 ) -> DecodeCheck | None:
     """The prefill's verdict on a stream already relayed: awaited (within what is left of
     `prefill_s`) and judged; a bad one raises the handoff's error. Returns the decode check."""
@@ -172,7 +191,7 @@ async def _settle(
         stage = "mid_stream" if ctx.res.started else "before_first_byte"
         await _refused(s, h, hctx, status, verdict, decode_refused=gate.decode_refused, stage=stage)
     pleg.complete()
-    h.check = gate.check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view)
+    h.check = gate.check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view, early, drawn=True)
     return h.check
 
 

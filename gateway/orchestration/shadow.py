@@ -104,12 +104,13 @@ def verify_late(s: Services, c: DecodeCheck) -> None:
 def start_early(
     s: Services, req: ParsedRequest, view: RequestView, hctx: HandoffCtx
 ) -> asyncio.Task[bytes | None] | None:
-    """The sampled re-run of a handoff whose decode starts only after its prefill answered (vLLM's
-    sequential shape), started with the prefill instead of at its verdict: it then runs while the
-    prefill does, and the answer's held end rarely waits for it (at the verdict, a re-run of a
-    long prompt ended long after a short answer, whose time per token it made). None where the
-    request is not sampled (or not verifiable), or no worker can run it. The caller cancels it
-    where the attempt ends before its decode check takes it (`decode_check`'s `early`)."""
+    """The sampled re-run of a handoff, started with its legs (vLLM: with the prefill, before
+    the decode; SGLang: beside both) instead of at the prefill's verdict: it then runs while the
+    prefill does, and the answer's held end rarely waits for it (started at the verdict, a
+    re-run of a long prompt ended long after a short answer, whose time per token it made).
+    None where the request is not sampled (or not verifiable), or no worker can run it. The
+    caller cancels it where the attempt ends before its decode check takes it
+    (`decode_check`'s `early`)."""
     if not (s.sample_before_delivery and guarded(s.cfg, req) and verifiable(req)) or not s.verify_share.due():
         return None
     w = _pick(s, req, view, hctx.decode, sampled=True)
