@@ -91,6 +91,8 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         prefill_rate=cfg.prefill_rate,
         crossover_tokens=cfg.crossover_tokens,
         inflight_factor=cfg.inflight_factor,
+        queue_externality=cfg.queue_externality,
+        pressure_window_s=cfg.pressure_window_s,
         saturation_wait_s=cfg.saturation_wait_s,
         max_candidates=cfg.max_candidates,
         scan_limit=cfg.scan_limit,

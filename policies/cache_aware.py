@@ -13,6 +13,7 @@ colocated workers, a vLLM decode prefilling itself):
                   (dense-token equivalents: attention grows with the context, policies/prefill_cost.py)
     ttft(w)     = (backlog(w) + work(w)) / rate(w)
     cost(w)     = backlog(w) / rate(w) + work(w) / rate(w) * (1 + inflight_factor * inflight(w))
+                  + K * work(w)
 
 and picks the lowest cost (score `min cost / cost(w)` in (0, 1]; ties: fewer requests in
 flight, then at random). `inflight(w)` is the gateway's count of requests in flight on w (a
@@ -24,8 +25,12 @@ take one more, which keeps a prefix every request shares (a system prompt) from 
 them onto one worker. The queue ahead is not multiplied: it delays this request, and it is
 there whichever worker is chosen (multiplying it too scattered a conversation's turns away from
 their cache whenever its worker had a little queued: 35-45 % reuse on the Mooncake slice
-against 45-47 % this way). 0 leaves the predicted TTFT alone. Affinity is never a reason to
-overload a worker:
+against 45-47 % this way). 0 leaves the predicted TTFT alone. `K * work(w)` is what the
+request's prefill costs the requests that arrive after it while the pool is busy
+(policies/pool_pressure.py: `K = queue_externality x arrivals/s x mean wait / ((1 - rho) x pool
+rate)`, 0 when no worker has a queue): under load a turn sent away from its cache holder makes
+the pool compute its prefix again, and every later arrival pays for that. Affinity is never a
+reason to overload a worker:
 
 - a worker whose queued prefill alone takes longer than `saturation_wait_s` is **saturated**:
   filtered out while any worker is not (`SaturationFilter`);
@@ -266,12 +271,13 @@ class CacheAwareSelector:
             raise NoCandidates("input")
         state = self.state
         lookups = state.lookups(req)
-        if len(cands) > state.settings.scan_limit:
+        pool = len(cands)
+        if pool > state.settings.scan_limit:
             wanted = dict.fromkeys(wid for lk in lookups if lk is not None for wid, _ in lk.top)
             cands = _narrow(cands, wanted, state.settings, self.rng, self.memo)
         if not record:
-            return self._choose(req, cands, lookups), None
-        est = state.estimates(req, cands, lookups)
+            return self._choose(req, cands, lookups, pool), None
+        est = state.estimates(req, cands, lookups, pool=pool)
         pairs = list(zip(cands, est, strict=True))
         ok = [(w, e) for w, e in pairs if not e.saturated]
         all_saturated = not ok
@@ -291,7 +297,11 @@ class CacheAwareSelector:
         )
 
     def _choose(
-        self, req: RequestView, cands: Sequence[WorkerState], lookups: tuple[Lookup | None, Lookup]
+        self,
+        req: RequestView,
+        cands: Sequence[WorkerState],
+        lookups: tuple[Lookup | None, Lookup],
+        pool: int | None = None,
     ) -> WorkerState:
         """`decide` without the record, in one loop (the same choice: the tests compare them)."""
         state = self.state
@@ -307,8 +317,8 @@ class CacheAwareSelector:
         precise, approx = lookups
         from_precise = None if precise is None else precise.cached_tokens
         from_approx = approx.cached_tokens
-        rows: list[tuple[float, int, WorkerState]] = []
-        saturated: list[tuple[float, int, WorkerState]] = []
+        parts: list[tuple[float, float, float, WorkerState]] = []  # (wait, own prefill s, work, w)
+        wait_sum = rate_sum = 0.0
         for w in cands:
             wid = w.id
             cached = from_precise(wid) if from_precise is not None else None
@@ -322,8 +332,14 @@ class CacheAwareSelector:
             new: float = prompt - credit
             if attention > 0.0:  # prefill_work, inlined (the hot loop)
                 new *= 1.0 + (credit + 0.5 * new) / attention
-            cost = wait + new / rate * (1.0 + factor * w.inflight)
-            (saturated if wait > saturation else rows).append((cost, w.inflight, w))
+            parts.append((wait, new / rate * (1.0 + factor * w.inflight), new, w))
+            wait_sum += wait
+            rate_sum += rate
+        k = state.externality_k(wait_sum, rate_sum, len(parts), now, pool)
+        rows: list[tuple[float, int, WorkerState]] = []
+        saturated: list[tuple[float, int, WorkerState]] = []
+        for wait, own, work, w in parts:
+            (saturated if wait > saturation else rows).append((wait + own + k * work, w.inflight, w))
         if not rows:
             rows = saturated
         best = min(r[0] for r in rows)

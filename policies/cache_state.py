@@ -23,6 +23,7 @@ from policies.base import (
 )
 from policies.estimators import prefill_work
 from policies.pending import expire
+from policies.pool_pressure import DecayedRate, externality_per_work
 from policies.prefill_cost import PrefillQueues, RateSettings
 from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
 from policies.prompt_key import PromptKey
@@ -44,6 +45,8 @@ class CacheAwareSettings:
     prefill_rate: float = 10_000.0
     crossover_tokens: float = 32_768.0
     inflight_factor: float = 1.0
+    queue_externality: float = 1.0
+    pressure_window_s: float = 10.0
     saturation_wait_s: float = 10.0
     max_candidates: int = 16
     scan_limit: int = 64
@@ -65,8 +68,9 @@ class Estimate(msgspec.Struct, frozen=True, gc=False):
     rate: float  # prefill work per second (policies/prefill_cost.py)
     ttft_s: float  # predicted
     inflight: int
-    cost: float  # queue wait + own prefill * (1 + inflight_factor * inflight)
+    cost: float  # queue wait + own prefill * (1 + inflight_factor * inflight) + externality
     saturated: bool
+    externality_s: float = 0.0  # the delay its prefill work adds to later arrivals (pool_pressure)
 
 
 class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
@@ -159,6 +163,7 @@ class CacheState:
         self.precise = precise if s.use_kv_events else None
         self.queues = PrefillQueues(RateSettings(default_rate=s.prefill_rate))
         self.accuracy = PredictionStats()
+        self.arrivals = DecayedRate(s.pressure_window_s)  # routed requests and their prefill work
         # routing decisions by (role that prefills, prediction source, matched: cached > 0)
         self.decisions: dict[tuple[str, str, bool], int] = {}
         self.clock = clock
@@ -196,7 +201,9 @@ class CacheState:
         cands: Sequence[WorkerState],
         lookups: tuple[Lookup | None, Lookup] | None = None,
         now: float | None = None,
+        pool: int | None = None,
     ) -> list[Estimate]:
+        """Each candidate's prediction; `pool`: the size of the pool `cands` were narrowed from."""
         lookups = self.lookups(req) if lookups is None else lookups
         now = self.clock() if now is None else now
         s = self.settings
@@ -206,7 +213,7 @@ class CacheState:
         factor = s.inflight_factor
         attention = s.crossover_tokens
         queues = self.queues
-        out: list[Estimate] = []
+        rows: list[tuple[WorkerState, int, str, float, float, float, float]] = []
         for w in cands:
             cached, source = self.cached(lookups, w.id)
             if cached > limit:
@@ -215,23 +222,41 @@ class CacheState:
             wid = w.id
             rate = queues.rate(wid)
             backlog = queues.backlog(wid, now, w.load.waiting)
-            wait = backlog / rate
-            own = prefill_work(prompt - credit, credit, attention) / rate
-            ttft = wait + own
+            work = prefill_work(prompt - credit, credit, attention)
+            rows.append((w, cached, source, backlog, rate, backlog / rate, work))
+        k = self.externality_k(sum(r[5] for r in rows), sum(r[4] for r in rows), len(rows), now, pool)
+        out: list[Estimate] = []
+        for w, cached, source, backlog, rate, wait, work in rows:
+            own = work / rate
+            ext = k * work
             out.append(
                 Estimate(
-                    worker=wid,
+                    worker=w.id,
                     cached_tokens=cached,
                     source=source,
                     backlog_tokens=backlog,
                     rate=rate,
-                    ttft_s=ttft,
+                    ttft_s=wait + own,
                     inflight=w.inflight,
-                    cost=wait + own * (1.0 + factor * w.inflight),
+                    cost=wait + own * (1.0 + factor * w.inflight) + ext,
                     saturated=wait > s.saturation_wait_s,
+                    externality_s=ext,
                 )
             )
         return out
+
+    def externality_k(
+        self, wait_sum: float, rate_sum: float, n: int, now: float, pool: int | None = None
+    ) -> float:
+        """Seconds of later arrivals' delay per unit of prefill work added to a pool of `pool`
+        workers (default `n`) of which `n` candidates wait `wait_sum` seconds and prefill
+        `rate_sum` per second in all (policies/pool_pressure.py); 0 with `queue_externality = 0`."""
+        weight = self.settings.queue_externality
+        if weight <= 0.0 or n <= 0:
+            return 0.0
+        arrivals, work = self.arrivals.rates(now)
+        pool_rate = rate_sum / n * (n if pool is None or pool < n else pool)
+        return weight * externality_per_work(arrivals, work, wait_sum / n, pool_rate)
 
     def cached_for(self, model: str, key: PromptKey, worker_id: str) -> int:
         """The prompt tokens `worker_id` is predicted to hold of the prompt keyed `key`."""
@@ -284,6 +309,7 @@ class CacheState:
         self.decisions[tally] = self.decisions.get(tally, 0) + 1
         backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)
         self.queues.add(wid, work, now)
+        self.arrivals.add(work, now)
         capacity = None if w is None else self.capacity(w)
         if key is not None:
             self.approx.insert(ev.model, wid, key, capacity)

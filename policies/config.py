@@ -106,6 +106,10 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # cost = queued wait + own prefill x (1 + inflight_factor x requests in flight): LMetric's
     # batch term at 1.0; 0: the predicted TTFT alone
     inflight_factor: float = 1.0
+    # + queue_externality x (the delay a prefill's work adds to the requests arriving while the
+    # pool is busy, policies/pool_pressure.py); 0: the predicted TTFT and batch term alone
+    queue_externality: float = 1.0
+    pressure_window_s: float = 10.0  # arrivals and work per second: decayed over this window
     saturation_wait_s: float = 10.0  # queued prefill beyond this: no new work while others have less
     max_candidates: int = 16  # deepest-matching workers considered in a large pool
     scan_limit: int = 64  # pools up to this size are scored whole
@@ -127,6 +131,10 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
         for name in ("max_tree_size", "block_tokens", "max_candidates", "scan_limit", "sample"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not (math.isfinite(self.queue_externality) and self.queue_externality >= 0):
+            raise ValueError(f"queue_externality must be a finite number >= 0, got {self.queue_externality}")
+        if not (math.isfinite(self.pressure_window_s) and self.pressure_window_s > 0):
+            raise ValueError(f"pressure_window_s must be a finite number > 0, got {self.pressure_window_s}")
         if not (math.isfinite(self.inflight_factor) and self.inflight_factor >= 0):
             raise ValueError(f"inflight_factor must be a finite number >= 0, got {self.inflight_factor}")
         if not (math.isfinite(self.crossover_tokens) and self.crossover_tokens >= 0):

@@ -403,7 +403,8 @@ async def one_run(
 
 def _save_policy_metrics(target: RunningTarget, log_dir: Path, desc: str) -> None:
     """A gateway's own policy figures at the end of a run, kept beside its logs: the decider's
-    verdicts, learned rates and fallbacks as `<run>.metrics.txt` (what it chose), and its
+    verdicts, learned rates, fallbacks and verification re-runs (`pdgw_shadow_*`, `pdgw_guard_*`)
+    as `<run>.metrics.txt` (what it chose and checked), and its
     `pdgw_cache_*` metrics (what its cache-aware policy predicted against what the engines
     reported, per worker) as `LABEL-pdgw_cache-N.prom`."""
     if target.spec.kind != "gateway" or target.url is None:
@@ -414,7 +415,11 @@ def _save_policy_metrics(target: RunningTarget, log_dir: Path, desc: str) -> Non
     except OSError:
         return
     lines = text.splitlines()
-    keep = [ln for ln in lines if ln.startswith(("pdgw_decider", "pdgw_fallbacks", "pdgw_requests"))]
+    keep = [
+        ln
+        for ln in lines
+        if ln.startswith(("pdgw_decider", "pdgw_fallbacks", "pdgw_requests", "pdgw_shadow", "pdgw_guard"))
+    ]
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in desc)
     log_dir.mkdir(parents=True, exist_ok=True)
     (log_dir / f"{name}.metrics.txt").write_text("\n".join(keep) + "\n")
