@@ -199,11 +199,8 @@ async def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         for kind in args.kinds:
             for preset in args.presets:
                 t0 = time.monotonic()
-                guards = (
-                    msgspec.structs.replace(PRESETS[preset], **args.guards)
-                    if args.guards
-                    else PRESETS[preset]
-                )
+                # `--seed` also seeds the verification sampler: which answers are re-run
+                guards = msgspec.structs.replace(PRESETS[preset], **{"shadow_seed": args.seed, **args.guards})
                 async with Cell(engine, guards) as cell:
                     got = await cell.run(kind, args.fraction, args.requests, args.seed)
                 injected = args.fraction * args.requests

@@ -34,10 +34,6 @@ def engine_headers(w: Worker, headers: list[Header]) -> list[Header]:
     return [*(h for h in headers if h[0] != b"authorization"), (b"authorization", w.authorization)]
 
 
-# the seed of the verification sampler (`Services.verify_share`)
-VERIFY_SEED = 0
-
-
 class Services:
     __slots__ = (
         "background",
@@ -66,10 +62,11 @@ class Services:
         self.cfg = cfg
         self.rng = rng
         # the share of greedy P/D answers verified by a colocated re-run (`guards.shadow_fraction`),
-        # drawn from its own generator with a fixed seed: which answers are picked is the same
-        # from run to run (the first at the 37th eligible answer), so a run that counts engine
-        # requests sees the same re-runs every time, not one in three by chance
-        self.verify_share = ShareSampler(cfg.guards.shadow_fraction, random.Random(VERIFY_SEED))
+        # drawn from its own generator with a fixed seed (`guards.shadow_seed`, 0: the first pick
+        # at the 37th eligible answer): which answers are picked is the same from run to run, so
+        # a run that counts engine requests sees the same re-runs every time, not one in three
+        # by chance
+        self.verify_share = ShareSampler(cfg.guards.shadow_fraction, random.Random(cfg.guards.shadow_seed))
         g = cfg.guards
         self.sample_before_delivery = g.shadow_before_delivery and g.shadow_fraction > 0
         self.sample_after_delivery = not g.shadow_before_delivery and g.shadow_fraction > 0

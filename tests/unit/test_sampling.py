@@ -8,7 +8,13 @@ import random
 
 import pytest
 
+from gateway.config import GatewayConfig, GuardsConfig
+from gateway.metrics import GatewayMetrics
+from gateway.orchestration import Orchestrator
 from gateway.orchestration.sampling import ShareSampler
+from gateway.registry import Registry
+from policies.build import build_policy
+from policies.config import RoundRobinCfg
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.05, 0.5])
@@ -31,3 +37,16 @@ def test_none_and_all() -> None:
     assert all(always.due() for _ in range(10_000))
     with pytest.raises(ValueError):
         ShareSampler(1.5, random.Random(1))
+
+
+def _picks(cfg: GatewayConfig, n: int = 400) -> list[int]:
+    orch = Orchestrator(Registry(), build_policy(RoundRobinCfg()), GatewayMetrics(), cfg)
+    return [i for i in range(n) if orch.s.verify_share.due()]
+
+
+def test_the_gateways_sample_follows_guards_shadow_seed() -> None:
+    # the same seed: the same answers picked in every process and run; another seed: others
+    same = _picks(GatewayConfig()), _picks(GatewayConfig())
+    assert same[0] == same[1] and same[0][0] == 36  # the 37th eligible answer first (docs/guards.md)
+    other = _picks(GatewayConfig(guards=GuardsConfig(shadow_seed=1)))
+    assert other and other != same[0]
