@@ -38,11 +38,11 @@ In P/D the decode pool is chosen on load alone (`LoadScorer`, as `least_load`): 
 not save prefill work. The decider (`min_prefill_tokens`) is given the decode worker's
 predicted cache, so a vLLM decode that already holds most of a prompt can prefill it itself.
 
-Scale: a pool of at most `scan_limit` candidates is scored whole. A larger pool is narrowed
-first to the workers holding the deepest matches (at most `max_candidates`, from the indexes'
-top lists) plus `sample` workers drawn at random (the power of d choices for the load side), so
-a decision costs O(max_candidates + sample) lookups whatever the pool size, plus one pass over
-the pool to find the matched workers' current states.
+Scale: a pool of at most `scan_limit` candidates is scored whole. A larger one is searched
+(policies/cache_pool_order.py): the workers holding the prompt are scored by prefix group, the
+rest in order of a lower bound on their cost kept sorted across decisions, until no worker left
+can beat the cheapest found; the choice is the one scoring every worker makes (a property test
+compares them), at the cost of the workers read, not the pool.
 
 State (`CacheState`, shared by the role selectors of one policy, mutated only in `observe`):
 the approximate index, the prefill queues and rates, the requests in flight with their
@@ -63,6 +63,7 @@ from policies.base import (
     NoCandidates,
     PolicyEvent,
 )
+from policies.cache_pool_order import PoolOrders, choose_exact
 from policies.cache_state import (
     HIT_RATIO_BUCKETS,
     CacheAwareSettings,
@@ -253,7 +254,7 @@ class CacheAwareSelector:
         self.rng = rng if rng is not None else _random.Random()
         self.picker = BalanceGatePicker(s.balance_abs_threshold, s.balance_rel_threshold, self.rng)
         self.observes: tuple[type, ...] = EVENT_TYPES if owner else (_NoEvent,)
-        self.memo = PositionMemo()
+        self.orders = PoolOrders(s.inflight_factor)
 
     def select(self, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState:
         return self.decide(req, cands, record=False)[0]
@@ -267,8 +268,11 @@ class CacheAwareSelector:
         state = self.state
         lookups = state.lookups(req)
         if len(cands) > state.settings.scan_limit:
-            wanted = dict.fromkeys(wid for lk in lookups if lk is not None for wid, _ in lk.top)
-            cands = _narrow(cands, wanted, state.settings, self.rng, self.memo)
+            pool = cands if isinstance(cands, list) else list(cands)
+            got = choose_exact(state, self.orders, req, pool, lookups, self.rng, self.picker.abs_threshold)
+            if got is not None:
+                chosen, scored = got
+                return chosen, (self._record(req, scored, lookups, chosen) if record else None)
         if not record:
             return self._choose(req, cands, lookups), None
         est = state.estimates(req, cands, lookups)
@@ -288,6 +292,28 @@ class CacheAwareSelector:
             scores={"predicted_ttft": scores},
             chosen=chosen.id,
             reason="all_saturated" if all_saturated else why,
+        )
+
+    def _record(
+        self,
+        req: RequestView,
+        scored: Sequence[WorkerState],
+        lookups: tuple[Lookup | None, Lookup],
+        chosen: WorkerState,
+    ) -> DecisionRecord:
+        """The record of a large pool's decision: the workers the search scored."""
+        est = self.state.estimates(req, scored, lookups)
+        all_saturated = all(e.saturated for e in est)
+        scores = ttft_scores([e for e in est if all_saturated or not e.saturated])
+        key = req.prompt_key
+        return DecisionRecord(
+            role=self.name,
+            prompt_tokens=req.prompt_tokens,
+            keyed=None if key is None else key.kind,
+            candidates=tuple(est),
+            scores={"predicted_ttft": scores},
+            chosen=chosen.id,
+            reason="all_saturated" if all_saturated else "min_ttft",
         )
 
     def _choose(

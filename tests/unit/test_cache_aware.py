@@ -438,16 +438,18 @@ def test_decider_uses_the_decode_cache() -> None:
     assert policy.plan(again, snap) == Colocated(d, reason="decider: decode self-prefill")
 
 
-def test_a_large_pool_is_narrowed_to_matches_and_a_sample() -> None:
+def test_a_large_pool_is_searched_not_scored_whole() -> None:
+    """Above `scan_limit` the record lists the workers the search scored (the one holding the
+    prompt, then the cheapest of the rest until none can beat it), not the pool."""
     clock = Clock()
-    st = state(clock, scan_limit=8, sample=2, prefill_rate=1e9)
+    st = state(clock, scan_limit=8, prefill_rate=1e9)
     pool = [make_worker(f"w{i}") for i in range(300)]
     route(st, req(PREFIX), pool[217])
     clock.t += 1.0
     sel = CacheAwareSelector("x", st, rng=random.Random(5))
     chosen, record = sel.decide(req(PREFIX + [1] * 16), pool)
     assert chosen.id == "w217" and record is not None
-    assert 2 <= len(record.candidates) <= 3
+    assert 1 <= len(record.candidates) <= 3 and record.candidates[0].worker == "w217"
 
 
 def test_load_selector_samples_large_pools() -> None:
