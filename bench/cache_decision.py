@@ -203,12 +203,14 @@ def measure(state: CacheState, workers: list[WorkerState], rng: random.Random) -
 
 
 def run_pool(
-    n: int, blocks: int, decisions: int, seed: int, precise: bool, measured: bool = False
+    n: int, blocks: int, decisions: int, seed: int, precise: bool, measured: bool = False, exact: bool = True
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     workers = pool(n, rng)
     work = Workload(rng)
-    settings = CacheAwareSettings(block_tokens=BLOCK, max_tree_size=blocks * BLOCK * 2)
+    settings = CacheAwareSettings(
+        block_tokens=BLOCK, max_tree_size=blocks * BLOCK * 2, exact_large_pool=exact
+    )
     out: dict[str, Any] = {"workers": n}
     state = CacheState(settings, clock=SimClock())
     if measured:
@@ -299,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument(
+        "--large-pool",
+        choices=("exact", "sample"),
+        default="exact",
+        help="cache_aware's large_pool: the exact search, or matches plus a random sample",
+    )
+    ap.add_argument(
         "--measured",
         action="store_true",
         help="every worker's prefill rate measured (else none yet: all alike)",
@@ -311,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         " (CPU time of this thread; wall clock in brackets)"
     )
     for n in [int(x) for x in args.workers.split(",")]:
-        r = run_pool(n, args.blocks, args.decisions, args.seed, args.precise, args.measured)
+        r = run_pool(
+            n, args.blocks, args.decisions, args.seed, args.precise, args.measured, args.large_pool == "exact"
+        )
         results["pools"].append(r)
         line = (
             f"  {n:>5} workers: approx CPU p50 {r['approx']['p50_us']:>6} us  p99 {r['approx']['p99_us']:>6} us"

@@ -255,6 +255,7 @@ class CacheAwareSelector:
         self.picker = BalanceGatePicker(s.balance_abs_threshold, s.balance_rel_threshold, self.rng)
         self.observes: tuple[type, ...] = EVENT_TYPES if owner else (_NoEvent,)
         self.orders = PoolOrders(s.inflight_factor)
+        self.memo = PositionMemo()
 
     def select(self, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState:
         return self.decide(req, cands, record=False)[0]
@@ -268,11 +269,17 @@ class CacheAwareSelector:
         state = self.state
         lookups = state.lookups(req)
         if len(cands) > state.settings.scan_limit:
-            pool = cands if isinstance(cands, list) else list(cands)
-            got = choose_exact(state, self.orders, req, pool, lookups, self.rng, self.picker.abs_threshold)
-            if got is not None:
-                chosen, scored = got
-                return chosen, (self._record(req, scored, lookups, chosen) if record else None)
+            if state.settings.exact_large_pool:
+                pool = cands if isinstance(cands, list) else list(cands)
+                got = choose_exact(
+                    state, self.orders, req, pool, lookups, self.rng, self.picker.abs_threshold
+                )
+                if got is not None:
+                    chosen, scored = got
+                    return chosen, (self._record(req, scored, lookups, chosen) if record else None)
+            else:
+                wanted = dict.fromkeys(wid for lk in lookups if lk is not None for wid, _ in lk.top)
+                cands = _narrow(cands, wanted, state.settings, self.rng, self.memo)
         if not record:
             return self._choose(req, cands, lookups), None
         est = state.estimates(req, cands, lookups)

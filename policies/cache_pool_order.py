@@ -45,7 +45,7 @@ from __future__ import annotations
 import random as _random
 from bisect import bisect_left, insort
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Mapping
 
 from policies.cache_state import CacheState
 from policies.prefill_cost import PrefillQueues
@@ -54,7 +54,7 @@ from policies.snapshot import RequestView, WorkerState
 
 _NEG_INF = float("-inf")
 _INF = float("inf")
-DIRECT_GROUP = 32  # a prefix group of at most this many workers is scored worker by worker
+DIRECT_GROUP = 256  # a prefix group of at most this many workers is scored by bounds, member by member
 
 
 def _remove(lst: list[tuple[float, int]], item: tuple[float, int]) -> None:
@@ -335,32 +335,52 @@ class Search:
             if i not in done:
                 self.visit(i, new)
 
-    def scan(self, new: float, member: Callable[[int], bool] | None) -> None:
-        """Every candidate (of those `member` admits) that can cost at most `lim`."""
+    def scan(
+        self, new: float, slot_of: Mapping[str, int] | None = None, mask: int = 0, inside: bool = True
+    ) -> None:
+        """Every candidate that can cost at most `lim`: all of them without `slot_of`, else those
+        whose slot is in `mask` (`inside`) or not (the membership test inlined: this loop may
+        pass over many workers that are not members)."""
         order = self.order
         done = self.done
         visit = self.visit
+        ids = order.ids
+        get = None if slot_of is None else slot_of.get
         per_b = new / self.queues.prior
         for b, i in order.by_b_unmeasured:
             if per_b * b > self.lim:
                 break
-            if i not in done and (member is None or member(i)):
-                visit(i, new)
+            if i in done:
+                continue
+            if get is not None:
+                slot = get(ids[i])
+                if (slot is not None and (mask >> slot) & 1 == 1) is not inside:
+                    continue
+            visit(i, new)
         for b, i in order.by_b_idle:
             if new * b > self.lim:
                 break
-            if i not in done and (member is None or member(i)):
-                visit(i, new)
+            if i in done:
+                continue
+            if get is not None:
+                slot = get(ids[i])
+                if (slot is not None and (mask >> slot) & 1 == 1) is not inside:
+                    continue
+            visit(i, new)
         by_drain = order.by_drain
         by_b = order.by_b_busy
         now = self.now
         for k in range(len(by_drain)):
             a, i = by_drain[k]
-            if i not in done and (member is None or member(i)):
-                visit(i, new)
             b, j = by_b[k]
-            if j not in done and (member is None or member(j)):
-                visit(j, new)
+            for at in (i, j):
+                if at in done:
+                    continue
+                if get is not None:
+                    slot = get(ids[at])
+                    if (slot is not None and (mask >> slot) & 1 == 1) is not inside:
+                        continue
+                visit(at, new)
             if (a - now if a > now else 0.0) + new * b > self.lim:
                 break
 
@@ -404,7 +424,6 @@ def choose_exact(
         if groups is None:
             return None
         slot_of = approx.slot_of  # type: ignore[attr-defined]
-        ids = order.ids
         union = 0
         for mask, tokens in groups:
             union |= mask
@@ -422,22 +441,8 @@ def choose_exact(
                     m ^= low
                 search.visit_some(found, new)
             else:
-
-                def member(i: int, mask: int = mask) -> bool:
-                    slot = slot_of.get(ids[i])
-                    return slot is not None and (mask >> slot) & 1 == 1
-
-                search.scan(new, member)
-        new = search.work(0)
-        if union:
-
-            def outside(i: int) -> bool:
-                slot = slot_of.get(ids[i])
-                return slot is None or not (union >> slot) & 1
-
-            search.scan(new, outside)
-        else:
-            search.scan(new, None)
+                search.scan(new, slot_of, mask, inside=True)
+        search.scan(search.work(0), slot_of if union else None, union, inside=False)
     else:
         named: list[str] = []
         for lk in (precise, approx):

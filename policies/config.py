@@ -109,7 +109,10 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     saturation_wait_s: float = 10.0  # queued prefill beyond this: no new work while others have less
     max_candidates: int = 16  # deepest-matching workers considered in a large pool
     scan_limit: int = 64  # pools up to this size are scored whole
-    sample: int = 4  # larger pools: this many random workers are scored besides the matches
+    sample: int = 4  # larger pools, `large_pool = "sample"`: random workers scored besides the matches
+    # larger pools: "exact" finds the worker scoring them whole would (policies/cache_pool_order.py);
+    # "sample": the deepest matches plus `sample` random workers (cheaper, may miss the cheapest)
+    large_pool: Literal["exact", "sample"] = "exact"
     index: Literal["auto", "approximate"] = "auto"  # auto: the KV-event index where live and verified
     seed: int | None = None
 

@@ -452,6 +452,21 @@ def test_a_large_pool_is_searched_not_scored_whole() -> None:
     assert 1 <= len(record.candidates) <= 3 and record.candidates[0].worker == "w217"
 
 
+def test_large_pool_sample_narrows_to_matches_and_a_sample() -> None:
+    """`large_pool = "sample"`: the deepest matches plus `sample` random workers."""
+    clock = Clock()
+    st = state(clock, scan_limit=8, sample=2, prefill_rate=1e9, exact_large_pool=False)
+    pool = [make_worker(f"w{i}") for i in range(300)]
+    route(st, req(PREFIX), pool[217])
+    clock.t += 1.0
+    sel = CacheAwareSelector("x", st, rng=random.Random(5))
+    chosen, record = sel.decide(req(PREFIX + [1] * 16), pool)
+    assert chosen.id == "w217" and record is not None
+    assert 2 <= len(record.candidates) <= 3
+    built = build_policy(parse_policy({"type": "cache_aware", "large_pool": "sample"}))
+    assert built is not None
+
+
 def test_load_selector_samples_large_pools() -> None:
     sel = LoadSelector("d", CacheAwareSettings(scan_limit=4, sample=3), rng=random.Random(1))
     pool = [make_worker(f"w{i}", inflight=100 - i) for i in range(100)]

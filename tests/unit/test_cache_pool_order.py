@@ -34,7 +34,9 @@ class Clock:
 
 
 def request(ids: list[int], rid: str) -> RequestView:
-    return RequestView(rid, "m", RouteKind.COMPLETIONS, len(ids), 16, prompt_key=PromptKey.from_token_ids(ids))
+    return RequestView(
+        rid, "m", RouteKind.COMPLETIONS, len(ids), 16, prompt_key=PromptKey.from_token_ids(ids)
+    )
 
 
 def brute(st_: CacheState, r: RequestView, pool: list[WorkerState], seed: int) -> WorkerState:
@@ -42,7 +44,9 @@ def brute(st_: CacheState, r: RequestView, pool: list[WorkerState], seed: int) -
     return ref._choose(r, pool, st_.lookups(r))
 
 
-def fill_precise(index: KvEventIndex, pool: list[WorkerState], rng: random.Random, prefixes: list[list[int]]) -> None:
+def fill_precise(
+    index: KvEventIndex, pool: list[WorkerState], rng: random.Random, prefixes: list[list[int]]
+) -> None:
     for w in pool:
         index.add_worker(w.id, endpoint="tcp://t:1", scheme="emulator", block_size=16)
         if rng.random() < 0.8:
@@ -113,7 +117,9 @@ def scenario(seed: int, precise: bool) -> int:
         want = brute(state, ask, pool, draw)
         assert got.id == want.id, (seed, step)
         fast += 1
-        chosen, record = CacheAwareSelector("x", state, rng=random.Random(draw), owner=False).decide(ask, pool)
+        chosen, record = CacheAwareSelector("x", state, rng=random.Random(draw), owner=False).decide(
+            ask, pool
+        )
         assert chosen.id == want.id and record is not None and record.chosen == want.id
     return fast
 
