@@ -329,8 +329,8 @@ class CacheState:
 def _prefill_seconds(ev: Completed) -> float | None:
     """How long after it was routed the request's prefill ended, where the gateway saw it: a P/D
     prefill's answer, else a stream's first token. None for a whole answer (its first byte is
-    its last: decode included) and where no timings came. (Not `Completed.ttft_s`: a stream's is
-    its response head, which an engine sends before it has computed anything.)"""
+    its last: decode included) and where no timings came. (Not `Completed.ttft_s`: it counts from
+    the request's arrival, admission included, and a P/D request's is its decode's first token.)"""
     t = ev.timings
     if t is None:
         return None
