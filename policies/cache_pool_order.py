@@ -319,12 +319,17 @@ class Search:
         a_key = order.a_key
         b_key = order.b_key
         now = self.now
-        per_b = new / self.queues.prior
+        prior = self.queues.prior
+        per_b = new / prior
+        queued = self.queues.queued
+        ids = order.ids
         bounds = []
         for i in found:
             a = a_key[i]
-            if a is None:
-                bounds.append((per_b * b_key[i], i))
+            if a is None:  # not measured: its queue at the prior rate, and its own prefill
+                q = queued(ids[i])
+                wait = 0.0 if q is None else q[0] / prior - (now - q[1])
+                bounds.append(((wait if wait > 0.0 else 0.0) + per_b * b_key[i], i))
             else:
                 bounds.append(((a - now if a > now else 0.0) + new * b_key[i], i))
         bounds.sort()
@@ -347,8 +352,12 @@ class Search:
         ids = order.ids
         get = None if slot_of is None else slot_of.get
         per_b = new / self.queues.prior
+        prior = self.queues.prior
+        queued = self.queues.queued
+        now = self.now
         for b, i in order.by_b_unmeasured:
-            if per_b * b > self.lim:
+            own = per_b * b
+            if own > self.lim:
                 break
             if i in done:
                 continue
@@ -356,6 +365,9 @@ class Search:
                 slot = get(ids[i])
                 if (slot is not None and (mask >> slot) & 1 == 1) is not inside:
                     continue
+            q = queued(ids[i])  # (sorted by own prefill alone: its queue, if any, may rule it out)
+            if q is not None and q[0] / prior - (now - q[1]) + own > self.lim:
+                continue
             visit(i, new)
         for b, i in order.by_b_idle:
             if new * b > self.lim:
@@ -369,7 +381,6 @@ class Search:
             visit(i, new)
         by_drain = order.by_drain
         by_b = order.by_b_busy
-        now = self.now
         for k in range(len(by_drain)):
             a, i = by_drain[k]
             b, j = by_b[k]

@@ -95,6 +95,10 @@ class PrefillQueues:
         """The rate of a worker not measured yet."""
         return self._prior
 
+    def queued(self, worker_id: str) -> tuple[float, float] | None:
+        """(tokens, as of) of the worker's fluid queue; None: nothing was ever queued."""
+        return self._queue.get(worker_id)
+
     def drains_at(self, worker_id: str) -> tuple[float, float] | None:
         """(rate, when its fluid queue is empty at that rate) for a measured worker (-inf: no queue
         ever); None for a worker not measured yet (its rate is `prior`, which moves)."""
