@@ -38,7 +38,10 @@ In P/D the decode pool is chosen on load alone (`LoadScorer`, as `least_load`): 
 not save prefill work. The decider (`min_prefill_tokens`) is given the decode worker's
 predicted cache, so a vLLM decode that already holds most of a prompt can prefill it itself.
 
-Scale: a pool of at most `scan_limit` candidates is scored whole. A larger one is searched
+Scale: a pool of at most `scan_limit` candidates is scored whole. A larger one is, with
+`large_pool = "sample"` (the default), narrowed to the workers holding the deepest matches (at
+most `max_candidates`, from the indexes' top lists) plus `sample` workers drawn at random (the
+power of d choices for the load side); with `large_pool = "exact"`, searched
 (policies/cache_pool_order.py): the workers holding the prompt are scored by prefix group, the
 rest in order of a lower bound on their cost kept sorted across decisions, until no worker left
 can beat the cheapest found; the choice is the one scoring every worker makes (a property test

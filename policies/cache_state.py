@@ -48,7 +48,7 @@ class CacheAwareSettings:
     max_candidates: int = 16
     scan_limit: int = 64
     sample: int = 4
-    exact_large_pool: bool = True
+    exact_large_pool: bool = False
     use_kv_events: bool = True
     max_pending: int = 100_000
 

@@ -110,9 +110,10 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     max_candidates: int = 16  # deepest-matching workers considered in a large pool
     scan_limit: int = 64  # pools up to this size are scored whole
     sample: int = 4  # larger pools, `large_pool = "sample"`: random workers scored besides the matches
-    # larger pools: "exact" finds the worker scoring them whole would (policies/cache_pool_order.py);
-    # "sample": the deepest matches plus `sample` random workers (cheaper, may miss the cheapest)
-    large_pool: Literal["exact", "sample"] = "exact"
+    # larger pools: "sample": the deepest matches plus `sample` random workers (may miss the
+    # cheapest); "exact": the worker scoring them whole would choose (policies/cache_pool_order.py,
+    # about 3.5x the decision time at 1,000 workers: docs/benchmarks.md)
+    large_pool: Literal["exact", "sample"] = "sample"
     index: Literal["auto", "approximate"] = "auto"  # auto: the KV-event index where live and verified
     seed: int | None = None
 

@@ -442,7 +442,7 @@ def test_a_large_pool_is_searched_not_scored_whole() -> None:
     """Above `scan_limit` the record lists the workers the search scored (the one holding the
     prompt, then the cheapest of the rest until none can beat it), not the pool."""
     clock = Clock()
-    st = state(clock, scan_limit=8, prefill_rate=1e9)
+    st = state(clock, scan_limit=8, prefill_rate=1e9, exact_large_pool=True)
     pool = [make_worker(f"w{i}") for i in range(300)]
     route(st, req(PREFIX), pool[217])
     clock.t += 1.0
@@ -453,9 +453,9 @@ def test_a_large_pool_is_searched_not_scored_whole() -> None:
 
 
 def test_large_pool_sample_narrows_to_matches_and_a_sample() -> None:
-    """`large_pool = "sample"`: the deepest matches plus `sample` random workers."""
+    """`large_pool = "sample"` (the default): the deepest matches plus `sample` random workers."""
     clock = Clock()
-    st = state(clock, scan_limit=8, sample=2, prefill_rate=1e9, exact_large_pool=False)
+    st = state(clock, scan_limit=8, sample=2, prefill_rate=1e9)
     pool = [make_worker(f"w{i}") for i in range(300)]
     route(st, req(PREFIX), pool[217])
     clock.t += 1.0
@@ -463,8 +463,8 @@ def test_large_pool_sample_narrows_to_matches_and_a_sample() -> None:
     chosen, record = sel.decide(req(PREFIX + [1] * 16), pool)
     assert chosen.id == "w217" and record is not None
     assert 2 <= len(record.candidates) <= 3
-    built = build_policy(parse_policy({"type": "cache_aware", "large_pool": "sample"}))
-    assert built is not None
+    exact = build_policy(parse_policy({"type": "cache_aware", "large_pool": "exact"}))
+    assert exact.colocated.state.settings.exact_large_pool  # type: ignore[attr-defined]
 
 
 def test_load_selector_samples_large_pools() -> None:

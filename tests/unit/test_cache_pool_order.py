@@ -67,6 +67,7 @@ def scenario(seed: int, precise: bool) -> int:
     clock = Clock()
     n = rng.randrange(5, 90)
     cfg = CacheAwareSettings(
+        exact_large_pool=True,
         scan_limit=4,
         prefill_rate=rng.choice([1000.0, 20_000.0]),
         cache_threshold=rng.choice([0.0, 0.0, 0.3]),
@@ -139,7 +140,7 @@ def test_with_the_precise_index_too(seed: int) -> None:
 def test_the_search_reads_few_workers_of_a_large_idle_pool() -> None:
     """1,000 measured workers, one holding the prompt: the search scores a handful."""
     clock = Clock()
-    state = CacheState(CacheAwareSettings(scan_limit=64), clock=clock)
+    state = CacheState(CacheAwareSettings(scan_limit=64, exact_large_pool=True), clock=clock)
     pool = [make_worker(f"w{i}", inflight=i % 4) for i in range(1000)]
     for i, w in enumerate(pool):
         state.queues.learn(w.id, 20_000.0, 1.0 + i / 10_000)
