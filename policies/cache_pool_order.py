@@ -429,54 +429,63 @@ def choose_exact(
     order = orders.get(cands, state.queues, now)
     search = Search(state, req, cands, order, now)
     precise, approx = lookups
-    pos_of = order.pos_of
-    if precise is None:
-        groups = approx.groups()  # type: ignore[attr-defined]
-        if groups is None:
-            return None
-        slot_of = approx.slot_of  # type: ignore[attr-defined]
-        union = 0
-        for mask, tokens in groups:
-            union |= mask
-            new = search.work(tokens)
-            if mask.bit_count() <= DIRECT_GROUP:
-                ids_of_slot = approx._ids  # type: ignore[attr-defined]
-                m = mask
-                found: list[int] = []
-                while m:
-                    low = m & -m
-                    wid = ids_of_slot[low.bit_length() - 1]
-                    i = None if wid is None else pos_of.get(wid)
-                    if i is not None:
-                        found.append(i)
-                    m ^= low
-                search.visit_some(found, new)
-            else:
-                search.scan(new, slot_of, mask, inside=True)
-        search.scan(search.work(0), slot_of if union else None, union, inside=False)
-    else:
-        named: list[str] = []
-        for lk in (precise, approx):
-            got = lk.named(named_limit)  # type: ignore[attr-defined]
-            if got is None:
-                return None
-            named += got
-        from_precise = precise.cached_tokens
-        from_approx = approx.cached_tokens
-        for wid in dict.fromkeys(named):
-            i = pos_of.get(wid)
-            if i is None:
-                continue
-            cached = from_precise(wid)
-            if cached is None:
-                cached = from_approx(wid) or 0
-            search.visit(i, search.work(cached))
-        search.scan(search.work(0), None)  # the named are done: the rest hold nothing
-    chosen = search.choose(rng, abs_threshold)
+    ok = _by_groups(search, approx) if precise is None else _by_named(search, precise, approx, named_limit)
+    chosen = search.choose(rng, abs_threshold) if ok else None
     if chosen is None:
         return None
-    cands_ = search.cands
-    return chosen, [cands_[r[2]] for r in search.rows]
+    return chosen, [cands[r[2]] for r in search.rows]
+
+
+def _by_groups(search: Search, approx: Lookup) -> bool:
+    """The approximate index alone: its prefix groups, then the workers holding nothing; False
+    where its groups are not exact."""
+    groups = approx.groups()  # type: ignore[attr-defined]
+    if groups is None:
+        return False
+    slot_of = approx.slot_of  # type: ignore[attr-defined]
+    pos_of = search.order.pos_of
+    union = 0
+    for mask, tokens in groups:
+        union |= mask
+        new = search.work(tokens)
+        if mask.bit_count() <= DIRECT_GROUP:
+            ids_of_slot = approx._ids  # type: ignore[attr-defined]
+            m = mask
+            found: list[int] = []
+            while m:
+                low = m & -m
+                wid = ids_of_slot[low.bit_length() - 1]
+                i = None if wid is None else pos_of.get(wid)
+                if i is not None:
+                    found.append(i)
+                m ^= low
+            search.visit_some(found, new)
+        else:
+            search.scan(new, slot_of, mask, inside=True)
+    search.scan(search.work(0), slot_of if union else None, union, inside=False)
+    return True
+
+
+def _by_named(search: Search, precise: Lookup, approx: Lookup, limit: int) -> bool:
+    """The precise index too: every worker either names scored as `_choose` would, then the rest
+    (holding nothing); False where they name more than `limit`."""
+    named: list[str] = []
+    for lk in (precise, approx):
+        got = lk.named(limit)  # type: ignore[attr-defined]
+        if got is None:
+            return False
+        named += got
+    pos_of = search.order.pos_of
+    for wid in dict.fromkeys(named):
+        i = pos_of.get(wid)
+        if i is None:
+            continue
+        cached = precise.cached_tokens(wid)
+        if cached is None:
+            cached = approx.cached_tokens(wid) or 0
+        search.visit(i, search.work(cached))
+    search.scan(search.work(0), None)  # the named are done: the rest hold nothing
+    return True
 
 
 __all__ = ["DIRECT_GROUP", "PoolOrder", "PoolOrders", "choose_exact"]
