@@ -32,6 +32,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -108,12 +110,40 @@ def fill_precise(index: KvEventIndex, workers: list[WorkerState], work: Workload
     return total
 
 
+class SimClock:
+    """The policy's clock: time moves on as requests arrive (`churn`), not as the bench runs."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def churn(
+    sel: CacheAwareSelector, workers: list[WorkerState], chosen: WorkerState, rng: random.Random
+) -> None:
+    """Between two decisions, what a running gateway changes (untimed; the next decision pays
+    for catching up with it): the chosen worker's queue grows (its `Routed`), and two workers'
+    in-flight counts move (a request starting, one ending: new `WorkerState`s in the pool)."""
+    queues = sel.state.queues
+    clock = sel.state.clock
+    queues.add(chosen.id, rng.randrange(256, 4096), clock())
+    if isinstance(clock, SimClock):  # requests arrive at 70 % of what the pool prefills
+        clock.t += 2176 / (0.7 * len(workers) * queues.prior)
+    for _ in range(2):
+        i = rng.randrange(len(workers))
+        w = workers[i]
+        workers[i] = msgspec.structs.replace(w, inflight=max(0, w.inflight + rng.choice((-1, 1))))
+
+
 def time_decisions(
     sel: CacheAwareSelector, workers: list[WorkerState], work: Workload, n: int, *, warm_engine: bool
 ) -> tuple[list[float], list[float], list[float]]:
     """(decision CPU µs, decision wall µs, keying CPU µs) per request. CPU time (this thread's)
     leaves out the time other processes held the core, which on a shared machine is most of a
     wall-clock tail."""
+    rng = random.Random(n)
     decisions: list[float] = []
     walls: list[float] = []
     keying: list[float] = []
@@ -132,9 +162,10 @@ def time_decisions(
         req = RequestView(f"b{i}", "m", RouteKind.COMPLETIONS, len(ids), 64, prompt_key=key)
         w0 = wall()
         t2 = cpu()
-        sel.select(req, workers)
+        chosen = sel.select(req, workers)
         t3 = cpu()
         w1 = wall()
+        churn(sel, workers, chosen, rng)
         keying.append((t1 - t0) / 1000)
         decisions.append((t3 - t2) / 1000)
         walls.append((w1 - w0) / 1000)
@@ -164,13 +195,28 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-def run_pool(n: int, blocks: int, decisions: int, seed: int, precise: bool) -> dict[str, Any]:
+def measure(state: CacheState, workers: list[WorkerState], rng: random.Random) -> None:
+    """Every worker's prefill rate measured (20k work/s, +-10 %), as a gateway that has served a
+    while has them: the rates differ, so fewer workers tie."""
+    for w in workers:
+        state.queues.learn(w.id, 20_000.0 * rng.uniform(0.9, 1.1), 1.0)
+
+
+def run_pool(
+    n: int, blocks: int, decisions: int, seed: int, precise: bool, measured: bool = False, exact: bool = False
+) -> dict[str, Any]:
     rng = random.Random(seed)
     workers = pool(n, rng)
     work = Workload(rng)
-    settings = CacheAwareSettings(block_tokens=BLOCK, max_tree_size=blocks * BLOCK * 2)
+    # the exact search refuses the busy-pool price (taken over the whole pool): off with it
+    price: dict[str, Any] = {"queue_externality": 0.0} if exact else {}
+    settings = CacheAwareSettings(
+        block_tokens=BLOCK, max_tree_size=blocks * BLOCK * 2, exact_large_pool=exact, **price
+    )
     out: dict[str, Any] = {"workers": n}
-    state = CacheState(settings)
+    state = CacheState(settings, clock=SimClock())
+    if measured:
+        measure(state, workers, random.Random(seed + 2))
     t0 = time.perf_counter()
     out["approx_entries"] = fill_approx(state, workers, work, blocks)
     out["fill_s"] = round(time.perf_counter() - t0, 1)
@@ -190,7 +236,9 @@ def run_pool(n: int, blocks: int, decisions: int, seed: int, precise: bool) -> d
         index = KvEventIndex()
         work = Workload(random.Random(seed + 1))
         out["precise_entries"] = fill_precise(index, workers, work, blocks)
-        pstate = CacheState(settings, precise=index)
+        pstate = CacheState(settings, precise=index, clock=SimClock())
+        if measured:
+            measure(pstate, workers, random.Random(seed + 2))
         psel = CacheAwareSelector("colocated", pstate, rng=random.Random(seed))
         gc.collect()
         gc.freeze()
@@ -254,6 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precise", action="store_true", help="also the KV-event index")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument(
+        "--large-pool",
+        choices=("exact", "sample"),
+        default="sample",
+        help="cache_aware's large_pool: matches plus a random sample (its default), or the exact search",
+    )
+    ap.add_argument(
+        "--measured",
+        action="store_true",
+        help="every worker's prefill rate measured (else none yet: all alike)",
+    )
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     results: dict[str, Any] = {"blocks": args.blocks, "block_tokens": BLOCK, "pools": []}
@@ -262,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
         " (CPU time of this thread; wall clock in brackets)"
     )
     for n in [int(x) for x in args.workers.split(",")]:
-        r = run_pool(n, args.blocks, args.decisions, args.seed, args.precise)
+        r = run_pool(
+            n, args.blocks, args.decisions, args.seed, args.precise, args.measured, args.large_pool == "exact"
+        )
         results["pools"].append(r)
         line = (
             f"  {n:>5} workers: approx CPU p50 {r['approx']['p50_us']:>6} us  p99 {r['approx']['p99_us']:>6} us"

@@ -74,6 +74,10 @@ class Completed(msgspec.Struct, frozen=True, tag="completed"):
     `usage.prompt_tokens_details.cached_tokens`); None where it reported nothing. The
     cache-aware policy compares it with its prediction (accuracy, capacity correction).
 
+    `ttft_s`: from the request's arrival to its first token: a stream's first content from
+    the engine (not its response head, which goes out before any work is done), a whole
+    answer's first byte (its last).
+
     `timings`: when the serving attempt's phases ended (`common.outcomes.Timings`: the prefill's
     answer, the first token, the last byte), what the P/D decider learns its cost model from."""
 

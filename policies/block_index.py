@@ -157,6 +157,10 @@ class BlockIndex:
             return 0
         return self._deepest(keys, mask)
 
+    def deepest(self, keys: Sequence[int], mask: int) -> int:
+        """`depth` where a slot of `mask` is known to hold `keys[0]`."""
+        return self._deepest(keys, mask)
+
     def _deepest(self, keys: Sequence[int], mask: int) -> int:
         # galloping from the front (known: keys[0] is held by someone in mask), then bisection
         holders = self._holders

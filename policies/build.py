@@ -97,6 +97,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         max_candidates=cfg.max_candidates,
         scan_limit=cfg.scan_limit,
         sample=cfg.sample,
+        exact_large_pool=cfg.large_pool == "exact",
         use_kv_events=cfg.index == "auto",
     )
 

@@ -43,11 +43,14 @@ In P/D the decode pool is chosen on load alone (`LoadScorer`, as `least_load`): 
 not save prefill work. The decider (`min_prefill_tokens`) is given the decode worker's
 predicted cache, so a vLLM decode that already holds most of a prompt can prefill it itself.
 
-Scale: a pool of at most `scan_limit` candidates is scored whole. A larger pool is narrowed
-first to the workers holding the deepest matches (at most `max_candidates`, from the indexes'
-top lists) plus `sample` workers drawn at random (the power of d choices for the load side), so
-a decision costs O(max_candidates + sample) lookups whatever the pool size, plus one pass over
-the pool to find the matched workers' current states.
+Scale: a pool of at most `scan_limit` candidates is scored whole. A larger one is, with
+`large_pool = "sample"` (the default), narrowed to the workers holding the deepest matches (at
+most `max_candidates`, from the indexes' top lists) plus `sample` workers drawn at random (the
+power of d choices for the load side); with `large_pool = "exact"`, searched
+(policies/cache_pool_order.py): the workers holding the prompt are scored by prefix group, the
+rest in order of a lower bound on their cost kept sorted across decisions, until no worker left
+can beat the cheapest found; the choice is the one scoring every worker makes (a property test
+compares them), at the cost of the workers read, not the pool.
 
 State (`CacheState`, shared by the role selectors of one policy, mutated only in `observe`):
 the approximate index, the prefill queues and rates, the requests in flight with their
@@ -68,6 +71,7 @@ from policies.base import (
     NoCandidates,
     PolicyEvent,
 )
+from policies.cache_pool_order import PoolOrders, choose_exact
 from policies.cache_state import (
     HIT_RATIO_BUCKETS,
     CacheAwareSettings,
@@ -258,6 +262,7 @@ class CacheAwareSelector:
         self.rng = rng if rng is not None else _random.Random()
         self.picker = BalanceGatePicker(s.balance_abs_threshold, s.balance_rel_threshold, self.rng)
         self.observes: tuple[type, ...] = EVENT_TYPES if owner else (_NoEvent,)
+        self.orders = PoolOrders(s.inflight_factor)
         self.memo = PositionMemo()
 
     def select(self, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState:
@@ -273,8 +278,17 @@ class CacheAwareSelector:
         lookups = state.lookups(req)
         pool = len(cands)
         if pool > state.settings.scan_limit:
-            wanted = dict.fromkeys(wid for lk in lookups if lk is not None for wid, _ in lk.top)
-            cands = _narrow(cands, wanted, state.settings, self.rng, self.memo)
+            if state.settings.exact_large_pool:
+                whole = cands if isinstance(cands, list) else list(cands)
+                got = choose_exact(
+                    state, self.orders, req, whole, lookups, self.rng, self.picker.abs_threshold
+                )
+                if got is not None:
+                    chosen, scored = got
+                    return chosen, (self._record(req, scored, lookups, chosen, pool) if record else None)
+            else:
+                wanted = dict.fromkeys(wid for lk in lookups if lk is not None for wid, _ in lk.top)
+                cands = _narrow(cands, wanted, state.settings, self.rng, self.memo)
         if not record:
             return self._choose(req, cands, lookups, pool), None
         est = state.estimates(req, cands, lookups, pool=pool)
@@ -294,6 +308,29 @@ class CacheAwareSelector:
             scores={"predicted_ttft": scores},
             chosen=chosen.id,
             reason="all_saturated" if all_saturated else why,
+        )
+
+    def _record(
+        self,
+        req: RequestView,
+        scored: Sequence[WorkerState],
+        lookups: tuple[Lookup | None, Lookup],
+        chosen: WorkerState,
+        pool: int,
+    ) -> DecisionRecord:
+        """The record of a large pool's decision: the workers the search scored."""
+        est = self.state.estimates(req, scored, lookups, pool=pool)
+        all_saturated = all(e.saturated for e in est)
+        scores = ttft_scores([e for e in est if all_saturated or not e.saturated])
+        key = req.prompt_key
+        return DecisionRecord(
+            role=self.name,
+            prompt_tokens=req.prompt_tokens,
+            keyed=None if key is None else key.kind,
+            candidates=tuple(est),
+            scores={"predicted_ttft": scores},
+            chosen=chosen.id,
+            reason="all_saturated" if all_saturated else "min_ttft",
         )
 
     def _choose(

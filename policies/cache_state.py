@@ -51,8 +51,15 @@ class CacheAwareSettings:
     max_candidates: int = 16
     scan_limit: int = 64
     sample: int = 4
+    exact_large_pool: bool = False
     use_kv_events: bool = True
     max_pending: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.exact_large_pool and self.queue_externality > 0:
+            raise ValueError(
+                'large_pool = "exact" needs queue_externality = 0: the busy-pool price is taken over the whole pool, which the exact search does not read'
+            )
 
 
 # ---- predictions -------------------------------------------------------------------------------
@@ -354,8 +361,8 @@ class CacheState:
 def _prefill_seconds(ev: Completed) -> float | None:
     """How long after it was routed the request's prefill ended, where the gateway saw it: a P/D
     prefill's answer, else a stream's first token. None for a whole answer (its first byte is
-    its last: decode included) and where no timings came. (Not `Completed.ttft_s`: a stream's is
-    its response head, which an engine sends before it has computed anything.)"""
+    its last: decode included) and where no timings came. (Not `Completed.ttft_s`: it counts from
+    the request's arrival, admission included, and a P/D request's is its decode's first token.)"""
     t = ev.timings
     if t is None:
         return None

@@ -113,7 +113,11 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     saturation_wait_s: float = 10.0  # queued prefill beyond this: no new work while others have less
     max_candidates: int = 16  # deepest-matching workers considered in a large pool
     scan_limit: int = 64  # pools up to this size are scored whole
-    sample: int = 4  # larger pools: this many random workers are scored besides the matches
+    sample: int = 4  # larger pools, `large_pool = "sample"`: random workers scored besides the matches
+    # larger pools: "sample": the deepest matches plus `sample` random workers (may miss the
+    # cheapest); "exact": the worker scoring them whole would choose (policies/cache_pool_order.py,
+    # about 3.5x the decision time at 1,000 workers: docs/benchmarks.md)
+    large_pool: Literal["exact", "sample"] = "sample"
     index: Literal["auto", "approximate"] = "auto"  # auto: the KV-event index where live and verified
     seed: int | None = None
 
@@ -133,6 +137,10 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
                 raise ValueError(f"{name} must be >= 1")
         if not (math.isfinite(self.queue_externality) and self.queue_externality >= 0):
             raise ValueError(f"queue_externality must be a finite number >= 0, got {self.queue_externality}")
+        if self.large_pool == "exact" and self.queue_externality > 0:
+            raise ValueError(
+                'large_pool = "exact" needs queue_externality = 0: the busy-pool price is taken over the whole pool, which the exact search does not read'
+            )
         if not (math.isfinite(self.pressure_window_s) and self.pressure_window_s > 0):
             raise ValueError(f"pressure_window_s must be a finite number > 0, got {self.pressure_window_s}")
         if not (math.isfinite(self.inflight_factor) and self.inflight_factor >= 0):

@@ -57,7 +57,18 @@ class PrefillQueues:
     `forget` are called from the policy's `observe`.
     """
 
-    __slots__ = ("_mean_uncached", "_prior", "_queue", "_rate", "_rate_sum", "settings")
+    __slots__ = (
+        "_mean_uncached",
+        "_prior",
+        "_queue",
+        "_rate",
+        "_rate_sum",
+        "changes",
+        "changes_epoch",
+        "settings",
+    )
+
+    LOG_LIMIT = 4096  # `changes` is cleared (and `changes_epoch` moves on) past this many
 
     def __init__(self, settings: RateSettings | None = None) -> None:
         self.settings = settings or RateSettings()
@@ -66,6 +77,36 @@ class PrefillQueues:
         self._rate_sum = 0.0
         self._prior = self.settings.default_rate  # an unmeasured worker's: the measured ones' mean
         self._mean_uncached = 1024.0  # SMG's mean_prefill_tokens default, until measured
+        # the workers whose queue or rate changed, in order (repeats kept), for readers that keep
+        # their own order of the workers (policies/cache_pool_order.py); a reader that saw another
+        # `changes_epoch` starts over
+        self.changes: list[str] = []
+        self.changes_epoch = 0
+
+    def _changed(self, worker_id: str) -> None:
+        log = self.changes
+        if len(log) >= self.LOG_LIMIT:
+            log.clear()
+            self.changes_epoch += 1
+        log.append(worker_id)
+
+    @property
+    def prior(self) -> float:
+        """The rate of a worker not measured yet."""
+        return self._prior
+
+    def queued(self, worker_id: str) -> tuple[float, float] | None:
+        """(tokens, as of) of the worker's fluid queue; None: nothing was ever queued."""
+        return self._queue.get(worker_id)
+
+    def drains_at(self, worker_id: str) -> tuple[float, float] | None:
+        """(rate, when its fluid queue is empty at that rate) for a measured worker (-inf: no queue
+        ever); None for a worker not measured yet (its rate is `prior`, which moves)."""
+        rate = self._rate.get(worker_id)
+        if rate is None:
+            return None
+        q = self._queue.get(worker_id)
+        return rate, (q[1] + q[0] / rate if q is not None else float("-inf"))
 
     def rate(self, worker_id: str) -> float:
         return self._rate.get(worker_id, self._prior)
@@ -97,6 +138,7 @@ class PrefillQueues:
 
     def add(self, worker_id: str, tokens: float, now: float) -> None:
         self._queue[worker_id] = (self.backlog(worker_id, now) + tokens, now)
+        self._changed(worker_id)
         m = self._mean_uncached
         self._mean_uncached = m + 0.05 * (tokens - m)
 
@@ -111,12 +153,14 @@ class PrefillQueues:
         new = sample if old is None else old + s.smoothing * (sample - old)
         self._rate[worker_id] = new
         self._reprior(new - (old or 0.0))
+        self._changed(worker_id)
 
     def forget(self, worker_id: str) -> None:
         self._queue.pop(worker_id, None)
         old = self._rate.pop(worker_id, None)
         if old is not None:
             self._reprior(-old)
+        self._changed(worker_id)
 
     def _reprior(self, change: float) -> None:
         rates = self._rate

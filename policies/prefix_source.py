@@ -50,7 +50,17 @@ class PrefixSource(Protocol):
 class IndexLookup:
     """A `Lookup` over one `BlockIndex` for one request's chain of block keys."""
 
-    __slots__ = ("_depths", "_index", "_keys", "_known", "_slot_of", "_tokens_per_block", "top")
+    __slots__ = (
+        "_depths",
+        "_ids",
+        "_index",
+        "_keys",
+        "_known",
+        "_max",
+        "_slot_of",
+        "_tokens_per_block",
+        "_top",
+    )
 
     def __init__(
         self,
@@ -67,12 +77,23 @@ class IndexLookup:
         self._slot_of = slot_of
         self._tokens_per_block = tokens_per_block
         self._known = known
+        self._ids = ids_of_slot
+        self._max = max_candidates
+        # the deepest matches, found when first asked for (a large pool's search reads
+        # `groups` instead, and never pays for them)
+        self._depths: dict[str, int] | None = None
+        self._top: list[tuple[str, int]] = []
+
+    def _levels(self) -> dict[str, int]:
         depths: dict[str, int] = {}
-        top: list[tuple[str, int]] = []
-        for mask, depth in index.levels(keys, max_candidates):
+        top = self._top
+        known = self._known
+        ids_of_slot = self._ids
+        max_candidates = self._max
+        for mask, depth in self._index.levels(self._keys, max_candidates):
             if len(depths) + mask.bit_count() > max_candidates:
                 break  # a group too big to list (a prefix everyone holds): asked per worker
-            tokens = int(depth * tokens_per_block)
+            tokens = int(depth * self._tokens_per_block)
             for slot in iter_bits(mask):
                 wid = ids_of_slot[slot]
                 if wid is None or (known is not None and not known(wid)):
@@ -80,18 +101,67 @@ class IndexLookup:
                 depths[wid] = depth
                 top.append((wid, tokens))
         self._depths = depths
-        self.top: Sequence[tuple[str, int]] = top
+        return depths
+
+    @property
+    def top(self) -> Sequence[tuple[str, int]]:
+        if self._depths is None:
+            self._levels()
+        return self._top
 
     def cached_tokens(self, worker_id: str) -> int | None:
         if self._known is not None and not self._known(worker_id):
             return None
-        depth = self._depths.get(worker_id)
+        depths = self._depths
+        if depths is None:
+            depths = self._levels()
+        depth = depths.get(worker_id)
         if depth is None:
             slot = self._slot_of.get(worker_id)
             if slot is None:
                 return 0
             depth = self._index.depth(self._keys, 1 << slot)
         return int(depth * self._tokens_per_block)
+
+    def groups(self) -> list[tuple[int, int]] | None:
+        """Every worker slot holding a prefix of the chain, grouped by how deep: `(slot mask,
+        cached tokens)` pairs, deepest first, each slot in one group (its `cached_tokens`: a slot
+        in no group holds none). None where a slot breaks the index's prefix invariant (the
+        groups would not be exact) or the source knows only some workers (`known`)."""
+        if self._known is not None:
+            return None
+        index = self._index
+        keys = self._keys
+        if not keys:
+            return []
+        holders = index.holders
+        remaining = holders(keys[0])
+        out: list[tuple[int, int]] = []
+        tpb = self._tokens_per_block
+        while remaining:
+            d = index.deepest(keys, remaining)
+            m = holders(keys[d - 1]) & remaining
+            if not m:
+                return None
+            out.append((m, int(d * tpb)))
+            remaining &= ~m
+        return out
+
+    def named(self, limit: int) -> list[str] | None:
+        """The workers this lookup may say hold some of the prompt (those it knows and whose slot
+        holds its first block); None when more than `limit`."""
+        keys = self._keys
+        if not keys:
+            return []
+        mask = self._index.holders(keys[0])
+        if mask.bit_count() > limit:
+            return None
+        ids = self._ids
+        return [wid for slot in iter_bits(mask) if (wid := ids[slot]) is not None]
+
+    @property
+    def slot_of(self) -> Mapping[str, int]:
+        return self._slot_of
 
 
 class NoLookup:
@@ -101,6 +171,16 @@ class NoLookup:
 
     def cached_tokens(self, worker_id: str) -> int | None:
         return 0
+
+    def groups(self) -> list[tuple[int, int]] | None:
+        return []
+
+    def named(self, limit: int) -> list[str] | None:
+        return []
+
+    @property
+    def slot_of(self) -> Mapping[str, int]:
+        return {}
 
 
 NO_LOOKUP = NoLookup()  # a request without a key

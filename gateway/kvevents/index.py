@@ -450,6 +450,16 @@ class _Merged:
         merged.sort(key=lambda t: -t[1])
         self.top: Sequence[tuple[str, int]] = merged
 
+    def named(self, limit: int) -> list[str] | None:
+        """Every part's `named`, together (None when more than `limit`)."""
+        out: list[str] = []
+        for p in self._parts:
+            got = p.named(limit)
+            if got is None or len(out) + len(got) > limit:
+                return None
+            out += got
+        return out
+
     def cached_tokens(self, worker_id: str) -> int | None:
         if not self._known(worker_id):
             return None

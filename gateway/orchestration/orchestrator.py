@@ -208,7 +208,10 @@ class Orchestrator:
     def _served(self, ctx: RequestContext) -> None:
         a = ctx.attempt
         a.phase = Phase.DONE
-        ttft = (a.first_byte_at - ctx.began) if a.first_byte_at else None
+        # a stream's first token (its first content from the engine: the response head goes
+        # out before any work is done), a whole answer's first byte (its last)
+        first = a.first_token_at if ctx.req.stream and a.first_token_at else a.first_byte_at
+        ttft = (first - ctx.began) if first else None
         ctx.routed = False
         # the plan's workers (a moved vLLM decode's new one)
         self.policy.observe(

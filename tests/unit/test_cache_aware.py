@@ -438,7 +438,22 @@ def test_decider_uses_the_decode_cache() -> None:
     assert policy.plan(again, snap) == Colocated(d, reason="decider: decode self-prefill")
 
 
-def test_a_large_pool_is_narrowed_to_matches_and_a_sample() -> None:
+def test_a_large_pool_is_searched_not_scored_whole() -> None:
+    """Above `scan_limit` the record lists the workers the search scored (the one holding the
+    prompt, then the cheapest of the rest until none can beat it), not the pool."""
+    clock = Clock()
+    st = state(clock, scan_limit=8, prefill_rate=1e9, exact_large_pool=True, queue_externality=0.0)
+    pool = [make_worker(f"w{i}") for i in range(300)]
+    route(st, req(PREFIX), pool[217])
+    clock.t += 1.0
+    sel = CacheAwareSelector("x", st, rng=random.Random(5))
+    chosen, record = sel.decide(req(PREFIX + [1] * 16), pool)
+    assert chosen.id == "w217" and record is not None
+    assert 1 <= len(record.candidates) <= 3 and record.candidates[0].worker == "w217"
+
+
+def test_large_pool_sample_narrows_to_matches_and_a_sample() -> None:
+    """`large_pool = "sample"` (the default): the deepest matches plus `sample` random workers."""
     clock = Clock()
     st = state(clock, scan_limit=8, sample=2, prefill_rate=1e9)
     pool = [make_worker(f"w{i}") for i in range(300)]
@@ -448,6 +463,18 @@ def test_a_large_pool_is_narrowed_to_matches_and_a_sample() -> None:
     chosen, record = sel.decide(req(PREFIX + [1] * 16), pool)
     assert chosen.id == "w217" and record is not None
     assert 2 <= len(record.candidates) <= 3
+    exact = build_policy(parse_policy({"type": "cache_aware", "large_pool": "exact", "queue_externality": 0}))
+    assert exact.colocated.state.settings.exact_large_pool  # type: ignore[attr-defined]
+
+
+def test_the_exact_search_refuses_the_busy_pool_price() -> None:
+    """The busy-pool price (`queue_externality`) is taken over the whole pool, which the exact
+    search does not read: it could choose otherwise than scoring every worker, so the two are
+    refused together with a clear error."""
+    with pytest.raises(ValueError, match="queue_externality = 0"):
+        parse_policy({"type": "cache_aware", "large_pool": "exact"})
+    with pytest.raises(ValueError, match="queue_externality = 0"):
+        CacheAwareSettings(exact_large_pool=True)
 
 
 def test_load_selector_samples_large_pools() -> None:
