@@ -229,12 +229,9 @@ class LimitsConfig(_Section, frozen=True):
 class GuardsConfig(_Section, frozen=True):
     length_preflight: bool = True  # prompt + max_tokens vs the chosen workers' context length
     decode_consistency: bool = True  # decode's prompt tokens == prefill's; greedy first token agrees
-    # share of greedy P/D answers also run colocated (or vLLM: on the decode alone) and compared
-    shadow_fraction: float = 0.05
+    shadow_fraction: float = 0.05  # share of greedy P/D answers re-run elsewhere and compared
     shadow_tokens: int = 8  # tokens a shadow run generates and compares
-    # the seed of the generator that picks the sampled answers: the same picks in every run
-    # (and in every process of `serve --workers N`) unless it is changed
-    shadow_seed: int = 0
+    shadow_seed: int = 0  # seeds which answers the sample picks: the same in every run and process
     shadow_before_delivery: bool = True  # a sampled answer's clean end waits until its re-run agrees
     suspect_window_s: float = 120.0  # after a KV-integrity failure: the pair's answers verified first
     chars_per_token_estimate: float = 4.0  # prompt length estimate without a tokenizer
