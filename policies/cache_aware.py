@@ -299,16 +299,7 @@ class CacheAwareSelector:
             ok = pairs
         scores = ttft_scores([e for _, e in ok])
         chosen, why = self.picker.pick_why([(w, scores[w.id]) for w, _ in ok])
-        key = req.prompt_key
-        return chosen, DecisionRecord(
-            role=self.name,
-            prompt_tokens=req.prompt_tokens,
-            keyed=None if key is None else key.kind,
-            candidates=tuple(est),
-            scores={"predicted_ttft": scores},
-            chosen=chosen.id,
-            reason="all_saturated" if all_saturated else why,
-        )
+        return chosen, self._record_of(req, est, scores, chosen, "all_saturated" if all_saturated else why)
 
     def _record(
         self,
@@ -322,6 +313,16 @@ class CacheAwareSelector:
         est = self.state.estimates(req, scored, lookups, pool=pool)
         all_saturated = all(e.saturated for e in est)
         scores = ttft_scores([e for e in est if all_saturated or not e.saturated])
+        return self._record_of(req, est, scores, chosen, "all_saturated" if all_saturated else "min_ttft")
+
+    def _record_of(
+        self,
+        req: RequestView,
+        est: Sequence[Estimate],
+        scores: dict[str, float],
+        chosen: WorkerState,
+        reason: str,
+    ) -> DecisionRecord:
         key = req.prompt_key
         return DecisionRecord(
             role=self.name,
@@ -330,7 +331,7 @@ class CacheAwareSelector:
             candidates=tuple(est),
             scores={"predicted_ttft": scores},
             chosen=chosen.id,
-            reason="all_saturated" if all_saturated else "min_ttft",
+            reason=reason,
         )
 
     def _choose(
