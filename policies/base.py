@@ -212,6 +212,20 @@ class Policy(Protocol):
         ...
 
 
+@runtime_checkable
+class RerunHost(Protocol):
+    """A policy that places and books the gateway's verification re-runs (docs/guards.md,
+    "Verified before delivery"); `policies.pd.PDPolicy` is one, through its plan decider."""
+
+    def place_rerun(self, req: RequestView, candidates: Sequence[WorkerState]) -> WorkerState | None:
+        """Which of `candidates` (more than one) runs the re-run of `req`; None: no preference."""
+        ...
+
+    def observe_rerun(self, event: PolicyEvent) -> None:
+        """The re-run's `Routed`, then exactly one `Completed` or `Failed`."""
+        ...
+
+
 # ---- llm-d roles -----------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.orchestration.sampling import ShareSampler
 from gateway.registry import Registry, Worker
-from policies.base import Needs, Policy, needs_of
+from policies.base import Needs, Policy, RerunHost, needs_of
 
 log = get_logger("pd_gateway.request")
 
@@ -42,6 +42,7 @@ class Services:
         "needs",
         "policy",
         "registry",
+        "reruns",
         "rng",
         "sample_after_delivery",
         "sample_before_delivery",
@@ -72,6 +73,8 @@ class Services:
         self.sample_after_delivery = not g.shadow_before_delivery and g.shadow_fraction > 0
         # what the policy reads beyond the usual (a prompt key; the cached tokens an answer reports)
         self.needs: Needs = needs_of(policy)
+        # where the policy places and books verification re-runs itself (shadow.py)
+        self.reruns: RerunHost | None = policy if isinstance(policy, RerunHost) else None
         self.background: set[asyncio.Task[None]] = set()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:

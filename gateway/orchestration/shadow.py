@@ -32,9 +32,9 @@ from gateway.logging import get_logger
 from gateway.orchestration.services import Services, engine_headers
 from gateway.orchestration.verify import DecodeCheck, guarded, verifiable
 from gateway.registry import Worker
-from policies.base import Completed, Failed, Routed
+from policies.base import Completed, Failed, routed_event
 from policies.cost_model import RERUN_REASON
-from policies.snapshot import RequestView
+from policies.snapshot import Colocated, RequestView
 
 # the request id a re-run is booked under (`<request id>-verify`)
 RERUN_SUFFIX = "-verify"
@@ -169,9 +169,8 @@ def _pick(
     if not targets:
         return None
     pick: WorkerState | None = None
-    place = getattr(s.policy, "place_rerun", None)
-    if place is not None and view is not None and len(targets) > 1:
-        pick = place(_rerun_view(s, view), targets)
+    if s.reruns is not None and view is not None and len(targets) > 1:
+        pick = s.reruns.place_rerun(_rerun_view(s, view), targets)
     if pick is None:
         least = min(w.inflight for w in targets)
         pick = s.rng.choice([w for w in targets if w.inflight == least])
@@ -235,7 +234,7 @@ async def _rerun(
     ]
     view = None if rview is None else _rerun_view(s, rview)
     tokens = 0 if view is None else view.prompt_tokens + view.max_tokens
-    book = getattr(s.policy, "observe_rerun", None) if view is not None else None
+    book = s.reruns.observe_rerun if s.reruns is not None and view is not None else None
     # counted in flight on its worker; not on one whose breaker is not closed (a half-open
     # worker's one trial is a request's, whose outcome the breaker waits for)
     counted = w.breaker.state is BreakerState.CLOSED
@@ -245,20 +244,7 @@ async def _rerun(
     try:
         if book is not None:
             assert view is not None
-            state = w.state()
-            book(
-                Routed(
-                    request_id=view.request_id,
-                    model=view.model,
-                    worker_ids=(w.id,),
-                    roles=(state.role,),
-                    prompt_tokens=view.prompt_tokens,
-                    max_tokens=view.max_tokens,
-                    prompt_key=view.prompt_key,
-                    workers=(state,),
-                    reason=RERUN_REASON,
-                )
-            )
+            book(routed_event(view, Colocated(w.state(), reason=RERUN_REASON)))
         try:
             async with asyncio.timeout(s.cfg.timeouts.prefill_s):
                 status, out = await w.pool.fetch("POST", req.path, engine_headers(w, headers), body)
