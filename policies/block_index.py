@@ -190,8 +190,14 @@ class BlockIndex:
     def levels(self, keys: Sequence[int], max_levels: int) -> list[tuple[int, int]]:
         """Workers matching a prefix of `keys`, grouped by depth, deepest first: `(mask, depth)`
         pairs, at most `max_levels` of them (the shallowest groups are left out)."""
+        return self.levels_rest(keys, max_levels)[0]
+
+    def levels_rest(self, keys: Sequence[int], max_levels: int) -> tuple[list[tuple[int, int]], int]:
+        """`levels`, and the mask of the slots holding `keys[0]` that no level lists (left out
+        past `max_levels`, or where a slot broke the prefix invariant): 0 when the levels name
+        every slot holding a prefix, each with its exact depth."""
         if not keys:
-            return []
+            return [], 0
         holders = self._holders
         remaining = holders.get(keys[0], 0)
         out: list[tuple[int, int]] = []
@@ -202,7 +208,7 @@ class BlockIndex:
                 break
             out.append((m, d))
             remaining &= ~m
-        return out
+        return out, remaining
 
     def memory_bytes(self) -> int:
         """An estimate of the memory this index holds (dicts, keys, masks)."""
