@@ -40,13 +40,19 @@ def iter_bits(mask: int) -> Iterator[int]:
 class BlockIndex:
     """Block key -> holder slots, with per-slot LRU. Not thread-safe (one event loop owns it)."""
 
-    __slots__ = ("_free", "_holders", "_lru", "entries")
+    __slots__ = ("_free", "_hints", "_holders", "_lru", "entries")
 
-    def __init__(self) -> None:
+    HINTS = 4096  # first blocks whose levels' depths are remembered (`levels_rest`)
+
+    def __init__(self, *, prefix_closed: bool = False) -> None:
         self._holders: dict[int, int] = {}
         self._lru: list[OrderedDict[int, None]] = []
         self._free: list[int] = []
         self.entries = 0  # (block, slot) pairs
+        # `prefix_closed`: no slot ever loses a block before the blocks chained after it (only
+        # `add` and LRU `evict`, never `remove`), so a level's depth can be guessed and checked
+        # with two probes: first block -> the depths its last lookup's levels had
+        self._hints: dict[int, list[int]] | None = {} if prefix_closed else None
 
     # -- slots --------------------------------------------------------------------------------
 
@@ -201,13 +207,35 @@ class BlockIndex:
         holders = self._holders
         remaining = holders.get(keys[0], 0)
         out: list[tuple[int, int]] = []
+        hints = self._hints
+        guesses = None if hints is None else hints.get(keys[0])
+        n = len(keys)
+        ceiling = n  # a level is shallower than the one before it
         while remaining and len(out) < max_levels:
-            d = self._deepest(keys, remaining)
+            d = 0
+            if guesses:
+                # a guess `g` is the depth the search would find iff a slot of `remaining`
+                # holds block g - 1 and none holds block g (the slots are prefix-closed)
+                for g in guesses:
+                    if (
+                        g <= ceiling
+                        and holders.get(keys[g - 1], 0) & remaining
+                        and (g == n or not holders.get(keys[g], 0) & remaining)
+                    ):
+                        d = g
+                        break
+            if not d:
+                d = self._deepest(keys, remaining)
             m = holders.get(keys[d - 1], 0) & remaining
             if not m:  # a slot broke the prefix invariant: stop rather than loop
                 break
             out.append((m, d))
             remaining &= ~m
+            ceiling = d - 1
+        if hints is not None and out:
+            if len(hints) >= self.HINTS:
+                hints.clear()
+            hints[keys[0]] = [d for _, d in out[-1:]]
         return out, remaining
 
     def memory_bytes(self) -> int:

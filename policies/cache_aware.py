@@ -191,7 +191,8 @@ class PositionMemo:
     def __init__(self, refresh_every: int = 256, layouts: int = 8) -> None:
         self.refresh_every = refresh_every
         self.layouts = layouts
-        # (len, first id, last id) -> [position by id, ids by position, next position to check]
+        # (len, first id, last id) -> [position by id, ids by position, next position to check,
+        # the states seen by position]
         self._maps: OrderedDict[tuple[int, str, str], list[Any]] = OrderedDict()
 
     def find(self, cands: Sequence[WorkerState], wanted: Iterable[str]) -> list[WorkerState]:
@@ -205,10 +206,14 @@ class PositionMemo:
             at = entry[2]
             upto = at + n // self.refresh_every + 1
             ids = entry[1]
+            states = entry[3]  # the states last seen there: the same object, the same worker
             for k in range(at, upto if upto < n else n):
-                if cands[k].id != ids[k]:
-                    entry = self._map(cands, shape)
-                    break
+                w = cands[k]
+                if w is not states[k]:
+                    if w.id != ids[k]:
+                        entry = self._map(cands, shape)
+                        break
+                    states[k] = w
             else:
                 entry[2] = upto if upto < n else 0
         pos: dict[str, int] = entry[0]
@@ -229,7 +234,7 @@ class PositionMemo:
 
     def _map(self, cands: Sequence[WorkerState], shape: tuple[int, str, str]) -> list[Any]:
         ids = [w.id for w in cands]
-        entry = [{wid: i for i, wid in enumerate(ids)}, ids, 0]
+        entry = [{wid: i for i, wid in enumerate(ids)}, ids, 0, list(cands)]
         maps = self._maps
         maps[shape] = entry
         maps.move_to_end(shape)
@@ -401,15 +406,16 @@ class CacheAwareSelector:
             wait_sum += wait
             rate_sum += rate
         k = state.externality_k(wait_sum, rate_sum, len(parts), now, pool)
-        # the cheapest not saturated (all of them where every one is), ties within 1e-12: fewest
-        # in flight, then a draw in candidate order; and the least loaded (fewest in flight,
-        # then cheapest, the first such)
         rows: list[tuple[float, int, WorkerState]] = []
         saturated: list[tuple[float, int, WorkerState]] = []
         for wait, own, work, w in parts:
             (saturated if wait > saturation else rows).append((wait + own + k * work, w.inflight, w))
-        if not rows:
-            rows = saturated
+        return self._pick(rows or saturated)
+
+    def _pick(self, rows: list[tuple[float, int, WorkerState]]) -> WorkerState:
+        """Of (cost, in flight, worker) rows: the cheapest, ties within 1e-12 to the fewest in
+        flight, then drawn in row order; unless the balance rule takes the least loaded (fewest
+        in flight, then cheapest, the first such)."""
         best = rows[0][0]
         least = rows[0]
         for r in rows:
