@@ -51,8 +51,9 @@ class BlockIndex:
         self.entries = 0  # (block, slot) pairs
         # `prefix_closed`: no slot ever loses a block before the blocks chained after it (only
         # `add` and LRU `evict`, never `remove`), so a level's depth can be guessed and checked
-        # with two probes: first block -> the depths its last lookup's levels had
-        self._hints: dict[int, list[int]] | None = {} if prefix_closed else None
+        # with two probes: first block -> the depth of its last lookup's shallowest level (a
+        # prefix that requests share: a system prompt)
+        self._hints: dict[int, int] | None = {} if prefix_closed else None
 
     # -- slots --------------------------------------------------------------------------------
 
@@ -208,34 +209,30 @@ class BlockIndex:
         remaining = holders.get(keys[0], 0)
         out: list[tuple[int, int]] = []
         hints = self._hints
-        guesses = None if hints is None else hints.get(keys[0])
+        g = 0 if hints is None else hints.get(keys[0], 0)
         n = len(keys)
-        ceiling = n  # a level is shallower than the one before it
         while remaining and len(out) < max_levels:
-            d = 0
-            if guesses:
-                # a guess `g` is the depth the search would find iff a slot of `remaining`
-                # holds block g - 1 and none holds block g (the slots are prefix-closed)
-                for g in guesses:
-                    if (
-                        g <= ceiling
-                        and holders.get(keys[g - 1], 0) & remaining
-                        and (g == n or not holders.get(keys[g], 0) & remaining)
-                    ):
-                        d = g
-                        break
-            if not d:
+            # the guess `g` is the depth the search would find iff a slot of `remaining` holds
+            # block g - 1 and none holds block g (the slots are prefix-closed)
+            if (
+                g
+                and (not out or g < out[-1][1])  # a level is shallower than the one before it
+                and g <= n
+                and holders.get(keys[g - 1], 0) & remaining
+                and (g == n or not holders.get(keys[g], 0) & remaining)
+            ):
+                d = g
+            else:
                 d = self._deepest(keys, remaining)
             m = holders.get(keys[d - 1], 0) & remaining
             if not m:  # a slot broke the prefix invariant: stop rather than loop
                 break
             out.append((m, d))
             remaining &= ~m
-            ceiling = d - 1
-        if hints is not None and out:
+        if hints is not None and out and not remaining and out[-1][1] != g:
             if len(hints) >= self.HINTS:
                 hints.clear()
-            hints[keys[0]] = [d for _, d in out[-1:]]
+            hints[keys[0]] = out[-1][1]
         return out, remaining
 
     def memory_bytes(self) -> int:

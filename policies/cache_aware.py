@@ -416,6 +416,8 @@ class CacheAwareSelector:
         """Of (cost, in flight, worker) rows: the cheapest, ties within 1e-12 to the fewest in
         flight, then drawn in row order; unless the balance rule takes the least loaded (fewest
         in flight, then cheapest, the first such)."""
+        if len(rows) == 1:
+            return rows[0][2]
         best = rows[0][0]
         least = rows[0]
         for r in rows:

@@ -96,7 +96,7 @@ class IndexLookup:
         ids_of_slot = self._ids
         max_candidates = self._max
         levels, rest = self._index.levels_rest(self._keys, max_candidates)
-        if known is None and not rest:
+        if not rest and known is None:
             self._groups = levels
         for mask, depth in levels:
             if len(depths) + mask.bit_count() > max_candidates:
