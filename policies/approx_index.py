@@ -88,7 +88,7 @@ class ApproxIndex:
     def _slot(self, model: str, worker_id: str) -> tuple[_ModelIndex, int]:
         m = self._models.get(model)
         if m is None:
-            m = self._models[model] = _ModelIndex(BlockIndex(), {}, [])
+            m = self._models[model] = _ModelIndex(BlockIndex(prefix_closed=True), {}, [])
         slot = m.slot_of.get(worker_id)
         if slot is None:
             slot = m.slot_of[worker_id] = m.index.new_slot()

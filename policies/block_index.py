@@ -40,13 +40,20 @@ def iter_bits(mask: int) -> Iterator[int]:
 class BlockIndex:
     """Block key -> holder slots, with per-slot LRU. Not thread-safe (one event loop owns it)."""
 
-    __slots__ = ("_free", "_holders", "_lru", "entries")
+    __slots__ = ("_free", "_hints", "_holders", "_lru", "entries")
 
-    def __init__(self) -> None:
+    HINTS = 4096  # first blocks whose levels' depths are remembered (`levels_rest`)
+
+    def __init__(self, *, prefix_closed: bool = False) -> None:
         self._holders: dict[int, int] = {}
         self._lru: list[OrderedDict[int, None]] = []
         self._free: list[int] = []
         self.entries = 0  # (block, slot) pairs
+        # `prefix_closed`: no slot ever loses a block before the blocks chained after it (only
+        # `add` and LRU `evict`, never `remove`), so a level's depth can be guessed and checked
+        # with two probes: first block -> the depth of its last lookup's shallowest level (a
+        # prefix that requests share: a system prompt)
+        self._hints: dict[int, int] | None = {} if prefix_closed else None
 
     # -- slots --------------------------------------------------------------------------------
 
@@ -190,19 +197,43 @@ class BlockIndex:
     def levels(self, keys: Sequence[int], max_levels: int) -> list[tuple[int, int]]:
         """Workers matching a prefix of `keys`, grouped by depth, deepest first: `(mask, depth)`
         pairs, at most `max_levels` of them (the shallowest groups are left out)."""
+        return self.levels_rest(keys, max_levels)[0]
+
+    def levels_rest(self, keys: Sequence[int], max_levels: int) -> tuple[list[tuple[int, int]], int]:
+        """`levels`, and the mask of the slots holding `keys[0]` that no level lists (left out
+        past `max_levels`, or where a slot broke the prefix invariant): 0 when the levels name
+        every slot holding a prefix, each with its exact depth."""
         if not keys:
-            return []
+            return [], 0
         holders = self._holders
         remaining = holders.get(keys[0], 0)
         out: list[tuple[int, int]] = []
+        hints = self._hints
+        g = 0 if hints is None else hints.get(keys[0], 0)
+        n = len(keys)
         while remaining and len(out) < max_levels:
-            d = self._deepest(keys, remaining)
+            # the guess `g` is the depth the search would find iff a slot of `remaining` holds
+            # block g - 1 and none holds block g (the slots are prefix-closed)
+            if (
+                g
+                and (not out or g < out[-1][1])  # a level is shallower than the one before it
+                and g <= n
+                and holders.get(keys[g - 1], 0) & remaining
+                and (g == n or not holders.get(keys[g], 0) & remaining)
+            ):
+                d = g
+            else:
+                d = self._deepest(keys, remaining)
             m = holders.get(keys[d - 1], 0) & remaining
             if not m:  # a slot broke the prefix invariant: stop rather than loop
                 break
             out.append((m, d))
             remaining &= ~m
-        return out
+        if hints is not None and out and not remaining and out[-1][1] != g:
+            if len(hints) >= self.HINTS:
+                hints.clear()
+            hints[keys[0]] = out[-1][1]
+        return out, remaining
 
     def memory_bytes(self) -> int:
         """An estimate of the memory this index holds (dicts, keys, masks)."""

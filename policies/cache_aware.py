@@ -175,40 +175,55 @@ class PositionMemo:
     narrowed to its matched workers without a pass over it (a cache that never changes a result
     it is checked for).
 
-    A layout is recognised by its length and its first and last `WorkerState` objects (the
-    registry makes new ones for every worker when membership or health changes); a position is
-    used only after checking that the worker is there. A worker the layout did not have when it
-    was mapped is taken as absent without a check: the one case a changed layout could go
-    unnoticed (two retries excluding different workers of equal count in turn), which can only
-    leave a matched worker out of one decision's candidates, never admit an invalid one. Layouts
-    are re-mapped every `refresh_every` uses all the same. Up to `layouts` layouts are kept (a
-    prefill role sees one per decode engine)."""
+    A layout is recognised by its length and its first and last worker ids (a worker's state
+    changes with every request it starts or ends; its place does not); a position is used only
+    after checking that the worker is there. A worker the layout did not have when it was
+    mapped is taken as absent without a check: the one case a changed layout could go unnoticed
+    (two retries excluding different workers of equal count in turn), which can only leave a
+    matched worker out of one decision's candidates, never admit an invalid one. So that this
+    cannot last, each use checks a few more positions of the layout against its map, round the
+    whole layout every `refresh_every` uses, and maps it again where one moved (the cost spread
+    over the uses: no decision pays for a pass over the pool). Up to `layouts` layouts are kept
+    (a prefill role sees one per decode engine)."""
 
     __slots__ = ("_maps", "layouts", "refresh_every")
 
     def __init__(self, refresh_every: int = 256, layouts: int = 8) -> None:
         self.refresh_every = refresh_every
         self.layouts = layouts
-        # (len, first, last) -> [position by id, uses]
-        self._maps: OrderedDict[tuple[int, int, int], list[Any]] = OrderedDict()
+        # (len, first id, last id) -> [position by id, ids by position, next position to check,
+        # the states seen by position]
+        self._maps: OrderedDict[tuple[int, str, str], list[Any]] = OrderedDict()
 
     def find(self, cands: Sequence[WorkerState], wanted: Iterable[str]) -> list[WorkerState]:
         """The candidates whose id is in `wanted`, in `wanted`'s order."""
         n = len(cands)
-        first, last = cands[0], cands[-1]
-        shape = (n, id(first), id(last))
+        shape = (n, cands[0].id, cands[-1].id)
         entry = self._maps.get(shape)
-        if entry is None or entry[1] >= self.refresh_every or entry[2] is not first or entry[3] is not last:
+        if entry is None:
             entry = self._map(cands, shape)
-        entry[1] += 1
+        else:
+            at = entry[2]
+            upto = at + n // self.refresh_every + 1
+            ids = entry[1]
+            states = entry[3]  # the states last seen there: the same object, the same worker
+            for k in range(at, upto if upto < n else n):
+                w = cands[k]
+                if w is not states[k]:
+                    if w.id != ids[k]:
+                        entry = self._map(cands, shape)
+                        break
+                    states[k] = w
+            else:
+                entry[2] = upto if upto < n else 0
         pos: dict[str, int] = entry[0]
         out: list[WorkerState] = []
         for wid in wanted:
             i = pos.get(wid)
             if i is None:
                 continue
-            w = cands[i] if i < n else None
-            if w is None or w.id != wid:  # moved: map this layout again
+            w = cands[i]
+            if w.id != wid:  # moved: map this layout again
                 pos = self._map(cands, shape)[0]
                 i = pos.get(wid)
                 if i is None:
@@ -217,8 +232,9 @@ class PositionMemo:
             out.append(w)
         return out
 
-    def _map(self, cands: Sequence[WorkerState], shape: tuple[int, int, int]) -> list[Any]:
-        entry = [{w.id: i for i, w in enumerate(cands)}, 0, cands[0], cands[-1]]
+    def _map(self, cands: Sequence[WorkerState], shape: tuple[int, str, str]) -> list[Any]:
+        ids = [w.id for w in cands]
+        entry = [{wid: i for i, wid in enumerate(ids)}, ids, 0, list(cands)]
         maps = self._maps
         maps[shape] = entry
         maps.move_to_end(shape)
@@ -240,6 +256,20 @@ def _narrow(
     pool = memo.find(cands, wanted)
     seen = {w.id for w in pool}
     n = len(cands)
+    if type(rng) is _random.Random:
+        # `rng.randrange(n)`'s draws (CPython's `_randbelow_with_getrandbits`, which a test
+        # compares), without its two Python frames per draw
+        getrandbits = rng.getrandbits
+        bits = n.bit_length()
+        for _ in range(settings.sample):
+            i = getrandbits(bits)
+            while i >= n:
+                i = getrandbits(bits)
+            w = cands[i]
+            if w.id not in seen:
+                seen.add(w.id)
+                pool.append(w)
+        return pool
     for _ in range(settings.sample):
         w = cands[rng.randrange(n)]
         if w.id not in seen:
@@ -287,7 +317,10 @@ class CacheAwareSelector:
                     chosen, scored = got
                     return chosen, (self._record(req, scored, lookups, chosen, pool) if record else None)
             else:
-                wanted = dict.fromkeys(wid for lk in lookups if lk is not None for wid, _ in lk.top)
+                precise, approx = lookups
+                wanted: Iterable[str] = [t[0] for t in approx.top]  # one row per worker
+                if precise is not None:
+                    wanted = dict.fromkeys([*(t[0] for t in precise.top), *wanted])
                 cands = _narrow(cands, wanted, state.settings, self.rng, self.memo)
         if not record:
             return self._choose(req, cands, lookups, pool), None
@@ -359,8 +392,7 @@ class CacheAwareSelector:
         wait_sum = rate_sum = 0.0
         for w in cands:
             wid = w.id
-            cached = from_precise(wid) if from_precise is not None else None
-            if cached is None:
+            if from_precise is None or (cached := from_precise(wid)) is None:
                 cached = from_approx(wid) or 0
             if cached > limit:
                 cached = limit
@@ -378,21 +410,30 @@ class CacheAwareSelector:
         saturated: list[tuple[float, int, WorkerState]] = []
         for wait, own, work, w in parts:
             (saturated if wait > saturation else rows).append((wait + own + k * work, w.inflight, w))
-        if not rows:
-            rows = saturated
-        best = min(r[0] for r in rows)
-        ties = [r for r in rows if r[0] <= best * (1.0 + 1e-12)]
+        return self._pick(rows or saturated)
+
+    def _pick(self, rows: list[tuple[float, int, WorkerState]]) -> WorkerState:
+        """Of (cost, in flight, worker) rows: the cheapest, ties within 1e-12 to the fewest in
+        flight, then drawn in row order; unless the balance rule takes the least loaded (fewest
+        in flight, then cheapest, the first such)."""
+        if len(rows) == 1:
+            return rows[0][2]
+        best = rows[0][0]
+        least = rows[0]
+        for r in rows:
+            if r[0] < best:
+                best = r[0]
+            if r[1] < least[1] or (r[1] == least[1] and r[0] < least[0]):
+                least = r
+        top = best * (1.0 + 1e-12)
+        ties = [r for r in rows if r[0] <= top]
         if len(ties) > 1:
             fewest = min(r[1] for r in ties)
             ties = [r for r in ties if r[1] == fewest]
         chosen = ties[0][2] if len(ties) == 1 else self.rng.choice(ties)[2]
-        least = min(rows, key=lambda r: (r[1], r[0]))[2]
         p = self.picker
-        if (
-            chosen.inflight - least.inflight > p.abs_threshold
-            and chosen.inflight > p.rel_threshold * least.inflight
-        ):
-            return least
+        if chosen.inflight - least[1] > p.abs_threshold and chosen.inflight > p.rel_threshold * least[1]:
+            return least[2]
         return chosen
 
     def observe(self, event: PolicyEvent) -> None:

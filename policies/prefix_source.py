@@ -52,6 +52,7 @@ class IndexLookup:
 
     __slots__ = (
         "_depths",
+        "_groups",
         "_ids",
         "_index",
         "_keys",
@@ -83,6 +84,10 @@ class IndexLookup:
         # `groups` instead, and never pays for them)
         self._depths: dict[str, int] | None = None
         self._top: list[tuple[str, int]] = []
+        # every level found (`BlockIndex.levels_rest`), where they are exact (no `known`: the
+        # approximate index, whose slots are prefix-closed) and name every holder: a worker's
+        # depth is then its level's, read with a bit test rather than a search of the chain
+        self._groups: list[tuple[int, int]] | None = None
 
     def _levels(self) -> dict[str, int]:
         depths: dict[str, int] = {}
@@ -90,7 +95,10 @@ class IndexLookup:
         known = self._known
         ids_of_slot = self._ids
         max_candidates = self._max
-        for mask, depth in self._index.levels(self._keys, max_candidates):
+        levels, rest = self._index.levels_rest(self._keys, max_candidates)
+        if not rest and known is None:
+            self._groups = levels
+        for mask, depth in levels:
             if len(depths) + mask.bit_count() > max_candidates:
                 break  # a group too big to list (a prefix everyone holds): asked per worker
             tokens = int(depth * self._tokens_per_block)
@@ -120,7 +128,15 @@ class IndexLookup:
             slot = self._slot_of.get(worker_id)
             if slot is None:
                 return 0
-            depth = self._index.depth(self._keys, 1 << slot)
+            groups = self._groups
+            if groups is None:
+                depth = self._index.depth(self._keys, 1 << slot)
+            else:
+                depth = 0
+                for mask, d in groups:
+                    if (mask >> slot) & 1:
+                        depth = d
+                        break
         return int(depth * self._tokens_per_block)
 
     def groups(self) -> list[tuple[int, int]] | None:
@@ -130,22 +146,14 @@ class IndexLookup:
         groups would not be exact) or the source knows only some workers (`known`)."""
         if self._known is not None:
             return None
-        index = self._index
         keys = self._keys
         if not keys:
             return []
-        holders = index.holders
-        remaining = holders(keys[0])
-        out: list[tuple[int, int]] = []
+        levels, rest = self._index.levels_rest(keys, len(keys) + 1)
+        if rest:
+            return None
         tpb = self._tokens_per_block
-        while remaining:
-            d = index.deepest(keys, remaining)
-            m = holders(keys[d - 1]) & remaining
-            if not m:
-                return None
-            out.append((m, int(d * tpb)))
-            remaining &= ~m
-        return out
+        return [(m, int(d * tpb)) for m, d in levels]
 
     def named(self, limit: int) -> list[str] | None:
         """The workers this lookup may say hold some of the prompt (those it knows and whose slot
