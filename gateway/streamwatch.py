@@ -66,6 +66,7 @@ class StreamWatch:
         "_first",
         "_head",
         "_held",
+        "_passing",
         "_state",
         "_summarize",
         "_write",
@@ -95,6 +96,8 @@ class StreamWatch:
         self._check_first = check_first
         self._check_end = check_end
         self._state = 0  # 0: before the first token, 1: passing, 2: holding the end
+        # state 1 with no incomplete tail and no violation: whole events pass at once (`feed`)
+        self._passing = False
         self._buf = b""  # incomplete tail (all states) / everything held (states 0 and 2)
         self._head: list[bytes] = []  # payloads seen before passing
         self._held = b""
@@ -109,7 +112,7 @@ class StreamWatch:
         self._write = write
 
     def feed(self, data: bytes) -> None:
-        if self._state == 1 and not self._buf and data.endswith(_SEP):
+        if self._passing and data.endswith(_SEP):
             # the hot path: whole events in the middle of a stream
             for marker in self._ends:
                 if marker in data:
@@ -117,6 +120,12 @@ class StreamWatch:
             else:
                 self._write(data)
                 return
+        try:
+            self._feed(data)
+        finally:
+            self._passing = self._state == 1 and not self._buf and self.violation is None
+
+    def _feed(self, data: bytes) -> None:
         if self.violation is not None:
             return
         buf = self._buf + data if self._buf else data
@@ -171,6 +180,7 @@ class StreamWatch:
         Returns the guard violation, if any; `failed` says the engine itself failed."""
         if self.violation is not None:
             return self.violation
+        self._passing = False
         held = self._held + self._buf
         # No usage in the stream (the gateway asks for it on OpenAI routes; /generate events
         # carry their count): the "finished early" check is skipped, not guessed from the

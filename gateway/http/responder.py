@@ -180,24 +180,27 @@ class HttpResponder:
     def write(self, data: bytes) -> None:
         """One chunk of a streamed response; empty data is a no-op. Safe to use as a pipe sink:
         data after the client is gone or the response is finished is dropped."""
-        if not data or self._finished or self._conn._closed or self._head_only:
+        conn = self._conn
+        if self._finished or conn._closed or self._head_only or not data:
             return
-        cork = self._cork
-        if cork is not None:
-            if self._chunked:
-                cork += (b"%x\r\n" % len(data), data, b"\r\n")
-            else:
-                cork.append(data)
-            return
-        transport = self._conn._transport
-        if self._chunked:
+        if self._cork is not None:
+            self._corked(data)
+        elif self._chunked:
             n = len(data)
             if n < _SMALL:
-                transport.write(b"%x\r\n%b\r\n" % (n, data))
+                conn._transport.write(b"%x\r\n%b\r\n" % (n, data))
             else:
-                transport.writelines((b"%x\r\n" % n, data, b"\r\n"))
+                conn._transport.writelines((b"%x\r\n" % n, data, b"\r\n"))
         else:
-            transport.write(data)
+            conn._transport.write(data)
+
+    def _corked(self, data: bytes) -> None:
+        cork = self._cork
+        assert cork is not None
+        if self._chunked:
+            cork += (b"%x\r\n" % len(data), data, b"\r\n")
+        else:
+            cork.append(data)
 
     def cork(self) -> None:
         """Collect write()s until uncork(), which sends them in one transport write (e.g. a

@@ -46,6 +46,7 @@ class UpstreamResponse:
         "_prev",
         "_released",
         "_sink",
+        "_time",
         "_waiter",
         "_whole",
         "complete",
@@ -65,6 +66,7 @@ class UpstreamResponse:
         self.headers = headers  # names lowercased
         self.complete = False  # body fully received
         self._conn = conn
+        self._time = conn._loop.time  # (bound once: read per piped read)
         self._buf: deque[bytes] = deque()
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
@@ -119,15 +121,15 @@ class UpstreamResponse:
         this runs once per upstream read. False if the sink failed (the response then failed
         with its exception and the connection is aborted, as a failing sink does)."""
         pend = self._pend
-        data = pend[0] if len(pend) == 1 else b"".join(pend)
+        data = b"".join(pend)  # (one piece: that piece itself, not a copy)
         pend.clear()
         sink = self._sink
         if sink is not None:
-            n = self.reads = self.reads + 1
-            self.last_read_at = self._conn._loop.time()
+            self.reads = n = self.reads + 1
+            self.last_read_at = self._time()
             self._prev = self.tail
             self.tail = data
-            if n <= 2:
+            if n < 3:
                 self._early_read(n)
             try:
                 sink(data)

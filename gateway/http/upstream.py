@@ -67,6 +67,7 @@ class _Call(asyncio.Future[Any]):
 
 class _UpstreamConnection(asyncio.Protocol):
     __slots__ = (
+        "_body_to",
         "_call",
         "_closed",
         "_has_cl",
@@ -93,6 +94,9 @@ class _UpstreamConnection(asyncio.Protocol):
         self._transport: asyncio.Transport = None  # type: ignore[assignment]
         self._closed = False
         self._resp: UpstreamResponse | None = None
+        # where the body's pieces of the read being parsed go (the response's `_pend`), None
+        # where no body is taken (before a head, after a HEAD request's)
+        self._body_to: list[bytes] | None = None
         self._call: _Call | None = None  # the request whose response head is awaited
         self._headers: list[tuple[bytes, bytes]] = []
         self._seen = False
@@ -155,6 +159,7 @@ class _UpstreamConnection(asyncio.Protocol):
         self._headers = []
         self._has_cl = False
         self._has_te = False
+        self._body_to = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
@@ -178,6 +183,8 @@ class _UpstreamConnection(asyncio.Protocol):
             keep_alive = False
         self._keep_alive = keep_alive
         self._resp = resp
+        # (after a HEAD request's head no body is taken; the connection is not reused)
+        self._body_to = None if self._head_req else resp._pend
         call = self._call
         self._call = None
         if call is None or call.done():
@@ -196,10 +203,9 @@ class _UpstreamConnection(asyncio.Protocol):
         call.set_result(resp)
 
     def on_body(self, body: bytes) -> None:
-        resp = self._resp
-        if resp is None or resp.complete:
-            return  # e.g. after a HEAD response; the connection is not reused
-        resp._pend.append(body)  # handed over as one at the end of this read (data_received)
+        to = self._body_to
+        if to is not None:
+            to.append(body)  # handed over as one at the end of this read (data_received)
 
     def on_message_complete(self) -> None:
         if self._informational:

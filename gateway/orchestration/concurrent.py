@@ -123,7 +123,8 @@ def _observe_hold(s: Services, decode_call: asyncio.Future[UpstreamResponse] | N
         if decode_call.exception() is None:
             at = decode_call.result().first_data_at
             if at:
-                waited = max(0.0, asyncio.get_running_loop().time() - at)
+                # (the future's loop: asyncio.get_running_loop() costs a getpid() on Python 3.11)
+                waited = max(0.0, decode_call.get_loop().time() - at)
     s.metrics.child(s.metrics.verdict_hold, "first_byte").observe(waited)
 
 
