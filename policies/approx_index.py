@@ -104,9 +104,13 @@ class ApproxIndex:
         scale = self._scale.get(worker_id, 1.0)
         return max(1, int(capacity_tokens * scale) // self.block_tokens)
 
-    def insert(self, model: str, worker_id: str, key: PromptKey, capacity_tokens: int | None) -> None:
-        """The worker was sent this prompt: it will hold its blocks."""
+    def insert(
+        self, model: str, worker_id: str, key: PromptKey, capacity_tokens: int | None, upto: int | None = None
+    ) -> None:
+        """The worker holds this prompt's blocks (`upto`: its first `upto` tokens only)."""
         chain = self.chain(key)
+        if upto is not None:
+            chain = chain[: upto // self.block_tokens]
         if not chain:
             return
         m, slot = self._slot(model, worker_id)
@@ -119,6 +123,21 @@ class ApproxIndex:
                 self.evicted_capacity += index.evict(slot, over)
         if index.entries > self.budget_entries:
             self._trim(m, slot)
+
+    def fit(self, model: str, worker_id: str, capacity_tokens: int | None) -> int:
+        """Forget the worker's least recently used entries past `capacity_tokens` (what its
+        engine can keep cached now); returns how many were forgotten."""
+        m = self._models.get(model)
+        slot = None if m is None else m.slot_of.get(worker_id)
+        cap = self.capacity_entries(worker_id, capacity_tokens)
+        if m is None or slot is None or cap is None:
+            return 0
+        over = m.index.slot_entries(slot) - cap
+        if over <= 0:
+            return 0
+        dropped = m.index.evict(slot, over)
+        self.evicted_capacity += dropped
+        return dropped
 
     def _trim(self, m: _ModelIndex, keep: int) -> None:
         # down to a little under the budget (so that the pass over the slots to find the

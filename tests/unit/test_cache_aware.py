@@ -326,7 +326,9 @@ def test_a_saturated_cached_worker_is_not_chosen() -> None:
     clock = Clock()
     st = state(clock, prefill_rate=1000.0, saturation_wait_s=2.0)
     a, b = make_worker("a"), make_worker("b")
-    route(st, req(PREFIX + list(range(2400)), "big"), b)  # b holds the prefix, 3.2 s of queue
+    route(st, req(PREFIX, "held"), b)
+    st.observe(Completed("held", ("b",), cached_tokens=0))  # b holds the prefix
+    route(st, req(PREFIX + list(range(2400)), "big"), b)  # and 3.2 s of queue
     sel = CacheAwareSelector("x", st, rng=random.Random(0))
     chosen, record = sel.decide(req(PREFIX + [7] * 10000), [a, b])
     assert chosen.id == "a" and record is not None
@@ -434,6 +436,7 @@ def test_decider_uses_the_decode_cache() -> None:
     long = req(PREFIX + [3] * 300, "a")
     assert isinstance(policy.plan(long, snap), Disaggregated)
     policy.observe(routed_event(long, Colocated(d)))  # d served it alone once: it holds it now
+    policy.observe(Completed("a", ("d",), cached_tokens=0))
     again = req(PREFIX + [3] * 300 + [4] * 20, "b")
     assert policy.plan(again, snap) == Colocated(d, reason="decider: decode self-prefill")
 
@@ -506,11 +509,14 @@ def test_failed_requests_leave_the_queue_and_gone_workers_are_forgotten() -> Non
     clock = Clock()
     st = state(clock, prefill_rate=1000.0, crossover_tokens=0.0)
     a = make_worker("a")
-    route(st, req(PREFIX, "r1"), a)
-    assert st.queues.backlog("a", clock.t) == 800
+    route(st, req(PREFIX, "r0"), a)
+    st.observe(Completed("r0", ("a",), cached_tokens=0))
+    clock.t += 1.0
+    route(st, req(PREFIX + [5] * 160, "r1"), a)
+    assert st.queues.backlog("a", clock.t) == 160
     st.observe(Failed("r1", ("a",), "prefill"))
     assert st.queues.backlog("a", clock.t) == 0
-    assert st.approx.worker_entries("a") == 50
+    assert st.approx.worker_entries("a") == 50  # r0's blocks; r1's prefill never ended
     st.observe(WorkerGone("a", "restarted"))
     assert st.approx.worker_entries("a") == 0
     assert st.cached((None, st.approx.lookup("m", req(PREFIX).prompt_key, 4)), "a")[0] == 0  # type: ignore[arg-type]
