@@ -11,7 +11,9 @@ sweep that lets it burst between sweeps):
 - **a model of each worker's KV capacity**: a worker holds at most `capacity_tokens /
   block_tokens` entries (its engine's KV size where the snapshot reports it, else the configured
   `worker_cache_tokens`), its least recently used ones are forgotten first, as the engine's LRU
-  evicts them. The capacity is corrected from what engines report: a request predicted to find
+  evicts them (the policy passes the part of the pool its requests in flight leave evictable,
+  policies/cache_state.py, and records a prompt when its prefill ends). The capacity is
+  corrected from what engines report: a request predicted to find
   `P` tokens cached that found fewer means the engine holds less than modelled, so that worker's
   capacity shrinks (x0.9, and its oldest entries go); accurate predictions let it grow back
   (x1.02) to the configured size;

@@ -54,6 +54,7 @@ class CacheAwareSettings:
     sample: int = 4
     exact_large_pool: bool = False
     use_kv_events: bool = True
+    record_prefilled: bool = False
     max_pending: int = 100_000
 
     def __post_init__(self) -> None:
@@ -365,9 +366,12 @@ class CacheState:
         # until its prefill ends the engine holds its prompt pinned, not cached (a request that
         # shares the prefix and is admitted meanwhile computes it again); a colocated answer
         # pins its max_tokens until it ends
-        pin = uncached + (0 if ev.disaggregated else ev.max_tokens)
+        defer = key is not None and self.settings.record_prefilled
+        pin = (uncached if defer else 0.0) + (0 if ev.disaggregated else ev.max_tokens)
         self._pinned[wid] = self._pinned.get(wid, 0.0) + pin
-        if key is not None:
+        if key is not None and not defer:
+            self.approx.insert(ev.model, wid, key, self._evictable(wid, capacity))
+        elif key is not None:
             self.approx.fit(ev.model, wid, self._evictable(wid, capacity))
             if cached > 0:  # the prefix it finds is pinned: kept
                 self.approx.insert(ev.model, wid, key, self._evictable(wid, capacity), cached)
@@ -379,7 +383,7 @@ class CacheState:
                 self.approx.insert(ev.model, d.id, key, self.capacity(d))
         pending = self._pending
         pending[ev.request_id] = _Pending(
-            now, wid, ev.model, cached, source, backlog, uncached, work, capacity, key, key is None, pin
+            now, wid, ev.model, cached, source, backlog, uncached, work, capacity, key, not defer, pin
         )
         if len(pending) > self.settings.max_pending:
             self._unpin_gone(pending.popitem(last=False)[1])

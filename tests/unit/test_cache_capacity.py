@@ -32,8 +32,13 @@ def req(ids: list[int], rid: str, max_tokens: int = 16) -> RequestView:
     )
 
 
-def new_state(clock: Clock, cache_tokens: int | None = None) -> CacheState:
-    s = CacheAwareSettings(worker_cache_tokens=cache_tokens, prefill_rate=1000.0, crossover_tokens=0.0)
+def new_state(clock: Clock, cache_tokens: int | None = None, prefilled: bool = True) -> CacheState:
+    s = CacheAwareSettings(
+        worker_cache_tokens=cache_tokens,
+        prefill_rate=1000.0,
+        crossover_tokens=0.0,
+        record_prefilled=prefilled,
+    )
     return CacheState(s, clock=clock)
 
 
@@ -45,25 +50,28 @@ def predicted(s: CacheState, ids: list[int], w: WorkerState) -> int:
     return s.cached_tokens(req(ids, "probe"), w)
 
 
-# what the first request's outcome is, and when the next one (same prefix) is looked up: its
-# predicted cached tokens on the worker the first went to. The first's prefill (800 tokens at
-# 1000/s, nothing queued) is predicted to end 0.8 s after it was routed.
+# `record = "prefilled"`: what the first request's outcome is, and when the next one (same
+# prefix) is looked up: its predicted cached tokens on the worker the first went to. The first's
+# prefill (800 tokens at 1000/s, nothing queued) is predicted to end 0.8 s after it was routed.
+# `record = "routed"` (the default) counts it at once, whatever comes.
 @pytest.mark.parametrize(
-    ("outcome", "after_s", "expected"),
+    ("prefilled", "outcome", "after_s", "expected"),
     [
-        (None, 0.0, 0),  # still prefilling: an engine admitting the next now computes it again
-        (None, 0.5, 0),
-        (None, 0.81, 800),  # its predicted prefill end has passed
-        ("completed", 0.1, 800),  # it answered: its blocks are the engine's whenever that was
-        ("failed", 0.1, 0),  # its prefill did not run (or its KV is lost)
-        ("failed", 2.0, 0),
+        (True, None, 0.0, 0),  # still prefilling: an engine admitting the next now computes it again
+        (True, None, 0.5, 0),
+        (True, None, 0.81, 800),  # its predicted prefill end has passed
+        (True, "completed", 0.1, 800),  # it answered: its blocks are the engine's whenever that was
+        (True, "failed", 0.1, 0),  # its prefill did not run (or its KV is lost)
+        (True, "failed", 2.0, 0),
+        (False, None, 0.0, 800),
+        (False, "failed", 0.1, 800),
     ],
 )
 def test_a_prompt_counts_as_cached_once_its_prefill_ends(
-    outcome: str | None, after_s: float, expected: int
+    prefilled: bool, outcome: str | None, after_s: float, expected: int
 ) -> None:
     clock = Clock()
-    s = new_state(clock)
+    s = new_state(clock, prefilled=prefilled)
     a = make_worker("a")
     route(s, req(PREFIX, "r1"), a)
     clock.t += after_s
