@@ -11,7 +11,9 @@ sweep that lets it burst between sweeps):
 - **a model of each worker's KV capacity**: a worker holds at most `capacity_tokens /
   block_tokens` entries (its engine's KV size where the snapshot reports it, else the configured
   `worker_cache_tokens`), its least recently used ones are forgotten first, as the engine's LRU
-  evicts them. The capacity is corrected from what engines report: a request predicted to find
+  evicts them (the policy passes the part of the pool its requests in flight leave evictable,
+  policies/cache_state.py, and records a prompt when its prefill ends). The capacity is
+  corrected from what engines report: a request predicted to find
   `P` tokens cached that found fewer means the engine holds less than modelled, so that worker's
   capacity shrinks (x0.9, and its oldest entries go); accurate predictions let it grow back
   (x1.02) to the configured size;
@@ -104,9 +106,13 @@ class ApproxIndex:
         scale = self._scale.get(worker_id, 1.0)
         return max(1, int(capacity_tokens * scale) // self.block_tokens)
 
-    def insert(self, model: str, worker_id: str, key: PromptKey, capacity_tokens: int | None) -> None:
-        """The worker was sent this prompt: it will hold its blocks."""
+    def insert(
+        self, model: str, worker_id: str, key: PromptKey, capacity_tokens: int | None, upto: int | None = None
+    ) -> None:
+        """The worker holds this prompt's blocks (`upto`: its first `upto` tokens only)."""
         chain = self.chain(key)
+        if upto is not None:
+            chain = chain[: upto // self.block_tokens]
         if not chain:
             return
         m, slot = self._slot(model, worker_id)
@@ -119,6 +125,21 @@ class ApproxIndex:
                 self.evicted_capacity += index.evict(slot, over)
         if index.entries > self.budget_entries:
             self._trim(m, slot)
+
+    def fit(self, model: str, worker_id: str, capacity_tokens: int | None) -> int:
+        """Forget the worker's least recently used entries past `capacity_tokens` (what its
+        engine can keep cached now); returns how many were forgotten."""
+        m = self._models.get(model)
+        slot = None if m is None else m.slot_of.get(worker_id)
+        cap = self.capacity_entries(worker_id, capacity_tokens)
+        if m is None or slot is None or cap is None:
+            return 0
+        over = m.index.slot_entries(slot) - cap
+        if over <= 0:
+            return 0
+        dropped = m.index.evict(slot, over)
+        self.evicted_capacity += dropped
+        return dropped
 
     def _trim(self, m: _ModelIndex, keep: int) -> None:
         # down to a little under the budget (so that the pass over the slots to find the

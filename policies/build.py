@@ -99,6 +99,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         sample=cfg.sample,
         exact_large_pool=cfg.large_pool == "exact",
         use_kv_events=cfg.index == "auto",
+        record_prefilled=cfg.record == "prefilled",
     )
 
 

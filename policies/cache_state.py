@@ -4,6 +4,7 @@ settings, the per-worker predictions (`CacheState.estimates`), and what it learn
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -53,6 +54,7 @@ class CacheAwareSettings:
     sample: int = 4
     exact_large_pool: bool = False
     use_kv_events: bool = True
+    record_prefilled: bool = False
     max_pending: int = 100_000
 
     def __post_init__(self) -> None:
@@ -104,6 +106,9 @@ class _Pending:
     uncached: float  # tokens
     work: float  # its own prefill work (`prefill_work`)
     capacity: int | None
+    key: PromptKey | None = None  # recorded in the index when its prefill ends
+    recorded: bool = True
+    pin: float = 0.0  # KV tokens it holds on its worker that the index does not count
 
 
 # upper bounds of the hit-ratio buckets (reported cached tokens / prompt tokens)
@@ -176,6 +181,8 @@ class CacheState:
         self.clock = clock
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._last_sweep = clock()
+        self._filling: list[tuple[float, str]] = []
+        self._pinned: dict[str, float] = {}  # worker -> KV tokens pinned by requests in flight
 
     # -- reads (pure) -----------------------------------------------------------------------
 
@@ -184,6 +191,8 @@ class CacheState:
         key = req.prompt_key
         if key is None:
             return None, NO_LOOKUP
+        if self._filling:
+            self._fill(self.clock())
         k = self.settings.max_candidates
         precise = None if self.precise is None else self.precise.lookup(req.model, key, k)
         approx = self.approx.lookup(req.model, key, k)
@@ -290,19 +299,55 @@ class CacheState:
                 p = self._pending.pop(event.request_id, None)
                 if p is not None:  # its prefill will not run (or ran and is lost): not queued
                     self.queues.add(p.worker, -p.work, self.clock())
+                    self._unpin(p.worker, p.pin)
             case WorkerGone():
                 self.approx.forget(event.worker_id)
                 self.queues.forget(event.worker_id)
                 self.accuracy.forget(event.worker_id)
+                self._pinned.pop(event.worker_id, None)
         now = self.clock()
         if now - self._last_sweep >= self.settings.eviction_interval_s:
             self._sweep(now)
+
+    def _fill(self, now: float) -> None:
+        filling = self._filling
+        while filling and filling[0][0] <= now:
+            _, rid = heapq.heappop(filling)
+            p = self._pending.get(rid)
+            if p is not None and not p.recorded and p.key is not None:
+                self._record(p)
+
+    def _record(self, p: _Pending) -> None:
+        """Its prefill ended: its blocks are the engine's, counted by the index, not pinned."""
+        p.recorded = True
+        unpin = min(p.pin, p.uncached)
+        p.pin -= unpin
+        self._unpin(p.worker, unpin)
+        assert p.key is not None
+        self.approx.insert(p.model, p.worker, p.key, self._evictable(p.worker, p.capacity))
+
+    def _unpin(self, wid: str, tokens: float) -> None:
+        if tokens:
+            left = self._pinned.get(wid, 0.0) - tokens
+            if left > 0.5:
+                self._pinned[wid] = left
+            else:
+                self._pinned.pop(wid, None)
+
+    def _evictable(self, wid: str, capacity: int | None) -> int | None:
+        """The part of the worker's KV pool its engine can keep cached: the pool less what the
+        requests in flight there pin and the index does not count."""
+        if capacity is None:
+            return None
+        return max(self.settings.block_tokens, int(capacity - self._pinned.get(wid, 0.0)))
 
     def _routed(self, ev: Routed) -> None:
         wid = ev.worker_ids[0]  # the worker that prefills (P/D: the prefill; else the one worker)
         w = ev.workers[0] if ev.workers else None
         key = ev.prompt_key
         now = self.clock()
+        if self._filling:
+            self._fill(now)
         req_tokens = max(1, ev.prompt_tokens)
         cached, source = 0, "none"
         if key is not None:
@@ -318,8 +363,19 @@ class CacheState:
         self.queues.add(wid, work, now)
         self.arrivals.add(work, now)
         capacity = None if w is None else self.capacity(w)
-        if key is not None:
-            self.approx.insert(ev.model, wid, key, capacity)
+        # until its prefill ends the engine holds its prompt pinned, not cached (a request that
+        # shares the prefix and is admitted meanwhile computes it again); a colocated answer
+        # pins its max_tokens until it ends
+        defer = key is not None and self.settings.record_prefilled
+        pin = (uncached if defer else 0.0) + (0 if ev.disaggregated else ev.max_tokens)
+        self._pinned[wid] = self._pinned.get(wid, 0.0) + pin
+        if key is not None and not defer:
+            self.approx.insert(ev.model, wid, key, self._evictable(wid, capacity))
+        elif key is not None:
+            self.approx.fit(ev.model, wid, self._evictable(wid, capacity))
+            if cached > 0:  # the prefix it finds is pinned: kept
+                self.approx.insert(ev.model, wid, key, self._evictable(wid, capacity), cached)
+            heapq.heappush(self._filling, (now + (backlog + work) / self.queues.rate(wid), ev.request_id))
             if ev.disaggregated and len(ev.workers) == 2 and ev.workers[1].decode_alone:
                 # a decode that can prefill by itself keeps the prompt's KV it was sent (vLLM's
                 # prefix cache): what the P/D decider weighs when it may prefill the next turn
@@ -327,15 +383,18 @@ class CacheState:
                 self.approx.insert(ev.model, d.id, key, self.capacity(d))
         pending = self._pending
         pending[ev.request_id] = _Pending(
-            now, wid, ev.model, cached, source, backlog, uncached, work, capacity
+            now, wid, ev.model, cached, source, backlog, uncached, work, capacity, key, not defer, pin
         )
         if len(pending) > self.settings.max_pending:
-            pending.popitem(last=False)
+            self._unpin_gone(pending.popitem(last=False)[1])
 
     def _completed(self, ev: Completed) -> None:
         p = self._pending.pop(ev.request_id, None)
         if p is None:
             return
+        if p.key is not None and not p.recorded:
+            self._record(p)
+        self._unpin(p.worker, p.pin)
         prompt = p.predicted + int(p.uncached)
         seconds = _prefill_seconds(ev)
         if seconds is not None:
@@ -355,7 +414,11 @@ class CacheState:
         """Every `eviction_interval`: forget requests routed longer ago than that whose outcome
         never came (a cancelled request may send none), oldest first."""
         self._last_sweep = now
-        expire(self._pending, now - self.settings.eviction_interval_s)
+        for _, p in expire(self._pending, now - self.settings.eviction_interval_s):
+            self._unpin_gone(p)
+
+    def _unpin_gone(self, p: _Pending) -> None:
+        self._unpin(p.worker, p.pin)
 
 
 def _prefill_seconds(ev: Completed) -> float | None:

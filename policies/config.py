@@ -119,6 +119,10 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # about 3.5x the decision time at 1,000 workers: docs/benchmarks.md)
     large_pool: Literal["exact", "sample"] = "sample"
     index: Literal["auto", "approximate"] = "auto"  # auto: the KV-event index where live and verified
+    # when the approximate index counts a prompt as its worker's: "routed" (at once: requests
+    # sharing a prefix in flight are drawn to one worker) or "prefilled" (when its predicted
+    # prefill ends, as an engine registers blocks: the predictions match what engines report)
+    record: Literal["routed", "prefilled"] = "routed"
     seed: int | None = None
 
     def __post_init__(self) -> None:

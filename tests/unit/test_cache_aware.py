@@ -326,7 +326,9 @@ def test_a_saturated_cached_worker_is_not_chosen() -> None:
     clock = Clock()
     st = state(clock, prefill_rate=1000.0, saturation_wait_s=2.0)
     a, b = make_worker("a"), make_worker("b")
-    route(st, req(PREFIX + list(range(2400)), "big"), b)  # b holds the prefix, 3.2 s of queue
+    route(st, req(PREFIX, "held"), b)
+    st.observe(Completed("held", ("b",), cached_tokens=0))  # b holds the prefix
+    route(st, req(PREFIX + list(range(2400)), "big"), b)  # and 3.2 s of queue
     sel = CacheAwareSelector("x", st, rng=random.Random(0))
     chosen, record = sel.decide(req(PREFIX + [7] * 10000), [a, b])
     assert chosen.id == "a" and record is not None
@@ -434,6 +436,7 @@ def test_decider_uses_the_decode_cache() -> None:
     long = req(PREFIX + [3] * 300, "a")
     assert isinstance(policy.plan(long, snap), Disaggregated)
     policy.observe(routed_event(long, Colocated(d)))  # d served it alone once: it holds it now
+    policy.observe(Completed("a", ("d",), cached_tokens=0))
     again = req(PREFIX + [3] * 300 + [4] * 20, "b")
     assert policy.plan(again, snap) == Colocated(d, reason="decider: decode self-prefill")
 

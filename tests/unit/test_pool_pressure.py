@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from policies.base import routed_event
+from policies.base import Completed, routed_event
 from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState
 from policies.config import CacheAwareCfg
 from policies.pool_pressure import RHO_MAX, DecayedRate, externality_per_work
@@ -92,7 +92,7 @@ class Case:
     best: str
 
 
-# b holds the prefix behind 1.5 s of queue (the prefix itself and a 700-token filler); a is
+# b holds the prefix behind 1.5 s of queue (a 1,500-token filler); a is
 # idle. Predicted TTFT: a 1.0 s, b 1.7 s. The pool (2 x 1000 tokens/s) is busy: recomputing the
 # prefix on a delays every request that arrives while the queue lasts.
 CASES = [
@@ -113,8 +113,11 @@ def test_a_busy_pool_keeps_a_turn_on_its_cache(case: Case, recorded: bool) -> No
         clock=clock,
     )
     a, b = make_worker("a"), make_worker("b")
+    clock.t = 60.0  # b computed the prefix long ago (a prompt is cached once its prefill ends)
     st.observe(routed_event(req(PREFIX, "prefix"), Colocated(b)))
-    st.observe(routed_event(req(list(range(5000, 5700)), "filler"), Colocated(b)))
+    st.observe(Completed("prefix", ("b",), cached_tokens=0))
+    clock.t = 100.0
+    st.observe(routed_event(req(list(range(5000, 6500)), "filler"), Colocated(b)))
     for i in range(case.others):
         st.observe(routed_event(req([7000 + i], f"small{i}"), Colocated(a)))
     sel = CacheAwareSelector("x", st, rng=random.Random(0))
