@@ -184,10 +184,12 @@ class CacheState:
         self._filling: list[tuple[float, str]] = []
         self._pinned: dict[str, float] = {}  # worker -> KV tokens pinned by requests in flight
 
-    # -- reads (pure) -----------------------------------------------------------------------
+    # -- reads (pure, but for the catch-up below) ---------------------------------------------
 
     def lookups(self, req: RequestView) -> tuple[Lookup | None, Lookup]:
-        """(precise, approximate) lookups of the request's prompt."""
+        """(precise, approximate) lookups of the request's prompt. With `record = "prefilled"`
+        it first records the prompts whose predicted prefill has ended by now: the same index
+        any later read would see, so a plan stays valid (`policies.base.Policy`)."""
         key = req.prompt_key
         if key is None:
             return None, NO_LOOKUP
