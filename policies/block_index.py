@@ -260,16 +260,21 @@ class BlockIndex:
     ) -> tuple[int, int, int]:
         """Follow the branch hints from block lo - 1 (held by a slot of `remaining`): each names
         the length `h` of a chain added off there; `h` is the depth iff block h - 1 is held and
-        block h is not (prefix-closed slots). Returns (depth or 0, lo, top) narrowed."""
+        block h is not (prefix-closed slots). Returns (depth or 0, lo, top) narrowed. A level
+        found after several hops is remembered at the first (path compression), so that a long
+        conversation's next turn takes two hops, not one per turn."""
         holders = self._holders
         n = top if top else len(keys)
-        for _ in range(self.HOPS):
+        start = keys[lo - 1]
+        for hop in range(self.HOPS):
             h = branches.get(keys[lo - 1], 0)
             if h < lo or h > n:
                 break
             if h > lo and not holders.get(keys[h - 1], 0) & remaining:
                 return 0, lo, h - 1
             if h == n or not holders.get(keys[h], 0) & remaining:
+                if hop:  # the first hint now names the level found: the next turn hops twice
+                    branches[start] = h
                 return h, lo, top
             lo = h + 1
         return 0, lo, top
