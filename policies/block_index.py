@@ -233,14 +233,33 @@ class BlockIndex:
             # block g - 1 and none holds block g (the slots are prefix-closed)
             d = 0
             lo, top = 1, 0  # known: a slot of `remaining` holds block lo - 1, none block `top`
+            hop = branches is not None
             if g and (not out or g < out[-1][1]) and g <= n:  # a level is shallower than the last
                 if not holders.get(keys[g - 1], 0) & remaining:
                     top = g - 1
-                elif g == n or not holders.get(keys[g], 0) & remaining:
+                elif g == n:
                     d = g
                 else:
-                    lo = g + 1
-            if not d and branches is not None:
+                    # a chain branched off at block g first (a conversation's next turn): its
+                    # length checked before block g (held, where block h - 1 is)
+                    h = 0 if branches is None else branches.get(keys[g], 0)
+                    if g < h <= n and holders.get(keys[h - 1], 0) & remaining:
+                        if h == n or not holders.get(keys[h], 0) & remaining:
+                            d = h
+                        else:
+                            assert branches is not None
+                            d, lo, top = self._hop(keys, remaining, branches, h + 1, top, keys[g])
+                            hop = False
+                    else:
+                        if h > g:
+                            top = h - 1 if h <= n else 0
+                            hop = False  # the hint at block g was tried
+                        if not holders.get(keys[g], 0) & remaining:
+                            d = g
+                        else:
+                            lo = g + 1
+            if not d and hop:
+                assert branches is not None
                 d, lo, top = self._hop(keys, remaining, branches, lo, top)
             if not d:
                 d = self._deepest(keys, remaining, lo, top)
@@ -256,7 +275,13 @@ class BlockIndex:
         return out, remaining
 
     def _hop(
-        self, keys: Sequence[int], remaining: int, branches: dict[int, int], lo: int, top: int
+        self,
+        keys: Sequence[int],
+        remaining: int,
+        branches: dict[int, int],
+        lo: int,
+        top: int,
+        start: int | None = None,
     ) -> tuple[int, int, int]:
         """Follow the branch hints from block lo - 1 (held by a slot of `remaining`): each names
         the length `h` of a chain added off there; `h` is the depth iff block h - 1 is held and
@@ -265,7 +290,9 @@ class BlockIndex:
         conversation's next turn takes two hops, not one per turn."""
         holders = self._holders
         n = top if top else len(keys)
-        start = keys[lo - 1]
+        first = start is None
+        if start is None:
+            start = keys[lo - 1]
         for hop in range(self.HOPS):
             h = branches.get(keys[lo - 1], 0)
             if h < lo or h > n:
@@ -273,8 +300,8 @@ class BlockIndex:
             if h > lo and not holders.get(keys[h - 1], 0) & remaining:
                 return 0, lo, h - 1
             if h == n or not holders.get(keys[h], 0) & remaining:
-                if hop:  # the first hint now names the level found: the next turn hops twice
-                    branches[start] = h
+                if hop or not first:  # the first hint now names the level found: the next
+                    branches[start] = h  # turn hops twice
                 return h, lo, top
             lo = h + 1
         return 0, lo, top
