@@ -40,9 +40,11 @@ def iter_bits(mask: int) -> Iterator[int]:
 class BlockIndex:
     """Block key -> holder slots, with per-slot LRU. Not thread-safe (one event loop owns it)."""
 
-    __slots__ = ("_free", "_hints", "_holders", "_lru", "entries")
+    __slots__ = ("_branches", "_free", "_hints", "_holders", "_lru", "entries")
 
     HINTS = 4096  # first blocks whose levels' depths are remembered (`levels_rest`)
+    BRANCHES = 1 << 16  # chains whose branch point and length are remembered (`add`)
+    HOPS = 8  # branch hints followed per level before a galloping search
 
     def __init__(self, *, prefix_closed: bool = False) -> None:
         self._holders: dict[int, int] = {}
@@ -54,6 +56,11 @@ class BlockIndex:
         # with two probes: first block -> the depth of its last lookup's shallowest level (a
         # prefix that requests share: a system prompt)
         self._hints: dict[int, int] | None = {} if prefix_closed else None
+        # also: the first block a chain added that no slot held before (its branch point off
+        # what the index held) -> the chain's length. A conversation's next turn extends its
+        # last one: its own level is then checked with a hop and two probes per turn, not found
+        # by a galloping search of a dozen probes (each a cache miss in an index of millions)
+        self._branches: dict[int, int] | None = {} if prefix_closed else None
 
     # -- slots --------------------------------------------------------------------------------
 
@@ -87,16 +94,24 @@ class BlockIndex:
         lru = self._lru[slot]
         holders = self._holders
         move = lru.move_to_end
-        added = 0
+        added = fresh = 0
         for k in reversed(keys):
             m = holders.get(k, 0)
             if m & bit:
                 move(k)
             else:
+                if not m:
+                    fresh += 1
                 holders[k] = m | bit
                 lru[k] = None
                 added += 1
         self.entries += added
+        branches = self._branches
+        if fresh and branches is not None:
+            # prefix-closed: the blocks no slot held are the chain's last `fresh`
+            if len(branches) >= self.BRANCHES:
+                branches.clear()
+            branches[keys[len(keys) - fresh]] = len(keys)
         return added
 
     def remove(self, slot: int, keys: Sequence[int]) -> int:
@@ -168,11 +183,12 @@ class BlockIndex:
         """`depth` where a slot of `mask` is known to hold `keys[0]`."""
         return self._deepest(keys, mask)
 
-    def _deepest(self, keys: Sequence[int], mask: int) -> int:
-        # galloping from the front (known: keys[0] is held by someone in mask), then bisection
+    def _deepest(self, keys: Sequence[int], mask: int, lo: int = 1, top: int = 0) -> int:
+        # galloping from `lo` (known: a slot of mask holds keys[lo - 1]), then bisection; the
+        # depth is at most `top` (0: the chain's length; else known: no slot holds keys[top])
         holders = self._holders
-        n = len(keys)
-        lo, step = 1, 1
+        n = top if top else len(keys)
+        step = 1
         while True:
             probe = lo + step
             if probe >= n:
@@ -211,19 +227,42 @@ class BlockIndex:
         hints = self._hints
         g = 0 if hints is None else hints.get(keys[0], 0)
         n = len(keys)
+        branches = self._branches
         while remaining and len(out) < max_levels:
             # the guess `g` is the depth the search would find iff a slot of `remaining` holds
             # block g - 1 and none holds block g (the slots are prefix-closed)
-            if (
-                g
-                and (not out or g < out[-1][1])  # a level is shallower than the one before it
-                and g <= n
-                and holders.get(keys[g - 1], 0) & remaining
-                and (g == n or not holders.get(keys[g], 0) & remaining)
-            ):
-                d = g
-            else:
-                d = self._deepest(keys, remaining)
+            d = 0
+            lo, top = 1, 0  # known: a slot of `remaining` holds block lo - 1, none block `top`
+            hop = branches is not None
+            if g and (not out or g < out[-1][1]) and g <= n:  # a level is shallower than the last
+                if not holders.get(keys[g - 1], 0) & remaining:
+                    top = g - 1
+                elif g == n:
+                    d = g
+                else:
+                    # a chain branched off at block g first (a conversation's next turn): its
+                    # length checked before block g (held, where block h - 1 is)
+                    h = 0 if branches is None else branches.get(keys[g], 0)
+                    if g < h <= n and holders.get(keys[h - 1], 0) & remaining:
+                        if h == n or not holders.get(keys[h], 0) & remaining:
+                            d = h
+                        else:
+                            assert branches is not None
+                            d, lo, top = self._hop(keys, remaining, branches, h + 1, top, keys[g])
+                            hop = False
+                    else:
+                        if h > g:
+                            top = h - 1 if h <= n else 0
+                            hop = False  # the hint at block g was tried
+                        if not holders.get(keys[g], 0) & remaining:
+                            d = g
+                        else:
+                            lo = g + 1
+            if not d and hop:
+                assert branches is not None
+                d, lo, top = self._hop(keys, remaining, branches, lo, top)
+            if not d:
+                d = self._deepest(keys, remaining, lo, top)
             m = holders.get(keys[d - 1], 0) & remaining
             if not m:  # a slot broke the prefix invariant: stop rather than loop
                 break
@@ -235,10 +274,44 @@ class BlockIndex:
             hints[keys[0]] = out[-1][1]
         return out, remaining
 
+    def _hop(
+        self,
+        keys: Sequence[int],
+        remaining: int,
+        branches: dict[int, int],
+        lo: int,
+        top: int,
+        start: int | None = None,
+    ) -> tuple[int, int, int]:
+        """Follow the branch hints from block lo - 1 (held by a slot of `remaining`): each names
+        the length `h` of a chain added off there; `h` is the depth iff block h - 1 is held and
+        block h is not (prefix-closed slots). Returns (depth or 0, lo, top) narrowed. A level
+        found after several hops is remembered at the first (path compression), so that a long
+        conversation's next turn takes two hops, not one per turn."""
+        holders = self._holders
+        n = top if top else len(keys)
+        first = start is None
+        if start is None:
+            start = keys[lo - 1]
+        for hop in range(self.HOPS):
+            h = branches.get(keys[lo - 1], 0)
+            if h < lo or h > n:
+                break
+            if h > lo and not holders.get(keys[h - 1], 0) & remaining:
+                return 0, lo, h - 1
+            if h == n or not holders.get(keys[h], 0) & remaining:
+                if hop or not first:  # the first hint now names the level found: the next
+                    branches[start] = h  # turn hops twice
+                return h, lo, top
+            lo = h + 1
+        return 0, lo, top
+
     def memory_bytes(self) -> int:
         """An estimate of the memory this index holds (dicts, keys, masks)."""
         total = sys.getsizeof(self._holders) + sum(sys.getsizeof(lru) for lru in self._lru)
         total += 32 * len(self._holders)  # one int object per block key (64-bit: 32 bytes)
+        if self._branches is not None:
+            total += sys.getsizeof(self._branches)  # (their keys are the holders')
         return total + 28 * len(self._holders) + self._mask_bytes()
 
     def _mask_bytes(self) -> int:
