@@ -1,0 +1,125 @@
+"""SLO-aware colocated routing for `cache_aware`: the SLO misses a prefill is predicted to cause.
+
+A worker that both prefills and decodes (a colocated worker, a vLLM decode prefilling itself)
+runs a new request's prefill in the steps of the decodes running there, and they wait for it:
+on SGLang a step with prefill work decodes nothing (managers/scheduler.py `get_next_batch_to_run`,
+mixed chunks off by default), so each decode running there is held for all of it; on vLLM for
+at most one prefill chunk per token it has left. A long prompt sent to a worker decoding short
+answers puts them past their time-per-output-token SLO, however good the worker's cache is.
+
+This reuses the P/D decider's model of those windows and stalls (`policies.cost_model.CostModel`,
+docs/policies.md "cost_model"): per worker, the requests routed to decode there, each with its
+predicted decode window (from its predicted first token for its expected output tokens) and the
+prefill seconds predicted to overlap it so far, learned and booked from the same events. For a
+candidate worker `w` and a prefill predicted to run from `start` for `seconds`:
+
+    tpot_slo(w)   = tpot_slo_s + tpot_slo_x x base_floor(w)      (the worker's best time per token)
+    tpot_i        = base(w) + stall_i / (tokens_i - 1)           each decode i routed to w
+    broken(w)     = decodes with tpot_i <= tpot_slo(w) before this prefill and > after it
+                    (the part of the prefill inside decode i's window added to stall_i)
+    ttft_slo      = ttft_slo_s + ttft_slo_x x (a + b x work(P, 0))   the prompt computed whole on
+                    an idle worker: what `bench replay`'s relative SLOs are multiples of
+    misses(w)     = broken(w) + (1 if queue + own prefill > ttft_slo else 0)
+
+`cache_aware` with an SLO configured picks among the candidates with the fewest misses by its
+cost (policies/cache_aware.py); with none configured nothing here is built or run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from policies.base import PolicyEvent, Routed
+from policies.cost_model import CostModel, CostPriors
+from policies.estimators import prefill_work
+from policies.snapshot import WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class SloSettings:
+    """The SLOs `cache_aware` is told (`policies.config.CacheAwareCfg` documents each); a limit
+    with both parts 0 is not checked."""
+
+    ttft_slo_s: float = 0.0
+    ttft_slo_x: float = 0.0
+    tpot_slo_s: float = 0.0
+    tpot_slo_x: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return self.ttft_on or self.tpot_on
+
+    @property
+    def ttft_on(self) -> bool:
+        return self.ttft_slo_s > 0.0 or self.ttft_slo_x > 0.0
+
+    @property
+    def tpot_on(self) -> bool:
+        return self.tpot_slo_s > 0.0 or self.tpot_slo_x > 0.0
+
+
+class DecodeSlo:
+    """The decode windows on each worker and the misses a new prefill there would cause."""
+
+    def __init__(
+        self,
+        settings: SloSettings,
+        *,
+        crossover_tokens: float,
+        prefill_rate: float,
+        cached: Callable[[Routed, str], int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.crossover = crossover_tokens
+        self.model = CostModel(
+            priors=CostPriors(prefill_rate=prefill_rate, crossover_tokens=crossover_tokens),
+            clock=clock,
+            cached=cached,
+        )
+
+    def observe(self, event: PolicyEvent) -> None:
+        self.model.observe(event)
+
+    def ttft_limit(self, prompt: int, rate: float) -> float:
+        """The request's TTFT SLO in seconds (inf when none is set): `rate` is the prefill work
+        per second of an idle worker (the caller's measure)."""
+        s = self.settings
+        if not s.ttft_on:
+            return math.inf
+        unloaded = prefill_work(prompt, 0, self.crossover) / rate if s.ttft_slo_x > 0.0 else 0.0
+        return s.ttft_slo_s + s.ttft_slo_x * unloaded
+
+    def broken(self, w: WorkerState, start: float, seconds: float) -> int:
+        """Decodes routed to `w` within their TPOT SLO that a prefill over [start, start +
+        seconds) is predicted to put over it."""
+        s = self.settings
+        if not s.tpot_on:
+            return 0
+        m = self.model
+        base, floor = m.tpot(w.id)
+        limit = s.tpot_slo_s + s.tpot_slo_x * floor
+        if w.decodes_beside_prefill:
+            a, b = m.prefill_fit(w.id)
+            chunk = m.chunk_s(w, a, b)
+        else:
+            chunk = math.inf
+        n = 0
+        for stall, added, tokens in m.stalls(w, start, seconds, chunk):
+            if added <= 0.0:
+                continue
+            steps = tokens - 1 if tokens > 1 else 1
+            if base + stall / steps <= limit < base + (stall + added) / steps:
+                n += 1
+        return n
+
+    def misses(self, w: WorkerState, now: float, wait: float, seconds: float, ttft_limit: float) -> int:
+        """`broken(w)` plus 1 where this request's own predicted TTFT is over `ttft_limit`."""
+        own = 1 if wait + seconds > ttft_limit else 0
+        return own + self.broken(w, now + wait, seconds)
+
+
+__all__ = ["DecodeSlo", "SloSettings"]
