@@ -13,8 +13,10 @@ predicted decode window (from its predicted first token for its expected output 
 prefill seconds predicted to overlap it so far, learned and booked from the same events. For a
 candidate worker `w` and a prefill predicted to run from `start` for `seconds`:
 
-    tpot_slo(w)   = tpot_slo_s + tpot_slo_x x base_floor(w)      (the worker's best time per token)
-    tpot_i        = base(w) + stall_i / (tokens_i - 1)           each decode i routed to w
+    tpot_slo(w)   = tpot_slo_s + tpot_slo_x x best(w)      (the worker's best time per token: the
+                                                           floor of what its streams took)
+    tpot_i        = best(w) + stall_i / (tokens_i - 1)     each decode i routed to w whose answer
+                                                           has not come
     broken(w)     = decodes with tpot_i <= tpot_slo(w) before this prefill and > after it
                     (the part of the prefill inside decode i's window added to stall_i)
     ttft_slo      = ttft_slo_s + ttft_slo_x x (a + b x work(P, 0))   the prompt computed whole on
@@ -32,9 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies.base import PolicyEvent, Routed
+from policies.base import Completed, PolicyEvent, Routed
 from policies.cost_model import CostModel, CostPriors
-from policies.estimators import prefill_work
+from policies.estimators import Ewma, prefill_work
 from policies.snapshot import WorkerState
 
 
@@ -79,10 +81,34 @@ class DecodeSlo:
             priors=CostPriors(prefill_rate=prefill_rate, crossover_tokens=crossover_tokens),
             clock=clock,
             cached=cached,
+            min_step=self.best,
         )
+        # per worker: the time per output token of its streams as measured, stalls and all; its
+        # floor (falls at once, rises slowly) is the unloaded time per token. The cost model's
+        # own takes its predicted stalls out, which reach 0 where it over-predicts them
+        self._tpot: dict[str, Ewma] = {}
+        self._prior_tpot = CostPriors().tpot_s
 
     def observe(self, event: PolicyEvent) -> None:
         self.model.observe(event)
+        if isinstance(event, Completed) and event.timings is not None and event.worker_ids:
+            t = event.timings
+            counted = t.output_tokens if t.output_tokens is not None else (event.output_tokens or t.chunks)
+            if t.decode_s is not None and counted >= 2:
+                wid = event.worker_ids[-1]
+                e = self._tpot.get(wid)
+                if e is None:
+                    e = self._tpot[wid] = Ewma(self._prior_tpot)
+                e.add(t.decode_s / (counted - 1))
+
+    def best(self, worker_id: str) -> float:
+        """The worker's unloaded time per output token: the floor of what its streams took
+        (without samples of its own, the least of its peers', else the prior)."""
+        e = self._tpot.get(worker_id)
+        if e is not None and e.samples:
+            return e.floor
+        learned = [x.floor for x in self._tpot.values() if x.samples]
+        return min(learned) if learned else self._prior_tpot
 
     def ttft_limit(self, prompt: int, rate: float) -> float:
         """The request's TTFT SLO in seconds (inf when none is set): `rate` is the prefill work
@@ -100,15 +126,15 @@ class DecodeSlo:
         if not s.tpot_on:
             return 0
         m = self.model
-        base, floor = m.tpot(w.id)
-        limit = s.tpot_slo_s + s.tpot_slo_x * floor
+        base = self.best(w.id)
+        limit = s.tpot_slo_s + s.tpot_slo_x * base
         if w.decodes_beside_prefill:
             a, b = m.prefill_fit(w.id)
             chunk = m.chunk_s(w, a, b)
         else:
             chunk = math.inf
         n = 0
-        for stall, added, tokens in m.stalls(w, start, seconds, chunk):
+        for stall, added, tokens in m.stalls(w, start, seconds, chunk, m.clock()):
             if added <= 0.0:
                 continue
             steps = tokens - 1 if tokens > 1 else 1

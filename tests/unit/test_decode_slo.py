@@ -131,8 +131,11 @@ def test_the_decode_window_learns_a_worker_s_time_per_token() -> None:
     # 10 steps in 1 s: 0.1 s per token, so the SLO is 0.5 s per token
     st.observe(Completed("s", ("a",), timings=Timings(1.0, first_token_s=0.01, chunks=11, output_tokens=11)))
     assert st.slo is not None
-    base, floor = st.slo.model.tpot("a")
-    assert 0.02 < base <= 0.1 and floor <= base
+    assert st.slo.best("a") == pytest.approx(0.99 / 10)
+    assert st.slo.best("b") == pytest.approx(0.99 / 10)  # a peer's, until b has its own
+    # a decode routed there now is taken to need at least that per token (its window)
+    st.observe(routed_event(request("t", [4, 5, 6], 11), Colocated(a)))
+    assert st.slo.model.stalls(a, clock.t + 0.5, 0.1, float("inf")) == [(0.0, pytest.approx(0.1), 11)]
 
 
 @pytest.mark.parametrize(
