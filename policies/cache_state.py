@@ -196,6 +196,7 @@ class CacheState:
                 crossover_tokens=s.crossover_tokens,
                 prefill_rate=s.prefill_rate,
                 cached=self._cached_at_routing,
+                rate=self.queues.rate,
                 clock=clock,
             )
 

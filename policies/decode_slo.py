@@ -31,13 +31,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies.base import Completed, PolicyEvent, Routed
+from policies.base import Completed, Failed, PolicyEvent, Routed, WorkerGone
 from policies.cost_model import CostModel, CostPriors
 from policies.estimators import Ewma, prefill_work
 from policies.snapshot import WorkerState
+
+HORIZON_S = 600.0  # a request whose outcome never came is forgotten after this
+MAX_HELD = 100_000  # requests decoding the model keeps (the oldest go first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +77,20 @@ class DecodeSlo:
         crossover_tokens: float,
         prefill_rate: float,
         cached: Callable[[Routed, str], int],
+        rate: Callable[[str], float],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.crossover = crossover_tokens
+        self.clock = clock
+        self._cached = cached
+        self._rate = rate
+        # prefill-first workers (SGLang): per worker, the prefill seconds routed there so far,
+        # and each request decoding there whose answer has not come: (output tokens, that sum
+        # once its own prefill was routed)
+        self._routed_s: dict[str, float] = {}
+        self._held: dict[str, dict[str, tuple[int, float]]] = {}
+        self._where: OrderedDict[str, tuple[str, float]] = OrderedDict()  # request -> (worker, at)
         self.model = CostModel(
             priors=CostPriors(prefill_rate=prefill_rate, crossover_tokens=crossover_tokens),
             clock=clock,
@@ -90,6 +104,15 @@ class DecodeSlo:
         self._prior_tpot = CostPriors().tpot_s
 
     def observe(self, event: PolicyEvent) -> None:
+        match event:
+            case Routed():
+                self._routed(event)
+            case Completed() | Failed():
+                self._done(event.request_id)
+            case WorkerGone():
+                self._routed_s.pop(event.worker_id, None)
+                for rid in self._held.pop(event.worker_id, {}):
+                    self._where.pop(rid, None)
         self.model.observe(event)
         if isinstance(event, Completed) and event.timings is not None and event.worker_ids:
             t = event.timings
@@ -100,6 +123,33 @@ class DecodeSlo:
                 if e is None:
                     e = self._tpot[wid] = Ewma(self._prior_tpot)
                 e.add(t.decode_s / (counted - 1))
+
+    def _routed(self, ev: Routed) -> None:
+        wid = ev.worker_ids[0]
+        prompt = max(1, ev.prompt_tokens)
+        cached = min(prompt - 1, max(0, self._cached(ev, wid)))
+        seconds = prefill_work(prompt - cached, cached, self.crossover) / self._rate(wid)
+        total = self._routed_s[wid] = self._routed_s.get(wid, 0.0) + seconds
+        if ev.disaggregated:  # its decode is elsewhere and prefills nothing there (SGLang)
+            return
+        self._done(ev.request_id)  # routed again (a retry): its new place only
+        out = self.model.output_tokens(ev.max_tokens) if ev.max_tokens > 0 else 1
+        now = self.clock()
+        self._held.setdefault(wid, {})[ev.request_id] = (out, total)
+        where = self._where
+        where[ev.request_id] = (wid, now)
+        while where:  # forget what never answered (a lost outcome) after the horizon
+            rid, (_, at) = next(iter(where.items()))
+            if at >= now - HORIZON_S and len(where) <= MAX_HELD:
+                break
+            self._done(rid)
+
+    def _done(self, rid: str) -> None:
+        got = self._where.pop(rid, None)
+        if got is not None:
+            held = self._held.get(got[0])
+            if held is not None:
+                held.pop(rid, None)
 
     def best(self, worker_id: str) -> float:
         """The worker's unloaded time per output token: the floor of what its streams took
@@ -128,12 +178,23 @@ class DecodeSlo:
         m = self.model
         base = self.best(w.id)
         limit = s.tpot_slo_s + s.tpot_slo_x * base
-        if w.decodes_beside_prefill:
-            a, b = m.prefill_fit(w.id)
-            chunk = m.chunk_s(w, a, b)
-        else:
-            chunk = math.inf
         n = 0
+        if not w.decodes_beside_prefill:
+            # a prefill-first worker: a request in its waiting queue holds every decode step
+            # there until no prefill is left, so each decode whose answer has not come waits
+            # for all of this one, and has waited for all routed there after its own
+            slack = limit - base
+            total = self._routed_s.get(w.id, 0.0)
+            for out, at in self._held.get(w.id, {}).values():
+                if out < 2:
+                    continue
+                budget = (out - 1) * slack
+                stall = total - at
+                if stall <= budget < stall + seconds:
+                    n += 1
+            return n
+        a, b = m.prefill_fit(w.id)
+        chunk = m.chunk_s(w, a, b)
         for stall, added, tokens in m.stalls(w, start, seconds, chunk, m.clock()):
             if added <= 0.0:
                 continue

@@ -164,3 +164,32 @@ def test_config_switches_it_on(table: str | dict[str, object], on: bool) -> None
 def test_bad_slo_settings_are_refused(kw: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         CacheAwareCfg(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("before", "candidate", "answered", "broken"),
+    [
+        # an answer of 10 tokens may wait 9 x (5 - 1) x 0.02 s = 0.72 s in all on a prefill-first
+        # worker; the prefills routed there after it hold it (1 s of prefill per 10,000 tokens)
+        (5_000, 3_000, False, 1),  # 0.5 s + 0.3 s: pushed over by this one
+        (5_000, 1_000, False, 0),  # 0.5 s + 0.1 s: still within
+        (8_000, 3_000, False, 0),  # 0.8 s already: over before this one, not counted again
+        (0, 8_000, False, 1),  # nothing before it: 0.8 s breaks it alone
+        (5_000, 3_000, True, 0),  # its answer came: nothing left to hold
+    ],
+)
+def test_prefill_first_decodes_wait_for_every_prefill_after_them(
+    before: int, candidate: int, answered: bool, broken: int
+) -> None:
+    clock = Clock()
+    st = CacheState(CacheAwareSettings(crossover_tokens=0.0, slo=TPOT), clock=clock)
+    a = make_worker("a", engine="sglang")
+    assert not a.decodes_beside_prefill
+    st.observe(routed_event(request("short", [7, 7, 7], 10), Colocated(a)))
+    if before:
+        st.observe(routed_event(request("before", list(range(100_000, 100_000 + before)), 1), Colocated(a)))
+    if answered:
+        st.observe(Completed("short", ("a",)))
+    clock.t += 0.01
+    (est,) = st.estimates(request("new", list(range(200_000, 200_000 + candidate))), [a])
+    assert est.slo_misses == broken
