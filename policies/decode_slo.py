@@ -7,21 +7,25 @@ mixed chunks off by default), so each decode running there is held for all of it
 at most one prefill chunk per token it has left. A long prompt sent to a worker decoding short
 answers puts them past their time-per-output-token SLO, however good the worker's cache is.
 
-This reuses the P/D decider's model of those windows and stalls (`policies.cost_model.CostModel`,
-docs/policies.md "cost_model"): per worker, the requests routed to decode there, each with its
-predicted decode window (from its predicted first token for its expected output tokens) and the
-prefill seconds predicted to overlap it so far, learned and booked from the same events. For a
-candidate worker `w` and a prefill predicted to run from `start` for `seconds`:
+Per candidate worker `w`, for this request's prefill of `seconds` after `wait` (cache_aware's
+own predictions):
 
-    tpot_slo(w)   = tpot_slo_s + tpot_slo_x x best(w)      (the worker's best time per token: the
-                                                           floor of what its streams took)
-    tpot_i        = best(w) + stall_i / (tokens_i - 1)     each decode i routed to w whose answer
-                                                           has not come
-    broken(w)     = decodes with tpot_i <= tpot_slo(w) before this prefill and > after it
-                    (the part of the prefill inside decode i's window added to stall_i)
-    ttft_slo      = ttft_slo_s + ttft_slo_x x (a + b x work(P, 0))   the prompt computed whole on
-                    an idle worker: what `bench replay`'s relative SLOs are multiples of
-    misses(w)     = broken(w) + (1 if queue + own prefill > ttft_slo else 0)
+    best(w)       = the 10th percentile of w's latest streams' time per output token (unloaded)
+    tpot_slo(w)   = tpot_slo_s + tpot_slo_x x best(w)
+    budget_i      = (tokens_i - 1) x (tpot_slo(w) - best(w))   each request i decoding on w whose
+                                                               answer has not come
+    stall_i       = prefill-first (SGLang): the prefill seconds routed to w after i's own (a
+                    request in the waiting queue holds every decode step there until no prefill
+                    is left, wherever i's window was predicted); vLLM: the P/D decider's model
+                    (`policies.cost_model.CostModel`: i's predicted window and the prefill
+                    overlapping it, at most a chunk per token left), fed the same events
+    added_i       = seconds (SGLang); the overlap of [now + wait, + seconds) (vLLM)
+    broken(w)     = requests i with stall_i <= budget_i < stall_i + added_i
+    ttft_slo      = ttft_slo_s + ttft_slo_x x (work(P, 0) / rate): the prompt computed whole on
+                    an idle worker, what `bench replay`'s relative SLOs are multiples of
+    misses(w)     = broken(w) + (1 if wait + seconds > ttft_slo else 0)
+
+`tokens_i` is the decider's expected output (`max_tokens` x the learned share a request fills).
 
 `cache_aware` with an SLO configured picks among the candidates with the fewest misses by its
 cost (policies/cache_aware.py); with none configured nothing here is built or run.
@@ -31,17 +35,19 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.base import Completed, Failed, PolicyEvent, Routed, WorkerGone
 from policies.cost_model import CostModel, CostPriors
-from policies.estimators import Ewma, prefill_work
+from policies.estimators import prefill_work
 from policies.snapshot import WorkerState
 
 HORIZON_S = 600.0  # a request whose outcome never came is forgotten after this
 MAX_HELD = 100_000  # requests decoding the model keeps (the oldest go first)
+TPOT_SAMPLES = 64  # streams per worker whose time per token `best` is taken from
+MIN_TOKENS = 8  # the shortest stream measured (a short one's tokens come together more often)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +103,13 @@ class DecodeSlo:
             cached=cached,
             min_step=self.best,
         )
-        # per worker: the time per output token of its streams as measured, stalls and all; its
-        # floor (falls at once, rises slowly) is the unloaded time per token. The cost model's
-        # own takes its predicted stalls out, which reach 0 where it over-predicts them
-        self._tpot: dict[str, Ewma] = {}
+        # per worker: the time per output token of its latest streams as measured, stalls and
+        # all, and their low percentile, the unloaded time per token (`best`). Not a floor that
+        # falls at once: a stream read in one burst (its tokens came together) measures ~0. Not
+        # the cost model's, which takes its predicted stalls out and reaches 0 where it
+        # over-predicts them
+        self._tpot: dict[str, deque[float]] = {}
+        self._best: dict[str, float] = {}
         self._prior_tpot = CostPriors().tpot_s
 
     def observe(self, event: PolicyEvent) -> None:
@@ -117,12 +126,14 @@ class DecodeSlo:
         if isinstance(event, Completed) and event.timings is not None and event.worker_ids:
             t = event.timings
             counted = t.output_tokens if t.output_tokens is not None else (event.output_tokens or t.chunks)
-            if t.decode_s is not None and counted >= 2:
+            if t.decode_s is not None and counted >= MIN_TOKENS:
                 wid = event.worker_ids[-1]
-                e = self._tpot.get(wid)
-                if e is None:
-                    e = self._tpot[wid] = Ewma(self._prior_tpot)
-                e.add(t.decode_s / (counted - 1))
+                seen = self._tpot.get(wid)
+                if seen is None:
+                    seen = self._tpot[wid] = deque(maxlen=TPOT_SAMPLES)
+                seen.append(t.decode_s / (counted - 1))
+                n = len(seen)  # the median until there are 10
+                self._best[wid] = sorted(seen)[n // 10 if n >= 10 else n // 2]
 
     def _routed(self, ev: Routed) -> None:
         wid = ev.worker_ids[0]
@@ -152,13 +163,13 @@ class DecodeSlo:
                 held.pop(rid, None)
 
     def best(self, worker_id: str) -> float:
-        """The worker's unloaded time per output token: the floor of what its streams took
-        (without samples of its own, the least of its peers', else the prior)."""
-        e = self._tpot.get(worker_id)
-        if e is not None and e.samples:
-            return e.floor
-        learned = [x.floor for x in self._tpot.values() if x.samples]
-        return min(learned) if learned else self._prior_tpot
+        """The worker's unloaded time per output token: the 10th percentile of what its latest
+        streams of at least `MIN_TOKENS` took per token, the median of fewer than 10 (without samples of its own, the least
+        of its peers', else the prior)."""
+        got = self._best.get(worker_id)
+        if got is not None:
+            return got
+        return min(self._best.values()) if self._best else self._prior_tpot
 
     def ttft_limit(self, prompt: int, rate: float) -> float:
         """The request's TTFT SLO in seconds (inf when none is set): `rate` is the prefill work

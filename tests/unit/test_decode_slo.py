@@ -133,6 +133,12 @@ def test_the_decode_window_learns_a_worker_s_time_per_token() -> None:
     assert st.slo is not None
     assert st.slo.best("a") == pytest.approx(0.99 / 10)
     assert st.slo.best("b") == pytest.approx(0.99 / 10)  # a peer's, until b has its own
+    # one stream whose tokens came together (read in one burst) does not make it 0
+    st.observe(routed_event(request("burst", [1, 2, 4], 11), Colocated(a)))
+    st.observe(
+        Completed("burst", ("a",), timings=Timings(1.0, first_token_s=0.99, chunks=1, output_tokens=11))
+    )
+    assert st.slo.best("a") > 0.05
     # a decode routed there now is taken to need at least that per token (its window)
     st.observe(routed_event(request("t", [4, 5, 6], 11), Colocated(a)))
     assert st.slo.model.stalls(a, clock.t + 0.5, 0.1, float("inf")) == [(0.0, pytest.approx(0.1), 11)]
