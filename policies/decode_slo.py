@@ -10,7 +10,7 @@ answers puts them past their time-per-output-token SLO, however good the worker'
 Per candidate worker `w`, for this request's prefill of `seconds` after `wait` (cache_aware's
 own predictions):
 
-    best(w)       = the 10th percentile of w's latest streams' time per output token (unloaded)
+    best(w)       = the least time per output token of w's latest streams (unloaded)
     tpot_slo(w)   = tpot_slo_s + tpot_slo_x x best(w)
     budget_i      = (tokens_i - 1) x (tpot_slo(w) - best(w))   each request i decoding on w whose
                                                                answer has not come
@@ -47,7 +47,7 @@ from policies.snapshot import WorkerState
 HORIZON_S = 600.0  # a request whose outcome never came is forgotten after this
 MAX_HELD = 100_000  # requests decoding the model keeps (the oldest go first)
 TPOT_SAMPLES = 64  # streams per worker whose time per token `best` is taken from
-MIN_TOKENS = 8  # the shortest stream measured (a short one's tokens come together more often)
+MIN_TOKENS = 16  # the shortest stream measured (a short one's tokens come together more often)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +133,7 @@ class DecodeSlo:
                     seen = self._tpot[wid] = deque(maxlen=TPOT_SAMPLES)
                 seen.append(t.decode_s / (counted - 1))
                 n = len(seen)  # the median until there are 10
-                self._best[wid] = sorted(seen)[n // 10 if n >= 10 else n // 2]
+                self._best[wid] = min(seen) if n >= 10 else sorted(seen)[n // 2]
 
     def _routed(self, ev: Routed) -> None:
         wid = ev.worker_ids[0]
@@ -163,8 +163,8 @@ class DecodeSlo:
                 held.pop(rid, None)
 
     def best(self, worker_id: str) -> float:
-        """The worker's unloaded time per output token: the 10th percentile of what its latest
-        streams of at least `MIN_TOKENS` took per token, the median of fewer than 10 (without samples of its own, the least
+        """The worker's unloaded time per output token: the least that its latest streams of at
+        least `MIN_TOKENS` took per token, the median of fewer than 10 (without samples of its own, the least
         of its peers', else the prior)."""
         got = self._best.get(worker_id)
         if got is not None:

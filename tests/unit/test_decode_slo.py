@@ -126,22 +126,22 @@ def test_the_decode_window_learns_a_worker_s_time_per_token() -> None:
     clock = Clock()
     st = CacheState(CacheAwareSettings(crossover_tokens=0.0, slo=TPOT), clock=clock)
     a = make_worker("a", engine="sglang")
-    st.observe(routed_event(request("s", [1, 2, 3], 11), Colocated(a)))
+    st.observe(routed_event(request("s", [1, 2, 3], 21), Colocated(a)))
     clock.t += 1.0
-    # 10 steps in 1 s: 0.1 s per token, so the SLO is 0.5 s per token
-    st.observe(Completed("s", ("a",), timings=Timings(1.0, first_token_s=0.01, chunks=11, output_tokens=11)))
+    # 20 steps in 0.99 s: ~0.05 s per token, so the SLO is ~0.25 s per token
+    st.observe(Completed("s", ("a",), timings=Timings(1.0, first_token_s=0.01, chunks=21, output_tokens=21)))
     assert st.slo is not None
-    assert st.slo.best("a") == pytest.approx(0.99 / 10)
-    assert st.slo.best("b") == pytest.approx(0.99 / 10)  # a peer's, until b has its own
+    assert st.slo.best("a") == pytest.approx(0.99 / 20)
+    assert st.slo.best("b") == pytest.approx(0.99 / 20)  # a peer's, until b has its own
     # one stream whose tokens came together (read in one burst) does not make it 0
-    st.observe(routed_event(request("burst", [1, 2, 4], 11), Colocated(a)))
+    st.observe(routed_event(request("burst", [1, 2, 4], 21), Colocated(a)))
     st.observe(
-        Completed("burst", ("a",), timings=Timings(1.0, first_token_s=0.99, chunks=1, output_tokens=11))
+        Completed("burst", ("a",), timings=Timings(1.0, first_token_s=0.99, chunks=1, output_tokens=21))
     )
-    assert st.slo.best("a") > 0.05
+    assert st.slo.best("a") > 0.04
     # a decode routed there now is taken to need at least that per token (its window)
-    st.observe(routed_event(request("t", [4, 5, 6], 11), Colocated(a)))
-    assert st.slo.model.stalls(a, clock.t + 0.5, 0.1, float("inf")) == [(0.0, pytest.approx(0.1), 11)]
+    st.observe(routed_event(request("t", [4, 5, 6], 21), Colocated(a)))
+    assert st.slo.model.stalls(a, clock.t + 0.5, 0.1, float("inf")) == [(0.0, pytest.approx(0.1), 21)]
 
 
 @pytest.mark.parametrize(
