@@ -80,7 +80,7 @@ from policies.cache_state import (
     Estimate,
     PredictionStats,
 )
-from policies.estimators import prefill_work
+from policies.decode_slo import fewest_misses
 from policies.least_load import LoadScorer, LoadWeights
 from policies.prefix_source import Lookup
 from policies.snapshot import RequestView, WorkerState
@@ -416,7 +416,7 @@ class CacheAwareSelector:
             (saturated if wait > saturation else rows).append((wait + own + k * work, w.inflight, w))
         if state.slo is not None:
             return self._pick(
-                _fewest_misses(state, lookups, prompt, rate_sum / len(parts), now, rows or saturated)
+                fewest_misses(state, lookups, prompt, rate_sum / len(parts), now, rows or saturated)
             )
         return self._pick(rows or saturated)
 
@@ -446,33 +446,6 @@ class CacheAwareSelector:
 
     def observe(self, event: PolicyEvent) -> None:
         self.state.observe(event)
-
-
-def _fewest_misses(
-    state: CacheState,
-    lookups: tuple[Lookup | None, Lookup],
-    prompt: int,
-    mean_rate: float,
-    now: float,
-    rows: list[tuple[float, int, WorkerState]],
-) -> list[tuple[float, int, WorkerState]]:
-    """The rows whose worker is predicted to cause the fewest SLO misses (`Estimate.slo_misses`,
-    as `CacheState.estimates` counts them)."""
-    slo = state.slo
-    assert slo is not None
-    limit = slo.ttft_limit(prompt, mean_rate)
-    s = state.settings
-    threshold = s.cache_threshold * prompt
-    counted: list[tuple[int, tuple[float, int, WorkerState]]] = []
-    for row in rows:
-        w = row[2]
-        cached = min(state.cached(lookups, w.id)[0], prompt - 1)
-        credit = cached if cached > threshold else 0
-        backlog, rate = state.queues.backlog_rate(w.id, now, w.load.waiting)
-        seconds = prefill_work(prompt - credit, credit, s.crossover_tokens) / rate
-        counted.append((slo.misses(w, now, backlog / rate, seconds, limit), row))
-    fewest = min(n for n, _ in counted)
-    return [row for n, row in counted if n == fewest]
 
 
 class LoadSelector:
