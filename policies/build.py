@@ -30,6 +30,7 @@ from policies.config import (
 )
 from policies.cost_model import CostPriors
 from policies.decider import AlwaysDecider, CostModelDecider, CostSettings, NeverDecider, PlanDecider
+from policies.decode_slo import SloSettings
 from policies.least_load import LoadWeights, least_load_profile
 from policies.pd import PDPolicy
 from policies.plugins import PluginError, PolicyFactory, load_plugin, make_plugin_policy
@@ -100,6 +101,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         exact_large_pool=cfg.large_pool == "exact",
         use_kv_events=cfg.index == "auto",
         record_prefilled=cfg.record == "prefilled",
+        slo=SloSettings(cfg.ttft_slo_s, cfg.ttft_slo_x, cfg.tpot_slo_s, cfg.tpot_slo_x),
     )
 
 

@@ -80,6 +80,7 @@ from policies.cache_state import (
     Estimate,
     PredictionStats,
 )
+from policies.decode_slo import fewest_misses
 from policies.least_load import LoadScorer, LoadWeights
 from policies.prefix_source import Lookup
 from policies.snapshot import RequestView, WorkerState
@@ -330,6 +331,9 @@ class CacheAwareSelector:
         all_saturated = not ok
         if all_saturated:
             ok = pairs
+        if state.slo is not None:  # the fewest predicted SLO misses first (policies/decode_slo.py)
+            fewest = min(e.slo_misses for _, e in ok)
+            ok = [(w, e) for w, e in ok if e.slo_misses == fewest]
         scores = ttft_scores([e for _, e in ok])
         chosen, why = self.picker.pick_why([(w, scores[w.id]) for w, _ in ok])
         return chosen, self._record_of(req, est, scores, chosen, "all_saturated" if all_saturated else why)
@@ -410,6 +414,10 @@ class CacheAwareSelector:
         saturated: list[tuple[float, int, WorkerState]] = []
         for wait, own, work, w in parts:
             (saturated if wait > saturation else rows).append((wait + own + k * work, w.inflight, w))
+        if state.slo is not None:
+            return self._pick(
+                fewest_misses(state, lookups, prompt, rate_sum / len(parts), now, rows or saturated)
+            )
         return self._pick(rows or saturated)
 
     def _pick(self, rows: list[tuple[float, int, WorkerState]]) -> WorkerState:

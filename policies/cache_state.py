@@ -8,7 +8,7 @@ import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -22,6 +22,7 @@ from policies.base import (
     Routed,
     WorkerGone,
 )
+from policies.decode_slo import DecodeSlo, SloSettings
 from policies.estimators import prefill_work
 from policies.pending import expire
 from policies.pool_pressure import DecayedRate, externality_per_work
@@ -56,12 +57,15 @@ class CacheAwareSettings:
     use_kv_events: bool = True
     record_prefilled: bool = False
     max_pending: int = 100_000
+    slo: SloSettings = field(default_factory=SloSettings)  # off unless an SLO is set (policies/decode_slo.py)
 
     def __post_init__(self) -> None:
         if self.exact_large_pool and self.queue_externality > 0:
             raise ValueError(
                 'large_pool = "exact" needs queue_externality = 0: the busy-pool price is taken over the whole pool, which the exact search does not read'
             )
+        if self.exact_large_pool and self.slo.on:
+            raise ValueError('large_pool = "exact" does not weigh SLOs: set no ttft_slo_* / tpot_slo_*')
 
 
 # ---- predictions -------------------------------------------------------------------------------
@@ -80,6 +84,7 @@ class Estimate(msgspec.Struct, frozen=True, gc=False):
     cost: float  # queue wait + own prefill * (1 + inflight_factor * inflight) + externality
     saturated: bool
     externality_s: float = 0.0  # the delay its prefill work adds to later arrivals (pool_pressure)
+    slo_misses: int = 0  # SLO misses its prefill there is predicted to cause (policies/decode_slo.py)
 
 
 class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
@@ -183,6 +188,17 @@ class CacheState:
         self._last_sweep = clock()
         self._filling: list[tuple[float, str]] = []
         self._pinned: dict[str, float] = {}  # worker -> KV tokens pinned by requests in flight
+        # the decode windows and SLO misses (policies/decode_slo.py); None unless an SLO is set
+        self.slo: DecodeSlo | None = None
+        if s.slo.on:
+            self.slo = DecodeSlo(
+                s.slo,
+                crossover_tokens=s.crossover_tokens,
+                prefill_rate=s.prefill_rate,
+                cached=self._cached_at_routing,
+                rate=self.queues.rate,
+                clock=clock,
+            )
 
     # -- reads (pure, but for the catch-up below) ---------------------------------------------
 
@@ -242,11 +258,15 @@ class CacheState:
             backlog = queues.backlog(wid, now, w.load.waiting)
             work = prefill_work(prompt - credit, credit, attention)
             rows.append((w, cached, source, backlog, rate, backlog / rate, work))
-        k = self.externality_k(sum(r[5] for r in rows), sum(r[4] for r in rows), len(rows), now, pool)
+        rate_sum = sum(r[4] for r in rows)
+        k = self.externality_k(sum(r[5] for r in rows), rate_sum, len(rows), now, pool)
+        slo = self.slo
+        ttft_limit = 0.0 if slo is None or not rows else slo.ttft_limit(prompt, rate_sum / len(rows))
         out: list[Estimate] = []
         for w, cached, source, backlog, rate, wait, work in rows:
             own = work / rate
             ext = k * work
+            misses = 0 if slo is None else slo.misses(w, now, wait, own, ttft_limit)
             out.append(
                 Estimate(
                     worker=w.id,
@@ -259,6 +279,7 @@ class CacheState:
                     cost=wait + own * (1.0 + factor * w.inflight) + ext,
                     saturated=wait > s.saturation_wait_s,
                     externality_s=ext,
+                    slo_misses=misses,
                 )
             )
         return out
@@ -291,7 +312,14 @@ class CacheState:
 
     # -- observe ----------------------------------------------------------------------------
 
+    def _cached_at_routing(self, ev: Routed, worker_id: str) -> int:
+        """The decode-window model's work of a routed prompt (read before it is recorded)."""
+        key = ev.prompt_key
+        return 0 if key is None else self.cached_for(ev.model, key, worker_id)
+
     def observe(self, event: PolicyEvent) -> None:
+        if self.slo is not None:  # first: it reads the index as the routing saw it
+            self.slo.observe(event)
         match event:
             case Routed():
                 self._routed(event)

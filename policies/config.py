@@ -123,6 +123,14 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # sharing a prefix in flight are drawn to one worker) or "prefilled" (when its predicted
     # prefill ends, as an engine registers blocks: the predictions match what engines report)
     record: Literal["routed", "prefilled"] = "routed"
+    # SLO-aware choice (policies/decode_slo.py): the fewest predicted SLO misses first (this
+    # request's TTFT, the TPOT of the decodes its prefill would stall), then the lowest cost.
+    # TTFT SLO = ttft_slo_s + ttft_slo_x x the prompt's prefill on an idle worker; TPOT SLO =
+    # tpot_slo_s + tpot_slo_x x the worker's best time per token; all 0 (default): off
+    ttft_slo_s: float = 0.0
+    ttft_slo_x: float = 0.0
+    tpot_slo_s: float = 0.0
+    tpot_slo_x: float = 0.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -153,6 +161,13 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
             raise ValueError(f"crossover_tokens must be a finite number >= 0, got {self.crossover_tokens}")
         if self.worker_cache_tokens is not None and self.worker_cache_tokens < 1:
             raise ValueError("worker_cache_tokens must be >= 1")
+        for name in ("ttft_slo_s", "ttft_slo_x", "tpot_slo_s", "tpot_slo_x"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        slo = self.ttft_slo_s + self.ttft_slo_x + self.tpot_slo_s + self.tpot_slo_x
+        if self.large_pool == "exact" and slo > 0:
+            raise ValueError('large_pool = "exact" does not weigh SLOs: set no ttft_slo_* / tpot_slo_*')
 
 
 class PluginCfg(_Cfg, tag="plugin", frozen=True):

@@ -88,6 +88,9 @@ class CostModel:
     # cached prompt tokens a worker holds, as the routing saw it (the cache-aware index), for
     # the work booked at `Routed`
     cached: Callable[[Routed, str], int] | None = None
+    # the least time per output token a decode on a worker is taken to need (its window's
+    # length), where the owner measures it otherwise (policies/decode_slo.py); None: no bound
+    min_step: Callable[[str], float] | None = None
     _prefill: dict[str, LinearFit] = field(default_factory=dict)
     _handoff: dict[tuple[str, str], LinearFit] = field(default_factory=dict)
     _tpot: dict[str, Ewma] = field(default_factory=dict)
@@ -182,16 +185,17 @@ class CostModel:
         return max(1, round(max_tokens * min(1.0, max(0.05, self._fill.mean))))
 
     def stalls(
-        self, w: WorkerState, start: float, seconds: float, chunk_s: float
+        self, w: WorkerState, start: float, seconds: float, chunk_s: float, running_at: float = 0.0
     ) -> list[tuple[float, float, int]]:
         """For a prefill of `seconds` that would run on the worker from `start` in steps of at
         most `chunk_s`: (predicted stall so far, what this prefill adds, output tokens) of each
-        request routed to decode there."""
+        request routed to decode there. `running_at` (now): each of them is known to run until
+        then at least (its outcome has not come), however early its window was predicted to end."""
         d = self._decoders.get(w.id)
         if d is None:
             return []
         end = start + seconds
-        return [(r.stall, overlap(start, end, r, chunk_s), r.out) for r in d.running.values()]
+        return [(r.stall, overlap(start, end, r, chunk_s, running_at), r.out) for r in d.running.values()]
 
     def chunk_s(self, w: WorkerState, a: float, b: float) -> float:
         """The longest a prefill on `w` (whose fit is (a, b)) holds a decode there per token:
@@ -252,6 +256,10 @@ class CostModel:
         if decoder is None:
             decoder = self._decoders[p.decode] = Decoder()
         p.step = self.tpot(p.decode)[0]
+        if self.min_step is not None:
+            least = self.min_step(p.decode)
+            if least > p.step:
+                p.step = least
         p.dur = max(0, p.out - 1) * p.step
         if ev.disaggregated:
             p.kind = "pd"

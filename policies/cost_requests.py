@@ -51,12 +51,15 @@ class Decoder:
         self.running: dict[str, Pending] = {}
 
 
-def overlap(start: float, end: float, r: Pending, chunk_s: float) -> float:
+def overlap(start: float, end: float, r: Pending, chunk_s: float, running_at: float = 0.0) -> float:
     """The stall a prefill running over [start, end) in chunks of `chunk_s` puts on `r`'s decode:
     the part from its first token on, at most one chunk per token it has left when the prefill
-    reaches it (its window, stretched by its stalls so far)."""
+    reaches it (its window, stretched by its stalls so far). `running_at`: a time `r` is known
+    to be still running (its outcome has not come): its window lasts at least a step past it."""
     lo = start if start > r.start else r.start
     stop = r.start + r.dur + r.stall
+    if running_at + r.step > stop:
+        stop = running_at + r.step
     if end <= lo or lo >= stop:
         return 0.0
     span = end - lo

@@ -1,0 +1,255 @@
+"""SLO-aware colocated routing for `cache_aware`: the SLO misses a prefill is predicted to cause.
+
+A worker that both prefills and decodes (a colocated worker, a vLLM decode prefilling itself)
+runs a new request's prefill in the steps of the decodes running there, and they wait for it:
+on SGLang a step with prefill work decodes nothing (managers/scheduler.py `get_next_batch_to_run`,
+mixed chunks off by default), so each decode running there is held for all of it; on vLLM for
+at most one prefill chunk per token it has left. A long prompt sent to a worker decoding short
+answers puts them past their time-per-output-token SLO, however good the worker's cache is.
+
+Per candidate worker `w`, for this request's prefill of `seconds` after `wait` (cache_aware's
+own predictions):
+
+    best(w)       = the least time per output token of w's latest streams (unloaded)
+    tpot_slo(w)   = tpot_slo_s + tpot_slo_x x best(w)
+    budget_i      = (tokens_i - 1) x (tpot_slo(w) - best(w))   each request i decoding on w whose
+                                                               answer has not come
+    stall_i       = prefill-first (SGLang): the prefill seconds routed to w after i's own (a
+                    request in the waiting queue holds every decode step there until no prefill
+                    is left, wherever i's window was predicted); vLLM: the P/D decider's model
+                    (`policies.cost_model.CostModel`: i's predicted window and the prefill
+                    overlapping it, at most a chunk per token left), fed the same events
+    added_i       = seconds (SGLang); the overlap of [now + wait, + seconds) (vLLM)
+    broken(w)     = requests i with stall_i <= budget_i < stall_i + added_i
+    ttft_slo      = ttft_slo_s + ttft_slo_x x (work(P, 0) / rate): the prompt computed whole on
+                    an idle worker, what `bench replay`'s relative SLOs are multiples of
+    misses(w)     = broken(w) + (1 if wait + seconds > ttft_slo else 0)
+
+`tokens_i` is the decider's expected output (`max_tokens` x the learned share a request fills).
+
+`cache_aware` with an SLO configured picks among the candidates with the fewest misses by its
+cost (policies/cache_aware.py); with none configured nothing here is built or run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from policies.base import Completed, Failed, PolicyEvent, Routed, WorkerGone
+from policies.cost_model import CostModel, CostPriors
+from policies.estimators import prefill_work
+from policies.snapshot import WorkerState
+
+if TYPE_CHECKING:
+    from policies.cache_state import CacheState
+    from policies.prefix_source import Lookup
+
+HORIZON_S = 600.0  # a request whose outcome never came is forgotten after this
+MAX_HELD = 100_000  # requests decoding the model keeps (the oldest go first)
+TPOT_SAMPLES = 64  # streams per worker whose time per token `best` is taken from
+MIN_TOKENS = 16  # the shortest stream measured (a short one's tokens come together more often)
+
+
+@dataclass(frozen=True, slots=True)
+class SloSettings:
+    """The SLOs `cache_aware` is told (`policies.config.CacheAwareCfg` documents each); a limit
+    with both parts 0 is not checked."""
+
+    ttft_slo_s: float = 0.0
+    ttft_slo_x: float = 0.0
+    tpot_slo_s: float = 0.0
+    tpot_slo_x: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return self.ttft_on or self.tpot_on
+
+    @property
+    def ttft_on(self) -> bool:
+        return self.ttft_slo_s > 0.0 or self.ttft_slo_x > 0.0
+
+    @property
+    def tpot_on(self) -> bool:
+        return self.tpot_slo_s > 0.0 or self.tpot_slo_x > 0.0
+
+
+class DecodeSlo:
+    """The decode windows on each worker and the misses a new prefill there would cause."""
+
+    def __init__(
+        self,
+        settings: SloSettings,
+        *,
+        crossover_tokens: float,
+        prefill_rate: float,
+        cached: Callable[[Routed, str], int],
+        rate: Callable[[str], float],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.crossover = crossover_tokens
+        self.clock = clock
+        self._cached = cached
+        self._rate = rate
+        # prefill-first workers (SGLang): per worker, the prefill seconds routed there so far,
+        # and each request decoding there whose answer has not come: (output tokens, that sum
+        # once its own prefill was routed)
+        self._routed_s: dict[str, float] = {}
+        self._held: dict[str, dict[str, tuple[int, float]]] = {}
+        self._where: OrderedDict[str, tuple[str, float]] = OrderedDict()  # request -> (worker, at)
+        self.model = CostModel(
+            priors=CostPriors(prefill_rate=prefill_rate, crossover_tokens=crossover_tokens),
+            clock=clock,
+            cached=cached,
+            min_step=self.best,
+        )
+        # per worker: the time per output token of its latest streams as measured, stalls and
+        # all, and their low percentile, the unloaded time per token (`best`). Not a floor that
+        # falls at once: a stream read in one burst (its tokens came together) measures ~0. Not
+        # the cost model's, which takes its predicted stalls out and reaches 0 where it
+        # over-predicts them
+        self._tpot: dict[str, deque[float]] = {}
+        self._best: dict[str, float] = {}
+        self._prior_tpot = CostPriors().tpot_s
+
+    def observe(self, event: PolicyEvent) -> None:
+        match event:
+            case Routed():
+                self._routed(event)
+            case Completed() | Failed():
+                self._done(event.request_id)
+            case WorkerGone():
+                self._routed_s.pop(event.worker_id, None)
+                for rid in self._held.pop(event.worker_id, {}):
+                    self._where.pop(rid, None)
+        self.model.observe(event)
+        if isinstance(event, Completed) and event.timings is not None and event.worker_ids:
+            t = event.timings
+            counted = t.output_tokens if t.output_tokens is not None else (event.output_tokens or t.chunks)
+            if t.decode_s is not None and counted >= MIN_TOKENS:
+                wid = event.worker_ids[-1]
+                seen = self._tpot.get(wid)
+                if seen is None:
+                    seen = self._tpot[wid] = deque(maxlen=TPOT_SAMPLES)
+                seen.append(t.decode_s / (counted - 1))
+                n = len(seen)  # the median until there are 10
+                self._best[wid] = min(seen) if n >= 10 else sorted(seen)[n // 2]
+
+    def _routed(self, ev: Routed) -> None:
+        wid = ev.worker_ids[0]
+        prompt = max(1, ev.prompt_tokens)
+        cached = min(prompt - 1, max(0, self._cached(ev, wid)))
+        seconds = prefill_work(prompt - cached, cached, self.crossover) / self._rate(wid)
+        total = self._routed_s[wid] = self._routed_s.get(wid, 0.0) + seconds
+        if ev.disaggregated:  # its decode is elsewhere and prefills nothing there (SGLang)
+            return
+        self._done(ev.request_id)  # routed again (a retry): its new place only
+        out = self.model.output_tokens(ev.max_tokens) if ev.max_tokens > 0 else 1
+        now = self.clock()
+        self._held.setdefault(wid, {})[ev.request_id] = (out, total)
+        where = self._where
+        where[ev.request_id] = (wid, now)
+        while where:  # forget what never answered (a lost outcome) after the horizon
+            rid, (_, at) = next(iter(where.items()))
+            if at >= now - HORIZON_S and len(where) <= MAX_HELD:
+                break
+            self._done(rid)
+
+    def _done(self, rid: str) -> None:
+        got = self._where.pop(rid, None)
+        if got is not None:
+            held = self._held.get(got[0])
+            if held is not None:
+                held.pop(rid, None)
+
+    def best(self, worker_id: str) -> float:
+        """The worker's unloaded time per output token: the least that its latest streams of at
+        least `MIN_TOKENS` took per token, the median of fewer than 10 (without samples of its own, the least
+        of its peers', else the prior)."""
+        got = self._best.get(worker_id)
+        if got is not None:
+            return got
+        return min(self._best.values()) if self._best else self._prior_tpot
+
+    def ttft_limit(self, prompt: int, rate: float) -> float:
+        """The request's TTFT SLO in seconds (inf when none is set): `rate` is the prefill work
+        per second of an idle worker (the caller's measure)."""
+        s = self.settings
+        if not s.ttft_on:
+            return math.inf
+        unloaded = prefill_work(prompt, 0, self.crossover) / rate if s.ttft_slo_x > 0.0 else 0.0
+        return s.ttft_slo_s + s.ttft_slo_x * unloaded
+
+    def broken(self, w: WorkerState, start: float, seconds: float) -> int:
+        """Decodes routed to `w` within their TPOT SLO that a prefill over [start, start +
+        seconds) is predicted to put over it."""
+        s = self.settings
+        if not s.tpot_on:
+            return 0
+        m = self.model
+        base = self.best(w.id)
+        limit = s.tpot_slo_s + s.tpot_slo_x * base
+        n = 0
+        if not w.decodes_beside_prefill:
+            # a prefill-first worker: a request in its waiting queue holds every decode step
+            # there until no prefill is left, so each decode whose answer has not come waits
+            # for all of this one, and has waited for all routed there after its own
+            slack = limit - base
+            total = self._routed_s.get(w.id, 0.0)
+            for out, at in self._held.get(w.id, {}).values():
+                if out < 2:
+                    continue
+                budget = (out - 1) * slack
+                stall = total - at
+                if stall <= budget < stall + seconds:
+                    n += 1
+            return n
+        a, b = m.prefill_fit(w.id)
+        chunk = m.chunk_s(w, a, b)
+        for stall, added, tokens in m.stalls(w, start, seconds, chunk, m.clock()):
+            if added <= 0.0:
+                continue
+            steps = tokens - 1 if tokens > 1 else 1
+            if base + stall / steps <= limit < base + (stall + added) / steps:
+                n += 1
+        return n
+
+    def misses(self, w: WorkerState, now: float, wait: float, seconds: float, ttft_limit: float) -> int:
+        """`broken(w)` plus 1 where this request's own predicted TTFT is over `ttft_limit`."""
+        own = 1 if wait + seconds > ttft_limit else 0
+        return own + self.broken(w, now + wait, seconds)
+
+
+def fewest_misses(
+    state: CacheState,
+    lookups: tuple[Lookup | None, Lookup],
+    prompt: int,
+    mean_rate: float,
+    now: float,
+    rows: list[tuple[float, int, WorkerState]],
+) -> list[tuple[float, int, WorkerState]]:
+    """Of `cache_aware`'s (cost, in flight, worker) rows, those whose worker is predicted to cause
+    the fewest SLO misses (`Estimate.slo_misses`, as `CacheState.estimates` counts them)."""
+    slo = state.slo
+    assert slo is not None
+    limit = slo.ttft_limit(prompt, mean_rate)
+    s = state.settings
+    threshold = s.cache_threshold * prompt
+    counted: list[tuple[int, tuple[float, int, WorkerState]]] = []
+    for row in rows:
+        w = row[2]
+        cached = min(state.cached(lookups, w.id)[0], prompt - 1)
+        credit = cached if cached > threshold else 0
+        backlog, rate = state.queues.backlog_rate(w.id, now, w.load.waiting)
+        seconds = prefill_work(prompt - credit, credit, s.crossover_tokens) / rate
+        counted.append((slo.misses(w, now, backlog / rate, seconds, limit), row))
+    fewest = min(n for n, _ in counted)
+    return [row for n, row in counted if n == fewest]
+
+
+__all__ = ["DecodeSlo", "SloSettings", "fewest_misses"]
