@@ -298,6 +298,18 @@ def tree_wakeups(pid: int) -> int:
     they blocked (in epoll_wait, mostly) and were woken. Per request, it says how many wake-ups
     a target paid: an idle target pays one per upstream event, a busy one finds several events
     per wake-up (Linux; 0 elsewhere)."""
+    return _tree_switches(pid, b"voluntary_ctxt_switches:")
+
+
+def tree_preemptions(pid: int) -> int:
+    """Involuntary context switches of every thread of `pid` and its live descendants: how often
+    the scheduler took the CPU from one of them while it could still run (another process of
+    the same core was due). A process alone on its core is hardly ever preempted; two that
+    share one take turns (Linux; 0 elsewhere)."""
+    return _tree_switches(pid, b"nonvoluntary_ctxt_switches:")
+
+
+def _tree_switches(pid: int, field: bytes) -> int:
     import psutil
 
     try:
@@ -315,7 +327,7 @@ def tree_wakeups(pid: int) -> int:
             try:
                 with open(f"/proc/{p}/task/{tid}/status", "rb") as f:
                     for line in f:
-                        if line.startswith(b"voluntary_ctxt_switches:"):
+                        if line.startswith(field):
                             total += int(line.split()[1])
                             break
             except (OSError, ValueError):
