@@ -136,7 +136,7 @@ class Cluster:
 
     def cpu_probe(self) -> float:
         pids = {u.proc.pid for u in (self.prefill, self.decode)}  # nginx: one process serves both
-        return sum(procs.tree_cpu_seconds(pid) for pid in pids)
+        return sum(procs.tree_runtime_seconds(pid) for pid in pids)
 
 
 def start_cluster(
@@ -293,13 +293,13 @@ def measure(
         make_session = lambda: SimpleSession(procs.HOST, target.port, req, tail, quickack=quick)  # noqa: E731
     if target.proc is not None:
         pid = target.proc.pid
-        probes["target"] = lambda: procs.tree_cpu_seconds(pid)
+        probes["target"] = lambda: procs.tree_runtime_seconds(pid)
         probes["target_sys"] = lambda: procs.tree_cpu_times(pid)[1]
         probes["target_wakeups"] = lambda: float(procs.tree_wakeups(pid))
         probes["target_preempted"] = lambda: float(procs.tree_preemptions(pid))
     elif target.kind == "direct":
         both_pid = cluster.both.proc.pid
-        probes["upstream"] = lambda: procs.tree_cpu_seconds(both_pid)
+        probes["upstream"] = lambda: procs.tree_runtime_seconds(both_pid)
     # direct-pd: the load generator *is* the router, so it gets the target's core for the row.
     saved = os.sched_getaffinity(0) if target.kind == "direct-pd" and target_cpus else None
     if saved is not None and target_cpus:

@@ -275,6 +275,37 @@ def tree_cpu_seconds(pid: int) -> float:
     return user + system
 
 
+def tree_runtime_seconds(pid: int) -> float:
+    """CPU time (all threads, user and kernel) of `pid` and its live descendants, in seconds.
+
+    `tree_cpu_seconds` to the nanosecond: on Linux, each process's own CPU-time clock
+    (`clock_gettime` on the clock id that glibc's `clock_getcpuclockid(pid)` returns: the
+    scheduler's runtime). utime and stime count in clock ticks (10 ms here) and a tree rounds
+    once per process: on a row of ~50 streams, up to ±10 % of its CPU per stream with `serve
+    --workers 2` (three processes). Elsewhere: utime+stime."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        pids = [pid, *(c.pid for c in root.children(recursive=True))]
+    except psutil.Error:
+        return 0.0
+    if not sys.platform.startswith("linux"):
+        user, system = tree_cpu_times(pid)
+        return user + system
+    total = 0.0
+    for p in pids:
+        with contextlib.suppress(OSError):
+            total += time.clock_gettime(_process_cpu_clock(p))
+    return total
+
+
+def _process_cpu_clock(pid: int) -> int:
+    """Linux's CPU-time clock id of process `pid` (MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED) in
+    the kernel's include/linux/posix-timers.h, what glibc's clock_getcpuclockid returns)."""
+    return ((~pid) << 3) | 2
+
+
 def tree_cpu_times(pid: int) -> tuple[float, float]:
     """(utime, stime) (all threads) of `pid` and its live descendants, in seconds."""
     import psutil
