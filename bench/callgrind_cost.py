@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-file", default=None)
     ap.add_argument("--client", choices=("raw", "openai"), default="raw")
     ap.add_argument("--json", action="store_true", help="one JSON object per case instead of a line")
+    ap.add_argument(
+        "--processes", type=int, default=1, help="the gateway as one of this many processes (python_cost's)"
+    )
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                 rig.append(f"--serve-args={args.serve_args}")
             if args.apart:
                 rig.append("--apart")
+            if args.processes != 1:
+                rig += ["--processes", str(args.processes)]
             if args.log_file:
                 rig += ["--log-file", args.log_file]
             k = per_request(rig, args.n, args.warmup)

@@ -91,6 +91,9 @@ class Row:
     # the target's voluntary context switches per request: the wake-ups it paid (an idle target
     # pays one per upstream event, a busy one finds several events per wake-up)
     wakeups_per_req: float | None = None
+    # its involuntary context switches per request: how often the scheduler preempted it (two
+    # processes sharing one core take turns; one alone on its core is hardly ever preempted)
+    preempted_per_req: float | None = None
     added_p50_ms: float | None = None
     cpu_vs_router: float | None = None  # gateway only: / the same engine's router
     rounds: int = 1  # > 1: each figure is the median over this many interleaved rounds
@@ -133,7 +136,7 @@ class Cluster:
 
     def cpu_probe(self) -> float:
         pids = {u.proc.pid for u in (self.prefill, self.decode)}  # nginx: one process serves both
-        return sum(procs.tree_cpu_seconds(pid) for pid in pids)
+        return sum(procs.tree_runtime_seconds(pid) for pid in pids)
 
 
 def start_cluster(
@@ -290,12 +293,13 @@ def measure(
         make_session = lambda: SimpleSession(procs.HOST, target.port, req, tail, quickack=quick)  # noqa: E731
     if target.proc is not None:
         pid = target.proc.pid
-        probes["target"] = lambda: procs.tree_cpu_seconds(pid)
+        probes["target"] = lambda: procs.tree_runtime_seconds(pid)
         probes["target_sys"] = lambda: procs.tree_cpu_times(pid)[1]
         probes["target_wakeups"] = lambda: float(procs.tree_wakeups(pid))
+        probes["target_preempted"] = lambda: float(procs.tree_preemptions(pid))
     elif target.kind == "direct":
         both_pid = cluster.both.proc.pid
-        probes["upstream"] = lambda: procs.tree_cpu_seconds(both_pid)
+        probes["upstream"] = lambda: procs.tree_runtime_seconds(both_pid)
     # direct-pd: the load generator *is* the router, so it gets the target's core for the row.
     saved = os.sched_getaffinity(0) if target.kind == "direct-pd" and target_cpus else None
     if saved is not None and target_cpus:
@@ -326,6 +330,7 @@ def measure(
     tcpu = res.cpu_s.get("target")
     tsys = res.cpu_s.get("target_sys")
     twake = res.cpu_s.get("target_wakeups")
+    tpre = res.cpu_s.get("target_preempted")
     return Row(
         target=target.kind,
         engine=target.engine,
@@ -341,6 +346,7 @@ def measure(
         upstream_cpu_us_per_req=res.cpu_s["upstream"] / n * 1e6 if res.completed else None,
         sys_us_per_req=(tsys / n * 1e6) if tsys is not None and res.completed else None,
         wakeups_per_req=(twake / n) if twake is not None and res.completed else None,
+        preempted_per_req=(tpre / n) if tpre is not None and res.completed else None,
         error_samples=res.error_samples,
     )
 
@@ -379,6 +385,7 @@ def median_row(rounds: list[Row]) -> Row:
         upstream_cpu_us_per_req=_median([r.upstream_cpu_us_per_req for r in rounds]),
         sys_us_per_req=_median([r.sys_us_per_req for r in rounds]),
         wakeups_per_req=_median([r.wakeups_per_req for r in rounds]),
+        preempted_per_req=_median([r.preempted_per_req for r in rounds]),
         error_samples=[e for r in rounds for e in r.error_samples][:5],
         rounds=len(rounds),
     )
@@ -460,8 +467,9 @@ def processes_table(rows: list[Row]) -> str:
     head = (
         "| engine | mode | conns | router CPU/req µs | gateway 1 process: CPU/req µs (vs router) "
         "| 2 processes: CPU/req µs (vs router) | 2 / 1 process CPU/req | req/s, 1 process "
-        "| req/s, 2 processes | req/s per core: router | 1 process | 2 processes |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| req/s, 2 processes | req/s per core: router | 1 process | 2 processes "
+        "| preempted/req: 1 process | 2 processes |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -486,7 +494,8 @@ def processes_table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.engine} | {r.mode} | {r.conns} | {_f(rt.cpu_us_per_req if rt else None, '.0f')} "
             f"| {cpu(one)} | {cpu(r)} | {ratio} | {_f(one.rps if one else None, '.0f')} | {r.rps:.0f} "
-            f"| {per_core(rt)} | {per_core(one)} | {per_core(r)} |"
+            f"| {per_core(rt)} | {per_core(one)} | {per_core(r)} "
+            f"| {_f(one.preempted_per_req if one else None, '.3f')} | {_f(r.preempted_per_req, '.3f')} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -704,6 +713,11 @@ def main(argv: list[str]) -> int:
         "duration_s": args.duration,
         "warmup_s": args.warmup,
         "pinning": f"targets on CPU {target_cpus}, upstreams + load generator on CPU {up_cpus}"
+        + (
+            f" (gateway-x2: the supervisor and both processes on CPU {target_cpus}, sharing it)"
+            if "gateway-x2" in targets
+            else ""
+        )
         if pin
         else "none",
         "versions": _versions(),

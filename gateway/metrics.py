@@ -141,6 +141,22 @@ def _le(bound: float) -> str:
     return str(floatToGoString(bound))
 
 
+class _FixedHistogramChild:
+    """A histogram child whose labels are fixed in the code (`phase="prefill"`), looked up once:
+    made on its first observation (a scrape shows no series for what never happened, as with
+    `labels()`), after which `observe` is that child's own bound method."""
+
+    __slots__ = ("_labels", "_metric", "observe")
+
+    def __init__(self, metric: Histogram, *labels: str) -> None:
+        self._metric, self._labels = metric, labels
+        self.observe: Callable[[float], None] = self._first
+
+    def _first(self, value: float) -> None:
+        self.observe = self._metric.labels(*self._labels).observe
+        self.observe(value)
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -187,6 +203,12 @@ class GatewayMetrics:
             buckets=_LAT_BUCKETS,
             registry=r,
         )
+        # the per-request observations of fixed labels, without a label lookup each
+        self.phase_prefill = _FixedHistogramChild(self.phase, "prefill")
+        self.phase_handoff = _FixedHistogramChild(self.phase, "handoff")
+        self.phase_decode = _FixedHistogramChild(self.phase, "decode")
+        self.hold_first_byte = _FixedHistogramChild(self.verdict_hold, "first_byte")
+        self.hold_end = _FixedHistogramChild(self.verdict_hold, "end")
         self.upstream_errors = Counter(
             "pdgw_upstream_errors",
             "Engine failures by worker, phase and code",

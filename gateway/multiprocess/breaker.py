@@ -14,8 +14,10 @@ processes cannot each eject a different worker of a pool that may lose only one.
 
 What the request path calls per request stays lock-free where nothing can change: `allows()` on
 a closed breaker, `on_dispatch()` on a breaker that is not half-open, `record(None)` outside
-half-open, `admits` and `state` (one read each). An outcome (`record(True)` / `record(False)`)
-always takes the lock: it goes into the recent outcomes, which the failure share is taken over.
+half-open, `admits` and `state` (one read each), and `record(True)` on a closed breaker whose
+last `WINDOW` outcomes were all successes (it would shift a zero into zeros: the steady state
+of a healthy worker). Any other outcome takes the lock: it goes into the recent outcomes, which
+the failure share is taken over.
 
 Every change of state or of the half-open trial bumps the table's generation (its pair
 generation too, for a pair's breaker), so that the other processes rebuild their snapshots.
@@ -184,6 +186,11 @@ class SharedBreaker(CircuitBreaker):
     def record(self, ok: bool | None) -> bool:
         i, b = self._cells, self._base
         if ok is None and i[b + _STATE] != _HALF_OPEN_CODE:
+            return False
+        if ok and not i[b + _RECENT] and i[b + _OUTCOMES] == WINDOW and i[b + _STATE] == CLOSED_CODE:
+            # a success that changes nothing (a full window of successes, none failed since, so
+            # no failures in a row either): the lock is not taken. Another process changing
+            # this breaker at the same moment makes it as if this success came just before.
             return False
         with self._table.locked():
             if ok and i[b + _STATE] == CLOSED_CODE:

@@ -60,9 +60,7 @@ async def run_concurrent(s: Services, ctx: RequestContext, p: Worker, d: Worker,
                     dleg.complete()
                     return
             prefill_out = await _through_handoff(s, ctx, h, hctx, early)
-            s.metrics.child(s.metrics.phase, "handoff").observe(
-                time.monotonic() - ctx.attempt.prefill_done_at
-            )
+            s.metrics.phase_handoff.observe(time.monotonic() - ctx.attempt.prefill_done_at)
             assert dleg.resp is not None
             transform = d.adapter.decode_transformer(req, prefill_out)
             await relay(s, ctx, dleg.resp, d, phase="decode", transform=transform, check=h.check)
@@ -125,7 +123,7 @@ def _observe_hold(s: Services, decode_call: asyncio.Future[UpstreamResponse] | N
             if at:
                 # (the future's loop: asyncio.get_running_loop() costs a getpid() on Python 3.11)
                 waited = max(0.0, decode_call.get_loop().time() - at)
-    s.metrics.child(s.metrics.verdict_hold, "first_byte").observe(waited)
+    s.metrics.hold_first_byte.observe(waited)
 
 
 async def _decode_first(
@@ -186,7 +184,7 @@ async def _settle(
     except TimeoutError:
         raise _no_verdict(s, p, d) from None
     if not gate.stopped:
-        s.metrics.child(s.metrics.verdict_hold, "end").observe(time.monotonic() - since if held else 0.0)
+        s.metrics.hold_end.observe(time.monotonic() - since if held else 0.0)
     verdict = _judge(s, ctx, pleg, hctx, status, out, t0)
     if not verdict.ok:
         stage = "mid_stream" if ctx.res.started else "before_first_byte"
@@ -215,7 +213,7 @@ def _judge(
     pleg.free()
     a = ctx.attempt
     a.prefill_done_at = time.monotonic()
-    s.metrics.child(s.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
+    s.metrics.phase_prefill.observe(a.prefill_done_at - t0)
     verdict = pleg.worker.adapter.judge_prefill(ctx.req, hctx, status, out)
     a.cached = reported(pleg.worker, verdict.cached, ctx.view.prompt_tokens)
     return verdict

@@ -158,7 +158,7 @@ class _Stream(msgspec.Struct, eq=False):
             # (a chat stream, whose first event is role-only) with the second
             chat = ctx.req.route is RouteKind.CHAT
             a.first_token_at = resp.second_read_at if chat else resp.first_read_at
-        m.child(m.phase, "decode").observe(end - a.first_byte_at)
+        m.phase_decode.observe(end - a.first_byte_at)
         if resp.reads > 1:
             m.child(m.itl, ctx.req.route.value, a.plan_kind).observe(
                 (end - a.first_byte_at) / (resp.reads - 1)

@@ -49,7 +49,7 @@ async def run_sequential(s: Services, ctx: RequestContext, p: Worker, d: Worker,
         a = ctx.attempt
         a.prefill_done_at = time.monotonic()
         a.phase = Phase.HANDOFF
-        s.metrics.child(s.metrics.phase, "prefill").observe(a.prefill_done_at - t0)
+        s.metrics.phase_prefill.observe(a.prefill_done_at - t0)
         tried = {d.id}
         while True:
             try:
@@ -147,7 +147,7 @@ async def _decode(
             if isinstance(e, UpstreamConnectError) and type(failure) is UpstreamFailure:
                 failure = DecodeUnreached(failure.detail, phase="decode", worker=d.id)
             raise failure from None
-        s.metrics.child(s.metrics.phase, "handoff").observe(time.monotonic() - ctx.attempt.prefill_done_at)
+        s.metrics.phase_handoff.observe(time.monotonic() - ctx.attempt.prefill_done_at)
         await relay(s, ctx, dleg.resp, d, phase="decode", check=h.check)
         dleg.complete()
 

@@ -180,21 +180,23 @@ def test_wakeups_are_counted_per_thread() -> None:
 
 
 def test_the_processes_table_puts_two_processes_beside_one_and_the_router() -> None:
-    def row(target: str, cpu: float, rps: float, vs: float | None) -> Row:
+    def row(target: str, cpu: float, rps: float, vs: float | None, preempted: float) -> Row:
         r = Row(target, "sglang", "nonstream", 64, rps, 1.0, 2.0, 3.0, 100, 0, cpu, 10.0)
         r.cpu_vs_router = vs
+        r.preempted_per_req = preempted
         return r
 
     table = processes_table(
         [
-            row("sglang-router", 200.0, 1000, None),
-            row("gateway", 250.0, 900, 1.25),
-            row("gateway-x2", 275.0, 1500, 1.375),
+            row("sglang-router", 200.0, 1000, None, 0.01),
+            row("gateway", 250.0, 900, 1.25, 0.008),
+            row("gateway-x2", 275.0, 1500, 1.375, 0.0625),
         ]
     )
     line = table.splitlines()[-1]
     assert line == (
-        "| sglang | nonstream | 64 | 200 | 250 (1.25x) | 275 (1.38x) | 1.10x | 900 | 1500 | 5000 | 4000 | 3636 |"
+        "| sglang | nonstream | 64 | 200 | 250 (1.25x) | 275 (1.38x) | 1.10x | 900 | 1500 | 5000 | 4000 | 3636 "
+        "| 0.008 | 0.062 |"
     )
 
 
@@ -215,3 +217,31 @@ def test_run_load_counts_requests_with_the_openai_client_shape() -> None:
         loop.close()
         cap.close()
     assert res.completed > 0 and res.errors == 0
+
+
+def test_preemptions_are_counted_apart_from_wake_ups() -> None:
+    """Two threads of this process that both have work (hashing releases the GIL), pinned to one
+    CPU, take turns: the scheduler preempts them (involuntary context switches)."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs sched_setaffinity")
+    import hashlib
+
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(saved)})
+    try:
+        before = procs.tree_preemptions(os.getpid())
+        data = bytes(1 << 20)
+
+        def spin() -> None:
+            t = time.monotonic()
+            while time.monotonic() - t < 0.15:
+                hashlib.sha256(data).digest()
+
+        threads = [threading.Thread(target=spin) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert procs.tree_preemptions(os.getpid()) > before
+    finally:
+        os.sched_setaffinity(0, saved)

@@ -117,3 +117,28 @@ def test_as_shipped_leaves_each_targets_own_policy_and_log_level() -> None:
     assert "--log-level" in procs.gateway_argv("sglang", 10, pre, dec)
     assert "--log-level" not in procs.gateway_argv("sglang", 10, pre, dec, log_level=None)
     assert overhead.parse_args(["--as-shipped"]).as_shipped and not overhead.parse_args([]).as_shipped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's per-process CPU clocks")
+def test_a_target_s_cpu_time_is_read_to_well_under_a_clock_tick() -> None:
+    """`bench overhead` reads a target's CPU from each process's CPU-time clock: a stream row's
+    few hundred ms of CPU over three processes was rounded to 10 ms ticks per process before.
+    A child that burns CPU and reports its own `process_time()` is read within 2 ms of it."""
+    script = (
+        "import sys, time\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.123: pass\n"
+        "print(time.process_time(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        own = float(child.stdout.readline())
+        seen = procs.tree_runtime_seconds(child.pid)
+        assert own <= seen < own + 0.002
+    finally:
+        child.kill()
+        child.wait()

@@ -43,3 +43,21 @@ def test_children_are_kept_and_labels_checked() -> None:
         m.child(m.e2e, "chat")
     with pytest.raises(ValueError):
         m.child(m.retries, "prefill").inc(-1)
+
+
+def test_fixed_label_children_appear_at_their_first_observation_and_add_up() -> None:
+    """The request path's fixed-label observations (`phase_prefill`, `hold_end`, ...) look their
+    child up once: no series before the first observation (as `child()`), then the same child
+    as `child()` returns, every observation counted."""
+    m = GatewayMetrics()
+    assert not any(k[0].startswith("pdgw_phase_duration_seconds") for k in _samples(m))
+    m.phase_prefill.observe(0.002)
+    m.phase_prefill.observe(0.004)
+    m.child(m.phase, "prefill").observe(0.5)
+    m.hold_end.observe(0.0)
+    got = _samples(m)
+    assert got[("pdgw_phase_duration_seconds_count", (("phase", "prefill"),))] == 3.0
+    assert got[("pdgw_phase_duration_seconds_sum", (("phase", "prefill"),))] == pytest.approx(0.506)
+    assert ("pdgw_phase_duration_seconds_count", (("phase", "decode"),)) not in got
+    assert got[("pdgw_prefill_verdict_hold_seconds_count", (("held", "end"),))] == 1.0
+    assert ("pdgw_prefill_verdict_hold_seconds_count", (("held", "first_byte"),)) not in got

@@ -402,3 +402,27 @@ def test_outlier_ejection_holds_between_two_forked_processes() -> None:
 
     assert _in_child(second) == 0
     assert c0.state is BreakerState.OPEN and c0.ejection_s == pytest.approx(0.15)  # the third
+
+
+def test_a_healthy_worker_s_success_skips_the_lock_and_failures_still_count_after_it() -> None:
+    """A success on a closed breaker whose last WINDOW outcomes all succeeded changes nothing,
+    so it does not wait for the table's lock (held here by a stalled "process"); the first
+    failure after it is counted as ever, and a success from the other process then resets the
+    failures in a row (it is no longer a no-op, so it takes the lock)."""
+    from gateway.breaker import WINDOW
+
+    a, b = _group(2, ids=("c0", "c1", "c2", "c3"), threshold=2)  # a pool that may lose one
+    wa, wb = a.get("c0"), b.get("c0")
+    for _ in range(WINDOW):
+        a.record(wa, True)
+    with b.table.locked():  # another process holds the lock
+        t0 = time.perf_counter()
+        assert wa.breaker.record(True) is False
+        assert time.perf_counter() - t0 < 0.5  # the lock's timeout is 1 s
+    b.record(wb, False)
+    assert wa.breaker.failure_share == pytest.approx(1 / WINDOW)
+    a.record(wa, True)  # resets the failures in a row: the next failure is the first again
+    b.record(wb, False)
+    assert wa.breaker.state is BreakerState.CLOSED
+    b.record(wb, False)
+    assert wa.breaker.state is BreakerState.OPEN
