@@ -80,7 +80,6 @@ from policies.cache_state import (
     Estimate,
     PredictionStats,
 )
-from policies.decode_slo import fewest_misses
 from policies.least_load import LoadScorer, LoadWeights
 from policies.prefix_source import Lookup
 from policies.snapshot import RequestView, WorkerState
@@ -392,7 +391,7 @@ class CacheAwareSelector:
         precise, approx = lookups
         from_precise = None if precise is None else precise.cached_tokens
         from_approx = approx.cached_tokens
-        parts: list[tuple[float, float, float, WorkerState]] = []  # (wait, own prefill s, work, w)
+        parts: list[tuple[float, float, float, WorkerState]] = []  # (wait, prefill s, work, w)
         wait_sum = rate_sum = 0.0
         for w in cands:
             wid = w.id
@@ -406,18 +405,21 @@ class CacheAwareSelector:
             new: float = prompt - credit
             if attention > 0.0:  # prefill_work, inlined (the hot loop)
                 new *= 1.0 + (credit + 0.5 * new) / attention
-            parts.append((wait, new / rate * (1.0 + factor * w.inflight), new, w))
+            parts.append((wait, new / rate, new, w))
             wait_sum += wait
             rate_sum += rate
         k = state.externality_k(wait_sum, rate_sum, len(parts), now, pool)
+        if (slo := state.slo) is not None:  # the fewest predicted SLO misses first (decode_slo.py)
+            ttft_limit = slo.ttft_limit(prompt, rate_sum / len(parts))  # (the mean rate of all)
+            parts = [p for p in parts if p[0] <= saturation] or parts
+            counted = [slo.misses(w, now, wait, seconds, ttft_limit) for wait, seconds, _, w in parts]
+            fewest = min(counted)
+            parts = [p for p, n in zip(parts, counted, strict=True) if n == fewest]
         rows: list[tuple[float, int, WorkerState]] = []
         saturated: list[tuple[float, int, WorkerState]] = []
-        for wait, own, work, w in parts:
-            (saturated if wait > saturation else rows).append((wait + own + k * work, w.inflight, w))
-        if state.slo is not None:
-            return self._pick(
-                fewest_misses(state, lookups, prompt, rate_sum / len(parts), now, rows or saturated)
-            )
+        for wait, seconds, work, w in parts:  # (the SLO filter above kept one side only)
+            cost = wait + seconds * (1.0 + factor * w.inflight) + k * work
+            (saturated if wait > saturation else rows).append((cost, w.inflight, w))
         return self._pick(rows or saturated)
 
     def _pick(self, rows: list[tuple[float, int, WorkerState]]) -> WorkerState:

@@ -38,16 +38,11 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from policies.base import Completed, Failed, PolicyEvent, Routed, WorkerGone
 from policies.cost_model import CostModel, CostPriors
 from policies.estimators import prefill_work
 from policies.snapshot import WorkerState
-
-if TYPE_CHECKING:
-    from policies.cache_state import CacheState
-    from policies.prefix_source import Lookup
 
 HORIZON_S = 600.0  # a request whose outcome never came is forgotten after this
 MAX_HELD = 100_000  # requests decoding the model keeps (the oldest go first)
@@ -225,31 +220,4 @@ class DecodeSlo:
         return own + self.broken(w, now + wait, seconds)
 
 
-def fewest_misses(
-    state: CacheState,
-    lookups: tuple[Lookup | None, Lookup],
-    prompt: int,
-    mean_rate: float,
-    now: float,
-    rows: list[tuple[float, int, WorkerState]],
-) -> list[tuple[float, int, WorkerState]]:
-    """Of `cache_aware`'s (cost, in flight, worker) rows, those whose worker is predicted to cause
-    the fewest SLO misses (`Estimate.slo_misses`, as `CacheState.estimates` counts them)."""
-    slo = state.slo
-    assert slo is not None
-    limit = slo.ttft_limit(prompt, mean_rate)
-    s = state.settings
-    threshold = s.cache_threshold * prompt
-    counted: list[tuple[int, tuple[float, int, WorkerState]]] = []
-    for row in rows:
-        w = row[2]
-        cached = min(state.cached(lookups, w.id)[0], prompt - 1)
-        credit = cached if cached > threshold else 0
-        backlog, rate = state.queues.backlog_rate(w.id, now, w.load.waiting)
-        seconds = prefill_work(prompt - credit, credit, s.crossover_tokens) / rate
-        counted.append((slo.misses(w, now, backlog / rate, seconds, limit), row))
-    fewest = min(n for n, _ in counted)
-    return [row for n, row in counted if n == fewest]
-
-
-__all__ = ["DecodeSlo", "SloSettings", "fewest_misses"]
+__all__ = ["DecodeSlo", "SloSettings"]
