@@ -150,6 +150,15 @@ def observers_by_event(
     return out
 
 
+def wants(policy: object, kind: type) -> bool:
+    """Whether `policy.observe` does anything with events of `kind`: False only where the policy
+    names the event types it observes (an `observes` tuple, as `Observer` parts and
+    `policies.pd.PDPolicy` do) and `kind` is not one of them. The orchestrator builds a
+    `Completed` event per served request only for a policy that wants it."""
+    kinds = getattr(policy, "observes", None)
+    return kinds is None or kind in kinds
+
+
 def plan_worker_ids(plan: Plan) -> tuple[str, ...]:
     """The worker ids a plan uses, prefill first; () for a `Reject`."""
     match plan:
