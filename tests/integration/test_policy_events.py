@@ -64,3 +64,9 @@ def test_round_robin_does_not_want_completed() -> None:
     policy = make_policy()
     assert wants(policy, Routed) and not wants(policy, Completed)
     assert wants(object(), Completed)  # nothing named: every event
+
+    class Odd:
+        def observes(self) -> bool:  # not a list of event types: every event
+            return False
+
+    assert wants(Odd(), Completed)
