@@ -155,7 +155,7 @@ def test_x2_cpus_pins_each_serving_process_to_its_own_cpu() -> None:
         "for _ in range(2):\n"
         "    if os.fork() == 0:\n"
         "        threading.Thread(target=sys.stdin.read, daemon=True).start()\n"
-        "        print('up', flush=True)\n"
+        "        os.write(1, b'up\\n')  # one write: the two children's never interleave\n"
         "        sys.stdin.read()\n"
         "        os._exit(0)\n"
         "sys.stdin.read()\n"
