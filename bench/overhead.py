@@ -159,10 +159,13 @@ def start_target(
     log_dir: Path,
     *,
     as_shipped: bool = False,
+    x2_cpus: list[int] | None = None,
 ) -> Target:
     """Start one target. `as_shipped`: the routers and the gateway run with their own default
     policy and log level (sglang-router and vllm-router: cache_aware, info; the gateway:
-    round_robin, info); otherwise all run round robin and log warnings only."""
+    round_robin, info); otherwise all run round robin and log warnings only. `x2_cpus`: pin
+    `gateway-x2`'s two serving processes one to each of these CPUs (its supervisor stays on
+    `cpus`)."""
     if kind == "direct":
         return Target(kind, cluster.engine, None, cluster.both.port)
     if kind == "direct-pd":
@@ -216,6 +219,8 @@ def start_target(
     proc.wait_http(f"http://{procs.HOST}:{port}/readiness", timeout=90.0)
     if kind == "gateway-x2":
         _wait_processes(proc, port, 2)
+        if x2_cpus:
+            procs.pin_children(proc.pid, x2_cpus)
     return Target(kind, cluster.engine, proc, port)
 
 
@@ -594,6 +599,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--upstream-cpus", default="1", help="CPU list for emulators + load generator (default 1)")
     p.add_argument("--no-pin", action="store_true", help="do not pin anything")
     p.add_argument(
+        "--x2-cpus",
+        default=None,
+        help="gateway-x2: pin its two serving processes one to each CPU of this list (e.g. 0,1), "
+        "its supervisor staying on --target-cpus; default: the whole tree on --target-cpus",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -685,6 +696,7 @@ def main(argv: list[str]) -> int:
     pin = not args.no_pin and procs.can_pin(args.target_cpus) and procs.can_pin(args.upstream_cpus)
     target_cpus = args.target_cpus if pin else None
     up_cpus = args.upstream_cpus if pin else None
+    x2_cpus = sorted(_cpu_set(args.x2_cpus)) if pin and args.x2_cpus else None
     if pin:
         os.sched_setaffinity(0, _cpu_set(args.upstream_cpus))
     if args.loadgen == "wrk":
@@ -714,7 +726,12 @@ def main(argv: list[str]) -> int:
         "warmup_s": args.warmup,
         "pinning": f"targets on CPU {target_cpus}, upstreams + load generator on CPU {up_cpus}"
         + (
-            f" (gateway-x2: the supervisor and both processes on CPU {target_cpus}, sharing it)"
+            (
+                f" (gateway-x2: the supervisor on CPU {target_cpus}, its two processes on CPUs "
+                f"{args.x2_cpus}, one each)"
+                if args.x2_cpus
+                else f" (gateway-x2: the supervisor and both processes on CPU {target_cpus}, sharing it)"
+            )
             if "gateway-x2" in targets
             else ""
         )
@@ -742,7 +759,13 @@ def main(argv: list[str]) -> int:
             for kind in kinds:
                 try:
                     target = start_target(
-                        tgroup, kind, cluster, target_cpus, log_dir, as_shipped=args.as_shipped
+                        tgroup,
+                        kind,
+                        cluster,
+                        target_cpus,
+                        log_dir,
+                        as_shipped=args.as_shipped,
+                        x2_cpus=x2_cpus,
                     )
                     for mode in row_modes:
                         smoke(target, mode)

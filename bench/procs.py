@@ -324,6 +324,25 @@ def tree_cpu_times(pid: int) -> tuple[float, float]:
     return user, system
 
 
+def pin_children(pid: int, cpus: list[int]) -> list[tuple[int, int]]:
+    """Pin `pid`'s direct children, in pid order, one to each CPU of `cpus` (every thread of
+    each): `serve --workers N`'s serving processes, a core each, its supervisor left where it
+    is. Returns (child pid, CPU) pairs. Raises ValueError when there are more children than
+    CPUs."""
+    import psutil
+
+    kids = sorted(c.pid for c in psutil.Process(pid).children())
+    if len(kids) > len(cpus):
+        raise ValueError(f"{len(kids)} processes, {len(cpus)} CPUs to pin them to")
+    out = []
+    for child, cpu in zip(kids, cpus, strict=False):
+        for tid in os.listdir(f"/proc/{child}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), {cpu})
+        out.append((child, cpu))
+    return out
+
+
 def tree_wakeups(pid: int) -> int:
     """Voluntary context switches of every thread of `pid` and its live descendants: how often
     they blocked (in epoll_wait, mostly) and were woken. Per request, it says how many wake-ups

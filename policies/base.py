@@ -150,6 +150,17 @@ def observers_by_event(
     return out
 
 
+def wants(policy: object, kind: type) -> bool:
+    """Whether `policy.observe` does anything with events of `kind`: False only where the policy
+    names the event types it observes (an `observes` tuple, as `Observer` parts and
+    `policies.pd.PDPolicy` do) and `kind` is not one of them. The orchestrator builds a
+    `Completed` event per served request only for a policy that wants it."""
+    kinds = getattr(policy, "observes", None)
+    if not isinstance(kinds, tuple | frozenset | set | list):  # not a list of event types
+        return True
+    return kind in kinds
+
+
 def plan_worker_ids(plan: Plan) -> tuple[str, ...]:
     """The worker ids a plan uses, prefill first; () for a `Reject`."""
     match plan:
@@ -199,6 +210,10 @@ class Policy(Protocol):
       is not in `exclude`; a disaggregated pair has a PREFILL and a DECODE worker of the same
       engine and its pair id (`pair_id(p, d)`) is not in `exclude`;
     - `Reject(..., 404)` for a model no worker serves, `Reject(..., 503)` when none is usable.
+
+    A policy may set `observes`, a tuple of the event types its `observe` uses (as `Observer`
+    parts do): the gateway then does not build the others for it (`wants`). Without it, every
+    event is sent.
     """
 
     name: str

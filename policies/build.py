@@ -39,6 +39,7 @@ from policies.prefix_source import PrefixSource
 from policies.random import random_profile
 from policies.round_robin import round_robin_profile
 from policies.session_affinity import SessionAffinityPicker, session_affinity_profile
+from policies.snapshot import Role
 
 
 class PolicyBuildError(Exception):
@@ -115,7 +116,7 @@ def build_selector(
     """The selector for one role ("prefill", "decode" or "colocated")."""
     match cfg:
         case RoundRobinCfg():
-            return round_robin_profile(f"round_robin/{role}")
+            return round_robin_profile(f"round_robin/{role}", Role(role))
         case RandomCfg():
             return random_profile(_rng(cfg.seed, role), f"random/{role}")
         case LeastLoadCfg():

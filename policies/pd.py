@@ -96,6 +96,9 @@ class PDPolicy:
         # (a prompt key, cached tokens)
         self.needs: Needs = needs_of(decode) | needs_of(prefill) | needs_of(colocated) | needs_of(self.cache)
         self._by_event = observers_by_event(observers)
+        # the event types some part observes (`policies.base.wants`: the orchestrator builds no
+        # `Completed` per request for a policy none of whose parts observes it, as round robin)
+        self.observes: tuple[type, ...] = tuple(k for k, fs in self._by_event.items() if fs)
         # the default decider with the default estimate always disaggregates: not asked
         self._always_pd = (
             isinstance(self.decider, NonCachedTokensDecider)

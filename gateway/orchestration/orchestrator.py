@@ -45,7 +45,7 @@ from gateway.orchestration.services import Services
 from gateway.orchestration.sizing import exceeded, outgrows
 from gateway.orchestration.token_bounds import TokenBounds
 from gateway.registry import Registry
-from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event
+from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event, wants
 from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
 
 Plan = Colocated | Disaggregated | Reject
@@ -78,6 +78,17 @@ class Orchestrator:
         self._log_decisions = debug_enabled(log)  # decision records: at debug level
         self._wheel: DeadlineWheel | None = None
         self._done_metrics: dict[tuple[RouteKind, str, str, str], tuple[Any, Any, Any]] = {}
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self._policy = policy
+        # a served request's `Completed` event is built only for a policy that observes it
+        # (`policies.base.wants`: round robin does not, ~80 bytecodes a request)
+        self._tell_completed = wants(policy, Completed)
 
     # -- entry ---------------------------------------------------------------------------------
 
@@ -179,7 +190,7 @@ class Orchestrator:
         phase = (
             "cancelled" if out in ("timeout", "client_gone", "client_stalled", "shutting_down") else "refused"
         )
-        self.policy.observe(Failed(ctx.request_id, ctx.planned, phase, legs=tuple(ctx.attempt.legs)))
+        self._policy.observe(Failed(ctx.request_id, ctx.planned, phase, legs=tuple(ctx.attempt.legs)))
 
     def _plan(self, ctx: RequestContext) -> Plan:
         """The next attempt's plan, with what failed excluded; after a failure it must be a rung
@@ -202,19 +213,21 @@ class Orchestrator:
             if ctx.explain or self._log_decisions:
                 explain_plan(self.s, ctx, p)
             ctx.routed = True
-            self.policy.observe(routed_event(ctx.view, p))
+            self._policy.observe(routed_event(ctx.view, p))
         return p
 
     def _served(self, ctx: RequestContext) -> None:
         a = ctx.attempt
         a.phase = Phase.DONE
+        ctx.routed = False
+        if not self._tell_completed:
+            return
         # a stream's first token (its first content from the engine: the response head goes
         # out before any work is done), a whole answer's first byte (its last)
         first = a.first_token_at if ctx.req.stream and a.first_token_at else a.first_byte_at
         ttft = (first - ctx.began) if first else None
-        ctx.routed = False
         # the plan's workers (a moved vLLM decode's new one)
-        self.policy.observe(
+        self._policy.observe(
             Completed(
                 ctx.request_id,
                 ctx.planned,
@@ -234,7 +247,7 @@ class Orchestrator:
         ctx.history.append(f"{a.plan_kind}:{a.phase.value}:{e.code.value}")
         ran = ctx.planned  # the plan's workers (a moved vLLM decode's new one)
         ctx.routed = False
-        self.policy.observe(Failed(ctx.request_id, ran, e.phase, legs=tuple(a.legs)))
+        self._policy.observe(Failed(ctx.request_id, ran, e.phase, legs=tuple(a.legs)))
         self.metrics.child(self.metrics.upstream_errors, e.worker or "", e.phase, e.code.value).inc()
         if ctx.responded or ctx.attempt_no >= self.cfg.retries.max_attempts or ctx.drops > 1:
             raise e

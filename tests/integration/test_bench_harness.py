@@ -142,3 +142,40 @@ def test_a_target_s_cpu_time_is_read_to_well_under_a_clock_tick() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.skipif(not TWO_CPUS, reason="needs CPUs 0 and 1")
+def test_x2_cpus_pins_each_serving_process_to_its_own_cpu() -> None:
+    """`--x2-cpus 0,1`: `serve --workers 2`'s two serving processes, every thread of each, one
+    to a CPU; the supervisor stays where it was (a parent with two children and a thread each
+    stands in for it)."""
+    script = (
+        "import os, sys, threading\n"
+        "os.sched_setaffinity(0, {0, 1})\n"
+        "for _ in range(2):\n"
+        "    if os.fork() == 0:\n"
+        "        threading.Thread(target=sys.stdin.read, daemon=True).start()\n"
+        "        os.write(1, b'up\\n')  # one write: the two children's never interleave\n"
+        "        sys.stdin.read()\n"
+        "        os._exit(0)\n"
+        "sys.stdin.read()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        assert [parent.stdout.readline(), parent.stdout.readline()] == ["up\n", "up\n"]
+        pinned = procs.pin_children(parent.pid, [0, 1])
+        assert [cpu for _, cpu in pinned] == [0, 1]
+        for child, cpu in pinned:
+            tids = os.listdir(f"/proc/{child}/task")
+            assert len(tids) == 2
+            assert all(os.sched_getaffinity(int(t)) == {cpu} for t in tids)
+        assert os.sched_getaffinity(parent.pid) == {0, 1}
+        with pytest.raises(ValueError):
+            procs.pin_children(parent.pid, [0])
+    finally:
+        assert parent.stdin is not None
+        parent.stdin.close()  # every process reads it: all three end
+        parent.wait(5)

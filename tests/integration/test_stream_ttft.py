@@ -26,7 +26,10 @@ PROMPT = [(i * 31) % 250 + 3 for i in range(6000)]  # token ids: a prefill of ~0
 
 class Recording:
     """The gateway's own policy, with every event it is sent kept in order (a wrapper: the
-    policy still routes and learns as it would)."""
+    policy still routes and learns as it would). It observes every event type, whatever the
+    policy inside observes (`policies.base.wants`)."""
+
+    observes = None
 
     def __init__(self, policy: Any) -> None:
         self._policy = policy

@@ -313,3 +313,17 @@ def test_conformance(policy: Policy) -> None:
 def test_policy_protocol_is_satisfied() -> None:
     for policy in all_builtins():
         assert isinstance(policy, Policy)
+
+
+def test_a_round_robin_picker_made_for_a_role_records_only_that_role() -> None:
+    # each role's picker of a built policy keeps its own role's cursor; the others' workers of a
+    # `Routed` event are recorded by their own pickers (one store per picker per request)
+    p1, p2, d1 = make_worker("p1", "prefill"), make_worker("p2", "prefill"), make_worker("d1", "decode")
+    event = Routed("r", "m", ("p1", "d1"), (p1.role, d1.role))
+    own, shared = round_robin.RoundRobinPicker(d1.role), round_robin.RoundRobinPicker()
+    own.observe(event)
+    shared.observe(event)
+    prefills = [(p1, 0.0), (p2, 0.0)]
+    assert shared.pick(REQ, prefills).id == "p2"  # it followed the prefill too
+    assert own.pick(REQ, prefills).id == "p1"  # no prefill cursor: the first
+    assert own.pick(REQ, [(d1, 0.0), (make_worker("d2", "decode"), 0.0)]).id == "d2"
