@@ -113,7 +113,15 @@ class BlockPool:
             self.on_stored(new_hashes, first_parent, tokens)
 
     def free(self, block_ids: list[int]) -> None:
-        for bid in block_ids:
+        """Drop a reference on each of a sequence's blocks (given in chain order, parent first).
+
+        Freed last block first, as vLLM does (v1 `SingleTypeKVCacheManager.free`: "Free blocks
+        in reverse order so that the tail blocks are freed first"), so that LRU eviction takes a
+        prefix's tail before its head, as SGLang's radix cache evicts leaves before their
+        parents. Freed parent first, the first eviction under pressure took a prompt's first
+        block and with it every block chained after it: a 191k-token prefix lost whole to make
+        room for a few thousand tokens, while every block of it still held memory."""
+        for bid in reversed(block_ids):
             r = self._ref.get(bid)
             if r is None:
                 continue

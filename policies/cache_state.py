@@ -436,7 +436,12 @@ class CacheState:
         if ev.cached_tokens is not None:
             self.accuracy.record(p.worker, p.source, p.predicted, ev.cached_tokens, prompt)
             if p.source == "approx":
-                self.approx.feedback(p.model, p.worker, p.predicted, ev.cached_tokens, p.capacity)
+                # a worker with prefill queued when it was routed may still have been computing
+                # the prefix predicted (an engine matching at admission computes it again): a
+                # shortfall then says nothing about the size of its cache
+                self.approx.feedback(
+                    p.model, p.worker, p.predicted, ev.cached_tokens, p.capacity, queued=p.backlog > 0.0
+                )
             elif p.source == "kv_events" and self.precise is not None:
                 self.precise.outcome(p.worker, p.predicted, ev.cached_tokens)
 

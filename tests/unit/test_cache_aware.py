@@ -498,6 +498,7 @@ def test_outcomes_feed_accuracy_rates_and_capacity() -> None:
     route(st, req(PREFIX, "r1"), a)
     st.observe(Completed("r1", ("a",), ttft_s=0.4, cached_tokens=0, timings=stream(0.4)))
     assert st.queues.rate("a") == pytest.approx(2000.0)  # 800 tokens in 0.4 s
+    clock.t += 0.4  # (the 0.4 s it took: nothing is left queued, ApproxIndex.feedback `queued`)
     route(st, req(PREFIX + [1] * 32, "r2"), a)  # predicted: the 800 tokens of PREFIX
     st.observe(Completed("r2", ("a",), ttft_s=0.1, cached_tokens=96))  # the engine had evicted
     acc = st.accuracy.summary()[("a", "approx")]

@@ -165,3 +165,37 @@ def test_pins_are_released_by_every_outcome(reqs: list[tuple[int, int, int, str]
     for rid in list(s._pending):
         s.observe(Completed(rid, ("a",), cached_tokens=0))
     assert s._pinned.get("a", 0.0) == 0.0
+
+
+# `record = "routed"`: a worker with a 1,300-token pool holds OLD (answered, 25 blocks), then
+# PREFIX is routed there (r1) and a turn extending it (r2, predicted to find PREFIX) with r1's
+# prefill still queued or not. r2's engine reports 0 cached. With a queue, the shortfall is a
+# prefix still being computed (an engine that matched r2 at admission computed it again), no
+# news about the pool: the model keeps its size and OLD. Without one it is: the pool is taken to
+# be 10 % smaller and OLD's deepest blocks, the least recently used, are forgotten (77 blocks
+# held, 73 fit).
+@pytest.mark.parametrize(
+    ("queued", "old_after", "scale"),
+    [
+        (True, 400, 1.0),
+        (False, 336, 0.9),
+    ],
+)
+def test_a_shortfall_behind_a_queue_does_not_shrink_the_pool(
+    queued: bool, old_after: int, scale: float
+) -> None:
+    clock = Clock()
+    s = new_state(clock, cache_tokens=1300, prefilled=False)
+    a = make_worker("a")
+    old = list(range(7000, 7400))
+    route(s, req(old, "r0"), a)
+    s.observe(Completed("r0", ("a",), cached_tokens=0))
+    clock.t += 5.0  # its prefill has drained from the queue model
+    route(s, req(PREFIX, "r1"), a)
+    if not queued:
+        clock.t += 5.0
+    route(s, req(PREFIX + [3] * 32, "r2"), a)
+    assert s._pending["r2"].predicted == 800
+    s.observe(Completed("r2", ("a",), cached_tokens=0))
+    assert predicted(s, old + [7] * 16, a) == old_after
+    assert s.approx._scale.get("a", 1.0) == pytest.approx(scale)
