@@ -18,4 +18,6 @@ def test_the_micro_benchmark_runs(tmp_path: Path) -> None:
     for p in r["pools"]:
         assert p["approx_entries"] >= 3000 and p["precise_entries"] >= 3000
         assert 0 < p["approx"]["p50_us"] <= p["approx"]["p99_us"]
+        assert 0 < p["approx_unswitched"]["p50_us"] <= p["approx_unswitched"]["p99_us"]
+        assert 0 <= p["switched"] <= 30
     assert set(r["engine_hash_us_per_block"]) == {"vllm", "sglang", "emulator"}
