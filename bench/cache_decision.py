@@ -165,6 +165,8 @@ def time_decisions(
     switched: list[bool] | None = None,
     plan: PDPolicy | None = None,
     layout: Layout | None = None,
+    again: list[float] | None = None,
+    evict: bytearray | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """(decision CPU µs, decision wall µs, keying CPU µs) per request. CPU time (this thread's)
     leaves out the time other processes held the core, which on a shared machine is most of a
@@ -172,7 +174,10 @@ def time_decisions(
     refilled): `switched` gets, per decision, whether the thread was switched out during it
     (`getrusage(RUSAGE_THREAD)` read before and after, outside the timed part). With `plan`,
     each decision is the policy's whole `plan` of a `ClusterSnapshot` of the pool (made before
-    the clock starts) with `layout` (the registry keeps one while only in-flight counts move)."""
+    the clock starts) with `layout` (the registry keeps one while only in-flight counts move).
+    `again` gets each request's selector decision timed a second time at once (the generator's
+    state restored: the same choice), with the caches as the first left them; `evict` is
+    written over before each decision (untimed), as other work would refill the caches."""
     rng = random.Random(n)
     decisions: list[float] = []
     walls: list[float] = []
@@ -192,6 +197,9 @@ def time_decisions(
             key.engine_keys(hasher, len(ids) // BLOCK)
         req = RequestView(f"b{i}", "m", RouteKind.COMPLETIONS, len(ids), 64, prompt_key=key)
         snap = None if plan is None else ClusterSnapshot(version=i, workers=tuple(workers), layout=layout)
+        if evict is not None:
+            evict[::64] = bytes(len(evict) // 64)
+        rng_state = sel.rng.getstate() if again is not None else None
         s0 = 0 if switches is None else switches()
         w0 = wall()
         t2 = cpu()
@@ -206,6 +214,11 @@ def time_decisions(
         w1 = wall()
         if switches is not None and switched is not None:
             switched.append(switches() != s0)
+        if again is not None and rng_state is not None:
+            sel.rng.setstate(rng_state)
+            t4 = cpu()
+            sel.select(req, workers)
+            again.append((cpu() - t4) / 1000)
         churn(sel, workers, chosen, rng)
         keying.append((t1 - t0) / 1000)
         decisions.append((t3 - t2) / 1000)
@@ -252,6 +265,7 @@ def run_pool(
     measured: bool = False,
     exact: bool = False,
     through_plan: bool = False,
+    diagnose: bool = False,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     workers = pool(n, rng)
@@ -273,8 +287,16 @@ def run_pool(
     gc.freeze()
     time_decisions(sel, workers, work, 200, warm_engine=False)  # warm up
     switched: list[bool] = []
-    d, w, k = time_decisions(sel, workers, work, decisions, warm_engine=False, switched=switched)
+    again: list[float] | None = [] if diagnose else None
+    d, w, k = time_decisions(sel, workers, work, decisions, warm_engine=False, switched=switched, again=again)
     out["approx"] = summary(d)
+    if again is not None:  # the same decisions at once again, then with 2 and 16 MB evicted first
+        out["approx_again"] = summary(again)
+        for mb in (2, 16):
+            evicted, _, _ = time_decisions(
+                sel, workers, work, decisions, warm_engine=False, evict=bytearray(mb << 20)
+            )
+            out[f"approx_evict_{mb}mb"] = summary(evicted)
     # the decisions the thread ran through without a context switch: what the code costs on a
     # core of its own (on a shared machine a switch refills the caches: tens of µs)
     quiet = [v for v, sw in zip(d, switched, strict=True) if not sw]
@@ -380,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the whole policy's plan (PDPolicy: the pool split by role, then the selector)",
     )
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="where the tail comes from: each decision timed again at once, then decisions with 2 and 16 MB"
+        " of other memory written before each",
+    )
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     results: dict[str, Any] = {"blocks": args.blocks, "block_tokens": BLOCK, "pools": []}
@@ -397,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             args.measured,
             args.large_pool == "exact",
             args.plan,
+            args.diagnose,
         )
         results["pools"].append(r)
         line = (
@@ -407,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
             f" p99 {r['approx_unswitched']['p99_us']}]"
             f"  [one request repeated: p50 {r['noise_floor']['p50_us']} p99 {r['noise_floor']['p99_us']}]"
         )
+        if args.diagnose:
+            line += (
+                f"   each decided again at once: p50 {r['approx_again']['p50_us']} p99 {r['approx_again']['p99_us']};"
+                f" 2 MB evicted before each: p50 {r['approx_evict_2mb']['p50_us']} p99 {r['approx_evict_2mb']['p99_us']};"
+                f" 16 MB: p50 {r['approx_evict_16mb']['p50_us']} p99 {r['approx_evict_16mb']['p99_us']}"
+            )
         if args.plan:
             line += (
                 f"   whole plan: p50 {r['plan_layout']['p50_us']} p99 {r['plan_layout']['p99_us']} us"
