@@ -81,7 +81,7 @@ from policies.cache_state import (
     PredictionStats,
 )
 from policies.least_load import LoadScorer, LoadWeights
-from policies.prefix_source import IndexLookup, Lookup
+from policies.prefix_source import Lookup
 from policies.snapshot import RequestView, WorkerState
 
 
@@ -296,34 +296,7 @@ class CacheAwareSelector:
         self.memo = PositionMemo()
 
     def select(self, req: RequestView, cands: Sequence[WorkerState]) -> WorkerState:
-        """`decide`'s choice, without its record."""
-        if not cands:
-            raise NoCandidates("input")
-        state = self.state
-        s = state.settings
-        lookups = state.lookups(req)
-        pool = len(cands)
-        if pool > s.scan_limit:
-            if s.exact_large_pool:
-                whole = cands if isinstance(cands, list) else list(cands)
-                got = choose_exact(
-                    state, self.orders, req, whole, lookups, self.rng, self.picker.abs_threshold
-                )
-                if got is not None:
-                    return got[0]
-            else:
-                cands = self._sampled(cands, lookups)
-        return self._choose(req, cands, lookups, pool)
-
-    def _sampled(
-        self, cands: Sequence[WorkerState], lookups: tuple[Lookup | None, Lookup]
-    ) -> Sequence[WorkerState]:
-        """A large pool narrowed to the workers holding the deepest matches and a random sample."""
-        precise, approx = lookups
-        wanted: Iterable[str] = [t[0] for t in approx.top]  # one row per worker
-        if precise is not None:
-            wanted = dict.fromkeys([*(t[0] for t in precise.top), *wanted])
-        return _narrow(cands, wanted, self.state.settings, self.rng, self.memo)
+        return self.decide(req, cands, record=False)[0]
 
     def decide(
         self, req: RequestView, cands: Sequence[WorkerState], *, record: bool = True
@@ -344,7 +317,11 @@ class CacheAwareSelector:
                     chosen, scored = got
                     return chosen, (self._record(req, scored, lookups, chosen, pool) if record else None)
             else:
-                cands = self._sampled(cands, lookups)
+                precise, approx = lookups
+                wanted: Iterable[str] = [t[0] for t in approx.top]  # one row per worker
+                if precise is not None:
+                    wanted = dict.fromkeys([*(t[0] for t in precise.top), *wanted])
+                cands = _narrow(cands, wanted, state.settings, self.rng, self.memo)
         if not record:
             return self._choose(req, cands, lookups, pool), None
         est = state.estimates(req, cands, lookups, pool=pool)
@@ -410,46 +387,23 @@ class CacheAwareSelector:
         factor = s.inflight_factor
         attention = s.crossover_tokens
         saturation = s.saturation_wait_s
-        # `backlog_rate` and the approximate lookup's `cached_tokens`, inlined (the hot loop:
-        # no call per candidate, and the figures read straight from their dicts)
-        rates, queued, prior, mean_uncached = state.queues.figures()
+        backlog_rate = state.queues.backlog_rate
         precise, approx = lookups
         from_precise = None if precise is None else precise.cached_tokens
         from_approx = approx.cached_tokens
-        exact = approx.exact_depths() if type(approx) is IndexLookup else None
-        if exact is not None:
-            depths, slot_of, levels, per_block = exact
         parts: list[tuple[float, float, float, WorkerState]] = []  # (wait, prefill s, work, w)
         wait_sum = rate_sum = 0.0
         for w in cands:
             wid = w.id
             if from_precise is None or (cached := from_precise(wid)) is None:
-                if exact is None:
-                    cached = from_approx(wid) or 0
-                else:
-                    depth = depths.get(wid)
-                    if depth is None:
-                        depth = 0
-                        slot = slot_of.get(wid)
-                        if slot is not None:
-                            for mask, d in levels:
-                                if (mask >> slot) & 1:
-                                    depth = d
-                                    break
-                    cached = int(depth * per_block)
+                cached = from_approx(wid) or 0
             if cached > limit:
                 cached = limit
-            rate = rates.get(wid, prior)
-            q = queued.get(wid)
-            backlog = w.load.waiting * mean_uncached
-            if q is not None:
-                fluid = q[0] - rate * (now - q[1])
-                if fluid > backlog:
-                    backlog = fluid
+            backlog, rate = backlog_rate(wid, now, w.load.waiting)
             wait = backlog / rate
             credit = cached if cached > threshold else 0
             new: float = prompt - credit
-            if attention > 0.0:  # prefill_work, inlined
+            if attention > 0.0:  # prefill_work, inlined (the hot loop)
                 new *= 1.0 + (credit + 0.5 * new) / attention
             parts.append((wait, new / rate, new, w))
             wait_sum += wait

@@ -132,12 +132,6 @@ class PrefillQueues:
         floor = waiting * self._mean_uncached
         return (fluid if fluid > floor else floor), rate
 
-    def figures(self) -> tuple[dict[str, float], dict[str, tuple[float, float]], float, float]:
-        """(rate by worker, (tokens, as of) by worker, `prior`, mean uncached tokens): what
-        `backlog_rate` reads, for a loop over candidates that computes it inline (read only;
-        valid until the next `add`, `learn` or `forget`)."""
-        return self._rate, self._queue, self._prior, self._mean_uncached
-
     def ttft(self, worker_id: str, uncached: float, now: float, waiting: int = 0) -> float:
         """Predicted seconds to the first token of a request with `uncached` tokens to prefill."""
         return (self.backlog(worker_id, now, waiting) + uncached) / self.rate(worker_id)

@@ -139,19 +139,6 @@ class IndexLookup:
                         break
         return int(depth * self._tokens_per_block)
 
-    def exact_depths(self) -> tuple[dict[str, int], Mapping[str, int], list[tuple[int, int]], float] | None:
-        """What `cached_tokens` reads, for a loop over candidates that computes it inline: (depth
-        in blocks of each listed worker, slot by worker id, every level as (slot mask, depth),
-        tokens per block); a worker listed nowhere holds its level's depth if its slot is in
-        one, else none. None where the levels are not exact (`cached_tokens` searches)."""
-        depths = self._depths
-        if depths is None:
-            depths = self._levels()
-        groups = self._groups
-        if groups is None:
-            return None
-        return depths, self._slot_of, groups, self._tokens_per_block
-
     def groups(self) -> list[tuple[int, int]] | None:
         """Every worker slot holding a prefix of the chain, grouped by how deep: `(slot mask,
         cached tokens)` pairs, deepest first, each slot in one group (its `cached_tokens`: a slot
