@@ -25,6 +25,7 @@ import argparse
 import gc
 import json
 import random
+import resource
 import statistics
 import sys
 import time
@@ -41,13 +42,22 @@ if str(ROOT) not in sys.path:
 from adapters.blockhash import HashSpec, make_hasher  # noqa: E402
 from gateway.kvevents.index import KvEventIndex  # noqa: E402
 from policies.block_index import BlockIndex  # noqa: E402
-from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState  # noqa: E402
+from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState, LoadSelector  # noqa: E402
+from policies.pd import PDPolicy  # noqa: E402
 from policies.prompt_key import PromptKey  # noqa: E402
-from policies.snapshot import RequestView, RouteKind, WorkerState  # noqa: E402
+from policies.snapshot import (  # noqa: E402
+    ClusterSnapshot,
+    Colocated,
+    Layout,
+    RequestView,
+    RouteKind,
+    WorkerState,
+)
 from policies.testing import make_worker  # noqa: E402
 
 BLOCK = 16
 VOCAB = 32_000
+_RUSAGE_THREAD: int | None = getattr(resource, "RUSAGE_THREAD", None)  # Linux
 
 
 class Workload:
@@ -137,18 +147,44 @@ def churn(
         workers[i] = msgspec.structs.replace(w, inflight=max(0, w.inflight + rng.choice((-1, 1))))
 
 
+def _switches() -> int:
+    """Context switches of this thread so far (voluntary and not); 0 where not reported."""
+    if _RUSAGE_THREAD is None:
+        return 0
+    r = resource.getrusage(_RUSAGE_THREAD)
+    return r.ru_nvcsw + r.ru_nivcsw
+
+
 def time_decisions(
-    sel: CacheAwareSelector, workers: list[WorkerState], work: Workload, n: int, *, warm_engine: bool
+    sel: CacheAwareSelector,
+    workers: list[WorkerState],
+    work: Workload,
+    n: int,
+    *,
+    warm_engine: bool,
+    switched: list[bool] | None = None,
+    plan: PDPolicy | None = None,
+    layout: Layout | None = None,
+    again: list[float] | None = None,
+    evict: bytearray | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """(decision CPU µs, decision wall µs, keying CPU µs) per request. CPU time (this thread's)
     leaves out the time other processes held the core, which on a shared machine is most of a
-    wall-clock tail."""
+    wall-clock tail, but not what a switch costs the thread when it runs again (its caches
+    refilled): `switched` gets, per decision, whether the thread was switched out during it
+    (`getrusage(RUSAGE_THREAD)` read before and after, outside the timed part). With `plan`,
+    each decision is the policy's whole `plan` of a `ClusterSnapshot` of the pool (made before
+    the clock starts) with `layout` (the registry keeps one while only in-flight counts move).
+    `again` gets each request's selector decision timed a second time at once (the generator's
+    state restored: the same choice), with the caches as the first left them; `evict` is
+    written over before each decision (untimed), as other work would refill the caches."""
     rng = random.Random(n)
     decisions: list[float] = []
     walls: list[float] = []
     keying: list[float] = []
     cpu = time.thread_time_ns
     wall = time.perf_counter_ns
+    switches = _switches if switched is not None else None
     hasher = make_hasher(HashSpec(scheme="emulator", block_size=BLOCK))
     for i in range(n):
         ids = work.request()
@@ -160,11 +196,29 @@ def time_decisions(
         if warm_engine:
             key.engine_keys(hasher, len(ids) // BLOCK)
         req = RequestView(f"b{i}", "m", RouteKind.COMPLETIONS, len(ids), 64, prompt_key=key)
+        snap = None if plan is None else ClusterSnapshot(version=i, workers=tuple(workers), layout=layout)
+        if evict is not None:
+            evict[::64] = bytes(len(evict) // 64)
+        rng_state = sel.rng.getstate() if again is not None else None
+        s0 = 0 if switches is None else switches()
         w0 = wall()
         t2 = cpu()
-        chosen = sel.select(req, workers)
-        t3 = cpu()
+        if plan is None:
+            chosen = sel.select(req, workers)
+            t3 = cpu()
+        else:
+            got = plan.plan(req, snap)  # type: ignore[arg-type]
+            t3 = cpu()
+            assert isinstance(got, Colocated)
+            chosen = got.worker
         w1 = wall()
+        if switches is not None and switched is not None:
+            switched.append(switches() != s0)
+        if again is not None and rng_state is not None:
+            sel.rng.setstate(rng_state)
+            t4 = cpu()
+            sel.select(req, workers)
+            again.append((cpu() - t4) / 1000)
         churn(sel, workers, chosen, rng)
         keying.append((t1 - t0) / 1000)
         decisions.append((t3 - t2) / 1000)
@@ -203,7 +257,15 @@ def measure(state: CacheState, workers: list[WorkerState], rng: random.Random) -
 
 
 def run_pool(
-    n: int, blocks: int, decisions: int, seed: int, precise: bool, measured: bool = False, exact: bool = False
+    n: int,
+    blocks: int,
+    decisions: int,
+    seed: int,
+    precise: bool,
+    measured: bool = False,
+    exact: bool = False,
+    through_plan: bool = False,
+    diagnose: bool = False,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     workers = pool(n, rng)
@@ -224,11 +286,33 @@ def run_pool(
     gc.collect()
     gc.freeze()
     time_decisions(sel, workers, work, 200, warm_engine=False)  # warm up
-    d, w, k = time_decisions(sel, workers, work, decisions, warm_engine=False)
+    switched: list[bool] = []
+    again: list[float] | None = [] if diagnose else None
+    d, w, k = time_decisions(sel, workers, work, decisions, warm_engine=False, switched=switched, again=again)
     out["approx"] = summary(d)
+    if again is not None:  # the same decisions at once again, then with 2 and 16 MB evicted first
+        out["approx_again"] = summary(again)
+        for mb in (2, 16):
+            evicted, _, _ = time_decisions(
+                sel, workers, work, decisions, warm_engine=False, evict=bytearray(mb << 20)
+            )
+            out[f"approx_evict_{mb}mb"] = summary(evicted)
+    # the decisions the thread ran through without a context switch: what the code costs on a
+    # core of its own (on a shared machine a switch refills the caches: tens of µs)
+    quiet = [v for v, sw in zip(d, switched, strict=True) if not sw]
+    out["approx_unswitched"] = summary(quiet or d)
+    out["switched"] = sum(switched)
     out["approx_wall"] = summary(w)
     out["keying"] = summary(k)
     out["noise_floor"] = summary(repeat_one(sel, workers, work, decisions))
+    if through_plan:  # the whole policy: the pool split by role (kept per layout, or not), then `sel`
+        policy = PDPolicy("cache_aware", decode=LoadSelector("decode", settings), prefill=sel, colocated=sel)
+        for name, layout in (("plan_layout", Layout()), ("plan_no_layout", None)):
+            time_decisions(sel, workers, work, 200, warm_engine=False, plan=policy, layout=layout)
+            d, _, _ = time_decisions(
+                sel, workers, work, decisions, warm_engine=False, plan=policy, layout=layout
+            )
+            out[name] = summary(d)
     gc.unfreeze()
     del state, sel
     if precise:
@@ -313,6 +397,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="every worker's prefill rate measured (else none yet: all alike)",
     )
+    ap.add_argument(
+        "--plan",
+        action="store_true",
+        help="also time the whole policy's plan (PDPolicy: the pool split by role, then the selector)",
+    )
+    ap.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="where the tail comes from: each decision timed again at once, then decisions with 2 and 16 MB"
+        " of other memory written before each",
+    )
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     results: dict[str, Any] = {"blocks": args.blocks, "block_tokens": BLOCK, "pools": []}
@@ -322,15 +417,36 @@ def main(argv: list[str] | None = None) -> int:
     )
     for n in [int(x) for x in args.workers.split(",")]:
         r = run_pool(
-            n, args.blocks, args.decisions, args.seed, args.precise, args.measured, args.large_pool == "exact"
+            n,
+            args.blocks,
+            args.decisions,
+            args.seed,
+            args.precise,
+            args.measured,
+            args.large_pool == "exact",
+            args.plan,
+            args.diagnose,
         )
         results["pools"].append(r)
         line = (
             f"  {n:>5} workers: approx CPU p50 {r['approx']['p50_us']:>6} us  p99 {r['approx']['p99_us']:>6} us"
             f"  (wall p50 {r['approx_wall']['p50_us']} p99 {r['approx_wall']['p99_us']})"
             f"  keying p50 {r['keying']['p50_us']} us"
+            f"  [not switched out ({args.decisions - r['switched']}): p50 {r['approx_unswitched']['p50_us']}"
+            f" p99 {r['approx_unswitched']['p99_us']}]"
             f"  [one request repeated: p50 {r['noise_floor']['p50_us']} p99 {r['noise_floor']['p99_us']}]"
         )
+        if args.diagnose:
+            line += (
+                f"   each decided again at once: p50 {r['approx_again']['p50_us']} p99 {r['approx_again']['p99_us']};"
+                f" 2 MB evicted before each: p50 {r['approx_evict_2mb']['p50_us']} p99 {r['approx_evict_2mb']['p99_us']};"
+                f" 16 MB: p50 {r['approx_evict_16mb']['p50_us']} p99 {r['approx_evict_16mb']['p99_us']}"
+            )
+        if args.plan:
+            line += (
+                f"   whole plan: p50 {r['plan_layout']['p50_us']} p99 {r['plan_layout']['p99_us']} us"
+                f" (no layout kept: p50 {r['plan_no_layout']['p50_us']} p99 {r['plan_no_layout']['p99_us']})"
+            )
         if args.precise:
             line += (
                 f"   precise warm p50 {r['precise_warm']['p50_us']} p99 {r['precise_warm']['p99_us']} us,"

@@ -17,7 +17,7 @@ from common.workers import Role, RouteKind
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.config import BreakerConfig
 from gateway.worker import Worker, new_breaker
-from policies.snapshot import ClusterSnapshot
+from policies.snapshot import ClusterSnapshot, Layout, same_layout
 
 _replace = msgspec.structs.replace
 
@@ -63,6 +63,9 @@ class Registry:
         self._snap_version = -1
         self._snap_seq = 0
         self._snap = ClusterSnapshot(version=0, workers=())
+        # shared by the snapshots whose workers differ in nothing but in-flight counts and load
+        # (`policies.snapshot.Layout`): the policy keeps its split of the pool by role across them
+        self._layout = Layout()
         self._snap_index: dict[str, int] = {}
         # workers whose in-flight counts moved since the last snapshot: per request, only their
         # states are copied (two, for a P/D request), not every worker's rebuilt
@@ -206,6 +209,8 @@ class Registry:
             self._snap_index = {w.id: i for i, w in enumerate(workers)}
             self._snap_version = self._version
             self._moved.clear()
+            if not same_layout(self._snap.workers, workers):  # (a load scrape keeps it)
+                self._layout = Layout()
         elif self._moved:
             states = list(self._snap.workers)
             index = self._snap_index
@@ -221,7 +226,7 @@ class Registry:
         else:
             return self._snap
         self._snap_seq += 1
-        self._snap = ClusterSnapshot(version=self._snap_seq, workers=workers)
+        self._snap = ClusterSnapshot(version=self._snap_seq, workers=workers, layout=self._layout)
         return self._snap
 
     def _half_open_due(self) -> None:

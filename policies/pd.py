@@ -19,13 +19,16 @@ For the request's model, with `exclude` applied (worker ids and ``"prefill|decod
    decode worker that answers alone (`Colocated(decode)`); else `Reject(..., 503)`.
 
 The role selectors (`RoleSelector`: usually a `Profile`) own the choice within a pool; this
-class owns only the order. It never mutates itself in `plan()`; `observe()` forwards events
-to the selectors.
+class owns only the order. `plan()` changes nothing but a cache that never changes a plan (the
+split of the pool by role, kept per `ClusterSnapshot.layout`); `observe()` forwards events to
+the selectors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from operator import itemgetter
+from typing import Any
 
 from policies.base import (
     CacheEstimator,
@@ -48,6 +51,7 @@ from policies.snapshot import (
     ClusterSnapshot,
     Colocated,
     Disaggregated,
+    Layout,
     Plan,
     Reject,
     RequestView,
@@ -76,6 +80,10 @@ class PDPolicy:
         self.decider: Decider | PlanDecider = decider if decider is not None else NonCachedTokensDecider()
         self.cache: CacheEstimator = cache if cache is not None else NoCacheEstimate()
         self._plan_decider = self.decider if isinstance(self.decider, PlanDecider) else None
+        # the split of the pool by role for the last layout seen (`ClusterSnapshot.layout`), per
+        # model: a cache that never changes a plan (positions into a snapshot of that layout)
+        self._layout: Layout | None = None
+        self._splits: dict[str, _Split] = {}
         # every stateful part of the distinct selectors, found once: observe() runs twice per
         # request and would otherwise walk selector -> profile -> parts each time; a plan
         # decider first (it books a request's work before the cache-aware index records it)
@@ -129,29 +137,28 @@ class PDPolicy:
         verdicts: list[Verdict] | None,
     ) -> Plan:
         model = req.model
-        # the three pools in one pass (`snap.pool` each would walk the workers three times)
-        decodes: list[WorkerState] = []
-        prefills: list[WorkerState] = []
-        colocated: list[WorkerState] = []
-        known = False
-        for w in snap.workers:
-            if w.model is not None and w.model != model:
-                continue
-            known = True
-            if not w.healthy or w.draining or w.id in exclude:
-                continue
-            role = w.role
-            if role is Role.DECODE:
-                decodes.append(w)
-            elif role is Role.PREFILL:
-                prefills.append(w)
-            else:
-                colocated.append(w)
-        if not known:
-            return Reject(f"unknown model {model!r}: no worker serves it", 404)
-
-        partners = {d.id: _pair_prefills(d, prefills, exclude) for d in decodes}
-        pairable = [d for d in decodes if partners[d.id]]
+        layout = snap.layout
+        if layout is not None and not exclude:
+            # the split kept for this layout: the current states taken by position
+            if layout is not self._layout:
+                self._layout = layout
+                self._splits = {}
+            split = self._splits.get(model)
+            if split is None:
+                split = self._splits[model] = _Split(snap.workers, model)
+            if not split.known:
+                return Reject(f"unknown model {model!r}: no worker serves it", 404)
+            ws = snap.workers
+            decodes = split.decodes(ws)
+            colocated = split.colocated(ws)
+            partners: Mapping[str, list[WorkerState]] = _Partners(split, ws)
+            pairable = split.pairable(ws)
+        else:
+            known, decodes, prefills, colocated = _split(snap.workers, model, exclude)
+            if not known:
+                return Reject(f"unknown model {model!r}: no worker serves it", 404)
+            partners = {d.id: _pair_prefills(d, prefills, exclude) for d in decodes}
+            pairable = [d for d in decodes if partners[d.id]]
         while pairable:
             decode = _select(self.decode, req, pairable)
             if decode is None:
@@ -187,7 +194,7 @@ class PDPolicy:
         req: RequestView,
         decode: WorkerState,
         pairable: list[WorkerState],
-        partners: dict[str, list[WorkerState]],
+        partners: Mapping[str, list[WorkerState]],
         colocated: list[WorkerState],
         verdicts: list[Verdict] | None,
     ) -> Plan | None:
@@ -261,6 +268,121 @@ class PDPolicy:
             seen.append(part)
             if isinstance(part, MetricSource):
                 yield from part.metrics()
+
+
+def _split(
+    workers: Sequence[WorkerState], model: str, exclude: frozenset[str]
+) -> tuple[bool, list[WorkerState], list[WorkerState], list[WorkerState]]:
+    """(some worker serves `model`, its usable decode, prefill and colocated workers less the
+    excluded), in one pass (`snap.pool` each would walk the workers three times)."""
+    decodes: list[WorkerState] = []
+    prefills: list[WorkerState] = []
+    colocated: list[WorkerState] = []
+    known = False
+    for w in workers:
+        if w.model is not None and w.model != model:
+            continue
+        known = True
+        if not w.healthy or w.draining or w.id in exclude:
+            continue
+        role = w.role
+        if role is Role.DECODE:
+            decodes.append(w)
+        elif role is Role.PREFILL:
+            prefills.append(w)
+        else:
+            colocated.append(w)
+    return known, decodes, prefills, colocated
+
+
+class _Take:
+    """The workers at some positions of a snapshot's tuple: a slice where they are contiguous
+    (copied in C), else an `itemgetter` of them."""
+
+    __slots__ = ("_get", "_n", "_slice")
+
+    def __init__(self, positions: list[int]) -> None:
+        self._slice: slice | None = None
+        self._get: Callable[[Sequence[WorkerState]], Any] | None = None
+        self._n = len(positions)
+        if positions and positions[-1] - positions[0] == len(positions) - 1:
+            self._slice = slice(positions[0], positions[-1] + 1)
+        elif len(positions) > 1:
+            self._get = itemgetter(*positions)
+        elif positions:
+            self._slice = slice(positions[0], positions[0] + 1)
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def __call__(self, workers: Sequence[WorkerState]) -> list[WorkerState]:
+        if self._slice is not None:
+            return list(workers[self._slice])
+        if self._get is not None:
+            return list(self._get(workers))
+        return []
+
+
+def _pair_class(w: WorkerState) -> tuple[object, ...]:
+    """What `compatible` reads of a worker (engine, block size, labels): workers alike in these
+    pair alike."""
+    return (w.engine, w.block_size, w.labels)
+
+
+class _Split:
+    """`_split` of one layout (`ClusterSnapshot.layout`) for one model, without exclusions, as
+    positions, with each decode's compatible prefills (`_pair_prefills`) by pairing class: what
+    a request's plan reads of the pool in a few copies made in C, not a pass over every
+    worker's fields (nor every decode times every prefill)."""
+
+    __slots__ = ("class_of", "colocated", "decodes", "known", "pairable", "partners")
+
+    def __init__(self, workers: Sequence[WorkerState], model: str) -> None:
+        at = {id(w): i for i, w in enumerate(workers)}
+        known, decodes, prefills, colocated = _split(workers, model, frozenset())
+        self.known = known
+        self.decodes = _Take([at[id(w)] for w in decodes])
+        self.colocated = _Take([at[id(w)] for w in colocated])
+        # decode id -> its pairing class; per class, its compatible prefills' positions
+        self.class_of: dict[str, int] = {}
+        self.partners: list[_Take] = []
+        classes: dict[tuple[object, ...], int] = {}
+        pairable: list[int] = []
+        for d in decodes:
+            key = _pair_class(d)
+            k = classes.get(key)
+            if k is None:
+                k = classes[key] = len(self.partners)
+                self.partners.append(_Take([at[id(p)] for p in _pair_prefills(d, prefills, frozenset())]))
+            self.class_of[d.id] = k
+            if self.partners[k]:
+                pairable.append(at[id(d)])
+        self.pairable = _Take(pairable)
+
+
+class _Partners(Mapping[str, list[WorkerState]]):
+    """Decode id -> its compatible prefills' current states, taken when first asked for (a plan
+    asks for a few decodes', not every one's)."""
+
+    __slots__ = ("_lists", "_split", "_ws")
+
+    def __init__(self, split: _Split, workers: Sequence[WorkerState]) -> None:
+        self._split = split
+        self._ws = workers
+        self._lists: dict[int, list[WorkerState]] = {}
+
+    def __getitem__(self, decode_id: str) -> list[WorkerState]:
+        k = self._split.class_of[decode_id]
+        got = self._lists.get(k)
+        if got is None:
+            got = self._lists[k] = self._split.partners[k](self._ws)
+        return got
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._split.class_of)
+
+    def __len__(self) -> int:
+        return len(self._split.class_of)
 
 
 def _pair_prefills(

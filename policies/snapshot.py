@@ -7,6 +7,7 @@ policies only read it. Nothing in this module does I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -17,10 +18,12 @@ if TYPE_CHECKING:
     from policies.prompt_key import PromptKey
 
 __all__ = [
+    "LAYOUT_FIELDS",
     "ClusterSnapshot",
     "Colocated",
     "Disaggregated",
     "Engine",
+    "Layout",
     "Plan",
     "Reject",
     "RequestView",
@@ -28,12 +31,61 @@ __all__ = [
     "RouteKind",
     "WorkerLoad",
     "WorkerState",
+    "same_layout",
 ]
+
+
+class Layout:
+    """A token that two snapshots share iff their workers are the same workers, in the same
+    order, with the same `LAYOUT_FIELDS` (only their in-flight counts and load may differ): a
+    policy may then keep what it derived from those fields (a split of the pool by role) and
+    index the new snapshot's workers by position. Compared by identity."""
+
+    __slots__ = ()
+
+
+# what a policy may keep across snapshots of one `Layout`
+LAYOUT_FIELDS = (
+    "id",
+    "role",
+    "engine",
+    "model",
+    "healthy",
+    "draining",
+    "block_size",
+    "labels",
+    "decode_alone",
+)
+
+
+def same_layout(a: Sequence[WorkerState], b: Sequence[WorkerState]) -> bool:
+    """Are `a` and `b` the same workers in the same order with the same `LAYOUT_FIELDS`?"""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x is y:
+            continue
+        if (
+            x.id != y.id
+            or x.role is not y.role
+            or x.engine is not y.engine
+            or x.model != y.model
+            or x.healthy != y.healthy
+            or x.draining != y.draining
+            or x.block_size != y.block_size
+            or x.labels != y.labels
+            or x.decode_alone != y.decode_alone
+        ):
+            return False
+    return True
 
 
 class ClusterSnapshot(msgspec.Struct, frozen=True):
     version: int
     workers: tuple[WorkerState, ...]
+    # shared by the snapshots whose workers have the same layout (`Layout`); None: unknown (a
+    # policy derives everything from this snapshot alone)
+    layout: Layout | None = None
 
     def pool(self, role: Role, model: str, exclude: frozenset[str] = frozenset()) -> tuple[WorkerState, ...]:
         """Usable workers of `role` serving `model`, minus the excluded ids."""

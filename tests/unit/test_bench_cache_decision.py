@@ -18,4 +18,15 @@ def test_the_micro_benchmark_runs(tmp_path: Path) -> None:
     for p in r["pools"]:
         assert p["approx_entries"] >= 3000 and p["precise_entries"] >= 3000
         assert 0 < p["approx"]["p50_us"] <= p["approx"]["p99_us"]
+        assert 0 < p["approx_unswitched"]["p50_us"] <= p["approx_unswitched"]["p99_us"]
+        assert 0 <= p["switched"] <= 30
     assert set(r["engine_hash_us_per_block"]) == {"vllm", "sglang", "emulator"}
+
+
+def test_the_whole_plan_and_the_diagnosis_run(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    argv = ["--workers", "80", "--blocks", "3000", "--decisions", "30", "--no-memory", "--plan", "--diagnose"]
+    assert main([*argv, "--json", str(out)]) == 0
+    (p,) = json.loads(out.read_text())["pools"]
+    for name in ("plan_layout", "plan_no_layout", "approx_again", "approx_evict_2mb", "approx_evict_16mb"):
+        assert 0 < p[name]["p50_us"] <= p[name]["p99_us"], name

@@ -570,23 +570,40 @@ def test_cache_aware_conforms(spec: str | dict[str, object]) -> None:
     run_conformance(build_policy(parse_policy(spec)), n=400, seed=7)
 
 
+SHAPES = {
+    "whole": {},
+    # a large pool narrowed to its matches and a sample
+    "sampled": {"scan_limit": 3, "sample": 2},
+    # more prefix levels than listed: the levels are not exact, each worker's depth searched
+    "searched": {"max_candidates": 1},
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("seed", range(20))
-def test_the_fast_path_chooses_as_the_recorded_one(seed: int) -> None:
+def test_the_fast_path_chooses_as_the_recorded_one(seed: int, shape: str) -> None:
     """`select` (one loop, no record) and `decide(record=True)` (estimates, scores, picker)
     make the same choice, ties drawn from identically seeded generators."""
     rng = random.Random(seed)
     clock = Clock()
-    st = state(clock, prefill_rate=1000.0, saturation_wait_s=rng.choice([0.5, 5.0]), balance_abs_threshold=2)
+    st = state(
+        clock,
+        prefill_rate=1000.0,
+        saturation_wait_s=rng.choice([0.5, 5.0]),
+        balance_abs_threshold=2,
+        **SHAPES[shape],
+    )
     workers = [
-        make_worker(f"w{i}", inflight=rng.randrange(0, 6), waiting=rng.randrange(0, 2)) for i in range(6)
+        make_worker(f"w{i}", inflight=rng.randrange(0, 6), waiting=rng.randrange(0, 3)) for i in range(6)
     ]
+    step = rng.choice([0.05, 1.0])  # queues still full when asked, or drained
     for i in range(rng.randrange(1, 12)):
         route(
             st,
             req(PREFIX[: rng.randrange(16, 800)] + [i] * rng.randrange(0, 300), f"o{i}"),
             rng.choice(workers),
         )
-        clock.t += rng.random()
+        clock.t += rng.random() * step
     ask = req(PREFIX[: rng.randrange(16, 800)] + [99] * 50)
     a = CacheAwareSelector("x", st, rng=random.Random(seed))
     b = CacheAwareSelector("x", st, rng=random.Random(seed))
