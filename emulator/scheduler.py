@@ -96,6 +96,7 @@ class Seq:
         "finished",
         "hashes",
         "kv_valid",
+        "max_cached",
         "max_new",
         "n_prompt_blocks",
         "prefill_future",
@@ -118,6 +119,7 @@ class Seq:
         self.blocks: list[int] = []
         self.n_prompt_blocks = 0
         self.cached_tokens = 0
+        self.max_cached = 0  # prompt blocks it may read from the prefix cache
         self.kv_valid = True
         self.state = 0
         self.aborted = False
@@ -236,6 +238,7 @@ class Engine:
         seq.blocks = cached + rest
         seq.n_prompt_blocks = n_prompt
         seq.cached_tokens = len(cached) * bs
+        seq.max_cached = max_cached
         seq.t_started = time.time()
         self.seqs[seq.rid] = seq
         self.counters.cached_tokens_total += seq.cached_tokens
@@ -443,12 +446,18 @@ class Engine:
             dt = timing.mixed_step_time(self.profile, chunks, len(batch), kv_tokens)
             self.last_step_s = dt * self.time_scale
             self._step = step = loop.create_future()
+            finished = False
             try:
                 await asyncio.sleep(self.last_step_s)
-                self._end_step(work, batch)
+                finished = self._end_step(work, batch)
             finally:
                 self.steps += 1
                 step.set_result(None)
+            if finished:
+                # the prefills just done write and register their KV (their tasks resume first)
+                # before the next step is planned: SGLang caches a prefill's prefix as it
+                # processes the batch's result, before it forms the next batch
+                await asyncio.sleep(0)
 
     def _plan_step(self) -> tuple[list[tuple[Seq, int]], list[tuple[int, int]], list[Seq]]:
         """The next step's prefill chunks ``(seq, tokens)``, their ``(new, cached)`` sizes for the
@@ -464,6 +473,8 @@ class Engine:
                 break
             if seq.aborted:
                 continue
+            if seq.prefill_left == len(seq.prompt) - seq.cached_tokens:
+                self._match_when_scheduled(seq)  # its first chunk
             n = min(seq.prefill_left, budget)
             work.append((seq, n))
             chunks.append((n, len(seq.prompt) - seq.prefill_left))
@@ -472,10 +483,42 @@ class Engine:
             batch = []  # SGLang: a prefill step, the decodes wait
         return work, chunks, batch
 
-    def _end_step(self, work: list[tuple[Seq, int]], batch: list[Seq]) -> None:
+    def _match_when_scheduled(self, seq: Seq) -> None:
+        """Match a waiting prefill's prefix again as its first chunk is scheduled: blocks cached
+        since it was admitted (the prefill of its own conversation's earlier turn, queued ahead
+        of it) are read, not computed again. Real engines match at this point, not at arrival:
+        SGLang's scheduler matches the waiting queue against the radix cache as it forms the
+        next prefill batch (managers/scheduler.py ``get_new_batch_prefill`` through
+        managers/schedule_policy.py ``SchedulePolicy.calc_priority`` /
+        ``_compute_prefix_matches`` and ``match_prefix_for_req``), vLLM v1's as it schedules a
+        waiting request (v1/core/sched/scheduler.py ``Scheduler.schedule``:
+        ``kv_cache_manager.get_computed_blocks``)."""
+        bs = self.block_size
+        have = seq.cached_tokens // bs
+        if seq.max_cached <= have:
+            return
+        more = self.pool.match_prefix(seq.hashes[have:], seq.max_cached - have)
+        if not more:
+            return
+        k = len(more)
+        own = seq.blocks[have : have + k]  # allocated at admission, nothing written yet
+        seq.blocks[have : have + k] = more
+        self.pool.free(own)
+        gain = k * bs
+        seq.cached_tokens += gain
+        seq.prefill_left -= gain
+        self.pool.hits += gain
+        self.counters.cached_tokens_total += gain
+        self.counters.local_compute_tokens -= gain
+        self._freed.set()
+
+    def _end_step(self, work: list[tuple[Seq, int]], batch: list[Seq]) -> bool:
+        """Count the step's work done; True when a prefill finished."""
+        finished = False
         for seq, n in work:
             seq.prefill_left -= n
             if seq.prefill_left <= 0:
+                finished = True
                 if seq in self.prefill_queue:
                     self.prefill_queue.remove(seq)
                 fut = seq.prefill_future
@@ -485,3 +528,4 @@ class Engine:
             seq.credits += 1
             if seq.event is not None:
                 seq.event.set()
+        return finished

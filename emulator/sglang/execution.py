@@ -78,6 +78,7 @@ class Execution:
                 self.engine.load_remote_kv(self.seq, contents)
             else:
                 await self.engine.prefill(self.seq)
+                self.res.cached_tokens = self.seq.cached_tokens  # matched again when scheduled
             return await self._generate()
         except TransferError as e:
             return self._transfer_failed(e)
