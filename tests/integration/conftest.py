@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import pytest
@@ -19,6 +20,7 @@ from common.workers import Engine, Role
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
+from policies.base import PolicyEvent
 
 
 @dataclass
@@ -152,3 +154,21 @@ async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     return runner, f"http://127.0.0.1:{port}"
+
+
+class RecordingPolicy:
+    """The gateway's own policy with every event it is sent kept in order (a wrapper: the policy
+    still routes and learns as it would). `observes` as given (`policies.base.wants`): None, the
+    default, observes every event type whatever the policy inside observes."""
+
+    def __init__(self, policy: Any, observes: tuple[type, ...] | None = None) -> None:
+        self._policy = policy
+        self.observes = observes
+        self.events: list[PolicyEvent] = []
+
+    def observe(self, event: PolicyEvent) -> None:
+        self.events.append(event)
+        self._policy.observe(event)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._policy, name)

@@ -10,30 +10,12 @@ orchestrator sends them.
 
 from __future__ import annotations
 
-from typing import Any
-
 import aiohttp
 import pytest
 
-from policies.base import Completed, Failed, PolicyEvent, Routed, WorkerGone, wants
+from policies.base import Completed, Failed, Routed, WorkerGone, wants
 from policies.round_robin import make_policy
-from tests.integration.conftest import Cluster
-
-
-class Recording:
-    """The gateway's own policy with every event it is sent kept; `observes` as given."""
-
-    def __init__(self, policy: Any, observes: tuple[type, ...] | None) -> None:
-        self._policy = policy
-        self.observes = observes
-        self.events: list[PolicyEvent] = []
-
-    def observe(self, event: PolicyEvent) -> None:
-        self.events.append(event)
-        self._policy.observe(event)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._policy, name)
+from tests.integration.conftest import Cluster, RecordingPolicy
 
 
 async def served(c: Cluster, model: str) -> None:
@@ -45,14 +27,14 @@ async def served(c: Cluster, model: str) -> None:
 
 @pytest.mark.parametrize("model", ["m-sglang", "m-vllm"])
 async def test_a_policy_that_does_not_observe_completed_is_not_sent_it(cluster: Cluster, model: str) -> None:
-    rec = Recording(cluster.gateway.orchestrator.policy, (Routed, Failed, WorkerGone))
+    rec = RecordingPolicy(cluster.gateway.orchestrator.policy, (Routed, Failed, WorkerGone))
     cluster.gateway.orchestrator.policy = rec
     await served(cluster, model)
     assert [type(e) for e in rec.events] == [Routed]
 
 
 async def test_a_policy_that_names_no_events_is_sent_every_one(cluster: Cluster) -> None:
-    rec = Recording(cluster.gateway.orchestrator.policy, None)
+    rec = RecordingPolicy(cluster.gateway.orchestrator.policy, None)
     cluster.gateway.orchestrator.policy = rec
     await served(cluster, "m-sglang")
     assert [type(e) for e in rec.events] == [Routed, Completed]

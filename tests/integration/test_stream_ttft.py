@@ -9,7 +9,6 @@ anything, so the old `ttft_s` (the head's time) came a whole prefill before the 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import pytest
@@ -18,33 +17,14 @@ from common.workers import Engine, Role
 from emulator.api import EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
-from policies.base import Completed, PolicyEvent
-from tests.integration.conftest import Cluster, build_cluster, stop_cluster
+from policies.base import Completed
+from tests.integration.conftest import Cluster, RecordingPolicy, build_cluster, stop_cluster
 
 PROMPT = [(i * 31) % 250 + 3 for i in range(6000)]  # token ids: a prefill of ~0.1-0.3 s
 
 
-class Recording:
-    """The gateway's own policy, with every event it is sent kept in order (a wrapper: the
-    policy still routes and learns as it would). It observes every event type, whatever the
-    policy inside observes (`policies.base.wants`)."""
-
-    observes = None
-
-    def __init__(self, policy: Any) -> None:
-        self._policy = policy
-        self.events: list[PolicyEvent] = []
-
-    def observe(self, event: PolicyEvent) -> None:
-        self.events.append(event)
-        self._policy.observe(event)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._policy, name)
-
-
 @pytest.fixture
-async def timed() -> AsyncIterator[tuple[Cluster, Recording]]:
+async def timed() -> AsyncIterator[tuple[Cluster, RecordingPolicy]]:
     """The integration cluster (SGLang and vLLM P/D, a vLLM colocated worker) and an SGLang
     colocated worker (model `m-sglang-col`), whose stream's head goes out before its prefill
     (as SGLang's server starts its streaming response), at real speed."""
@@ -63,7 +43,7 @@ async def timed() -> AsyncIterator[tuple[Cluster, Recording]]:
     )
     c.gateway = Gateway(cfg)
     await c.gateway.start()
-    rec = Recording(c.gateway.orchestrator.policy)
+    rec = RecordingPolicy(c.gateway.orchestrator.policy)
     c.gateway.orchestrator.policy = rec
     try:
         yield c, rec
@@ -71,7 +51,7 @@ async def timed() -> AsyncIterator[tuple[Cluster, Recording]]:
         await stop_cluster(c)
 
 
-async def completed(c: Cluster, rec: Recording, model: str, stream: bool) -> Completed:
+async def completed(c: Cluster, rec: RecordingPolicy, model: str, stream: bool) -> Completed:
     body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "stream": stream, "temperature": 0}
     async with aiohttp.ClientSession() as s, s.post(f"{c.url}/v1/completions", json=body) as r:
         assert r.status == 200, await r.text()
@@ -82,7 +62,7 @@ async def completed(c: Cluster, rec: Recording, model: str, stream: bool) -> Com
 
 
 @pytest.mark.parametrize("model", ["m-sglang-col", "m-colocated", "m-sglang", "m-vllm"])
-async def test_a_streams_ttft_is_its_first_token(timed: tuple[Cluster, Recording], model: str) -> None:
+async def test_a_streams_ttft_is_its_first_token(timed: tuple[Cluster, RecordingPolicy], model: str) -> None:
     c, rec = timed
     ev = await completed(c, rec, model, stream=True)
     t = ev.timings
@@ -93,7 +73,7 @@ async def test_a_streams_ttft_is_its_first_token(timed: tuple[Cluster, Recording
     assert ev.ttft_s >= 0.05  # the emulated prefill of 6,000 tokens, at least
 
 
-async def test_a_whole_answers_ttft_is_unchanged(timed: tuple[Cluster, Recording]) -> None:
+async def test_a_whole_answers_ttft_is_unchanged(timed: tuple[Cluster, RecordingPolicy]) -> None:
     """A whole answer's first byte is its last: its `ttft_s` is the whole request."""
     c, rec = timed
     ev = await completed(c, rec, "m-sglang", stream=False)
