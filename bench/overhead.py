@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import neighbour as bench_neighbour
 from bench import nginx_upstream, procs
 from bench import wrk as bench_wrk
 from bench.loadgen import (
@@ -674,6 +675,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "stream in step (as an engine sends a decode step's tokens; default 1, nginx's least); 0: "
         "the whole stream in one write (the tables before 2026-12-04)",
     )
+    p.add_argument(
+        "--neighbour",
+        default=None,
+        metavar="KIND",
+        help="a control: keep this process running on --target-cpus beside the targets while "
+        "they are measured: spin (the core's time, not its caches) or copy:MB (its time and MB "
+        "of cache lines swept each pass); see bench/neighbour.py",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-going", action="store_true", help="a target that fails to start is skipped")
     p.add_argument(
@@ -724,6 +733,12 @@ def main(argv: list[str]) -> int:
     if args.rounds < 1:
         print("--rounds must be at least 1", file=sys.stderr)
         return 2
+    if args.neighbour:
+        try:
+            bench_neighbour.parse(args.neighbour)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
     targets = _split(args.targets, TARGET_KINDS, "target")
     modes = _split(args.modes, MODES, "mode")
     engines = _split(args.engines, ENGINES, "engine")
@@ -776,7 +791,8 @@ def main(argv: list[str]) -> int:
         "loadgen": args.loadgen,
         "client": args.client,
         "rounds": args.rounds,
-        "settings": SETTINGS[_settings(args)],
+        "settings": SETTINGS[_settings(args)]
+        + (f"; a neighbour process ({args.neighbour}) busy on the targets' CPU" if args.neighbour else ""),
     }
     rows: list[Row] = []
     all_rounds: list[Row] = []
@@ -810,6 +826,16 @@ def main(argv: list[str]) -> int:
                     failures.append(msg.splitlines()[0])
                     continue
                 started.append(target)
+            if args.neighbour:
+                tgroup.add(
+                    procs.start_process(
+                        "neighbour",
+                        [sys.executable, "-m", "bench.neighbour", args.neighbour],
+                        cpus=target_cpus,
+                        log_dir=log_dir,
+                        cwd=procs.REPO_ROOT,
+                    )
+                )
             per_row: dict[tuple[str, str, int], list[Row]] = {}
             for rnd in range(args.rounds):
                 for mode in row_modes:

@@ -195,3 +195,15 @@ def test_x2_cpus_pins_each_serving_process_to_its_own_cpu() -> None:
         assert parent.stdin is not None
         parent.stdin.close()  # every process reads it: all three end
         parent.wait(5)
+
+
+def test_a_neighbour_is_spin_or_copy_of_some_megabytes() -> None:
+    """`bench overhead --neighbour`: the control process beside a target (bench/neighbour.py);
+    a kind it cannot run is refused before anything starts."""
+    from bench import neighbour
+
+    assert neighbour.parse("spin") == 0 and neighbour.parse("copy:8") == 8
+    for bad in ("copy", "copy:1", "copy:x", "walk:8"):
+        with pytest.raises(ValueError):
+            neighbour.parse(bad)
+    assert overhead.main(["--neighbour", "walk:8"]) == 2
