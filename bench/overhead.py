@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import neighbour as bench_neighbour
 from bench import nginx_upstream, procs
 from bench import wrk as bench_wrk
 from bench.loadgen import (
@@ -151,6 +152,31 @@ def start_cluster(
     return Cluster(engine, *ups)
 
 
+SETTINGS = {
+    "info": "round robin, logs at info (each target's default level: the gateway's access log on)",
+    "quiet": "round robin, warnings only",
+    "as-shipped": "as shipped (default policy and log level)",
+}
+
+
+def target_settings(kind: str, settings: str) -> tuple[str | None, str | None]:
+    """(policy, log level) for a router or gateway `kind`; None leaves the target's default.
+
+    `info` (the default): every target at its own default log level, info (the gateway writes
+    its access-log line per request, its full feature set on), the routers round robin as the
+    gateway is, so the comparison is like for like. `quiet`: round robin, warnings only (the
+    tables before 2026-12-05). `as-shipped`: each target's own default policy and log level
+    (the Rust routers: cache_aware, info; the gateway: round_robin, info)."""
+    if settings not in SETTINGS:
+        raise ValueError(settings)
+    if kind.startswith("gateway"):
+        return None, "warning" if settings == "quiet" else None
+    policy = None if settings == "as-shipped" else "round_robin"
+    if settings != "quiet":
+        return policy, None
+    return policy, "warn" if kind == "sglang-router" else "warning"
+
+
 def start_target(
     group: procs.ProcessGroup,
     kind: str,
@@ -158,14 +184,12 @@ def start_target(
     cpus: str | None,
     log_dir: Path,
     *,
-    as_shipped: bool = False,
+    settings: str = "info",
     x2_cpus: list[int] | None = None,
 ) -> Target:
-    """Start one target. `as_shipped`: the routers and the gateway run with their own default
-    policy and log level (sglang-router and vllm-router: cache_aware, info; the gateway:
-    round_robin, info); otherwise all run round robin and log warnings only. `x2_cpus`: pin
-    `gateway-x2`'s two serving processes one to each of these CPUs (its supervisor stays on
-    `cpus`)."""
+    """Start one target with `settings` (see `target_settings`). `x2_cpus`: pin `gateway-x2`'s
+    two serving processes one to each of these CPUs (its supervisor stays on `cpus`)."""
+    policy, log_level = target_settings(kind, settings)
     if kind == "direct":
         return Target(kind, cluster.engine, None, cluster.both.port)
     if kind == "direct-pd":
@@ -178,8 +202,8 @@ def start_target(
             [(pre.url, pre.bootstrap_port)],
             [dec.url],
             prometheus_port=prom_port,
-            policy=None if as_shipped else "round_robin",
-            log_level=None if as_shipped else "warn",
+            policy=policy,
+            log_level=log_level,
         )
     elif kind == "vllm-router":
         argv = procs.vllm_router_argv(
@@ -187,8 +211,8 @@ def start_target(
             [pre.url],
             [dec.url],
             prometheus_port=prom_port,
-            policy=None if as_shipped else "round_robin",
-            log_level=None if as_shipped else "warning",
+            policy=policy,
+            log_level=log_level,
         )
     elif kind in ("bare-pd", "callback-pd"):
         module = "bench.bare_pd" if kind == "bare-pd" else "bench.callback_pd"
@@ -210,7 +234,7 @@ def start_target(
             port,
             [(pre.url, pre.bootstrap_port)],
             [dec.url],
-            log_level=None if as_shipped else "warning",
+            log_level=log_level,
             extra=extra,
         )
     else:
@@ -628,12 +652,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "header fields in one write, as wrk sends them) or raw-quickack (raw, every answer's "
         "segments ACKed at once: no Nagle stall at any target); see docs/benchmarks.md",
     )
-    p.add_argument(
+    settings = p.add_mutually_exclusive_group()
+    settings.add_argument(
         "--as-shipped",
         action="store_true",
         help="run the routers and the gateway with their own default policy and log level "
-        "(the Rust routers: cache_aware, info; the gateway: round_robin, info) instead of round "
-        "robin with warnings only",
+        "(the Rust routers: cache_aware, info; the gateway: round_robin, info) instead of all "
+        "round robin at info (the default)",
+    )
+    settings.add_argument(
+        "--quiet-logs",
+        action="store_true",
+        help="run the routers and the gateway at log level warning (no access-log line per "
+        "request), all round robin: the tables before 2026-12-05; the default is info, the "
+        "gateway's full feature set as shipped",
     )
     p.add_argument(
         "--token-interval-ms",
@@ -642,6 +674,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="with --upstream nginx: a stream's events leave one per write, this far apart, every "
         "stream in step (as an engine sends a decode step's tokens; default 1, nginx's least); 0: "
         "the whole stream in one write (the tables before 2026-12-04)",
+    )
+    p.add_argument(
+        "--neighbour",
+        default=None,
+        metavar="KIND",
+        help="a control: keep this process running on --target-cpus beside the targets while "
+        "they are measured: spin (the core's time, not its caches) or copy:MB (its time and MB "
+        "of cache lines swept each pass); see bench/neighbour.py",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep-going", action="store_true", help="a target that fails to start is skipped")
@@ -654,6 +694,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         f"({nginx_upstream.INSTALL_HINT})",
     )
     return p.parse_args(argv)
+
+
+def _settings(args: argparse.Namespace) -> str:
+    return "as-shipped" if args.as_shipped else "quiet" if args.quiet_logs else "info"
 
 
 def _split(s: str, allowed: tuple[str, ...], what: str) -> list[str]:
@@ -689,6 +733,12 @@ def main(argv: list[str]) -> int:
     if args.rounds < 1:
         print("--rounds must be at least 1", file=sys.stderr)
         return 2
+    if args.neighbour:
+        try:
+            bench_neighbour.parse(args.neighbour)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
     targets = _split(args.targets, TARGET_KINDS, "target")
     modes = _split(args.modes, MODES, "mode")
     engines = _split(args.engines, ENGINES, "engine")
@@ -741,9 +791,8 @@ def main(argv: list[str]) -> int:
         "loadgen": args.loadgen,
         "client": args.client,
         "rounds": args.rounds,
-        "settings": "as shipped (default policy and log level)"
-        if args.as_shipped
-        else "round robin, warnings only",
+        "settings": SETTINGS[_settings(args)]
+        + (f"; a neighbour process ({args.neighbour}) busy on the targets' CPU" if args.neighbour else ""),
     }
     rows: list[Row] = []
     all_rounds: list[Row] = []
@@ -764,7 +813,7 @@ def main(argv: list[str]) -> int:
                         cluster,
                         target_cpus,
                         log_dir,
-                        as_shipped=args.as_shipped,
+                        settings=_settings(args),
                         x2_cpus=x2_cpus,
                     )
                     for mode in row_modes:
@@ -777,6 +826,16 @@ def main(argv: list[str]) -> int:
                     failures.append(msg.splitlines()[0])
                     continue
                 started.append(target)
+            if args.neighbour:
+                tgroup.add(
+                    procs.start_process(
+                        "neighbour",
+                        [sys.executable, "-m", "bench.neighbour", args.neighbour],
+                        cpus=target_cpus,
+                        log_dir=log_dir,
+                        cwd=procs.REPO_ROOT,
+                    )
+                )
             per_row: dict[tuple[str, str, int], list[Row]] = {}
             for rnd in range(args.rounds):
                 for mode in row_modes:

@@ -119,6 +119,22 @@ def test_as_shipped_leaves_each_targets_own_policy_and_log_level() -> None:
     assert overhead.parse_args(["--as-shipped"]).as_shipped and not overhead.parse_args([]).as_shipped
 
 
+def test_the_default_run_has_every_target_at_info_and_round_robin() -> None:
+    """Issue #33 asks for the gateway's full feature set, logs at info: that is the default run
+    (the routers at their default level too, all round robin); `--quiet-logs` is the old run."""
+    for kind in ("gateway", "gateway-x2", "gateway-noguards"):
+        assert overhead.target_settings(kind, "info") == (None, None)
+        assert overhead.target_settings(kind, "quiet") == (None, "warning")
+    assert overhead.target_settings("sglang-router", "info") == ("round_robin", None)
+    assert overhead.target_settings("vllm-router", "info") == ("round_robin", None)
+    assert overhead.target_settings("sglang-router", "quiet") == ("round_robin", "warn")
+    assert overhead.target_settings("vllm-router", "as-shipped") == (None, None)
+    assert overhead._settings(overhead.parse_args([])) == "info"
+    assert overhead._settings(overhead.parse_args(["--quiet-logs"])) == "quiet"
+    with pytest.raises(SystemExit):
+        overhead.parse_args(["--quiet-logs", "--as-shipped"])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's per-process CPU clocks")
 def test_a_target_s_cpu_time_is_read_to_well_under_a_clock_tick() -> None:
     """`bench overhead` reads a target's CPU from each process's CPU-time clock: a stream row's
@@ -179,3 +195,15 @@ def test_x2_cpus_pins_each_serving_process_to_its_own_cpu() -> None:
         assert parent.stdin is not None
         parent.stdin.close()  # every process reads it: all three end
         parent.wait(5)
+
+
+def test_a_neighbour_is_spin_or_copy_of_some_megabytes() -> None:
+    """`bench overhead --neighbour`: the control process beside a target (bench/neighbour.py);
+    a kind it cannot run is refused before anything starts."""
+    from bench import neighbour
+
+    assert neighbour.parse("spin") == 0 and neighbour.parse("copy:8") == 8
+    for bad in ("copy", "copy:1", "copy:x", "walk:8"):
+        with pytest.raises(ValueError):
+            neighbour.parse(bad)
+    assert overhead.main(["--neighbour", "walk:8"]) == 2

@@ -26,6 +26,8 @@ import psutil
 import pytest
 from aiohttp import web
 
+from gateway.logging import FLUSH_AFTER_S
+
 BIN = Path(sys.executable).parent / "pd-gateway"
 TOKEN = "mp-admin-token"
 MODEL = "m-count"
@@ -146,6 +148,8 @@ class Served:
             time.sleep(0.05)
 
     def log(self) -> str:
+        if self.proc.poll() is None:  # a running process's lines leave within FLUSH_AFTER_S
+            time.sleep(FLUSH_AFTER_S * 4)
         return self.log_path.read_text(errors="replace")
 
     def events(self, name: str) -> list[dict[str, Any]]:

@@ -11,7 +11,16 @@ from typing import Any
 
 import structlog
 
-from gateway.logging import IsoStamp, JsonBytes, LineWriter, configure, get_logger, line_logger
+from gateway.logging import (
+    FLUSH_AFTER_S,
+    FLUSH_LINES,
+    IsoStamp,
+    JsonBytes,
+    LineWriter,
+    configure,
+    get_logger,
+    line_logger,
+)
 
 
 class CountingBuffer(io.BytesIO):
@@ -52,24 +61,37 @@ def test_a_value_msgspec_cannot_encode_is_its_repr() -> None:
     assert json.loads(line) == {"event": "x", "what": "<odd>", "n": 1, "none": None}
 
 
-def test_lines_of_one_loop_turn_leave_in_one_write_in_order() -> None:
+def test_lines_of_a_few_milliseconds_leave_in_one_write_in_order() -> None:
     s = Stream()
     w = LineWriter(s)  # type: ignore[arg-type]
 
-    async def main() -> tuple[int, int]:
-        for i in range(5):
+    async def main() -> tuple[int, int, int]:
+        w.msg(b'{"i":0}')
+        await asyncio.sleep(0)  # another loop turn: lines wait for the timer, not the turn
+        for i in range(1, 5):
             w.msg(b'{"i":%d}' % i)
-        before = s.buffer.writes  # nothing written inside the turn
-        await asyncio.sleep(0)  # the turn ends
+        before = s.buffer.writes
+        await asyncio.sleep(FLUSH_AFTER_S * 3)
         after = s.buffer.writes
         w.msg(b'{"i":5}')
-        await asyncio.sleep(0)
-        return before, after
+        await asyncio.sleep(FLUSH_AFTER_S * 3)
+        return before, after, s.buffer.writes
 
-    before, after = asyncio.run(main())
-    assert (before, after) == (0, 1)
-    assert s.buffer.writes == 2
+    assert asyncio.run(main()) == (0, 1, 2)
     assert [x["i"] for x in s.lines()] == list(range(6))
+
+
+def test_many_waiting_lines_leave_without_waiting_for_the_timer() -> None:
+    s = Stream()
+    w = LineWriter(s)  # type: ignore[arg-type]
+
+    async def main() -> int:
+        for i in range(FLUSH_LINES):
+            w.msg(b'{"i":%d}' % i)
+        return s.buffer.writes
+
+    assert asyncio.run(main()) == 1
+    assert [x["i"] for x in s.lines()] == list(range(FLUSH_LINES))
 
 
 def test_outside_a_loop_each_line_is_written_at_once() -> None:
@@ -97,7 +119,7 @@ def test_a_line_left_due_on_a_loop_that_stopped_is_written_with_the_next() -> No
 
     async def other() -> None:
         w.msg(b'{"i":2}')
-        await asyncio.sleep(0)
+        await asyncio.sleep(FLUSH_AFTER_S * 3)
 
     asyncio.run(other())
     assert [x["i"] for x in s.lines()] == [0, 1, 2]
@@ -115,7 +137,7 @@ def test_configure_writes_structlogs_fields_as_json_lines(monkeypatch: Any) -> N
             log.info("request.done", request_id="r1", duration_ms=1.5, failed=None)
             log.debug("not.written")
             log.warning("slow", worker="http://w")
-            await asyncio.sleep(0)
+            await asyncio.sleep(FLUSH_AFTER_S * 3)
 
         asyncio.run(main())
     finally:
@@ -165,7 +187,7 @@ def test_the_access_line_writer_writes_structlogs_line(monkeypatch: Any) -> None
                     writer.info("request.done", request_id="r1", duration_ms=1.5, worker=object)
             finally:
                 structlog.contextvars.clear_contextvars()
-            await asyncio.sleep(0)
+            await asyncio.sleep(FLUSH_AFTER_S * 3)
 
         asyncio.run(main())
     finally:
