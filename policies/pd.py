@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
+from types import MappingProxyType
 from typing import Any
 
 from policies.base import (
@@ -149,10 +150,15 @@ class PDPolicy:
             if not split.known:
                 return Reject(f"unknown model {model!r}: no worker serves it", 404)
             ws = snap.workers
-            decodes = split.decodes(ws)
             colocated = split.colocated(ws)
-            partners: Mapping[str, Sequence[WorkerState]] = _Partners(split, ws)
-            pairable = split.pairable(ws)
+            if split.pairs:
+                decodes = split.decodes(ws)
+                partners: Mapping[str, Sequence[WorkerState]] = _Partners(split, ws)
+                pairable = split.pairable(ws)
+            else:  # no P/D pair in this layout (a colocated pool): nothing more to take
+                decodes = split.decodes(ws) if split.alone else ()
+                partners = _NO_PARTNERS
+                pairable = ()
         else:
             known, decodes, prefills, colocated = _split(snap.workers, model, exclude)
             if not known:
@@ -339,7 +345,7 @@ class _Split:
     a request's plan reads of the pool in a few copies made in C, not a pass over every
     worker's fields (nor every decode times every prefill)."""
 
-    __slots__ = ("class_of", "colocated", "decodes", "known", "pairable", "partners")
+    __slots__ = ("alone", "class_of", "colocated", "decodes", "known", "pairable", "pairs", "partners")
 
     def __init__(self, workers: Sequence[WorkerState], model: str) -> None:
         at = {id(w): i for i, w in enumerate(workers)}
@@ -362,6 +368,11 @@ class _Split:
             if self.partners[k]:
                 pairable.append(at[id(d)])
         self.pairable = _Take(pairable)
+        self.pairs = bool(pairable)  # read per plan: an attribute, not `_Take.__bool__`
+        self.alone = any(d.decode_alone for d in decodes)  # a decode that may serve alone
+
+
+_NO_PARTNERS: Mapping[str, Sequence[WorkerState]] = MappingProxyType({})
 
 
 class _Partners(Mapping[str, Sequence[WorkerState]]):

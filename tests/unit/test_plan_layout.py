@@ -224,3 +224,34 @@ def test_a_kept_split_hands_the_selector_the_snapshots_workers_uncopied() -> Non
     part = (*ws, make_worker("d", role=Role.DECODE, model="other"))
     policy.plan(make_request(), ClusterSnapshot(9, part, Layout()))
     assert type(sel.handed[-1]) is tuple and sel.handed[-1] == ws
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_pool_without_pairs_plans_alike_with_a_kept_layout_and_without(seed: int) -> None:
+    """Pools with no P/D pair (colocated workers, decodes that may or may not serve alone, some
+    unhealthy or of another model): the plan with a kept layout (which takes no pairs then) is
+    the plan of a fresh split, down to the fallbacks (a decode serving alone, a rejection)."""
+    rng = random.Random(seed)
+    ws = tuple(
+        msgspec.structs.replace(
+            make_worker(
+                f"w{i}",
+                role=rng.choice([Role.DECODE, Role.COLOCATED]),
+                model=rng.choice(["m", "m", "other"]),
+                healthy=rng.random() > 0.4,
+                inflight=i,  # no ties: least_load's choice is one worker
+            ),
+            decode_alone=rng.random() < 0.5,
+        )
+        for i in range(rng.randrange(1, 8))
+    )
+    kept, fresh = (build_policy(parse_policy("least_load")) for _ in range(2))
+    layout = Layout()
+    for v in range(2):
+        a = kept.plan(make_request(), ClusterSnapshot(v, ws, layout))
+        b = fresh.plan(make_request(), ClusterSnapshot(v, ws))
+        assert type(a) is type(b)
+        if isinstance(a, Colocated):
+            assert a.worker.id == b.worker.id and a.reason == b.reason  # type: ignore[union-attr]
+        else:
+            assert a.status == b.status  # type: ignore[union-attr]
