@@ -151,14 +151,10 @@ class PDPolicy:
                 return Reject(f"unknown model {model!r}: no worker serves it", 404)
             ws = snap.workers
             colocated = split.colocated(ws)
-            if split.pairs:
-                decodes = split.decodes(ws)
-                partners: Mapping[str, Sequence[WorkerState]] = _Partners(split, ws)
-                pairable = split.pairable(ws)
-            else:  # no P/D pair in this layout (a colocated pool): nothing more to take
-                decodes = split.decodes(ws) if split.alone else ()
-                partners = _NO_PARTNERS
-                pairable = ()
+            # no P/D pair in this layout (a colocated pool): nothing more to take
+            decodes = split.decodes(ws) if split.pairs or split.alone else ()
+            partners: _PartnersOf = _Partners(split, ws) if split.pairs else _NO_PARTNERS
+            pairable = split.pairable(ws) if split.pairs else ()
         else:
             known, decodes, prefills, colocated = _split(snap.workers, model, exclude)
             if not known:
@@ -372,7 +368,8 @@ class _Split:
         self.alone = any(d.decode_alone for d in decodes)  # a decode that may serve alone
 
 
-_NO_PARTNERS: Mapping[str, Sequence[WorkerState]] = MappingProxyType({})
+_PartnersOf = Mapping[str, Sequence[WorkerState]]  # decode id -> its compatible prefills
+_NO_PARTNERS: _PartnersOf = MappingProxyType({})
 
 
 class _Partners(Mapping[str, Sequence[WorkerState]]):
