@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from adapters.blockhash import HashSpec, make_hasher  # noqa: E402
+from bench.code_footprint import footprint  # noqa: E402
 from gateway.kvevents.index import KvEventIndex  # noqa: E402
 from policies.block_index import BlockIndex  # noqa: E402
 from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState, LoadSelector  # noqa: E402
@@ -241,6 +242,24 @@ def repeat_one(sel: CacheAwareSelector, workers: list[WorkerState], work: Worklo
     return out
 
 
+def code_per_decision(
+    sel: CacheAwareSelector, workers: list[WorkerState], work: Workload, plan: Any
+) -> list[float]:
+    """(distinct bytecode instructions, functions) of `sel`'s decision or `plan`'s, mean of 50."""
+    got = []
+    for i in range(50):
+        key = PromptKey.from_token_ids(ids := work.request())
+        req = RequestView(f"c{i}", "m", RouteKind.COMPLETIONS, len(ids), 64, prompt_key=key)
+        key.approx_chain(BLOCK)  # type: ignore[union-attr]
+        snap = ClusterSnapshot(i, tuple(workers), None if plan is None else plan[1])
+        n, f, made = (
+            footprint(sel.select, req, workers) if plan is None else footprint(plan[0].plan, req, snap)
+        )
+        got.append((n, f))
+        churn(sel, workers, made if plan is None else made.worker, random.Random(i))
+    return [round(statistics.fmean(g[k] for g in got), 1) for k in (0, 1)]
+
+
 def summary(values: list[float]) -> dict[str, float]:
     return {
         "p50_us": round(statistics.median(values), 1),
@@ -305,6 +324,8 @@ def run_pool(
     out["approx_wall"] = summary(w)
     out["keying"] = summary(k)
     out["noise_floor"] = summary(repeat_one(sel, workers, work, decisions))
+    if diagnose:  # the code a decision runs (deterministic): what a cold decision fetches again
+        out["code"] = code_per_decision(sel, workers, work, None)
     if through_plan:  # the whole policy: the pool split by role (kept per layout, or not), then `sel`
         policy = PDPolicy("cache_aware", decode=LoadSelector("decode", settings), prefill=sel, colocated=sel)
         for name, layout in (("plan_layout", Layout()), ("plan_no_layout", None)):
@@ -313,6 +334,8 @@ def run_pool(
                 sel, workers, work, decisions, warm_engine=False, plan=policy, layout=layout
             )
             out[name] = summary(d)
+            if diagnose:
+                out[f"code_{name}"] = code_per_decision(sel, workers, work, (policy, layout))
     gc.unfreeze()
     del state, sel
     if precise:
@@ -440,8 +463,11 @@ def main(argv: list[str] | None = None) -> int:
             line += (
                 f"   each decided again at once: p50 {r['approx_again']['p50_us']} p99 {r['approx_again']['p99_us']};"
                 f" 2 MB evicted before each: p50 {r['approx_evict_2mb']['p50_us']} p99 {r['approx_evict_2mb']['p99_us']};"
-                f" 16 MB: p50 {r['approx_evict_16mb']['p50_us']} p99 {r['approx_evict_16mb']['p99_us']}"
+                f" 16 MB: p50 {r['approx_evict_16mb']['p50_us']} p99 {r['approx_evict_16mb']['p99_us']};"
+                f" code run per decision: {r['code'][0]:.0f} distinct instructions in {r['code'][1]:.0f} functions"
             )
+            if args.plan:
+                line += f" (whole plan, layout kept: {r['code_plan_layout'][0]:.0f} in {r['code_plan_layout'][1]:.0f})"
         if args.plan:
             line += (
                 f"   whole plan: p50 {r['plan_layout']['p50_us']} p99 {r['plan_layout']['p99_us']} us"

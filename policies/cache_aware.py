@@ -61,9 +61,7 @@ accuracy per worker and source.
 from __future__ import annotations
 
 import random as _random
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from policies.base import (
     EVENT_TYPES,
@@ -71,6 +69,7 @@ from policies.base import (
     NoCandidates,
     PolicyEvent,
 )
+from policies.cache_narrow import PositionMemo, _narrow
 from policies.cache_pool_order import PoolOrders, choose_exact
 from policies.cache_state import (
     HIT_RATIO_BUCKETS,
@@ -168,114 +167,6 @@ class RandomTiePicker:
 
 class _NoEvent:
     """Never sent: `observes` of a selector whose state another selector forwards events to."""
-
-
-class PositionMemo:
-    """Where the workers sit in the candidate lists a selector is handed, so that a large pool is
-    narrowed to its matched workers without a pass over it (a cache that never changes a result
-    it is checked for).
-
-    A layout is recognised by its length and its first and last worker ids (a worker's state
-    changes with every request it starts or ends; its place does not); a position is used only
-    after checking that the worker is there. A worker the layout did not have when it was
-    mapped is taken as absent without a check: the one case a changed layout could go unnoticed
-    (two retries excluding different workers of equal count in turn), which can only leave a
-    matched worker out of one decision's candidates, never admit an invalid one. So that this
-    cannot last, each use checks a few more positions of the layout against its map, round the
-    whole layout every `refresh_every` uses, and maps it again where one moved (the cost spread
-    over the uses: no decision pays for a pass over the pool). Up to `layouts` layouts are kept
-    (a prefill role sees one per decode engine)."""
-
-    __slots__ = ("_maps", "layouts", "refresh_every")
-
-    def __init__(self, refresh_every: int = 256, layouts: int = 8) -> None:
-        self.refresh_every = refresh_every
-        self.layouts = layouts
-        # (len, first id, last id) -> [position by id, ids by position, next position to check,
-        # the states seen by position]
-        self._maps: OrderedDict[tuple[int, str, str], list[Any]] = OrderedDict()
-
-    def find(self, cands: Sequence[WorkerState], wanted: Iterable[str]) -> list[WorkerState]:
-        """The candidates whose id is in `wanted`, in `wanted`'s order."""
-        n = len(cands)
-        shape = (n, cands[0].id, cands[-1].id)
-        entry = self._maps.get(shape)
-        if entry is None:
-            entry = self._map(cands, shape)
-        else:
-            at = entry[2]
-            upto = at + n // self.refresh_every + 1
-            ids = entry[1]
-            states = entry[3]  # the states last seen there: the same object, the same worker
-            for k in range(at, upto if upto < n else n):
-                w = cands[k]
-                if w is not states[k]:
-                    if w.id != ids[k]:
-                        entry = self._map(cands, shape)
-                        break
-                    states[k] = w
-            else:
-                entry[2] = upto if upto < n else 0
-        pos: dict[str, int] = entry[0]
-        out: list[WorkerState] = []
-        for wid in wanted:
-            i = pos.get(wid)
-            if i is None:
-                continue
-            w = cands[i]
-            if w.id != wid:  # moved: map this layout again
-                pos = self._map(cands, shape)[0]
-                i = pos.get(wid)
-                if i is None:
-                    continue
-                w = cands[i]
-            out.append(w)
-        return out
-
-    def _map(self, cands: Sequence[WorkerState], shape: tuple[int, str, str]) -> list[Any]:
-        ids = [w.id for w in cands]
-        entry = [{wid: i for i, wid in enumerate(ids)}, ids, 0, list(cands)]
-        maps = self._maps
-        maps[shape] = entry
-        maps.move_to_end(shape)
-        if len(maps) > self.layouts:
-            maps.popitem(last=False)
-        return entry
-
-
-def _narrow(
-    cands: Sequence[WorkerState],
-    wanted: Iterable[str],
-    settings: CacheAwareSettings,
-    rng: _random.Random,
-    memo: PositionMemo,
-) -> Sequence[WorkerState]:
-    """The pool itself when small, else its wanted workers plus a random sample."""
-    if len(cands) <= settings.scan_limit:
-        return cands
-    pool = memo.find(cands, wanted)
-    seen = {w.id for w in pool}
-    n = len(cands)
-    if type(rng) is _random.Random:
-        # `rng.randrange(n)`'s draws (CPython's `_randbelow_with_getrandbits`, which a test
-        # compares), without its two Python frames per draw
-        getrandbits = rng.getrandbits
-        bits = n.bit_length()
-        for _ in range(settings.sample):
-            i = getrandbits(bits)
-            while i >= n:
-                i = getrandbits(bits)
-            w = cands[i]
-            if w.id not in seen:
-                seen.add(w.id)
-                pool.append(w)
-        return pool
-    for _ in range(settings.sample):
-        w = cands[rng.randrange(n)]
-        if w.id not in seen:
-            seen.add(w.id)
-            pool.append(w)
-    return pool
 
 
 class CacheAwareSelector:
@@ -415,30 +306,56 @@ class CacheAwareSelector:
             counted = [slo.misses(w, now, wait, seconds, ttft_limit) for wait, seconds, _, w in parts]
             fewest = min(counted)
             parts = [p for p, n in zip(parts, counted, strict=True) if n == fewest]
+        return self._rank(parts, k, factor, saturation)
+
+    def _rank(
+        self,
+        parts: list[tuple[float, float, float, WorkerState]],
+        k: float,
+        factor: float,
+        saturation: float,
+    ) -> WorkerState:
+        """Of `_choose`'s (wait, prefill s, work, worker) parts, costed as (cost, in flight,
+        worker) rows, unsaturated ones if any: the cheapest, ties within 1e-12 to the fewest in
+        flight, then drawn in row order; unless the balance rule takes the least loaded (fewest
+        in flight, then cheapest, the first such). The rows, the cheapest and the least loaded
+        come from one loop."""
         rows: list[tuple[float, int, WorkerState]] = []
         saturated: list[tuple[float, int, WorkerState]] = []
+        best = 0.0
+        least: tuple[float, int, WorkerState] | None = None
         for wait, seconds, work, w in parts:  # (the SLO filter above kept one side only)
-            cost = wait + seconds * (1.0 + factor * w.inflight) + k * work
-            (saturated if wait > saturation else rows).append((cost, w.inflight, w))
-        return self._pick(rows or saturated)
-
-    def _pick(self, rows: list[tuple[float, int, WorkerState]]) -> WorkerState:
-        """Of (cost, in flight, worker) rows: the cheapest, ties within 1e-12 to the fewest in
-        flight, then drawn in row order; unless the balance rule takes the least loaded (fewest
-        in flight, then cheapest, the first such)."""
+            n = w.inflight
+            cost = wait + seconds * (1.0 + factor * n) + k * work
+            r = (cost, n, w)
+            if wait > saturation:
+                saturated.append(r)
+            elif least is None:
+                rows.append(r)
+                best, least = cost, r
+            else:
+                rows.append(r)
+                if cost < best:
+                    best = cost
+                if n < least[1] or (n == least[1] and cost < least[0]):
+                    least = r
+        if least is None:  # every candidate saturated: the same rule over them
+            rows = saturated
+            best, least = rows[0][0], rows[0]
+            for r in rows:
+                if r[0] < best:
+                    best = r[0]
+                if r[1] < least[1] or (r[1] == least[1] and r[0] < least[0]):
+                    least = r
         if len(rows) == 1:
-            return rows[0][2]
-        best = rows[0][0]
-        least = rows[0]
-        for r in rows:
-            if r[0] < best:
-                best = r[0]
-            if r[1] < least[1] or (r[1] == least[1] and r[0] < least[0]):
-                least = r
+            return least[2]
         top = best * (1.0 + 1e-12)
-        ties = [r for r in rows if r[0] <= top]
+        ties = []  # (a loop, not a comprehension: no call)
+        for r in rows:
+            if r[0] <= top:
+                ties.append(r)
         if len(ties) > 1:
-            fewest = min(r[1] for r in ties)
+            fewest = min([r[1] for r in ties])
             ties = [r for r in ties if r[1] == fewest]
         chosen = ties[0][2] if len(ties) == 1 else self.rng.choice(ties)[2]
         p = self.picker

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
+from types import MappingProxyType
 from typing import Any
 
 from policies.base import (
@@ -149,10 +150,11 @@ class PDPolicy:
             if not split.known:
                 return Reject(f"unknown model {model!r}: no worker serves it", 404)
             ws = snap.workers
-            decodes = split.decodes(ws)
             colocated = split.colocated(ws)
-            partners: Mapping[str, list[WorkerState]] = _Partners(split, ws)
-            pairable = split.pairable(ws)
+            # no P/D pair in this layout (a colocated pool): nothing more to take
+            decodes = split.decodes(ws) if split.pairs or split.alone else ()
+            partners: _PartnersOf = _Partners(split, ws) if split.pairs else _NO_PARTNERS
+            pairable = split.pairable(ws) if split.pairs else ()
         else:
             known, decodes, prefills, colocated = _split(snap.workers, model, exclude)
             if not known:
@@ -193,9 +195,9 @@ class PDPolicy:
         self,
         req: RequestView,
         decode: WorkerState,
-        pairable: list[WorkerState],
-        partners: Mapping[str, list[WorkerState]],
-        colocated: list[WorkerState],
+        pairable: Sequence[WorkerState],
+        partners: Mapping[str, Sequence[WorkerState]],
+        colocated: Sequence[WorkerState],
         verdicts: list[Verdict] | None,
     ) -> Plan | None:
         """The plan decider's verdict as a plan (None: it had nothing to say)."""
@@ -297,7 +299,7 @@ def _split(
 
 class _Take:
     """The workers at some positions of a snapshot's tuple: a slice where they are contiguous
-    (copied in C), else an `itemgetter` of them."""
+    (copied in C; all of them: the tuple itself), else an `itemgetter` of them (a tuple)."""
 
     __slots__ = ("_get", "_n", "_slice")
 
@@ -315,12 +317,16 @@ class _Take:
     def __bool__(self) -> bool:
         return self._n > 0
 
-    def __call__(self, workers: Sequence[WorkerState]) -> list[WorkerState]:
+    def __call__(self, workers: Sequence[WorkerState]) -> Sequence[WorkerState]:
+        # a tuple as it comes, not copied again into a list: a copy of a pool of 1,000 touches
+        # every worker's state (its reference count) twice, each a cache miss once the caches
+        # have other work in them; a slice of the whole tuple is the tuple itself
         if self._slice is not None:
-            return list(workers[self._slice])
+            return workers[self._slice]
         if self._get is not None:
-            return list(self._get(workers))
-        return []
+            got: Sequence[WorkerState] = self._get(workers)
+            return got
+        return ()
 
 
 def _pair_class(w: WorkerState) -> tuple[object, ...]:
@@ -335,7 +341,7 @@ class _Split:
     a request's plan reads of the pool in a few copies made in C, not a pass over every
     worker's fields (nor every decode times every prefill)."""
 
-    __slots__ = ("class_of", "colocated", "decodes", "known", "pairable", "partners")
+    __slots__ = ("alone", "class_of", "colocated", "decodes", "known", "pairable", "pairs", "partners")
 
     def __init__(self, workers: Sequence[WorkerState], model: str) -> None:
         at = {id(w): i for i, w in enumerate(workers)}
@@ -358,9 +364,15 @@ class _Split:
             if self.partners[k]:
                 pairable.append(at[id(d)])
         self.pairable = _Take(pairable)
+        self.pairs = bool(pairable)  # read per plan: an attribute, not `_Take.__bool__`
+        self.alone = any(d.decode_alone for d in decodes)  # a decode that may serve alone
 
 
-class _Partners(Mapping[str, list[WorkerState]]):
+_PartnersOf = Mapping[str, Sequence[WorkerState]]  # decode id -> its compatible prefills
+_NO_PARTNERS: _PartnersOf = MappingProxyType({})
+
+
+class _Partners(Mapping[str, Sequence[WorkerState]]):
     """Decode id -> its compatible prefills' current states, taken when first asked for (a plan
     asks for a few decodes', not every one's)."""
 
@@ -369,9 +381,9 @@ class _Partners(Mapping[str, list[WorkerState]]):
     def __init__(self, split: _Split, workers: Sequence[WorkerState]) -> None:
         self._split = split
         self._ws = workers
-        self._lists: dict[int, list[WorkerState]] = {}
+        self._lists: dict[int, Sequence[WorkerState]] = {}
 
-    def __getitem__(self, decode_id: str) -> list[WorkerState]:
+    def __getitem__(self, decode_id: str) -> Sequence[WorkerState]:
         k = self._split.class_of[decode_id]
         got = self._lists.get(k)
         if got is None:

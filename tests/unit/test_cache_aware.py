@@ -576,6 +576,8 @@ SHAPES = {
     "sampled": {"scan_limit": 3, "sample": 2},
     # more prefix levels than listed: the levels are not exact, each worker's depth searched
     "searched": {"max_candidates": 1},
+    # every worker with a queue saturated: often all of them (the rule over the saturated)
+    "saturated": {"saturation_wait_s": 1e-9},
 }
 
 
@@ -589,9 +591,7 @@ def test_the_fast_path_chooses_as_the_recorded_one(seed: int, shape: str) -> Non
     st = state(
         clock,
         prefill_rate=1000.0,
-        saturation_wait_s=rng.choice([0.5, 5.0]),
-        balance_abs_threshold=2,
-        **SHAPES[shape],
+        **{"saturation_wait_s": rng.choice([0.5, 5.0]), "balance_abs_threshold": 2, **SHAPES[shape]},
     )
     workers = [
         make_worker(f"w{i}", inflight=rng.randrange(0, 6), waiting=rng.randrange(0, 3)) for i in range(6)

@@ -169,11 +169,11 @@ def test_the_kept_split_and_pairing_are_the_fresh_ones(seed: int) -> None:
         known, decodes, prefills, colocated = _split(ws, model, frozenset())
         kept = _Split(ws, model)
         assert kept.known == known
-        assert kept.decodes(ws) == decodes and kept.colocated(ws) == colocated
+        assert list(kept.decodes(ws)) == decodes and list(kept.colocated(ws)) == colocated
         partners = _Partners(kept, ws)
         fresh = {d.id: _pair_prefills(d, prefills, frozenset()) for d in decodes}
-        assert {d.id: partners[d.id] for d in decodes} == fresh
-        assert kept.pairable(ws) == [d for d in decodes if fresh[d.id]]
+        assert {d.id: list(partners[d.id]) for d in decodes} == fresh
+        assert list(kept.pairable(ws)) == [d for d in decodes if fresh[d.id]]
 
 
 def test_a_pd_plan_follows_prefills_added_and_pairing_changed() -> None:
@@ -191,3 +191,67 @@ def test_a_pd_plan_follows_prefills_added_and_pairing_changed() -> None:
     d.labels = (("pd-group", "y"),)
     reg.changed()
     assert _plans(policy, reg) == {"p1>d"}
+
+
+class _Handed:
+    """A colocated `RoleSelector` that keeps the candidates it is handed and takes the first."""
+
+    def __init__(self) -> None:
+        self.handed: list[object] = []
+
+    def select(self, req: object, cands: object) -> object:
+        self.handed.append(cands)
+        return cands[0]  # type: ignore[index]
+
+    def observe(self, event: object) -> None:
+        pass
+
+
+def test_a_kept_split_hands_the_selector_the_snapshots_workers_uncopied() -> None:
+    """A plan with a kept layout hands the colocated selector the snapshot's tuple itself where
+    every worker is colocated, and a tuple slice of a contiguous part (not a list copied from
+    it: a copy touches every worker's state, a cache miss each in a pool of 1,000)."""
+    from policies.pd import PDPolicy
+
+    sel = _Handed()
+    policy = PDPolicy("t", decode=sel, prefill=sel, colocated=sel)  # type: ignore[arg-type]
+    ws = tuple(make_worker(f"w{i}") for i in range(50))
+    layout = Layout()
+    for v in range(3):
+        plan = policy.plan(make_request(), ClusterSnapshot(v, ws, layout))
+        assert isinstance(plan, Colocated) and plan.worker is ws[0]
+    assert len(sel.handed) == 3 and all(h is ws for h in sel.handed)
+    part = (*ws, make_worker("d", role=Role.DECODE, model="other"))
+    policy.plan(make_request(), ClusterSnapshot(9, part, Layout()))
+    assert type(sel.handed[-1]) is tuple and sel.handed[-1] == ws
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_pool_without_pairs_plans_alike_with_a_kept_layout_and_without(seed: int) -> None:
+    """Pools with no P/D pair (colocated workers, decodes that may or may not serve alone, some
+    unhealthy or of another model): the plan with a kept layout (which takes no pairs then) is
+    the plan of a fresh split, down to the fallbacks (a decode serving alone, a rejection)."""
+    rng = random.Random(seed)
+    ws = tuple(
+        msgspec.structs.replace(
+            make_worker(
+                f"w{i}",
+                role=rng.choice([Role.DECODE, Role.COLOCATED]),
+                model=rng.choice(["m", "m", "other"]),
+                healthy=rng.random() > 0.4,
+                inflight=i,  # no ties: least_load's choice is one worker
+            ),
+            decode_alone=rng.random() < 0.5,
+        )
+        for i in range(rng.randrange(1, 8))
+    )
+    kept, fresh = (build_policy(parse_policy("least_load")) for _ in range(2))
+    layout = Layout()
+    for v in range(2):
+        a = kept.plan(make_request(), ClusterSnapshot(v, ws, layout))
+        b = fresh.plan(make_request(), ClusterSnapshot(v, ws))
+        assert type(a) is type(b)
+        if isinstance(a, Colocated):
+            assert a.worker.id == b.worker.id and a.reason == b.reason  # type: ignore[union-attr]
+        else:
+            assert a.status == b.status  # type: ignore[union-attr]
