@@ -76,7 +76,10 @@ class ApproxIndex:
         m = self._models.get(model)
         if m is None:
             return None
-        return IndexLookup(m.index, self.chain(key), m.slot_of, m.ids, self.block_tokens, max_candidates)
+        units = self.block_tokens if key.kind == "tokens" else self.block_bytes  # (`chain`, inlined)
+        return IndexLookup(
+            m.index, key.approx_chain(units), m.slot_of, m.ids, self.block_tokens, max_candidates
+        )
 
     def cached_tokens(self, model: str, worker_id: str, key: PromptKey) -> int:
         m = self._models.get(model)

@@ -69,7 +69,7 @@ from policies.base import (
     NoCandidates,
     PolicyEvent,
 )
-from policies.cache_narrow import PositionMemo, _narrow
+from policies.cache_narrow import PositionMemo, narrow
 from policies.cache_pool_order import PoolOrders, choose_exact
 from policies.cache_state import (
     HIT_RATIO_BUCKETS,
@@ -209,10 +209,11 @@ class CacheAwareSelector:
                     return chosen, (self._record(req, scored, lookups, chosen, pool) if record else None)
             else:
                 precise, approx = lookups
-                wanted: Iterable[str] = [t[0] for t in approx.top]  # one row per worker
+                wanted: Iterable[tuple[str, int]] = approx.top  # one row per worker
                 if precise is not None:
-                    wanted = dict.fromkeys([*(t[0] for t in precise.top), *wanted])
-                cands = _narrow(cands, wanted, state.settings, self.rng, self.memo)
+                    both = dict.fromkeys([*(t[0] for t in precise.top), *(t[0] for t in approx.top)])
+                    wanted = [(wid, 0) for wid in both]
+                cands = narrow(cands, wanted, state.settings.sample, self.rng, self.memo)
         if not record:
             return self._choose(req, cands, lookups, pool), None
         est = state.estimates(req, cands, lookups, pool=pool)
@@ -392,7 +393,8 @@ class LoadSelector:
             raise NoCandidates("input")
         if len(cands) == 1:
             return cands[0]
-        cands = _narrow(cands, (), self.settings, self.rng, self.memo)
+        if len(cands) > self.settings.scan_limit:
+            cands = narrow(cands, (), self.settings.sample, self.rng, self.memo)
         scores = self.scorer.score(req, cands)
         return self.picker.pick(req, [(w, scores[w.id]) for w in cands])
 

@@ -1,5 +1,5 @@
 """How `cache_aware` narrows a large pool to its matched workers plus a random sample, without a
-pass over the pool (`PositionMemo`, `_narrow`; policies/cache_aware.py uses them)."""
+pass over the pool (`PositionMemo`, `narrow`; policies/cache_aware.py uses them)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from policies.cache_state import CacheAwareSettings
 from policies.snapshot import WorkerState
 
 
@@ -38,41 +37,9 @@ class PositionMemo:
         self._maps: OrderedDict[tuple[int, str, str], list[Any]] = OrderedDict()
 
     def find(self, cands: Sequence[WorkerState], wanted: Iterable[str]) -> list[WorkerState]:
-        """The candidates whose id is in `wanted`, in `wanted`'s order."""
-        n = len(cands)
-        shape = (n, cands[0].id, cands[-1].id)
-        entry = self._maps.get(shape)
-        if entry is None:
-            entry = self._map(cands, shape)
-        else:
-            at = entry[2]
-            upto = at + n // self.refresh_every + 1
-            ids = entry[1]
-            states = entry[3]  # the states last seen there: the same object, the same worker
-            for k in range(at, upto if upto < n else n):
-                w = cands[k]
-                if w is not states[k]:
-                    if w.id != ids[k]:
-                        entry = self._map(cands, shape)
-                        break
-                    states[k] = w
-            else:
-                entry[2] = upto if upto < n else 0
-        pos: dict[str, int] = entry[0]
-        out: list[WorkerState] = []
-        for wid in wanted:
-            i = pos.get(wid)
-            if i is None:
-                continue
-            w = cands[i]
-            if w.id != wid:  # moved: map this layout again
-                pos = self._map(cands, shape)[0]
-                i = pos.get(wid)
-                if i is None:
-                    continue
-                w = cands[i]
-            out.append(w)
-        return out
+        """The candidates whose id is in `wanted`, in `wanted`'s order (`narrow` without a
+        sample)."""
+        return narrow(cands, [(wid, 0) for wid in wanted], 0, None, self)
 
     def _map(self, cands: Sequence[WorkerState], shape: tuple[int, str, str]) -> list[Any]:
         ids = [w.id for w in cands]
@@ -85,25 +52,63 @@ class PositionMemo:
         return entry
 
 
-def _narrow(
+def narrow(
     cands: Sequence[WorkerState],
-    wanted: Iterable[str],
-    settings: CacheAwareSettings,
-    rng: _random.Random,
+    wanted: Iterable[tuple[str, int]],
+    sample: int,
+    rng: _random.Random | None,
     memo: PositionMemo,
-) -> Sequence[WorkerState]:
-    """The pool itself when small, else its wanted workers plus a random sample."""
-    if len(cands) <= settings.scan_limit:
-        return cands
-    pool = memo.find(cands, wanted)
-    seen = {w.id for w in pool}
+) -> list[WorkerState]:
+    """Of a large pool (the caller checks `scan_limit`), the workers named in `wanted` (a
+    lookup's `top` rows, `(worker id, cached tokens)`, one per id) in their order, then `sample`
+    workers drawn at random that are not among them. One function, the memo's check of its
+    layout included (a decision in a pool of a thousand runs this code cold: every frame and
+    comprehension fewer is code it need not fetch again)."""
     n = len(cands)
+    shape = (n, cands[0].id, cands[-1].id)
+    entry = memo._maps.get(shape)
+    if entry is None:
+        entry = memo._map(cands, shape)
+    else:
+        at = entry[2]
+        upto = at + n // memo.refresh_every + 1
+        if upto > n:
+            upto = n
+        ids = entry[1]
+        states = entry[3]  # the states last seen there: the same object, the same worker
+        for k in range(at, upto):
+            w = cands[k]
+            if w is not states[k]:
+                if w.id != ids[k]:
+                    entry = memo._map(cands, shape)
+                    break
+                states[k] = w
+        else:
+            entry[2] = upto if upto < n else 0
+    pos: dict[str, int] = entry[0]
+    pool: list[WorkerState] = []
+    seen: set[str] = set()
+    for wid, _ in wanted:
+        i = pos.get(wid)
+        if i is None:
+            continue
+        w = cands[i]
+        if w.id != wid:  # moved: map this layout again
+            pos = memo._map(cands, shape)[0]
+            i = pos.get(wid)
+            if i is None:
+                continue
+            w = cands[i]
+        seen.add(wid)
+        pool.append(w)
+    if not sample or rng is None:
+        return pool
     if type(rng) is _random.Random:
         # `rng.randrange(n)`'s draws (CPython's `_randbelow_with_getrandbits`, which a test
         # compares), without its two Python frames per draw
         getrandbits = rng.getrandbits
         bits = n.bit_length()
-        for _ in range(settings.sample):
+        for _ in range(sample):
             i = getrandbits(bits)
             while i >= n:
                 i = getrandbits(bits)
@@ -112,7 +117,7 @@ def _narrow(
                 seen.add(w.id)
                 pool.append(w)
         return pool
-    for _ in range(settings.sample):
+    for _ in range(sample):
         w = cands[rng.randrange(n)]
         if w.id not in seen:
             seen.add(w.id)

@@ -51,7 +51,6 @@ class IndexLookup:
     """A `Lookup` over one `BlockIndex` for one request's chain of block keys."""
 
     __slots__ = (
-        "_depths",
         "_groups",
         "_ids",
         "_index",
@@ -59,6 +58,7 @@ class IndexLookup:
         "_known",
         "_max",
         "_slot_of",
+        "_tokens",
         "_tokens_per_block",
         "_top",
     )
@@ -82,7 +82,7 @@ class IndexLookup:
         self._max = max_candidates
         # the deepest matches, found when first asked for (a large pool's search reads
         # `groups` instead, and never pays for them)
-        self._depths: dict[str, int] | None = None
+        self._tokens: dict[str, int] | None = None  # worker id -> cached tokens, of `_top`
         self._top: list[tuple[str, int]] = []
         # every level found (`BlockIndex.levels_rest`), where they are exact (no `known`: the
         # approximate index, whose slots are prefix-closed) and name every holder: a worker's
@@ -90,7 +90,7 @@ class IndexLookup:
         self._groups: list[tuple[int, int]] | None = None
 
     def _levels(self) -> dict[str, int]:
-        depths: dict[str, int] = {}
+        tokens_of: dict[str, int] = {}
         top = self._top
         known = self._known
         ids_of_slot = self._ids
@@ -99,44 +99,47 @@ class IndexLookup:
         if not rest and known is None:
             self._groups = levels
         for mask, depth in levels:
-            if len(depths) + mask.bit_count() > max_candidates:
+            if len(tokens_of) + mask.bit_count() > max_candidates:
                 break  # a group too big to list (a prefix everyone holds): asked per worker
             tokens = int(depth * self._tokens_per_block)
-            for slot in iter_bits(mask):
-                wid = ids_of_slot[slot]
+            while mask:  # its slots, lowest first (`iter_bits`, without a generator's frame)
+                low = mask & -mask
+                mask ^= low
+                wid = ids_of_slot[low.bit_length() - 1]
                 if wid is None or (known is not None and not known(wid)):
                     continue
-                depths[wid] = depth
+                tokens_of[wid] = tokens
                 top.append((wid, tokens))
-        self._depths = depths
-        return depths
+        self._tokens = tokens_of
+        return tokens_of
 
     @property
     def top(self) -> Sequence[tuple[str, int]]:
-        if self._depths is None:
+        if self._tokens is None:
             self._levels()
         return self._top
 
     def cached_tokens(self, worker_id: str) -> int | None:
+        tokens_of = self._tokens
+        if tokens_of is None:
+            tokens_of = self._levels()
+        got = tokens_of.get(worker_id)
+        if got is not None:  # listed: a worker the source knows
+            return got
         if self._known is not None and not self._known(worker_id):
             return None
-        depths = self._depths
-        if depths is None:
-            depths = self._levels()
-        depth = depths.get(worker_id)
-        if depth is None:
-            slot = self._slot_of.get(worker_id)
-            if slot is None:
-                return 0
-            groups = self._groups
-            if groups is None:
-                depth = self._index.depth(self._keys, 1 << slot)
-            else:
-                depth = 0
-                for mask, d in groups:
-                    if (mask >> slot) & 1:
-                        depth = d
-                        break
+        slot = self._slot_of.get(worker_id)
+        if slot is None:
+            return 0
+        groups = self._groups
+        if groups is None:
+            depth = self._index.depth(self._keys, 1 << slot)
+        else:
+            depth = 0
+            for mask, d in groups:
+                if (mask >> slot) & 1:
+                    depth = d
+                    break
         return int(depth * self._tokens_per_block)
 
     def groups(self) -> list[tuple[int, int]] | None:

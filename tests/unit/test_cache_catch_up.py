@@ -3,7 +3,7 @@
 A large pool's decision reads state kept from the decisions before it, brought up to date with
 what changed since: the exact search's sorted lists (`PoolOrder.sync`: workers whose state,
 queue or rate changed, queues that emptied), the positions of workers in the candidate lists
-(`PositionMemo`), the sampled draws (`_narrow`), and the depth guesses of the approximate
+(`PositionMemo`), the sampled draws (`narrow`), and the depth guesses of the approximate
 index (`BlockIndex` with `prefix_closed`). Random sequences of changes check each against a
 rebuild (or the plain computation) after every step: a change the catch-up misses shows as a
 difference.
@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.block_index import BlockIndex
-from policies.cache_aware import CacheAwareSettings, PositionMemo, _narrow
+from policies.cache_aware import PositionMemo
 from policies.cache_aware_orders import PoolOrder, PoolOrders
+from policies.cache_narrow import narrow
 from policies.prefill_cost import PrefillQueues
 from policies.prefix_source import IndexLookup
 from policies.snapshot import WorkerLoad
@@ -106,19 +107,47 @@ def test_the_position_memo_finds_what_a_pass_finds(seed: int) -> None:
 
 
 class _OwnRandom(random.Random):
-    """Not `random.Random` itself: `_narrow` draws with `randrange` (the reference)."""
+    """Not `random.Random` itself: `narrow` draws with `randrange` (the reference)."""
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.integers(65, 3000), st.integers(1, 8))
 def test_the_sample_draws_are_randranges(seed: int, n: int, sample: int) -> None:
     pool = [make_worker(f"w{i}") for i in range(n)]
-    cfg = CacheAwareSettings(scan_limit=64, sample=sample)
     fast, ref = random.Random(seed), _OwnRandom(seed)
     for _ in range(5):
-        a = _narrow(pool, ["w3"], cfg, fast, PositionMemo())
-        b = _narrow(pool, ["w3"], cfg, ref, PositionMemo())
+        a = narrow(pool, [("w3", 16)], sample, fast, PositionMemo())
+        b = narrow(pool, [("w3", 16)], sample, ref, PositionMemo())
         assert [w.id for w in a] == [w.id for w in b]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(65, 400), st.integers(0, 8))
+def test_narrow_is_the_wanted_workers_then_new_draws(seed: int, n: int, sample: int) -> None:
+    """Against the plain computation (a pass over the pool, `randrange` draws), one memo kept
+    over changing layouts and wanted lists (a worker replaced at its place, the ends moved)."""
+    rng = random.Random(seed)
+    pool = [make_worker(f"w{i}") for i in range(n)]
+    memo = PositionMemo(refresh_every=1)  # each use checks the whole layout: exact
+    for step in range(6):
+        if step % 2:
+            i = rng.randrange(n)
+            pool = [*pool[:i], make_worker(f"x{seed}-{step}"), *pool[i + 1 :]]
+        if step == 4:
+            pool = pool[1:] + pool[:1]
+        wanted = [(f"w{rng.randrange(n + 20)}", 16 * k) for k in range(rng.randrange(0, 17))]
+        wanted = list({wid: (wid, t) for wid, t in wanted}.values())  # one row per worker
+        draw = rng.getrandbits(32)
+        got = narrow(pool, wanted, sample, random.Random(draw), memo)
+        by_id = {w.id: w for w in pool}
+        want = [by_id[wid] for wid, _ in wanted if wid in by_id]
+        ref = _OwnRandom(draw)
+        for _ in range(sample):
+            w = pool[ref.randrange(n)]
+            if all(x.id != w.id for x in want):
+                want.append(w)
+        assert [w.id for w in got] == [w.id for w in want]
+        assert all(a is b for a, b in zip(got, want, strict=True))
 
 
 IDS = [f"w{i}" for i in range(6)]
