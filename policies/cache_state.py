@@ -51,7 +51,7 @@ class CacheAwareSettings:
     queue_externality: float = 1.0
     pressure_window_s: float = 10.0
     evict_price: float = 0.0  # the eviction price's weight (policies/turnover.py); 0: off
-    evict_window_s: float = 10.0  # new KV sent to each worker: decayed over this window
+    evict_window_s: float = 5.0  # new KV sent to each worker: decayed over this window
     saturation_wait_s: float = 10.0
     max_candidates: int = 16
     scan_limit: int = 64

@@ -114,7 +114,7 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # decayed) / its KV pool: the price of the cached prefixes the new KV evicts where the cache
     # turns over fast (policies/turnover.py); 0: off. Needs the pool (reported, or worker_cache_tokens)
     evict_price: float = 0.0
-    evict_window_s: float = 10.0
+    evict_window_s: float = 5.0  # the best measured (docs/benchmarks.md, "An eviction price")
     saturation_wait_s: float = 10.0  # queued prefill beyond this: no new work while others have less
     max_candidates: int = 16  # deepest-matching workers considered in a large pool
     scan_limit: int = 64  # pools up to this size are scored whole

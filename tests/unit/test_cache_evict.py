@@ -169,7 +169,7 @@ def test_worker_cache_tokens_stands_in_for_an_unreported_pool() -> None:
 def test_the_knobs_parse_and_reach_the_state() -> None:
     cfg = parse_policy({"type": "cache_aware", "evict_price": 2.0, "evict_window_s": 20.0})
     assert isinstance(cfg, CacheAwareCfg) and (cfg.evict_price, cfg.evict_window_s) == (2.0, 20.0)
-    assert (CacheAwareCfg().evict_price, CacheAwareCfg().evict_window_s) == (0.0, 10.0)  # off by default
+    assert (CacheAwareCfg().evict_price, CacheAwareCfg().evict_window_s) == (0.0, 5.0)  # off by default
     build_policy(cfg)  # builds
     from policies.build import cache_aware_settings
 
