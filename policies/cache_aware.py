@@ -306,9 +306,7 @@ class CacheAwareSelector:
             new: float = prompt - credit
             if price > 0.0:
                 pool_tokens = w.kv_capacity_tokens if w.kv_capacity_tokens is not None else default_pool
-                evict = (
-                    0.0 if pool_tokens is None else price * new / rate * written.get(wid, 0.0) / pool_tokens
-                )
+                evict = price * new / rate * written.get(wid, 0.0) / pool_tokens if pool_tokens else 0.0
             if attention > 0.0:  # prefill_work, inlined (the hot loop)
                 new *= 1.0 + (credit + 0.5 * new) / attention
             parts.append((wait, new / rate, new, evict, w))

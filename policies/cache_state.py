@@ -269,7 +269,7 @@ class CacheState:
             backlog = queues.backlog(wid, now, w.load.waiting)
             work = prefill_work(prompt - credit, credit, attention)
             evict = 0.0
-            if price > 0.0 and (pool_tokens := self.capacity(w)) is not None:
+            if price > 0.0 and (pool_tokens := self.capacity(w)):  # (unknown or 0: no price)
                 evict = price * (prompt - credit) / rate * written.get(wid, 0.0) / pool_tokens
             rows.append((w, cached, source, backlog, rate, backlog / rate, work, evict))
         rate_sum = sum(r[4] for r in rows)

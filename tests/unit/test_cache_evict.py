@@ -97,6 +97,7 @@ CASES = [
     Case("a's writes are ten windows old: its cache has settled", 1.0, 0.5, 4000, "a"),
     Case("a pool ten times as large: a rewrote 0.06 of it", 1.0, 10.0, 40_000, "a"),
     Case("pool unknown: no price", 1.0, 10.0, None, "a"),
+    Case("a pool reported as 0 tokens: no price (no division)", 1.0, 10.0, 0, "a"),
     # the same prompt continued (a holds its first 4,000 tokens): a writes 500 new tokens, b
     # 4,500; the price protects the holder even where it turns over fastest
     Case("the holder writes only what it does not hold", 1.0, 10.0, 4000, "a", (1000, 5500)),
@@ -134,7 +135,7 @@ def test_the_eviction_price_of_a_fast_turning_cache(case: Case, recorded: bool) 
         chosen, record = sel.decide(ask, [a, b])
         assert record is not None
         by = {e.worker: e for e in record.candidates}
-        priced = case.price > 0 and case.pool is not None
+        priced = case.price > 0 and bool(case.pool)
         assert (by["a"].evict_s > 0 and by["b"].evict_s > 0) == priced
         assert by["a"].cost == pytest.approx(by["a"].ttft_s + by["a"].evict_s)
     else:
