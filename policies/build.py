@@ -95,6 +95,8 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         inflight_factor=cfg.inflight_factor,
         queue_externality=cfg.queue_externality,
         pressure_window_s=cfg.pressure_window_s,
+        evict_price=cfg.evict_price,
+        evict_window_s=cfg.evict_window_s,
         saturation_wait_s=cfg.saturation_wait_s,
         max_candidates=cfg.max_candidates,
         scan_limit=cfg.scan_limit,

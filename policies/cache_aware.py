@@ -13,7 +13,7 @@ colocated workers, a vLLM decode prefilling itself):
                   (dense-token equivalents: attention grows with the context, policies/prefill_cost.py)
     ttft(w)     = (backlog(w) + work(w)) / rate(w)
     cost(w)     = backlog(w) / rate(w) + work(w) / rate(w) * (1 + inflight_factor * inflight(w))
-                  + K * work(w)
+                  + K * work(w) + evict(w)
 
 and picks the lowest cost (score `min cost / cost(w)` in (0, 1]; ties: fewer requests in
 flight, then at random). `inflight(w)` is the gateway's count of requests in flight on w (a
@@ -29,8 +29,11 @@ against 45-47 % this way). 0 leaves the predicted TTFT alone. `K * work(w)` is w
 request's prefill costs the requests that arrive after it while the pool is busy
 (policies/pool_pressure.py: `K = queue_externality x arrivals/s x mean wait / ((1 - rho) x pool
 rate)`, 0 when no worker has a queue): under load a turn sent away from its cache holder makes
-the pool compute its prefix again, and every later arrival pays for that. Affinity is never a
-reason to overload a worker:
+the pool compute its prefix again, and every later arrival pays for that. `evict(w)` (0 unless
+`evict_price` is set) prices what the request's new KV pushes out of w's cache:
+`evict_price x uncached(w) / rate(w) x written(w) / pool(w)`, `written(w)` the new KV tokens sent
+to w over the last `evict_window_s` (decayed; policies/turnover.py): a worker whose cache turns
+over fast evicts prefixes still to be asked for. Affinity is never a reason to overload a worker:
 
 - a worker whose queued prefill alone takes longer than `saturation_wait_s` is **saturated**:
   filtered out while any worker is not (`SaturationFilter`);
@@ -283,8 +286,15 @@ class CacheAwareSelector:
         precise, approx = lookups
         from_precise = None if precise is None else precise.cached_tokens
         from_approx = approx.cached_tokens
-        parts: list[tuple[float, float, float, WorkerState]] = []  # (wait, prefill s, work, w)
+        # (wait, prefill s, work, eviction price s, w)
+        parts: list[tuple[float, float, float, float, WorkerState]] = []
         wait_sum = rate_sum = 0.0
+        price = s.evict_price
+        if price > 0.0:  # the eviction price (policies/turnover.py): written / pool, decayed
+            written = state.turnover.scaled
+            price *= state.turnover.factor(now)
+            default_pool = s.worker_cache_tokens
+        evict = 0.0
         for w in cands:
             wid = w.id
             if from_precise is None or (cached := from_precise(wid)) is None:
@@ -295,28 +305,31 @@ class CacheAwareSelector:
             wait = backlog / rate
             credit = cached if cached > threshold else 0
             new: float = prompt - credit
+            if price > 0.0:
+                pool_tokens = w.kv_capacity_tokens if w.kv_capacity_tokens is not None else default_pool
+                evict = price * new / rate * written.get(wid, 0.0) / pool_tokens if pool_tokens else 0.0
             if attention > 0.0:  # prefill_work, inlined (the hot loop)
                 new *= 1.0 + (credit + 0.5 * new) / attention
-            parts.append((wait, new / rate, new, w))
+            parts.append((wait, new / rate, new, evict, w))
             wait_sum += wait
             rate_sum += rate
         k = state.externality_k(wait_sum, rate_sum, len(parts), now, pool)
         if (slo := state.slo) is not None:  # the fewest predicted SLO misses first (decode_slo.py)
             ttft_limit = slo.ttft_limit(prompt, rate_sum / len(parts))  # (the mean rate of all)
             parts = [p for p in parts if p[0] <= saturation] or parts
-            counted = [slo.misses(w, now, wait, seconds, ttft_limit) for wait, seconds, _, w in parts]
+            counted = [slo.misses(w, now, wait, seconds, ttft_limit) for wait, seconds, _, _, w in parts]
             fewest = min(counted)
             parts = [p for p, n in zip(parts, counted, strict=True) if n == fewest]
         return self._rank(parts, k, factor, saturation)
 
     def _rank(
         self,
-        parts: list[tuple[float, float, float, WorkerState]],
+        parts: list[tuple[float, float, float, float, WorkerState]],
         k: float,
         factor: float,
         saturation: float,
     ) -> WorkerState:
-        """Of `_choose`'s (wait, prefill s, work, worker) parts, costed as (cost, in flight,
+        """Of `_choose`'s (wait, prefill s, work, eviction s, worker) parts, costed as (cost, in flight,
         worker) rows, unsaturated ones if any: the cheapest, ties within 1e-12 to the fewest in
         flight, then drawn in row order; unless the balance rule takes the least loaded (fewest
         in flight, then cheapest, the first such). The rows, the cheapest and the least loaded
@@ -325,9 +338,9 @@ class CacheAwareSelector:
         saturated: list[tuple[float, int, WorkerState]] = []
         best = 0.0
         least: tuple[float, int, WorkerState] | None = None
-        for wait, seconds, work, w in parts:  # (the SLO filter above kept one side only)
+        for wait, seconds, work, evict, w in parts:  # (the SLO filter above kept one side only)
             n = w.inflight
-            cost = wait + seconds * (1.0 + factor * n) + k * work
+            cost = wait + seconds * (1.0 + factor * n) + k * work + evict
             r = (cost, n, w)
             if wait > saturation:
                 saturated.append(r)

@@ -30,6 +30,7 @@ from policies.prefill_cost import PrefillQueues, RateSettings
 from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
 from policies.prompt_key import PromptKey
 from policies.snapshot import RequestView, WorkerState
+from policies.turnover import Turnover
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,8 @@ class CacheAwareSettings:
     inflight_factor: float = 1.0
     queue_externality: float = 1.0
     pressure_window_s: float = 10.0
+    evict_price: float = 0.0  # the eviction price's weight (policies/turnover.py); 0: off
+    evict_window_s: float = 5.0  # new KV sent to each worker: decayed over this window
     saturation_wait_s: float = 10.0
     max_candidates: int = 16
     scan_limit: int = 64
@@ -63,6 +66,10 @@ class CacheAwareSettings:
         if self.exact_large_pool and self.queue_externality > 0:
             raise ValueError(
                 'large_pool = "exact" needs queue_externality = 0: the busy-pool price is taken over the whole pool, which the exact search does not read'
+            )
+        if self.exact_large_pool and self.evict_price > 0:
+            raise ValueError(
+                'large_pool = "exact" needs evict_price = 0: the exact search does not price evictions'
             )
         if self.exact_large_pool and self.slo.on:
             raise ValueError('large_pool = "exact" does not weigh SLOs: set no ttft_slo_* / tpot_slo_*')
@@ -81,9 +88,10 @@ class Estimate(msgspec.Struct, frozen=True, gc=False):
     rate: float  # prefill work per second (policies/prefill_cost.py)
     ttft_s: float  # predicted
     inflight: int
-    cost: float  # queue wait + own prefill * (1 + inflight_factor * inflight) + externality
+    cost: float  # queue wait + own prefill * (1 + inflight_factor * inflight) + externality + evict
     saturated: bool
     externality_s: float = 0.0  # the delay its prefill work adds to later arrivals (pool_pressure)
+    evict_s: float = 0.0  # the price of the cached tokens its new KV evicts (policies/turnover.py)
     slo_misses: int = 0  # SLO misses its prefill there is predicted to cause (policies/decode_slo.py)
 
 
@@ -181,6 +189,7 @@ class CacheState:
         self.queues = PrefillQueues(RateSettings(default_rate=s.prefill_rate))
         self.accuracy = PredictionStats()
         self.arrivals = DecayedRate(s.pressure_window_s)  # routed requests and their prefill work
+        self.turnover = Turnover(s.evict_window_s)  # new KV tokens sent to each worker
         # routing decisions by (role that prefills, prediction source, matched: cached > 0)
         self.decisions: dict[tuple[str, str, bool], int] = {}
         self.clock = clock
@@ -247,7 +256,9 @@ class CacheState:
         factor = s.inflight_factor
         attention = s.crossover_tokens
         queues = self.queues
-        rows: list[tuple[WorkerState, int, str, float, float, float, float]] = []
+        price = s.evict_price * self.turnover.factor(now)  # (as `_choose` computes it)
+        written = self.turnover.scaled
+        rows: list[tuple[WorkerState, int, str, float, float, float, float, float]] = []
         for w in cands:
             cached, source = self.cached(lookups, w.id)
             if cached > limit:
@@ -257,13 +268,16 @@ class CacheState:
             rate = queues.rate(wid)
             backlog = queues.backlog(wid, now, w.load.waiting)
             work = prefill_work(prompt - credit, credit, attention)
-            rows.append((w, cached, source, backlog, rate, backlog / rate, work))
+            evict = 0.0
+            if price > 0.0 and (pool_tokens := self.capacity(w)):  # (unknown or 0: no price)
+                evict = price * (prompt - credit) / rate * written.get(wid, 0.0) / pool_tokens
+            rows.append((w, cached, source, backlog, rate, backlog / rate, work, evict))
         rate_sum = sum(r[4] for r in rows)
         k = self.externality_k(sum(r[5] for r in rows), rate_sum, len(rows), now, pool)
         slo = self.slo
         ttft_limit = 0.0 if slo is None or not rows else slo.ttft_limit(prompt, rate_sum / len(rows))
         out: list[Estimate] = []
-        for w, cached, source, backlog, rate, wait, work in rows:
+        for w, cached, source, backlog, rate, wait, work, evict in rows:
             own = work / rate
             ext = k * work
             misses = 0 if slo is None else slo.misses(w, now, wait, own, ttft_limit)
@@ -276,9 +290,10 @@ class CacheState:
                     rate=rate,
                     ttft_s=wait + own,
                     inflight=w.inflight,
-                    cost=wait + own * (1.0 + factor * w.inflight) + ext,
+                    cost=wait + own * (1.0 + factor * w.inflight) + ext + evict,
                     saturated=wait > s.saturation_wait_s,
                     externality_s=ext,
+                    evict_s=evict,
                     slo_misses=misses,
                 )
             )
@@ -335,6 +350,7 @@ class CacheState:
                 self.queues.forget(event.worker_id)
                 self.accuracy.forget(event.worker_id)
                 self._pinned.pop(event.worker_id, None)
+                self.turnover.forget(event.worker_id)
         now = self.clock()
         if now - self._last_sweep >= self.settings.eviction_interval_s:
             self._sweep(now)
@@ -392,6 +408,8 @@ class CacheState:
         backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)
         self.queues.add(wid, work, now)
         self.arrivals.add(work, now)
+        # the new KV it writes there: its uncached prompt, and a colocated answer's tokens
+        self.turnover.add(wid, uncached + (0 if ev.disaggregated else ev.max_tokens), now)
         capacity = None if w is None else self.capacity(w)
         # until its prefill ends the engine holds its prompt pinned, not cached (a request that
         # shares the prefix and is admitted meanwhile computes it again); a colocated answer

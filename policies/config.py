@@ -110,6 +110,11 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # pool is busy, policies/pool_pressure.py); 0: the predicted TTFT and batch term alone
     queue_externality: float = 1.0
     pressure_window_s: float = 10.0  # arrivals and work per second: decayed over this window
+    # + evict_price x uncached / rate x (new KV tokens sent to the worker over evict_window_s,
+    # decayed) / its KV pool: the price of the cached prefixes the new KV evicts where the cache
+    # turns over fast (policies/turnover.py); 0: off. Needs the pool (reported, or worker_cache_tokens)
+    evict_price: float = 0.0
+    evict_window_s: float = 5.0  # the best measured (docs/benchmarks.md, "An eviction price")
     saturation_wait_s: float = 10.0  # queued prefill beyond this: no new work while others have less
     max_candidates: int = 16  # deepest-matching workers considered in a large pool
     scan_limit: int = 64  # pools up to this size are scored whole
@@ -152,6 +157,14 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
         if self.large_pool == "exact" and self.queue_externality > 0:
             raise ValueError(
                 'large_pool = "exact" needs queue_externality = 0: the busy-pool price is taken over the whole pool, which the exact search does not read'
+            )
+        if not (math.isfinite(self.evict_price) and self.evict_price >= 0):
+            raise ValueError(f"evict_price must be a finite number >= 0, got {self.evict_price}")
+        if not (math.isfinite(self.evict_window_s) and self.evict_window_s > 0):
+            raise ValueError(f"evict_window_s must be a finite number > 0, got {self.evict_window_s}")
+        if self.large_pool == "exact" and self.evict_price > 0:
+            raise ValueError(
+                'large_pool = "exact" needs evict_price = 0: the exact search does not price evictions'
             )
         if not (math.isfinite(self.pressure_window_s) and self.pressure_window_s > 0):
             raise ValueError(f"pressure_window_s must be a finite number > 0, got {self.pressure_window_s}")
