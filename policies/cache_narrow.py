@@ -59,11 +59,8 @@ def narrow(
     rng: _random.Random | None,
     memo: PositionMemo,
 ) -> list[WorkerState]:
-    """Of a large pool (the caller checks `scan_limit`), the workers named in `wanted` (a
-    lookup's `top` rows, `(worker id, cached tokens)`, one per id) in their order, then `sample`
-    workers drawn at random that are not among them. One function, the memo's check of its
-    layout included (a decision in a pool of a thousand runs this code cold: every frame and
-    comprehension fewer is code it need not fetch again)."""
+    """Of a large pool, the workers of `wanted` (a lookup's `top` rows) in order, then `sample`
+    random others. One function, layout check included: it runs cold, every frame counts."""
     n = len(cands)
     shape = (n, cands[0].id, cands[-1].id)
     entry = memo._maps.get(shape)
@@ -71,11 +68,8 @@ def narrow(
         entry = memo._map(cands, shape)
     else:
         at = entry[2]
-        upto = at + n // memo.refresh_every + 1
-        if upto > n:
-            upto = n
-        ids = entry[1]
-        states = entry[3]  # the states last seen there: the same object, the same worker
+        upto = min(at + n // memo.refresh_every + 1, n)
+        ids, states = entry[1], entry[3]  # states last seen there: same object, same worker
         for k in range(at, upto):
             w = cands[k]
             if w is not states[k]:
@@ -117,6 +111,18 @@ def narrow(
                 seen.add(w.id)
                 pool.append(w)
         return pool
+    return _draw(cands, sample, rng, seen, pool)
+
+
+def _draw(
+    cands: Sequence[WorkerState],
+    sample: int,
+    rng: _random.Random,
+    seen: set[str],
+    pool: list[WorkerState],
+) -> list[WorkerState]:
+    """`pool` with `sample` draws of `rng.randrange` added that are not in `seen` (any rng)."""
+    n = len(cands)
     for _ in range(sample):
         w = cands[rng.randrange(n)]
         if w.id not in seen:
