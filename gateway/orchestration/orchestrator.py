@@ -48,6 +48,11 @@ from gateway.registry import Registry
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event, wants
 from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
 
+# Enum members as module constants on the request path: on Python 3.11 a class attribute of an
+# Enum goes through EnumType.__getattr__'s slot hook, unspecialised; a global does not
+# (gateway/breaker.py)
+_DONE = Phase.DONE
+
 Plan = Colocated | Disaggregated | Reject
 
 log = get_logger("pd_gateway.request")
@@ -218,7 +223,7 @@ class Orchestrator:
 
     def _served(self, ctx: RequestContext) -> None:
         a = ctx.attempt
-        a.phase = Phase.DONE
+        a.phase = _DONE
         ctx.routed = False
         if not self._tell_completed:
             return
