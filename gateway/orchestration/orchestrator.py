@@ -326,14 +326,14 @@ class Orchestrator:
             "request.done",
             request_id=ctx.request_id,
             model=req.model[:200],  # a client's name for it, served or not: never a whole body
-            route=req.route.value,
+            route=req.route._value_,  # `.value` is a Python-level property: two calls
             plan=a.plan_kind,
             decision=a.decision or None,
             prefill=a.prefill,
             decode=a.decode,
             attempts=ctx.attempt_no,
             failed_attempts=ctx.history or None,
-            phase=a.phase.value,
+            phase=a.phase._value_,
             outcome=ctx.outcome,
             duration_ms=round((end - began) * 1000, 3),
             ttft_ms=round((a.first_byte_at - began) * 1000, 3) if a.first_byte_at else None,
