@@ -49,6 +49,9 @@ from common.request import ParsedRequest
 from common.summary import CachedTokens, Summary
 from common.workers import Engine, RouteKind, WorkerLoad
 
+# a module constant: an Enum class attribute costs a slot hook on Python 3.11 (gateway/breaker.py)
+_GENERATE = RouteKind.GENERATE
+
 _OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # with the gateway's own rid: a client's `"rid": null` (parsed as no rid) goes too
 _OWNED_RID = (*_OWNED, "rid")
@@ -237,7 +240,7 @@ class SGLangAdapter(SharedShapes):
         return body
 
     def summarize(self, req: ParsedRequest, payloads: Iterable[bytes]) -> Summary:
-        if req.route is RouteKind.GENERATE:
+        if req.route is _GENERATE:
             return summarize_generate(payloads)
         return summarize_openai(payloads)
 
@@ -280,7 +283,7 @@ class SGLangAdapter(SharedShapes):
         cached: CachedTokens | None = None
         for payload in payloads:
             try:
-                if req.route is RouteKind.GENERATE:
+                if req.route is _GENERATE:
                     outs = _gen_dec.decode(payload)
                     for j, out in enumerate(outs if isinstance(outs, list) else [outs]):
                         if j == 0 and out.meta_info is not None and out.meta_info.cached_tokens is not None:
@@ -311,13 +314,13 @@ class SGLangAdapter(SharedShapes):
         return PrefillVerdict(ok=True, cached=cached)
 
     def answer_cached(self, req: ParsedRequest, data: bytes, *, stream: bool) -> CachedTokens | None:
-        if req.route is not RouteKind.GENERATE:
+        if req.route is not _GENERATE:
             return super().answer_cached(req, data, stream=stream)
         return stream_cached(data, generate=True) if stream else generate_cached(data)
 
     def decode_transformer(self, req: ParsedRequest, prefill_body: bytes) -> Callable[[bytes], bytes] | None:
         # Only the prefill scored the prompt: with return_logprob its input logprobs are merged in.
-        if not (req.return_logprob and req.route is RouteKind.GENERATE):
+        if not (req.return_logprob and req.route is _GENERATE):
             return None
         if not req.stream:
             return lambda body: _merge_bodies(prefill_body, body)

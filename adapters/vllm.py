@@ -35,6 +35,9 @@ from common.request import ParsedRequest, given
 from common.summary import CachedTokens, Summary
 from common.workers import Engine, RouteKind, WorkerLoad
 
+# a module constant: an Enum class attribute costs a slot hook on Python 3.11 (gateway/breaker.py)
+_CHAT = RouteKind.CHAT
+
 _BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 # its KV cache's blocks (the same labels; vLLM 0.32: `num_gpu_blocks="8192"`)
 _GPU_BLOCKS = re.compile(rb'vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"')
@@ -311,7 +314,7 @@ def _judge_params(
         return PrefillVerdict(ok=False, reason=why, status=502)
     ties: tuple[str, ...] = ()
     if ctx.near_ties and same_first and out.choices and out.choices[0].logprobs:
-        ties = _ties(out.choices[0].logprobs, req.route is RouteKind.CHAT, ctx.near_tie_margin)
+        ties = _ties(out.choices[0].logprobs, req.route is _CHAT, ctx.near_tie_margin)
     cached = from_meta(params.remote_prefill_cached_tokens, out.usage.prompt_tokens if out.usage else None)
     if cached is None:
         cached = _usage_cached(out.usage)
@@ -361,7 +364,7 @@ def _ask_for_alternatives(
     and so is a request that echoes: with `echo`, vLLM scores the whole prompt for logprobs."""
     if not _asks_alternatives(req, fields):
         return
-    if req.route is RouteKind.CHAT:
+    if req.route is _CHAT:
         if not given(fields.get("logprobs")):
             set_["logprobs"] = b"true"
         set_["top_logprobs"] = str(k).encode()
@@ -373,7 +376,7 @@ def _asks_alternatives(req: ParsedRequest, fields: dict[str, msgspec.Raw]) -> bo
     """Does the gateway add its own logprob fields to this greedy request's prefill?"""
     if given(fields.get("echo")):
         return False
-    if req.route is RouteKind.CHAT:
+    if req.route is _CHAT:
         return "top_logprobs" not in fields
     return not given(fields.get("logprobs"))
 
@@ -425,7 +428,7 @@ def _check_what_the_prefill_is_not_sent(req: ParsedRequest, fields: dict[str, ms
             "Stream options can only be defined when `stream=True`. (parameter=stream_options)",
             param="stream_options",
         )
-    if req.route is RouteKind.CHAT and req.fields.max_completion_tokens == 0:  # (any spelling of 0)
+    if req.route is _CHAT and req.fields.max_completion_tokens == 0:  # (any spelling of 0)
         # vLLM's chat budget is `max_completion_tokens` whenever it is not null: 0 is refused
         # (the gateway reads a 0 as SGLang does, falling through to max_tokens), and the prefill
         # is sent 1 instead

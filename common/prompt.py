@@ -15,6 +15,11 @@ from common.errors import BadRequest
 from common.fields import Fields, given
 from common.workers import RouteKind
 
+# RouteKind members as module constants on the request path: on Python 3.11 a class attribute
+# of an Enum goes through EnumType.__getattr__'s slot hook, unspecialised; a global does not
+# (gateway/breaker.py)
+_CHAT, _COMPLETIONS, _GENERATE = RouteKind.CHAT, RouteKind.COMPLETIONS, RouteKind.GENERATE
+
 
 class _Message(msgspec.Struct):
     """A chat message as far as the gateway checks it (the engines check the rest)."""
@@ -60,9 +65,9 @@ def _id_range(ids: list[int], param: str, raw: bytes | None = None) -> int:
 
 
 def prompt_param(route: RouteKind, f: Fields) -> str:
-    if route is RouteKind.GENERATE:
+    if route is _GENERATE:
         return "input_ids" if f.input_ids else "text"
-    return "messages" if route is RouteKind.CHAT else "prompt"
+    return "messages" if route is _CHAT else "prompt"
 
 
 def measure_prompt(route: RouteKind, f: Fields) -> tuple[int, bool, int, int, bool, int]:
@@ -77,9 +82,9 @@ def measure_prompt(route: RouteKind, f: Fields) -> tuple[int, bool, int, int, bo
     not only the first: a shape an engine refuses is the client's 400 here, never a worker's
     fault. A negative token id is refused here; one too large for a worker's vocabulary where
     the worker's vocabulary size is known (the orchestrator)."""
-    if route is RouteKind.CHAT:
+    if route is _CHAT:
         return _measure_messages(bytes(f.messages))
-    if route is RouteKind.COMPLETIONS:
+    if route is _COMPLETIONS:
         raw, param, texts, ids = f.prompt, "prompt", True, True
     elif f.input_ids:
         # SGLang reads `input_ids` whenever they are given, `text` beside them or not

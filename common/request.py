@@ -19,6 +19,11 @@ from common.lax import coerce_openai_fields
 from common.prompt import generate_prompt_sizes, measure_prompt, other_ids, prompt_param
 from common.workers import RouteKind
 
+# RouteKind members as module constants on the request path: on Python 3.11 a class attribute
+# of an Enum goes through EnumType.__getattr__'s slot hook, unspecialised; a global does not
+# (gateway/breaker.py)
+_CHAT, _COMPLETIONS, _GENERATE = RouteKind.CHAT, RouteKind.COMPLETIONS, RouteKind.GENERATE
+
 # Accounting defaults when the client gives no limit (engines differ; these only weigh load).
 DEFAULT_MAX_TOKENS = {RouteKind.COMPLETIONS: 16, RouteKind.CHAT: 256, RouteKind.GENERATE: 128}
 
@@ -125,12 +130,12 @@ class ParsedRequest:
         # `/generate` batches with a budget per prompt: (prompt size, its max_new_tokens) each,
         # for the length preflight; None otherwise (the largest prompt with `max_tokens`)
         self.prompt_pairs: tuple[tuple[int, int], ...] | None = None
-        if route is not RouteKind.GENERATE:
+        if route is not _GENERATE:
             explicit = f.max_tokens
             # chat's newer name wins; the legacy completions route has none (the engines ignore
             # it). A 0 falls through to max_tokens, as SGLang reads it (`max_completion_tokens or
             # max_tokens`); vLLM refuses that 0 itself (its adapter, before a P/D prefill).
-            if route is RouteKind.CHAT and f.max_completion_tokens:
+            if route is _CHAT and f.max_completion_tokens:
                 explicit = f.max_completion_tokens
             n = 1 if f.n is None else f.n
             greedy = f.temperature == 0 or f.top_k == 1
@@ -260,11 +265,11 @@ def _build(
         f.text = msgspec.Raw()
     if f.input_ids == NULL:
         f.input_ids = msgspec.Raw()
-    if route is RouteKind.CHAT and not given(f.messages):
+    if route is _CHAT and not given(f.messages):
         raise BadRequest("missing required parameter: 'messages'", param="messages")
-    if route is RouteKind.COMPLETIONS and not given(f.prompt):
+    if route is _COMPLETIONS and not given(f.prompt):
         raise BadRequest("missing required parameter: 'prompt'", param="prompt")
-    if route is RouteKind.GENERATE and not f.text and not f.input_ids:
+    if route is _GENERATE and not f.text and not f.input_ids:
         raise BadRequest("either 'text' or 'input_ids' is required", param="text")
     try:
         req = ParsedRequest(route, path, body, f, model)
@@ -273,7 +278,7 @@ def _build(
     if req.max_tokens is not None:
         # the field the client gave the budget in (chat's newer name where it was given)
         name = "max_tokens"
-        if route is RouteKind.CHAT and f.max_completion_tokens:
+        if route is _CHAT and f.max_completion_tokens:
             name = "max_completion_tokens"
         if req.max_tokens < 1 and route is not RouteKind.GENERATE:
             # a chat's 0 is the prompt alone on SGLang, the engine's own 400 on vLLM

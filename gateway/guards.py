@@ -68,6 +68,10 @@ def preflight(
     return None
 
 
+def _who(w: WorkerState) -> str:
+    return f"its {w.role.value} worker"
+
+
 def _fits(
     units: int, is_ids: bool, out: int, workers: tuple[WorkerState, ...], s: GuardsConfig, which: str
 ) -> str | None:
@@ -76,25 +80,25 @@ def _fits(
     else:  # a prompt (never empty: refused at parse) is at least one token
         low = max(1, int(units / MAX_BYTES_PER_TOKEN))
     for w in workers:
-        # a worker is named by its role, never its id (by default its address: a client's to read)
-        who = f"its {w.role.value} worker"
+        # a worker is named by its role, never its id (by default its address: a client's to read);
+        # built only for a refusal (`.value` is a Python-level property: two calls a worker)
         if w.max_input_len is not None and low >= w.max_input_len:
             return (
-                f"the prompt{which} has at least {low} tokens, but {who} accepts prompts of "
+                f"the prompt{which} has at least {low} tokens, but {_who(w)} accepts prompts of "
                 f"fewer than {w.max_input_len} tokens"
             )
         if w.context_length is not None and low + out > w.context_length:
             if out >= w.context_length:
                 return (
                     f"max_tokens ({out}){which} leaves no room for the prompt in the context length of "
-                    f"{w.context_length} tokens of {who}"
+                    f"{w.context_length} tokens of {_who(w)}"
                 )
             what = (
                 f"the prompt{which}"
                 if out == 0
                 else f"the prompt{which} (at least {low} tokens) plus max_tokens ({out})"
             )
-            return f"{what} exceeds the context length of {w.context_length} tokens of {who}"
+            return f"{what} exceeds the context length of {w.context_length} tokens of {_who(w)}"
     return None
 
 

@@ -30,6 +30,12 @@ from gateway.orchestration.shadow import decode_check, start_early
 from gateway.orchestration.verify import DecodeCheck, guarded, verifiable
 from gateway.registry import Worker
 
+# Enum members as module constants on the request path: on Python 3.11 a class attribute of an
+# Enum goes through EnumType.__getattr__'s slot hook, unspecialised; a global does not
+# (gateway/breaker.py)
+_PREFILL, _DECODE, _CONCURRENT = Role.PREFILL, Role.DECODE, LegShape.CONCURRENT
+_HANDOFF = Phase.HANDOFF
+
 # How long a refused SGLang prefill waits for its decode's answer to the same body: a decode
 # that refuses it too (within this) makes it the request's fault, not a guard's catch.
 _AGREEMENT_S = 0.25
@@ -39,8 +45,8 @@ async def run_concurrent(s: Services, ctx: RequestContext, p: Worker, d: Worker,
     req = ctx.req
     pbody, dbody = d.adapter.handoff_bodies(req, hctx)
     # the prefill counts as in flight until its answer is in, not until the decode's end
-    pleg = Leg(s, ctx, p, ctx.view.prompt_tokens, Role.PREFILL, LegShape.CONCURRENT)
-    dleg = Leg(s, ctx, d, ctx.tokens, Role.DECODE, LegShape.CONCURRENT)
+    pleg = Leg(s, ctx, p, ctx.view.prompt_tokens, _PREFILL, _CONCURRENT)
+    dleg = Leg(s, ctx, d, ctx.tokens, _DECODE, _CONCURRENT)
     async with Handoff(s, ctx, pleg, dleg, concurrent=True) as h:
         # Futures, not Tasks: on pooled connections both requests are written right here and
         # resolved from the connections' callbacks.
@@ -91,7 +97,7 @@ async def _through_handoff(
                 await _refused(s, h, hctx, status, verdict)
             pleg.complete()
             in_handoff = True
-            a.phase = Phase.HANDOFF
+            a.phase = _HANDOFF
             h.check = decode_check(s, hctx, ctx.req, p.adapter, out, ctx.view, early, drawn=True)
             decode_call = dleg.call
             assert decode_call is not None

@@ -29,6 +29,12 @@ from gateway.orchestration.verify import guarded, stream_usage
 from gateway.registry import Worker
 from policies.snapshot import Colocated, Disaggregated, Reject
 
+# Enum members as module constants on the request path: on Python 3.11 a class attribute of an
+# Enum goes through EnumType.__getattr__'s slot hook, unspecialised; a global does not
+# (gateway/breaker.py)
+_PREFILL_PHASE = Phase.PREFILL
+_CONCURRENT, _SEQUENTIAL = HandoffMode.CONCURRENT, HandoffMode.SEQUENTIAL
+
 
 def execute(
     s: Services, ctx: RequestContext, plan: Colocated | Disaggregated | Reject
@@ -58,7 +64,7 @@ def _disaggregated(
         s.metrics.child(s.metrics.fallbacks, "decode_self_prefill").inc()
         return run_colocated(s, ctx, d)
     a.plan_kind, a.prefill, a.decode = "disaggregated", p.id, d.id
-    a.phase = Phase.PREFILL
+    a.phase = _PREFILL_PHASE
     if (req.n > 1 or req.is_batch) and d.adapter.splits_samples:
         return run_split(s, ctx, p, d, plan)
     g = s.cfg.guards
@@ -71,8 +77,8 @@ def _disaggregated(
         near_ties=g.near_tie_alternatives if req.greedy and p.near_ties and guarded(s.cfg, req) else 0,
         near_tie_margin=g.near_tie_margin,
     )
-    if d.adapter.handoff is HandoffMode.CONCURRENT:
+    if d.adapter.handoff is _CONCURRENT:
         return run_concurrent(s, ctx, p, d, hctx)
-    if d.adapter.handoff is HandoffMode.SEQUENTIAL:
+    if d.adapter.handoff is _SEQUENTIAL:
         return run_sequential(s, ctx, p, d, hctx)
     raise NoWorker(f"engine {d.engine.value} has no P/D protocol")

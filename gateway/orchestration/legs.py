@@ -37,6 +37,11 @@ from gateway.orchestration.services import Services
 from gateway.orchestration.verify import DecodeCheck
 from gateway.registry import Worker
 
+# Enum members as module constants on the request path: on Python 3.11 a class attribute of an
+# Enum goes through EnumType.__getattr__'s slot hook, unspecialised; a global does not
+# (gateway/breaker.py)
+_DONE = LegOutcome.DONE
+
 
 class Leg(msgspec.Struct, eq=False):
     """One engine request of an attempt (see the module docstring). (A Struct: built in C, as
@@ -89,10 +94,10 @@ class Leg(msgspec.Struct, eq=False):
             return self.outcome
         ctx, w = self.ctx, self.worker
         if self.done:  # (the usual end, in a few steps)
-            self.outcome = LegOutcome.DONE
+            self.outcome = _DONE
             self.s.registry.record(w, True)
-            ctx.attempt.legs.append(LegRecord(w.id, self.role, LegOutcome.DONE))  # (a Role is a str)
-            return LegOutcome.DONE
+            ctx.attempt.legs.append(LegRecord(w.id, self.role, _DONE))  # (a Role is a str)
+            return _DONE
         if isinstance(error, ShortOfResources):
             ctx.attempt.cut = True  # the gateway's own shortage: no verdict on any worker
         outcome = self.outcome = leg_outcome(
@@ -178,7 +183,7 @@ class Handoff(msgspec.Struct, eq=False):
         d.report(e)
         suspects: tuple[Worker, ...] = ()
         if d.done:
-            outcome = LegOutcome.DONE
+            outcome = _DONE
         else:
             outcome, between = pair_outcome(
                 decode_done=False, error=e, unjudged=self.ctx.unjudged, concurrent=self.concurrent

@@ -48,6 +48,11 @@ from gateway.registry import Registry
 from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event, wants
 from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
 
+# Enum members as module constants on the request path: on Python 3.11 a class attribute of an
+# Enum goes through EnumType.__getattr__'s slot hook, unspecialised; a global does not
+# (gateway/breaker.py)
+_DONE = Phase.DONE
+
 Plan = Colocated | Disaggregated | Reject
 
 log = get_logger("pd_gateway.request")
@@ -218,7 +223,7 @@ class Orchestrator:
 
     def _served(self, ctx: RequestContext) -> None:
         a = ctx.attempt
-        a.phase = Phase.DONE
+        a.phase = _DONE
         ctx.routed = False
         if not self._tell_completed:
             return
@@ -321,14 +326,14 @@ class Orchestrator:
             "request.done",
             request_id=ctx.request_id,
             model=req.model[:200],  # a client's name for it, served or not: never a whole body
-            route=req.route.value,
+            route=req.route._value_,  # `.value` is a Python-level property: two calls
             plan=a.plan_kind,
             decision=a.decision or None,
             prefill=a.prefill,
             decode=a.decode,
             attempts=ctx.attempt_no,
             failed_attempts=ctx.history or None,
-            phase=a.phase.value,
+            phase=a.phase._value_,
             outcome=ctx.outcome,
             duration_ms=round((end - began) * 1000, 3),
             ttft_ms=round((a.first_byte_at - began) * 1000, 3) if a.first_byte_at else None,

@@ -34,6 +34,7 @@ from gateway.registry import Worker
 from gateway.streamwatch import StreamStopped, StreamWatch
 
 _EVENT_STREAM = b"text/event-stream"
+_STREAMING = Phase.STREAMING  # a module constant: see gateway/breaker.py on Enum look-ups
 
 Transform = Callable[[bytes], bytes]
 
@@ -175,7 +176,7 @@ class _Stream(msgspec.Struct, eq=False):
         if check is None:
             res.start_stream(200, head)
             a.first_byte_at = time.monotonic()
-            a.phase = Phase.STREAMING
+            a.phase = _STREAMING
             # unwatched: an engine's error or abort event is screened on its way (public.py)
             return EventScreen(res.write, self.s.registry.addresses(), ctx.request_id, self.w.id)
 
@@ -184,7 +185,7 @@ class _Stream(msgspec.Struct, eq=False):
             # in one send; from here on the watch writes to the client directly
             res.start_stream(200, head, data)
             a.first_byte_at = time.monotonic()
-            a.phase = Phase.STREAMING
+            a.phase = _STREAMING
             watch.write_to(res.write)
 
         watch = self.watch = StreamWatch(
@@ -206,7 +207,7 @@ class _Stream(msgspec.Struct, eq=False):
         def started_write(data: bytes) -> None:
             res.start_stream(200, head, data)
             a.first_byte_at = time.monotonic()
-            a.phase = Phase.STREAMING
+            a.phase = _STREAMING
             watch.write_to(res.write)
 
         def first(summary: Summary) -> str | None:

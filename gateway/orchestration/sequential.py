@@ -33,6 +33,12 @@ from gateway.orchestration.verify import DecodeCheck
 from gateway.registry import Worker
 from policies.base import Failed, routed_event
 
+# Enum members as module constants on the request path: on Python 3.11 a class attribute of an
+# Enum goes through EnumType.__getattr__'s slot hook, unspecialised; a global does not
+# (gateway/breaker.py)
+_PREFILL, _DECODE, _HANDOFF = Role.PREFILL, Role.DECODE, Phase.HANDOFF
+_ALONE, _SEQUENTIAL = LegShape.ALONE, LegShape.SEQUENTIAL
+
 log = get_logger("pd_gateway.request")
 
 
@@ -40,7 +46,7 @@ async def run_sequential(s: Services, ctx: RequestContext, p: Worker, d: Worker,
     t0 = time.monotonic()
     # the prefill counts as in flight until its answer is in (its KV is ready to pull), with the
     # prompt's tokens: it generates none of the answer
-    pleg = Leg(s, ctx, p, ctx.view.prompt_tokens, Role.PREFILL, LegShape.ALONE)
+    pleg = Leg(s, ctx, p, ctx.view.prompt_tokens, _PREFILL, _ALONE)
     # a sampled verification re-run starts with the prefill (shadow.start_early); whatever
     # way the attempt ends, it is not left running (a decode check that took it has awaited it)
     early = start_early(s, ctx.req, ctx.view, hctx)
@@ -48,7 +54,7 @@ async def run_sequential(s: Services, ctx: RequestContext, p: Worker, d: Worker,
         verdict, out, hctx = await _prefill(s, ctx, pleg, d, hctx)
         a = ctx.attempt
         a.prefill_done_at = time.monotonic()
-        a.phase = Phase.HANDOFF
+        a.phase = _HANDOFF
         s.metrics.phase_prefill.observe(a.prefill_done_at - t0)
         tried = {d.id}
         while True:
@@ -128,7 +134,7 @@ async def _decode(
     req = ctx.req
     p = pleg.worker
     dbody = d.adapter.decode_body(req, hctx, verdict)
-    dleg = Leg(s, ctx, d, ctx.tokens, Role.DECODE, LegShape.SEQUENTIAL)
+    dleg = Leg(s, ctx, d, ctx.tokens, _DECODE, _SEQUENTIAL)
     async with Handoff(s, ctx, pleg, dleg, concurrent=False) as h:
         h.check = _check(s, ctx, hctx, p, d, verdict, out, early)
         wait_s = s.head_budget(req, d, s.cfg.timeouts.handoff_s)

@@ -25,6 +25,8 @@ from gateway.orchestration.services import Services
 from gateway.registry import Worker
 from policies.snapshot import RequestView
 
+_GENERATE = RouteKind.GENERATE  # a module constant: see gateway/breaker.py on Enum look-ups
+
 
 def guarded(cfg: GatewayConfig, req: ParsedRequest) -> bool:
     """Does the decode-consistency guard watch this request's decode? (One answer to compare.)"""
@@ -37,7 +39,7 @@ def stream_usage(cfg: GatewayConfig, req: ParsedRequest) -> bool:
     needs the real token count, and counting events is wrong both ways (role-only events;
     SGLang sends several tokens in one event with --stream-interval > 1 or a held-back
     multi-byte character). The chunk is dropped on the way to the client."""
-    return req.stream and not req.include_usage and req.route is not RouteKind.GENERATE and guarded(cfg, req)
+    return req.stream and not req.include_usage and req.route is not _GENERATE and guarded(cfg, req)
 
 
 def verifiable(req: ParsedRequest) -> bool:
