@@ -47,10 +47,8 @@ from adapters.prom import sum_metrics
 from common import jsonbytes as _body
 from common.request import ParsedRequest
 from common.summary import CachedTokens, Summary
+from common.workers import GENERATE_ROUTE as _GENERATE
 from common.workers import Engine, RouteKind, WorkerLoad
-
-# a module constant: an Enum class attribute costs a slot hook on Python 3.11 (gateway/breaker.py)
-_GENERATE = RouteKind.GENERATE
 
 _OWNED = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 # with the gateway's own rid: a client's `"rid": null` (parsed as no rid) goes too

@@ -33,10 +33,8 @@ from common.errors import BadRequest
 from common.lax import lax_int
 from common.request import ParsedRequest, given
 from common.summary import CachedTokens, Summary
+from common.workers import CHAT_ROUTE as _CHAT
 from common.workers import Engine, RouteKind, WorkerLoad
-
-# a module constant: an Enum class attribute costs a slot hook on Python 3.11 (gateway/breaker.py)
-_CHAT = RouteKind.CHAT
 
 _BLOCK_SIZE = re.compile(rb'vllm:cache_config_info\{[^}]*block_size="(\d+)"')
 # its KV cache's blocks (the same labels; vLLM 0.32: `num_gpu_blocks="8192"`)

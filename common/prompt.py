@@ -13,12 +13,10 @@ import msgspec
 
 from common.errors import BadRequest
 from common.fields import Fields, given
+from common.workers import CHAT_ROUTE as _CHAT
+from common.workers import COMPLETIONS_ROUTE as _COMPLETIONS
+from common.workers import GENERATE_ROUTE as _GENERATE
 from common.workers import RouteKind
-
-# RouteKind members as module constants on the request path: on Python 3.11 a class attribute
-# of an Enum goes through EnumType.__getattr__'s slot hook, unspecialised; a global does not
-# (gateway/breaker.py)
-_CHAT, _COMPLETIONS, _GENERATE = RouteKind.CHAT, RouteKind.COMPLETIONS, RouteKind.GENERATE
 
 
 class _Message(msgspec.Struct):

@@ -17,12 +17,10 @@ from common.fields import NULL, Fields, SamplingParams, given
 from common.jsonbytes import splice
 from common.lax import coerce_openai_fields
 from common.prompt import generate_prompt_sizes, measure_prompt, other_ids, prompt_param
+from common.workers import CHAT_ROUTE as _CHAT
+from common.workers import COMPLETIONS_ROUTE as _COMPLETIONS
+from common.workers import GENERATE_ROUTE as _GENERATE
 from common.workers import RouteKind
-
-# RouteKind members as module constants on the request path: on Python 3.11 a class attribute
-# of an Enum goes through EnumType.__getattr__'s slot hook, unspecialised; a global does not
-# (gateway/breaker.py)
-_CHAT, _COMPLETIONS, _GENERATE = RouteKind.CHAT, RouteKind.COMPLETIONS, RouteKind.GENERATE
 
 # Accounting defaults when the client gives no limit (engines differ; these only weigh load).
 DEFAULT_MAX_TOKENS = {RouteKind.COMPLETIONS: 16, RouteKind.CHAT: 256, RouteKind.GENERATE: 128}

@@ -18,14 +18,12 @@ from adapters import EngineAdapter, HandoffCtx
 from common.errors import KVIntegrityError
 from common.request import ParsedRequest
 from common.summary import Summary
-from common.workers import RouteKind
+from common.workers import GENERATE_ROUTE as _GENERATE
 from gateway.config import GatewayConfig
 from gateway.guards import Guard, check_decode
 from gateway.orchestration.services import Services
 from gateway.registry import Worker
 from policies.snapshot import RequestView
-
-_GENERATE = RouteKind.GENERATE  # a module constant: see gateway/breaker.py on Enum look-ups
 
 
 def guarded(cfg: GatewayConfig, req: ParsedRequest) -> bool:
