@@ -119,6 +119,12 @@ class IndexLookup:
             self._levels()
         return self._top
 
+    def listed(self) -> Mapping[str, int]:
+        """The cached tokens of the workers `top` lists: what `cached_tokens` answers for them
+        (a decision's loop reads this dict, not a method call per candidate)."""
+        tokens_of = self._tokens
+        return tokens_of if tokens_of is not None else self._levels()
+
     def cached_tokens(self, worker_id: str) -> int | None:
         tokens_of = self._tokens
         if tokens_of is None:
