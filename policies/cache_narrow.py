@@ -6,13 +6,9 @@ from __future__ import annotations
 import random as _random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from operator import attrgetter, itemgetter
 from typing import Any
 
 from policies.snapshot import WorkerState
-
-_FIRST = itemgetter(0)
-_ID = attrgetter("id")
 
 
 class PositionMemo:
@@ -64,7 +60,7 @@ def narrow(
     memo: PositionMemo,
 ) -> list[WorkerState]:
     """Of a large pool, the workers of `wanted` (a lookup's `top` rows) in order, then `sample`
-    random others. The layout check inline: it runs cold, every frame counts."""
+    random others. One function, layout check included: it runs cold, every frame counts."""
     n = len(cands)
     shape = (n, cands[0].id, cands[-1].id)
     entry = memo._maps.get(shape)
@@ -84,17 +80,9 @@ def narrow(
         else:
             entry[2] = upto if upto < n else 0
     pos: dict[str, int] = entry[0]
-    # the wanted workers found at their mapped places, in C (`map`: no bytecode per worker);
-    # else (one not in the layout, or moved) the loop below
-    names: list[str] = list(map(_FIRST, wanted))
-    places = list(map(pos.get, names))
-    if None not in places:
-        pool: list[WorkerState] = list(map(cands.__getitem__, places))  # type: ignore[arg-type]
-        if list(map(_ID, pool)) == names:
-            return _sample(cands, sample, rng, set(names), pool)
-    pool = []
+    pool: list[WorkerState] = []
     seen: set[str] = set()
-    for wid in names:
+    for wid, _ in wanted:
         i = pos.get(wid)
         if i is None:
             continue
@@ -107,20 +95,8 @@ def narrow(
             w = cands[i]
         seen.add(wid)
         pool.append(w)
-    return _sample(cands, sample, rng, seen, pool)
-
-
-def _sample(
-    cands: Sequence[WorkerState],
-    sample: int,
-    rng: _random.Random | None,
-    seen: set[str],
-    pool: list[WorkerState],
-) -> list[WorkerState]:
-    """`pool` with `sample` random others of `cands` added, not those in `seen`."""
     if not sample or rng is None:
         return pool
-    n = len(cands)
     if type(rng) is _random.Random:
         # `rng.randrange(n)`'s draws (CPython's `_randbelow_with_getrandbits`, which a test
         # compares), without its two Python frames per draw
