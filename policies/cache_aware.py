@@ -63,6 +63,7 @@ accuracy per worker and source.
 
 from __future__ import annotations
 
+import math
 import random as _random
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -303,7 +304,8 @@ class CacheAwareSelector:
         state = self.state
         s = state.settings
         limit = prompt - 1
-        threshold = s.cache_threshold * prompt
+        # `cached > threshold` for an int: the same as against the float's floor, but int to int
+        threshold = math.floor(s.cache_threshold * prompt)
         attention = s.crossover_tokens
         # `PrefillQueues.backlog_rate`, inlined (the hot loop): its tables read once per decision
         queues = state.queues
@@ -339,12 +341,12 @@ class CacheAwareSelector:
             floor = w.load.waiting * mean_uncached
             wait = (fluid if fluid > floor else floor) / rate
             credit = cached if cached > threshold else 0
-            new: float = prompt - credit
+            new = float(prompt - credit)  # (exact: float arithmetic below, no int-float mixing)
             if price > 0.0:
                 pool_tokens = w.kv_capacity_tokens if w.kv_capacity_tokens is not None else default_pool
                 evict = price * new / rate * written.get(wid, 0.0) / pool_tokens if pool_tokens else 0.0
             if attention > 0.0:  # prefill_work, inlined (the hot loop)
-                new *= 1.0 + (credit + 0.5 * new) / attention
+                new *= 1.0 + (float(credit) + 0.5 * new) / attention
             parts.append((wait, new / rate, new, evict, w))
             wait_sum += wait
             rate_sum += rate

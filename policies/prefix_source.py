@@ -99,12 +99,17 @@ class IndexLookup:
         if not rest and known is None:
             self._groups = levels
         for mask, depth in levels:
-            if len(tokens_of) + mask.bit_count() > max_candidates:
+            bits = mask.bit_count()
+            if len(tokens_of) + bits > max_candidates:
                 break  # a group too big to list (a prefix everyone holds): asked per worker
             tokens = int(depth * self._tokens_per_block)
             while mask:  # its slots, lowest first (`iter_bits`, without a generator's frame)
-                low = mask & -mask
-                mask ^= low
+                if bits > 1:
+                    low = mask & -mask
+                    mask ^= low
+                    bits -= 1
+                else:  # the last one (often the only one): no big-int arithmetic
+                    low, mask = mask, 0
                 wid = ids_of_slot[low.bit_length() - 1]
                 if wid is None or (known is not None and not known(wid)):
                     continue
