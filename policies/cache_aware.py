@@ -63,6 +63,7 @@ accuracy per worker and source.
 
 from __future__ import annotations
 
+import math
 import random as _random
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -83,7 +84,7 @@ from policies.cache_state import (
     PredictionStats,
 )
 from policies.least_load import LoadScorer, LoadWeights
-from policies.prefix_source import Lookup
+from policies.prefix_source import IndexLookup, Lookup
 from policies.snapshot import RequestView, WorkerState
 
 
@@ -166,6 +167,9 @@ class RandomTiePicker:
 
 
 # ---- role selectors --------------------------------------------------------------------------------
+
+
+_NOTHING: Mapping[str, int] = {}  # (never written)
 
 
 class _NoEvent:
@@ -277,16 +281,41 @@ class CacheAwareSelector:
         s = state.settings
         now = state.clock()
         prompt = req.prompt_tokens if req.prompt_tokens > 0 else 1
-        limit = prompt - 1
-        threshold = s.cache_threshold * prompt
-        factor = s.inflight_factor
-        attention = s.crossover_tokens
         saturation = s.saturation_wait_s
-        backlog_rate = state.queues.backlog_rate
+        parts, wait_sum, rate_sum = self._parts(prompt, cands, lookups, now)
+        k = state.externality_k(wait_sum, rate_sum, len(parts), now, pool)
+        if (slo := state.slo) is not None:  # the fewest predicted SLO misses first (decode_slo.py)
+            ttft_limit = slo.ttft_limit(prompt, rate_sum / len(parts))  # (the mean rate of all)
+            parts = [p for p in parts if p[0] <= saturation] or parts
+            counted = [slo.misses(w, now, wait, seconds, ttft_limit) for wait, seconds, _, _, w in parts]
+            fewest = min(counted)
+            parts = [p for p, n in zip(parts, counted, strict=True) if n == fewest]
+        return self._rank(parts, k, s.inflight_factor, saturation)
+
+    def _parts(
+        self,
+        prompt: int,
+        cands: Sequence[WorkerState],
+        lookups: tuple[Lookup | None, Lookup],
+        now: float,
+    ) -> tuple[list[tuple[float, float, float, float, WorkerState]], float, float]:
+        """`_choose`'s loop over the candidates: their (wait, prefill s, work, eviction price s,
+        w) parts, and the sums of their waits and rates."""
+        state = self.state
+        s = state.settings
+        limit = prompt - 1
+        # `cached > threshold` for an int: the same as against the float's floor, but int to int
+        threshold = math.floor(s.cache_threshold * prompt)
+        attention = s.crossover_tokens
+        # `PrefillQueues.backlog_rate`, inlined (the hot loop): its tables read once per decision
+        queues = state.queues
+        rates, queued = queues._rate, queues._queue
+        prior, mean_uncached = queues._prior, queues._mean_uncached
         precise, approx = lookups
         from_precise = None if precise is None else precise.cached_tokens
         from_approx = approx.cached_tokens
-        # (wait, prefill s, work, eviction price s, w)
+        # the approximate lookup's listed workers: `from_approx`'s first read, without its call
+        listed = approx.listed() if precise is None and isinstance(approx, IndexLookup) else _NOTHING
         parts: list[tuple[float, float, float, float, WorkerState]] = []
         wait_sum = rate_sum = 0.0
         price = s.evict_price
@@ -297,30 +326,31 @@ class CacheAwareSelector:
         evict = 0.0
         for w in cands:
             wid = w.id
-            if from_precise is None or (cached := from_precise(wid)) is None:
+            if (from_precise is None or (cached := from_precise(wid)) is None) and (
+                cached := listed.get(wid)
+            ) is None:
                 cached = from_approx(wid) or 0
             if cached > limit:
                 cached = limit
-            backlog, rate = backlog_rate(wid, now, w.load.waiting)
-            wait = backlog / rate
+            rate = rates.get(wid, prior)
+            fluid = 0.0
+            if (q := queued.get(wid)) is not None:
+                fluid = q[0] - rate * (now - q[1])
+                if fluid < 0.0:
+                    fluid = 0.0
+            floor = w.load.waiting * mean_uncached
+            wait = (fluid if fluid > floor else floor) / rate
             credit = cached if cached > threshold else 0
-            new: float = prompt - credit
+            new = float(prompt - credit)  # (exact: float arithmetic below, no int-float mixing)
             if price > 0.0:
                 pool_tokens = w.kv_capacity_tokens if w.kv_capacity_tokens is not None else default_pool
                 evict = price * new / rate * written.get(wid, 0.0) / pool_tokens if pool_tokens else 0.0
             if attention > 0.0:  # prefill_work, inlined (the hot loop)
-                new *= 1.0 + (credit + 0.5 * new) / attention
+                new *= 1.0 + (float(credit) + 0.5 * new) / attention
             parts.append((wait, new / rate, new, evict, w))
             wait_sum += wait
             rate_sum += rate
-        k = state.externality_k(wait_sum, rate_sum, len(parts), now, pool)
-        if (slo := state.slo) is not None:  # the fewest predicted SLO misses first (decode_slo.py)
-            ttft_limit = slo.ttft_limit(prompt, rate_sum / len(parts))  # (the mean rate of all)
-            parts = [p for p in parts if p[0] <= saturation] or parts
-            counted = [slo.misses(w, now, wait, seconds, ttft_limit) for wait, seconds, _, _, w in parts]
-            fewest = min(counted)
-            parts = [p for p, n in zip(parts, counted, strict=True) if n == fewest]
-        return self._rank(parts, k, factor, saturation)
+        return parts, wait_sum, rate_sum
 
     def _rank(
         self,
@@ -338,6 +368,7 @@ class CacheAwareSelector:
         saturated: list[tuple[float, int, WorkerState]] = []
         best = 0.0
         least: tuple[float, int, WorkerState] | None = None
+        least_n, least_cost = 0, 0.0  # (least's in flight and cost, as locals: no subscripts)
         for wait, seconds, work, evict, w in parts:  # (the SLO filter above kept one side only)
             n = w.inflight
             cost = wait + seconds * (1.0 + factor * n) + k * work + evict
@@ -346,13 +377,13 @@ class CacheAwareSelector:
                 saturated.append(r)
             elif least is None:
                 rows.append(r)
-                best, least = cost, r
+                best, least, least_n, least_cost = cost, r, n, cost
             else:
                 rows.append(r)
                 if cost < best:
                     best = cost
-                if n < least[1] or (n == least[1] and cost < least[0]):
-                    least = r
+                if n < least_n or (n == least_n and cost < least_cost):
+                    least, least_n, least_cost = r, n, cost
         if least is None:  # every candidate saturated: the same rule over them
             rows = saturated
             best, least = rows[0][0], rows[0]

@@ -99,12 +99,17 @@ class IndexLookup:
         if not rest and known is None:
             self._groups = levels
         for mask, depth in levels:
-            if len(tokens_of) + mask.bit_count() > max_candidates:
+            bits = mask.bit_count()
+            if len(tokens_of) + bits > max_candidates:
                 break  # a group too big to list (a prefix everyone holds): asked per worker
             tokens = int(depth * self._tokens_per_block)
             while mask:  # its slots, lowest first (`iter_bits`, without a generator's frame)
-                low = mask & -mask
-                mask ^= low
+                if bits > 1:
+                    low = mask & -mask
+                    mask ^= low
+                    bits -= 1
+                else:  # the last one (often the only one): no big-int arithmetic
+                    low, mask = mask, 0
                 wid = ids_of_slot[low.bit_length() - 1]
                 if wid is None or (known is not None and not known(wid)):
                     continue
@@ -118,6 +123,12 @@ class IndexLookup:
         if self._tokens is None:
             self._levels()
         return self._top
+
+    def listed(self) -> Mapping[str, int]:
+        """The cached tokens of the workers `top` lists: what `cached_tokens` answers for them
+        (a decision's loop reads this dict, not a method call per candidate)."""
+        tokens_of = self._tokens
+        return tokens_of if tokens_of is not None else self._levels()
 
     def cached_tokens(self, worker_id: str) -> int | None:
         tokens_of = self._tokens
