@@ -307,10 +307,7 @@ class CacheAwareSelector:
         # `cached > threshold` for an int: the same as against the float's floor, but int to int
         threshold = math.floor(s.cache_threshold * prompt)
         attention = s.crossover_tokens
-        # `PrefillQueues.backlog_rate`, inlined (the hot loop): its tables read once per decision
-        queues = state.queues
-        rates, queued = queues._rate, queues._queue
-        prior, mean_uncached = queues._prior, queues._mean_uncached
+        backlog_rate = state.queues.backlog_rate
         precise, approx = lookups
         from_precise = None if precise is None else precise.cached_tokens
         from_approx = approx.cached_tokens
@@ -332,14 +329,8 @@ class CacheAwareSelector:
                 cached = from_approx(wid) or 0
             if cached > limit:
                 cached = limit
-            rate = rates.get(wid, prior)
-            fluid = 0.0
-            if (q := queued.get(wid)) is not None:
-                fluid = q[0] - rate * (now - q[1])
-                if fluid < 0.0:
-                    fluid = 0.0
-            floor = w.load.waiting * mean_uncached
-            wait = (fluid if fluid > floor else floor) / rate
+            backlog, rate = backlog_rate(wid, now, w.load.waiting)
+            wait = backlog / rate
             credit = cached if cached > threshold else 0
             new = float(prompt - credit)  # (exact: float arithmetic below, no int-float mixing)
             if price > 0.0:
