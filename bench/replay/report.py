@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from bench.replay import misses
 from bench.replay.cluster import Counters
 from bench.replay.reference import SimResult
 from bench.replay.stats import Record, Summary
@@ -146,6 +147,15 @@ def markdown(rep: Report) -> str:
             cells = [_fmt([get(r) for r in runs], f) for _, get, f in COLUMNS]
             lines.append(f"| {target} | " + " | ".join(cells) + " |")
         lines.append("")
+        where = misses.table(rep, load)
+        if where:
+            lines += [
+                "Where the SLO misses are (bench/replay/misses.py): TTFT missed / TPOT missed of the "
+                "requests, by the answer's length in tokens, each the mean per repeat",
+                "",
+                *where,
+                "",
+            ]
     mism = sum(r.summary.prompt_mismatches for r in rep.runs)
     unrep = sum(r.summary.prompt_unreported for r in rep.runs)
     lines.append(
