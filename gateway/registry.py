@@ -17,7 +17,7 @@ from common.workers import Role, RouteKind
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.config import BreakerConfig
 from gateway.worker import Worker, new_breaker
-from policies.snapshot import ClusterSnapshot, Layout, same_layout
+from policies.snapshot import ClusterSnapshot, Layout, WorkerState, same_layout
 
 _replace = msgspec.structs.replace
 
@@ -217,16 +217,24 @@ class Registry:
             if not same_layout(self._snap.workers, workers):  # (a load scrape keeps it)
                 self._layout = Layout()
         elif self._moved:
-            states = list(self._snap.workers)
+            # copied only where a count differs from the snapshot's: a worker whose request
+            # ended before the next began (acquired and released between two snapshots) is
+            # back at the counts it shows, and the snapshot stands as it is
+            shown = self._snap.workers
+            states: list[WorkerState] | None = None
             index = self._snap_index
             for w in self._moved:
                 i = index[w.id]
-                old = states[i]
+                old = shown[i]
                 n = w.inflight + w.foreign_inflight
                 tok = w.inflight_tokens + w.foreign_tokens
                 if old.inflight != n or old.inflight_tokens != tok:
+                    if states is None:
+                        states = list(shown)
                     states[i] = _replace(old, inflight=n, inflight_tokens=tok)
             self._moved.clear()
+            if states is None:
+                return self._snap
             workers = tuple(states)
         else:
             return self._snap

@@ -47,6 +47,24 @@ def test_snapshot_follows_inflight_counts_and_copies_only_moved_workers() -> Non
     assert _state(reg, "w0").inflight == 0 and _state(reg, "w1").inflight_tokens == 0
 
 
+def test_a_snapshot_stands_when_the_counts_are_back_where_it_shows_them() -> None:
+    """A request that ended before the next snapshot (acquired and released in between, the
+    usual case at one connection) leaves the snapshot as it was: the same object, not a copy."""
+    reg, p, d, _ = _registry()
+    before = reg.snapshot()
+    reg.acquire(p, 100)
+    reg.acquire(d, 300)
+    reg.release(p, 100)
+    reg.release(d, 300)
+    assert reg.snapshot() is before
+    reg.acquire(d, 300)
+    reg.acquire(p, 100)
+    reg.release(p, 100)  # one back, one still in flight: a new snapshot with that one's count
+    after = reg.snapshot()
+    assert after is not before and after.version != before.version
+    assert _state(reg, "w1").inflight == 1 and after.get("w0") is before.get("w0")
+
+
 def test_snapshot_rebuilt_after_other_changes() -> None:
     reg, p, _, _ = _registry()
     reg.snapshot()
