@@ -396,6 +396,11 @@ class Registry:
         """One request's outcome on `w`: True, False, or None for no verdict (see
         CircuitBreaker.record)."""
         b = w.breaker
+        if ok and b.state is _CLOSED:
+            # the usual outcome: a success on a closed breaker moves no state, whether or not
+            # the worker is still registered (the two ways below, for it)
+            b.record(True)
+            return
         if self._workers.get(w.id) is not w:
             b.record(ok)  # removed while the request ran: its own breaker only
             return
