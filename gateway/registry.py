@@ -316,6 +316,25 @@ class Registry:
         out = [k for k, b in self._pair_breakers.items() if b.state is not _CLOSED and not b.allows()]
         return frozenset(out) if out else _NO_PAIRS
 
+    def exclusions(self, route: RouteKind, failed: set[str]) -> frozenset[str]:
+        """What a plan must leave out, in one call per request: the ids that failed for this
+        request (`failed`), the pairs whose breaker refuses traffic now (`open_pairs`), the
+        workers at their in-flight cap (`full`) and those without `route` (`not_serving`). A
+        shared empty set in the usual case."""
+        opened: list[str] | None = None
+        for k, b in self._pair_breakers.items():  # (open_pairs, spelt out: no list, no frame)
+            if b.state is not _CLOSED and not b.allows():
+                if opened is None:
+                    opened = []
+                opened.append(k)
+        full = self.full()
+        unable = self._not_serving.get(route)
+        if unable is None:
+            unable = self.not_serving(route)
+        if not failed and not full and not unable and opened is None:
+            return _NO_PAIRS
+        return frozenset(failed).union(full, unable, opened or ())
+
     def pair_states(self) -> list[tuple[str, str, BreakerState]]:
         """(prefill id, decode id, breaker state) of every pair the gateway keeps a breaker for
         (one that has carried a request), for the admin API and metrics: a pair's open breaker
@@ -366,7 +385,10 @@ class Registry:
         w.inflight_tokens += tokens
         if self._workers.get(w.id) is not w:
             return  # removed (or replaced under its id) since it was planned: not in snapshots
-        if w.breaker.on_dispatch():  # the one trial request: the snapshot shows it unusable
+        b = w.breaker
+        # the one trial request of a half-open breaker: the snapshot shows it unusable (a closed
+        # breaker, the usual case, is not asked: its `on_dispatch` is False)
+        if b.state is _HALF_OPEN and b.on_dispatch():
             self.changed()
         self._moved.add(w)
         if self.inflight_cap and w.inflight >= self.inflight_cap:
