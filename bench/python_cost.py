@@ -322,6 +322,16 @@ class _BytecodeCounter:
         ]
 
 
+class _CallCounter(_BytecodeCounter):
+    """A `sys.setprofile` hook counting Python call events outside this rig's own frames: calls,
+    and a coroutine's resumptions (each is a frame entered)."""
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code.co_filename not in self._skip:
+            self.n += 1
+            self.by[frame.f_code] += 1
+
+
 async def measure(
     engine: str,
     mode: str,
@@ -346,15 +356,16 @@ async def measure(
     functions: list[tuple[str, float]] = []
     k = 0
     for _ in range(repeats):
-        if count == "bytecodes":
-            counter = _BytecodeCounter(by_function=top > 0)
-            sys.settrace(counter)
+        if count in ("bytecodes", "calls"):
+            counter = _BytecodeCounter(by_function=top > 0) if count == "bytecodes" else _CallCounter()
+            hook = sys.settrace if count == "bytecodes" else sys.setprofile
+            hook(counter)
             try:
                 for _ in range(n):
                     await rig.one(k)
                     k += 1
             finally:
-                sys.settrace(None)
+                hook(None)
             per.append(counter.n / n)
             functions = counter.top(top, n)
             continue
@@ -410,16 +421,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--count",
-        choices=("time", "bytecodes"),
+        choices=("time", "bytecodes", "calls"),
         default="time",
         help="time: CPU µs per request; bytecodes: Python bytecodes executed per request "
-        "(the same to ~0.2 %% from run to run)",
+        "(the same to ~0.2 %% from run to run); calls: Python frames entered per request",
     )
     ap.add_argument(
         "--top",
         type=int,
         default=0,
-        help="with --count bytecodes: also list the K functions that execute the most, per request",
+        help="with --count bytecodes or calls: also list the K functions with the most, per request",
     )
     ap.add_argument(
         "--client",
@@ -452,9 +463,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(r))
                 continue
-            if args.count == "bytecodes":
+            if args.count in ("bytecodes", "calls"):
                 print(
-                    f"{args.target:8} {engine:7} {mode:10} bytecodes/request: {statistics.median(per):8.1f}"
+                    f"{args.target:8} {engine:7} {mode:10} {args.count}/request: {statistics.median(per):8.1f}"
                 )
                 for name, k in r["functions"]:
                     print(f"    {k:8.1f}  {name}")
