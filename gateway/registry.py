@@ -420,7 +420,9 @@ class Registry:
         b = w.breaker
         if ok and b.state is _CLOSED:
             # the usual outcome: a success on a closed breaker moves no state, whether or not
-            # the worker is still registered (the two ways below, for it)
+            # the worker is still registered (the two ways below, for it). (A breaker whose
+            # state another process moved meanwhile: the shared table's generation tells this
+            # registry at its next snapshot, as for any move made there.)
             b.record(True)
             return
         if self._workers.get(w.id) is not w:
