@@ -7,6 +7,8 @@ What is compared (`--count`):
 
 - `bytecodes` (default): Python bytecodes executed per request. Moves by ~0.2 % between runs
   whatever the machine is doing, so a trim of 1 % shows; C code and the kernel are not in it.
+- `calls`: Python frames entered per request (calls and coroutine resumptions, `sys.setprofile`):
+  the same from run to run; the number of calls a fold of bookkeeping removes.
 - `instructions`: every machine instruction of the process per request, under valgrind's
   callgrind (`bench.callgrind_cost`): interpreter, msgspec, httptools, uvloop, allocator. Also
   steady to a few tenths of a percent; about a minute per case and side.
@@ -51,7 +53,12 @@ CASES: dict[str, list[str]] = {
     "vllm stream64": ["--engines", "vllm", "--modes", "stream64"],
     "vllm stream64 apart": ["--engines", "vllm", "--modes", "stream64", "--apart"],
 }
-UNITS = {"bytecodes": "bytecodes/request", "instructions": "instructions/request", "time": "CPU µs/request"}
+UNITS = {
+    "bytecodes": "bytecodes/request",
+    "calls": "Python calls/request",
+    "instructions": "instructions/request",
+    "time": "CPU µs/request",
+}
 
 
 @contextmanager
@@ -95,8 +102,8 @@ def measure(tree: Path, flags: list[str], count: str, n: int, warmup: int, log: 
     else:
         cmd = [sys.executable, "-m", "bench.python_cost", *flags, "-n", str(n), "--repeats", "1"]
         cmd += ["--warmup", str(warmup), "--json"]
-        if count == "bytecodes":
-            cmd += ["--count", "bytecodes"]
+        if count in ("bytecodes", "calls"):
+            cmd += ["--count", count]
         elif shutil.which("taskset"):
             cmd = ["taskset", "-c", "0", *cmd]
     out = subprocess.run(cmd, cwd=tree, env=_env(), check=True, capture_output=True, text=True).stdout

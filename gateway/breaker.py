@@ -160,6 +160,10 @@ class CircuitBreaker:
         verdict on this worker (another leg failed first): nothing is counted, and a half-open
         trial slot is freed for the next request."""
         before = self.state
+        if ok and before is _CLOSED and not self._recent and self._outcomes == WINDOW:
+            # a success that changes nothing (a full window of successes, so no failures in a
+            # row either): the usual outcome, in a few steps (as SharedBreaker.record's)
+            return False
         if ok is None:
             if self.state is _HALF_OPEN:
                 self._trial = False

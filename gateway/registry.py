@@ -17,7 +17,7 @@ from common.workers import Role, RouteKind
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.config import BreakerConfig
 from gateway.worker import Worker, new_breaker
-from policies.snapshot import ClusterSnapshot, Layout, same_layout
+from policies.snapshot import ClusterSnapshot, Layout, WorkerState, same_layout
 
 _replace = msgspec.structs.replace
 
@@ -217,16 +217,24 @@ class Registry:
             if not same_layout(self._snap.workers, workers):  # (a load scrape keeps it)
                 self._layout = Layout()
         elif self._moved:
-            states = list(self._snap.workers)
+            # copied only where a count differs from the snapshot's: a worker whose request
+            # ended before the next began (acquired and released between two snapshots) is
+            # back at the counts it shows, and the snapshot stands as it is
+            shown = self._snap.workers
+            states: list[WorkerState] | None = None
             index = self._snap_index
             for w in self._moved:
                 i = index[w.id]
-                old = states[i]
+                old = shown[i]
                 n = w.inflight + w.foreign_inflight
                 tok = w.inflight_tokens + w.foreign_tokens
                 if old.inflight != n or old.inflight_tokens != tok:
+                    if states is None:
+                        states = list(shown)
                     states[i] = _replace(old, inflight=n, inflight_tokens=tok)
             self._moved.clear()
+            if states is None:
+                return self._snap
             workers = tuple(states)
         else:
             return self._snap
@@ -308,6 +316,25 @@ class Registry:
         out = [k for k, b in self._pair_breakers.items() if b.state is not _CLOSED and not b.allows()]
         return frozenset(out) if out else _NO_PAIRS
 
+    def exclusions(self, route: RouteKind, failed: set[str]) -> frozenset[str]:
+        """What a plan must leave out, in one call per request: the ids that failed for this
+        request (`failed`), the pairs whose breaker refuses traffic now (`open_pairs`), the
+        workers at their in-flight cap (`full`) and those without `route` (`not_serving`). A
+        shared empty set in the usual case."""
+        opened: list[str] | None = None
+        for k, b in self._pair_breakers.items():  # (open_pairs, spelt out: no list, no frame)
+            if b.state is not _CLOSED and not b.allows():
+                if opened is None:
+                    opened = []
+                opened.append(k)
+        full = self.full()
+        unable = self._not_serving.get(route)
+        if unable is None:
+            unable = self.not_serving(route)
+        if not failed and not full and not unable and opened is None:
+            return _NO_PAIRS
+        return frozenset(failed).union(full, unable, opened or ())
+
     def pair_states(self) -> list[tuple[str, str, BreakerState]]:
         """(prefill id, decode id, breaker state) of every pair the gateway keeps a breaker for
         (one that has carried a request), for the admin API and metrics: a pair's open breaker
@@ -358,7 +385,10 @@ class Registry:
         w.inflight_tokens += tokens
         if self._workers.get(w.id) is not w:
             return  # removed (or replaced under its id) since it was planned: not in snapshots
-        if w.breaker.on_dispatch():  # the one trial request: the snapshot shows it unusable
+        b = w.breaker
+        # the one trial request of a half-open breaker: the snapshot shows it unusable (a closed
+        # breaker, the usual case, is not asked: its `on_dispatch` is False)
+        if b.state is _HALF_OPEN and b.on_dispatch():
             self.changed()
         self._moved.add(w)
         if self.inflight_cap and w.inflight >= self.inflight_cap:
@@ -388,6 +418,13 @@ class Registry:
         """One request's outcome on `w`: True, False, or None for no verdict (see
         CircuitBreaker.record)."""
         b = w.breaker
+        if ok and b.state is _CLOSED:
+            # the usual outcome: a success on a closed breaker moves no state, whether or not
+            # the worker is still registered (the two ways below, for it). (A breaker whose
+            # state another process moved meanwhile: the shared table's generation tells this
+            # registry at its next snapshot, as for any move made there.)
+            b.record(True)
+            return
         if self._workers.get(w.id) is not w:
             b.record(ok)  # removed while the request ran: its own breaker only
             return

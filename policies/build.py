@@ -14,7 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import assert_never
 
-from policies.base import CacheEstimator, Decider, NonCachedTokensDecider, Policy, RoleSelector, Routed
+from policies.base import (
+    CacheEstimator,
+    Decider,
+    NonCachedTokensDecider,
+    Policy,
+    Profile,
+    RoleSelector,
+    Routed,
+)
 from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState, LoadSelector
 from policies.config import (
     CacheAwareCfg,
@@ -37,7 +45,7 @@ from policies.plugins import PluginError, PolicyFactory, load_plugin, make_plugi
 from policies.power_of_two import power_of_two_profile
 from policies.prefix_source import PrefixSource
 from policies.random import random_profile
-from policies.round_robin import round_robin_profile
+from policies.round_robin import RoundRobinPicker, round_robin_profile
 from policies.session_affinity import SessionAffinityPicker, session_affinity_profile
 from policies.snapshot import Role
 
@@ -70,6 +78,9 @@ class BuildContext:
     clock: Callable[[], float] = time.monotonic
     states: dict[CacheAwareCfg, CacheState] = field(default_factory=dict)
     owners: set[CacheAwareCfg] = field(default_factory=set)
+    # the one round-robin picker of the roles that use round robin: its cursors are per role,
+    # and a `Routed` event reaches it once, not once per role (one call per request, not three)
+    round_robin: RoundRobinPicker | None = None
 
     def state(self, cfg: CacheAwareCfg) -> CacheState:
         st = self.states.get(cfg)
@@ -118,7 +129,11 @@ def build_selector(
     """The selector for one role ("prefill", "decode" or "colocated")."""
     match cfg:
         case RoundRobinCfg():
-            return round_robin_profile(f"round_robin/{role}", Role(role))
+            if context is None:
+                return round_robin_profile(f"round_robin/{role}", Role(role))
+            if context.round_robin is None:
+                context.round_robin = RoundRobinPicker()
+            return Profile(name=f"round_robin/{role}", picker=context.round_robin)
         case RandomCfg():
             return random_profile(_rng(cfg.seed, role), f"random/{role}")
         case LeastLoadCfg():

@@ -96,10 +96,11 @@ class PDPolicy:
             if any(sel is s for s in seen):
                 continue
             seen.append(sel)
-            if isinstance(sel, Profile):
-                observers.extend(sel._observers)
-            else:
-                observers.append(sel.observe)
+            for f in sel._observers if isinstance(sel, Profile) else (sel.observe,):
+                # a part the roles' profiles share (policies.build's one round-robin picker) is
+                # told once (bound methods are equal for the same object and function)
+                if f not in observers:
+                    observers.append(f)
         self._observers = tuple(observers)
         # what the request path must provide for the selectors and the decider's cache estimate
         # (a prompt key, cached tokens)

@@ -7,10 +7,12 @@ leaving or being excluded never make it skip or repeat more than necessary.
 
 Parameters: none. Worker `weight` is ignored. The cursor advances only in `observe(Routed)`,
 so `plan()` stays a pure read: a caller that plans without reporting `Routed` gets the same
-worker again. A picker made for one role (`RoundRobinPicker(Role.DECODE)`, as a policy built
-from the config makes one per role) records only that role's worker of each `Routed` event:
-the other roles' pickers record theirs, so the per-request record is one store per picker,
-not one per role per picker. Without a role, it records every role (one picker shared by all).
+worker again. A picker made for one role (`RoundRobinPicker(Role.DECODE)`, as
+`round_robin_profile(role=...)` and `make_policy` make one per role) records only that role's
+worker of each `Routed` event: the other roles' pickers record theirs, so the per-request record
+is one store per picker, not one per role per picker. Without a role, it records every role:
+one picker shared by all, as a policy built from the config has (`policies.build`; its cursors
+are per role all the same, and a `Routed` event is one call to it, not one per role).
 """
 
 from __future__ import annotations

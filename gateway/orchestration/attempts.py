@@ -62,10 +62,7 @@ def plan(s: Services, view: RequestView, req: ParsedRequest, failed: set[str]) -
     colocated answer is better)."""
     registry = s.registry
     snap = registry.snapshot()
-    excl = _exclude(s, failed)
-    unable = registry.not_serving(req.route)
-    if unable:
-        excl = excl | unable
+    excl = registry.exclusions(req.route, failed)
     if req.local_prefill is not None and req.local_prefill.all_engines:
         alone = registry.decodes_not_alone()
         if alone:
@@ -76,15 +73,6 @@ def plan(s: Services, view: RequestView, req: ParsedRequest, failed: set[str]) -
         if not isinstance(p, Reject) or p.status == 404:
             return p
     return s.policy.plan(view, snap, excl)
-
-
-def _exclude(s: Services, failed: set[str]) -> frozenset[str]:
-    """What the policy must avoid: ids that failed for this request, and open pairs."""
-    open_pairs = s.registry.open_pairs()
-    full = s.registry.full()
-    if not failed and not full:
-        return open_pairs
-    return frozenset(failed) | open_pairs | full
 
 
 def other_decode(

@@ -52,8 +52,12 @@ async def run_concurrent(s: Services, ctx: RequestContext, p: Worker, d: Worker,
         # resolved from the connections' callbacks.
         # never re-sent by the pool: each leg names a bootstrap room, used once (a copy of a leg
         # the engine already took would wait for KV that never comes); a retry gets a new room
-        pleg.call = p.pool.fetch("POST", req.path, engine_headers(p, ctx.headers), pbody, replay=False)
-        dleg.call = d.pool.start("POST", req.path, engine_headers(d, ctx.headers), dbody, replay=False)
+        headers = ctx.headers
+        # (a worker without its own API key, the usual case, is sent them as they are)
+        ph = headers if p.authorization is None else engine_headers(p, headers)
+        dh = headers if d.authorization is None else engine_headers(d, headers)
+        pleg.call = p.pool.fetch("POST", req.path, ph, pbody, replay=False)
+        dleg.call = d.pool.start("POST", req.path, dh, dbody, replay=False)
         # a sampled verification re-run starts with the legs (shadow.start_early), not at the
         # prefill's verdict; whatever way the attempt ends, it is not left running
         early = start_early(s, req, ctx.view, hctx)

@@ -45,7 +45,7 @@ from gateway.orchestration.services import Services
 from gateway.orchestration.sizing import exceeded, outgrows
 from gateway.orchestration.token_bounds import TokenBounds
 from gateway.registry import Registry
-from policies.base import Completed, Failed, Policy, plan_worker_ids, routed_event, wants
+from policies.base import Completed, Failed, Policy, routed_event, wants
 from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
 
 # Enum members as module constants on the request path: on Python 3.11 a class attribute of an
@@ -214,11 +214,12 @@ class Orchestrator:
             ctx.attempt.started = time.monotonic()  # (made with the context, before admission)
         if not isinstance(p, Reject):
             ctx.attempt.decision = p.reason
-            ctx.planned = plan_worker_ids(p)
+            routed = routed_event(ctx.view, p)
+            ctx.planned = routed.worker_ids  # (`plan_worker_ids(p)`, made once for both)
             if ctx.explain or self._log_decisions:
                 explain_plan(self.s, ctx, p)
             ctx.routed = True
-            self._policy.observe(routed_event(ctx.view, p))
+            self._policy.observe(routed)
         return p
 
     def _served(self, ctx: RequestContext) -> None:

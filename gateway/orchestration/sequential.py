@@ -114,7 +114,9 @@ async def _prefill(
 async def _call_whole(w: Worker, ctx: RequestContext, body: bytes) -> tuple[int, bytes]:
     """The prefill call read to the end: (status, body)."""
     try:
-        return await w.pool.fetch("POST", ctx.req.path, engine_headers(w, ctx.headers), body)
+        # (a worker without its own API key, the usual case, is sent them as they are)
+        hdrs = ctx.headers if w.authorization is None else engine_headers(w, ctx.headers)
+        return await w.pool.fetch("POST", ctx.req.path, hdrs, body)
     except (UpstreamConnectError, UpstreamProtocolError) as e:
         raise leg_failure(e, f"prefill {w.id}", "prefill", w.id) from None
 
@@ -140,7 +142,8 @@ async def _decode(
         wait_s = s.head_budget(req, d, s.cfg.timeouts.handoff_s)
         try:
             with ctx.wheel.after(wait_s, ctx.task):
-                dleg.resp = await d.pool.request("POST", req.path, engine_headers(d, ctx.headers), dbody)
+                hdrs = ctx.headers if d.authorization is None else engine_headers(d, ctx.headers)
+                dleg.resp = await d.pool.request("POST", req.path, hdrs, dbody)
         except TimeoutError:
             raise UpstreamTimeout(
                 f"decode {d.id} sent no response headers within {wait_s:g}s",

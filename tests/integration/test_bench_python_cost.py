@@ -44,6 +44,24 @@ def test_bytecode_counts_are_steady_and_grow_with_the_work(mode: str) -> None:
     assert 0 < bare["us_per_request"][0] < a / 2
 
 
+def test_the_call_count_counts_the_gateways_frames_the_same_every_run() -> None:
+    """`--count calls`: Python frames entered per request, the same between two runs, more for
+    the gateway than for `bare-pd`, and listed per function with `top`."""
+    runs = [
+        uvloop.run(
+            measure("sglang", "nonstream", n=40, repeats=1, warmup=20, count="calls", top=3, client="openai")
+        )
+        for _ in range(2)
+    ]
+    a, b = (r["us_per_request"][0] for r in runs)
+    assert a > 100 and a == b
+    assert len(runs[0]["functions"]) == 3 and "on_header" in runs[0]["functions"][0][0]
+    bare = uvloop.run(
+        measure("sglang", "nonstream", n=40, repeats=1, warmup=20, count="calls", target="bare-pd")
+    )
+    assert 0 < bare["us_per_request"][0] < a / 2
+
+
 def test_the_perf_report_compares_a_revision_with_the_working_tree() -> None:
     root = Path(__file__).resolve().parents[2]
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode != 0:

@@ -202,3 +202,29 @@ def test_entry_point_loader(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(policy, FirstColocated)
     with pytest.raises(PolicyBuildError, match=r"unknown policy plugin 'zzz'.*first"):
         build_policy(PluginCfg(name="zzz"))
+
+
+def test_a_round_robin_policy_tells_its_one_picker_each_routed_event_once() -> None:
+    """The roles' round-robin profiles share one picker (cursors per role): a `Routed` event is
+    one call to it, not one per role, and each role still turns in its own order."""
+    from policies.base import Routed, plan_worker_ids, routed_event
+
+    policy = build_policy(RoundRobinCfg())
+    assert isinstance(policy, PDPolicy)
+    assert len(policy._by_event[Routed]) == 1
+    snap = make_snapshot(
+        make_worker("p1", "prefill"),
+        make_worker("p2", "prefill"),
+        make_worker("d1", "decode"),
+        make_worker("d2", "decode"),
+        make_worker("d3", "decode"),
+    )
+    req = make_request()
+    got = []
+    for _ in range(6):
+        plan = policy.plan(req, snap)
+        assert not isinstance(plan, Reject | Colocated)
+        got.append(plan_worker_ids(plan))
+        policy.observe(routed_event(req, plan))
+    assert [p for p, _ in got] == ["p1", "p2", "p1", "p2", "p1", "p2"]
+    assert [d for _, d in got] == ["d1", "d2", "d3", "d1", "d2", "d3"]

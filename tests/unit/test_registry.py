@@ -47,6 +47,24 @@ def test_snapshot_follows_inflight_counts_and_copies_only_moved_workers() -> Non
     assert _state(reg, "w0").inflight == 0 and _state(reg, "w1").inflight_tokens == 0
 
 
+def test_a_snapshot_stands_when_the_counts_are_back_where_it_shows_them() -> None:
+    """A request that ended before the next snapshot (acquired and released in between, the
+    usual case at one connection) leaves the snapshot as it was: the same object, not a copy."""
+    reg, p, d, _ = _registry()
+    before = reg.snapshot()
+    reg.acquire(p, 100)
+    reg.acquire(d, 300)
+    reg.release(p, 100)
+    reg.release(d, 300)
+    assert reg.snapshot() is before
+    reg.acquire(d, 300)
+    reg.acquire(p, 100)
+    reg.release(p, 100)  # one back, one still in flight: a new snapshot with that one's count
+    after = reg.snapshot()
+    assert after is not before and after.version != before.version
+    assert _state(reg, "w1").inflight == 1 and after.get("w0") is before.get("w0")
+
+
 def test_snapshot_rebuilt_after_other_changes() -> None:
     reg, p, _, _ = _registry()
     reg.snapshot()
@@ -156,7 +174,10 @@ def test_a_worker_removed_while_its_requests_run_leaves_snapshots_whole() -> Non
 def test_a_worker_removed_at_its_cap_or_under_suspicion_leaves_nothing_to_its_successor() -> None:
     import asyncio
 
-    reg = Registry(BreakerConfig(failure_threshold=1, success_threshold=1, open_s=30.0), inflight_cap=1)
+    reg = Registry(
+        BreakerConfig(failure_threshold=1, success_threshold=1, open_s=30.0, max_ejected_share=1.0),
+        inflight_cap=1,
+    )
     p = Worker("p", "http://127.0.0.1:9200", Role.PREFILL, Engine.SGLANG, model="m")
     d = Worker("d", "http://127.0.0.1:9201", Role.DECODE, Engine.SGLANG, model="m")
     for w in (p, d):
@@ -213,3 +234,28 @@ def test_a_pair_failing_again_soon_after_its_suspicion_is_suspected_longer(monke
     clock.now += 320.0  # a clean window after the end: back to 10 s
     reg.mark_suspect(pair, 10.0)
     assert suspect_after(9.0) and not suspect_after(2.0)
+
+
+def test_exclusions_are_what_failed_open_pairs_full_workers_and_those_without_the_route() -> None:
+    """`Registry.exclusions`, the plan's one call: every source, and a shared empty set when
+    there is nothing to leave out."""
+    from common.workers import RouteKind
+
+    reg = Registry(
+        BreakerConfig(failure_threshold=1, success_threshold=1, open_s=30.0, max_ejected_share=1.0),
+        inflight_cap=1,
+    )
+    p = Worker("p", "http://127.0.0.1:9000", Role.PREFILL, Engine.VLLM, model="m")
+    d = Worker("d", "http://127.0.0.1:9001", Role.DECODE, Engine.VLLM, model="m")
+    for w in (p, d):
+        w.healthy = True
+        reg.add(w)
+    route = RouteKind.GENERATE  # SGLang's /generate: no vLLM worker serves it
+    chat = RouteKind.CHAT
+    assert reg.exclusions(chat, set()) is reg.exclusions(chat, set()) == frozenset()
+    assert reg.exclusions(route, set()) == {"p", "d"}
+    assert reg.exclusions(chat, {"x"}) == {"x"}
+    reg.pair_breaker("p", "d").record(False)  # opened (threshold 1)
+    assert reg.exclusions(chat, set()) == {"p|d"} == reg.open_pairs()
+    reg.acquire(d, 10)  # at its cap of one
+    assert reg.exclusions(chat, {"x"}) == {"x", "p|d", "d"}
