@@ -224,7 +224,10 @@ class FrontEnd:
         self.pool = Pool(*_host_port(url))
 
     async def send(self, item: Item, rec: Record) -> None:
-        rec.status = await self.pool.post(item.body, rec=rec, mark_sent=True)
+        # the row's index as the request id (`replay-<row>`): a front end that logs request ids
+        # (the gateway's access log at info) says where each row went
+        rid = f"X-Request-Id: replay-{item.index}\r\n" if item.index >= 0 else ""
+        rec.status = await self.pool.post(item.body, rec=rec, mark_sent=True, headers=rid)
         rec.done = time.perf_counter()
 
     def close(self) -> None:

@@ -132,3 +132,34 @@ async def test_the_direct_baseline_does_each_engines_pd_handoff(engine: str) -> 
     finally:
         await pre.stop()
         await dec.stop()
+
+
+async def test_a_front_end_is_sent_each_rows_index_as_its_request_id() -> None:
+    """`replay-<row>` in `x-request-id`, what the gateway's access log names a request by: where
+    each row went can be read from the log (warm-up requests, index -1, send none)."""
+    from aiohttp import web
+
+    seen: list[str | None] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("x-request-id"))
+        await request.read()
+        return web.Response(status=503, text="no")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    d = rc.FrontEnd(f"http://127.0.0.1:{port}")
+    try:
+        batch = items(2)
+        warm = rc.Item(-1, batch[0].row, batch[0].body)
+        for it in (*batch, warm):
+            await d.send(it, rc.Record(index=it.index, input_length=1, output_length=1))
+    finally:
+        d.close()
+        await runner.cleanup()
+    assert seen == ["replay-0", "replay-1", None]
