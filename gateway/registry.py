@@ -313,27 +313,27 @@ class Registry:
 
         Runs once per request: closed breakers (the usual case) always allow and are skipped
         without a call, and no open pair returns a shared empty set."""
-        out = [k for k, b in self._pair_breakers.items() if b.state is not _CLOSED and not b.allows()]
-        return frozenset(out) if out else _NO_PAIRS
+        out: list[str] | None = None
+        for k, b in self._pair_breakers.items():  # (a loop, not a comprehension: no frame)
+            if b.state is not _CLOSED and not b.allows():
+                if out is None:
+                    out = []
+                out.append(k)
+        return _NO_PAIRS if out is None else frozenset(out)
 
     def exclusions(self, route: RouteKind, failed: set[str]) -> frozenset[str]:
         """What a plan must leave out, in one call per request: the ids that failed for this
         request (`failed`), the pairs whose breaker refuses traffic now (`open_pairs`), the
         workers at their in-flight cap (`full`) and those without `route` (`not_serving`). A
         shared empty set in the usual case."""
-        opened: list[str] | None = None
-        for k, b in self._pair_breakers.items():  # (open_pairs, spelt out: no list, no frame)
-            if b.state is not _CLOSED and not b.allows():
-                if opened is None:
-                    opened = []
-                opened.append(k)
+        opened = self.open_pairs()
         full = self.full()
         unable = self._not_serving.get(route)
         if unable is None:
             unable = self.not_serving(route)
-        if not failed and not full and not unable and opened is None:
-            return _NO_PAIRS
-        return frozenset(failed).union(full, unable, opened or ())
+        if not failed and not full and not unable:
+            return opened  # (the shared empty set when no pair is open)
+        return frozenset(failed).union(opened, full, unable)
 
     def pair_states(self) -> list[tuple[str, str, BreakerState]]:
         """(prefill id, decode id, breaker state) of every pair the gateway keeps a breaker for

@@ -74,8 +74,8 @@ def table(rep: Report, load: str) -> list[str]:
         sums = [[0, 0, 0] for _ in BUCKETS]
         for r in runs:
             for acc, got in zip(sums, counts(r.records, ttft_slo, tpot_slo, calib), strict=True):
-                for k in range(3):
-                    acc[k] += got[k]
+                for j in range(3):
+                    acc[j] += got[j]
         k = len(runs)
         cells = [f"{t / k:.1f} / {p / k:.1f} of {n / k:.0f}" for n, t, p in sums]
         lines.append(f"| {target} | " + " | ".join(cells) + " |")
