@@ -461,7 +461,14 @@ def sglang_router_argv(
         argv += ["--prefill", url, str(bport) if bport is not None else "none"]
     for url in decode:
         argv += ["--decode", url]
-    argv += [
+    argv += [*router_common_argv(host, port, prometheus_port), "--shutdown-grace-period-secs", "1"]
+    return [*argv, *_opt("--policy", policy), *_opt("--log-level", log_level), *extra]
+
+
+def router_common_argv(host: str, port: int, prometheus_port: int) -> list[str]:
+    """The flags sglang-router and vllm-router share: where they listen and serve metrics, and
+    their own probes kept quiet (the workers are already up when a router starts)."""
+    return [
         "--host",
         host,
         "--port",
@@ -470,17 +477,13 @@ def sglang_router_argv(
         host,
         "--prometheus-port",
         str(prometheus_port),
-        # Workers are already up when the router starts; keep its own probes quiet.
         "--health-check-interval-secs",
         "300",
         "--worker-startup-check-interval",
         "1",
         "--worker-startup-timeout-secs",
         "120",
-        "--shutdown-grace-period-secs",
-        "1",
     ]
-    return [*argv, *_opt("--policy", policy), *_opt("--log-level", log_level), *extra]
 
 
 def _opt(flag: str, value: str | None) -> list[str]:
@@ -505,22 +508,7 @@ def vllm_router_argv(
         argv += ["--prefill", url]
     for url in decode:
         argv += ["--decode", url]
-    argv += [
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--prometheus-host",
-        host,
-        "--prometheus-port",
-        str(prometheus_port),
-        "--health-check-interval-secs",
-        "300",
-        "--worker-startup-check-interval",
-        "1",
-        "--worker-startup-timeout-secs",
-        "120",
-    ]
+    argv += router_common_argv(host, port, prometheus_port)
     return [*argv, *_opt("--policy", policy), *_opt("--log-level", log_level), *extra]
 
 

@@ -76,25 +76,6 @@ class RunningTarget:
         return procs.tree_cpu_seconds(self.proc.pid) if self.proc is not None else 0.0
 
 
-def _router_common(port: int, prom_port: int) -> list[str]:
-    return [
-        "--host",
-        procs.HOST,
-        "--port",
-        str(port),
-        "--prometheus-host",
-        procs.HOST,
-        "--prometheus-port",
-        str(prom_port),
-        "--health-check-interval-secs",
-        "300",
-        "--worker-startup-check-interval",
-        "1",
-        "--worker-startup-timeout-secs",
-        "120",
-    ]
-
-
 def target_argv(spec: TargetSpec, cluster: Cluster, port: int, prom_port: int) -> list[str]:
     engine = cluster.spec.engine
     if spec.kind == "gateway":
@@ -120,7 +101,7 @@ def target_argv(spec: TargetSpec, cluster: Cluster, port: int, prom_port: int) -
         for w in cluster.decode:
             argv += ["--decode", w.url]
     level = "warn" if spec.kind == "sglang-router" else "warning"
-    return [*argv, *_router_common(port, prom_port), "--log-level", level, *spec.args]
+    return [*argv, *procs.router_common_argv(procs.HOST, port, prom_port), "--log-level", level, *spec.args]
 
 
 def start_target(
