@@ -14,11 +14,16 @@ its send and its own first token (prefills run ahead of it). For each such break
 before or after the missed request, its decision's predicted misses on the chosen worker and
 the fewest of any candidate, and whether that decision listed the missed decode as broken.
 
-Per TPOT miss the model's terms against what happened: its per-token limit as predicted (`x`
-times the worker's `best`) and as judged (`x` times the calibrated unloaded TPOT at its
-length), the predicted budget and stall (at the first breaker's decision, plus that
-breaker's predicted prefill seconds) and the measured excess (decode time past the unloaded
-TPOT). Per decision, the decodes predicted broken against those whose TPOT was missed.
+A TPOT miss is put down to its decisive breaker (the one at which the measured prefill seconds
+routed after it pass the stall its SLO allowed): predicted (that decision listed it broken),
+load-bound (no candidate was predicted clean) or unpredicted (the chosen worker was predicted
+to break nothing). For an unpredicted one, the term of `DecodeSlo`'s model that was off
+(`wrong_term`): a breaker's cached tokens (predicted, the engine computed them), the budget
+(`best(w)` above the calibrated unloaded TPOT), the prefill seconds, or else the decode steps.
+Over the misses, the model's terms against what happened: best(w) against the calibrated
+unloaded TPOT at the decode's length, the predicted budget and stall against the benchmark's
+budget and the measured excess (decode time past the unloaded TPOT). Per decision, the
+decodes predicted broken against those whose TPOT was missed.
 A failed or warm-up request is left out. A log per run of the target: with several repeats,
 `--repeat` picks one (the logs in the order their gateways started)."""
 
@@ -77,6 +82,7 @@ class Miss(msgspec.Struct, kw_only=True):
     best_s: float  # the policy's unloaded TPOT of its worker, best(w), at its own decision (nan: none)
     excess_s: float  # decode time past (tokens - 1) x the unloaded TPOT
     category: str
+    term: str  # unpredicted TPOT misses: the model's term that was off (`wrong_term`); else ""
     breakers: list[Breaker]
 
 
@@ -158,26 +164,59 @@ def _breaker(y: Record, x: Record, dec: dict | None, prev_first: float) -> Break
     )
 
 
-def _category(kind: str, breakers: Sequence[Breaker]) -> str:
-    """Why a miss was not avoided, from the first breaker routed after it (TPOT) or the
-    breakers ahead of it (TTFT)."""
+def decisive(breakers: Sequence[Breaker], budget: float) -> Breaker | None:
+    """The breaker routed after the missed decode at which the measured prefill seconds of those
+    routed after it (each one's service) first pass the stall its SLO allowed, `budget`; the
+    last routed after it if they never do (its own decode steps were slower too); None if
+    none was routed after it."""
+    after = [b for b in breakers if b.after]
+    total = 0.0
+    for b in after:
+        total += b.service_s
+        if total > budget:
+            return b
+    return after[-1] if after else None
+
+
+def _category(kind: str, breakers: Sequence[Breaker], budget: float) -> str:
+    """Why a miss was not avoided: the decision of its decisive breaker (TPOT), or whether
+    prefills ran ahead of it (TTFT)."""
     if not breakers:
         return "no breaker on its worker"
     if kind == "ttft":
         return "prefills ahead of it" if any(not b.after for b in breakers) else "prefills routed after it"
-    after = [b for b in breakers if b.after]
-    if not after:
+    b = decisive(breakers, budget)
+    if b is None:
         return "only prefills routed before it"
-    b = after[0]
     if b.chosen_misses < 0:
         return "no decision record"
-    if any(a.predicted_break for a in after):
-        return "predicted (no clean candidate)" if b.fewest_misses > 0 else "predicted, routed anyway"
+    if b.predicted_break:
+        return (
+            "predicted (no clean candidate)" if b.fewest_misses > 0 else "predicted, a clean one passed over"
+        )
     if b.fewest_misses > 0 and b.chosen_misses == b.fewest_misses:
         return "load-bound (no clean candidate)"
     if b.chosen_misses == 0:
         return "unpredicted (chosen predicted clean)"
     return "chosen not the fewest"
+
+
+def wrong_term(breakers: Sequence[Breaker], budget: float, unloaded: float, steps: int) -> str:
+    """Which term of `DecodeSlo`'s model was off for a decode it predicted no breaker of, in
+    this order: a breaker found fewer cached tokens than predicted (by over 5 % of its prompt);
+    the predicted budget was over 1.1x the benchmark's `budget` (`best(w)` above the unloaded
+    TPOT); the breakers' measured prefill seconds were over 1.2x the predicted; else the decode
+    steps themselves (slower than `best(w)` in a batch)."""
+    after = [b for b in breakers if b.after]
+    if any(b.cached >= 0 and b.predicted_cached - b.cached > 0.05 * b.input_length for b in after):
+        return "cached"
+    listed = next((b for b in after if b.listed), None)
+    if listed is not None and listed.budget_s > 1.1 * budget:
+        return "budget"
+    predicted = sum(b.predicted_prefill_s for b in after if not math.isnan(b.predicted_prefill_s))
+    if sum(b.service_s for b in after) > 1.2 * predicted:
+        return "prefill seconds"
+    return "decode steps"
 
 
 def _window(x: Record, kind: str) -> tuple[float, float]:
@@ -206,6 +245,7 @@ def _miss(
     breakers = [_breaker(y, x, decisions.get(y.index), prev(y.first_token)) for y in ys]
     own = _chosen(decisions.get(x.index))
     steps = max(1, x.completion_tokens - 1)
+    budget = steps * (limits[1] - unloaded)  # the stall the benchmark's TPOT SLO allowed
     return Miss(
         row=x.index,
         kind=kind,
@@ -219,7 +259,8 @@ def _miss(
         unloaded_tpot_s=unloaded,
         best_s=own.get("tpot_best_s", math.nan) if own else math.nan,
         excess_s=(x.last_token - x.first_token) - steps * unloaded,
-        category=_category(kind, breakers),
+        category=(cat := _category(kind, breakers, budget)),
+        term=wrong_term(breakers, budget, unloaded, steps) if cat.startswith("unpredicted") else "",
         breakers=breakers,
     )
 
@@ -300,18 +341,18 @@ def _median(vs: Sequence[float]) -> str:
 
 
 def terms(att: Attribution) -> list[str]:
-    """The model's terms against what happened, medians over the TPOT misses whose first breaker
-    routed after them listed them (the prediction that breaker's decision made)."""
+    """The model's terms against what happened, medians over the TPOT misses whose decisive
+    breaker's decision listed them (the prediction that decision made)."""
     rows = []
     for m in att.misses:
-        b = next((b for b in m.breakers if b.after and b.listed), None)
-        if m.kind == "tpot" and b is not None:
+        b = decisive(m.breakers, (m.tokens - 1) * (m.tpot_limit_s - m.unloaded_tpot_s))
+        if m.kind == "tpot" and b is not None and b.listed:
             rows.append((m, b))
     if not rows:
-        return ["No TPOT miss was listed by a breaker's decision."]
+        return ["No TPOT miss was listed by its decisive breaker's decision."]
     real_budget = [(m.tokens - 1) * (m.tpot_limit_s - m.unloaded_tpot_s) for m, _ in rows]
     return [
-        f"Over {len(rows)} TPOT misses listed by their first later breaker's decision (medians):",
+        f"Over {len(rows)} TPOT misses listed by their decisive breaker's decision (medians):",
         "",
         f"- predicted budget {_median([b.budget_s for _, b in rows])}, the benchmark's "
         f"(tokens - 1) x (limit - unloaded TPOT) {_median(real_budget)}",
@@ -319,7 +360,7 @@ def terms(att: Attribution) -> list[str]:
         f"{_median([m.unloaded_tpot_s for m, _ in rows])}",
         f"- expected tokens {statistics.median(b.tokens for _, b in rows)}, received "
         f"{statistics.median(m.tokens for m, _ in rows)}",
-        f"- predicted stall before the breaker {_median([b.stall_s for _, b in rows])}, plus its "
+        f"- predicted stall before that breaker {_median([b.stall_s for _, b in rows])}, plus its "
         f"prefill {_median([b.predicted_prefill_s for _, b in rows])}; measured excess "
         f"{_median([m.excess_s for m, _ in rows])}; the breaker's measured TTFT "
         f"{_median([b.ttft_s for _, b in rows])} (predicted {_median([b.predicted_ttft_s for _, b in rows])})",
@@ -339,6 +380,12 @@ def markdown(att: Attribution) -> str:
             + ", ".join(f"{k}: {v}" for k, v in sorted(cats.items()))
             + ")"
         )
+    wrong: dict[str, int] = {}
+    for m in att.misses:
+        if m.term:
+            wrong[m.term] = wrong.get(m.term, 0) + 1
+    terms_off = ", ".join(f"{k}: {v}" for k, v in sorted(wrong.items())) or "none"
+    lines.append(f"Unpredicted TPOT misses by the model's term that was off: {terms_off}")
     c = att.confusion
     lines += [
         "",
@@ -349,10 +396,10 @@ def markdown(att: Attribution) -> str:
         "",
         *terms(att),
         "",
-        "| row | miss | tokens | prompt | worker | TTFT / limit ms | TPOT / limit ms | best(w) / unloaded ms "
+        "| row | miss | tokens | prompt | worker | term off | TTFT / limit ms | TPOT / limit ms | best(w) / unloaded ms "
         "| excess ms | breakers: row prompt cached/predicted, after, predicted prefill/TTFT ms, measured "
         "service/TTFT ms, misses chosen/fewest, budget/stall ms | category |",
-        "|---" * 11 + "|",
+        "|---" * 12 + "|",
     ]
     for m in att.misses:
         bs = "; ".join(
@@ -367,7 +414,7 @@ def markdown(att: Attribution) -> str:
             for b in m.breakers
         )
         lines.append(
-            f"| {m.row} | {m.kind} | {m.tokens} | {m.input_length} | {m.worker.rsplit(':', 1)[-1]} "
+            f"| {m.row} | {m.kind} | {m.tokens} | {m.input_length} | {m.worker.rsplit(':', 1)[-1]} | {m.term or '-'} "
             f"| {_ms(m.ttft_s)} / {_ms(m.ttft_limit_s)} | {_ms(m.tpot_s)} / {_ms(m.tpot_limit_s)} "
             f"| {_ms(m.best_s)} / {_ms(m.unloaded_tpot_s)} | {_ms(m.excess_s)} | {bs} | {m.category} |"
         )

@@ -35,7 +35,9 @@ def rec(row: int, sent: float, ttft: float, out: int, decode: float, *, cached: 
     )
 
 
-def decision(row: int, chosen: str, cands: dict[str, int], decodes: list[dict] | None = None) -> dict:
+def decision(
+    row: int, chosen: str, cands: dict[str, int], decodes: list[dict] | None = None, cached: int = 10
+) -> dict:
     """A `route.decision` log record: each candidate's predicted misses; the chosen one's decodes."""
     return {
         "event": "route.decision",
@@ -47,7 +49,7 @@ def decision(row: int, chosen: str, cands: dict[str, int], decodes: list[dict] |
                 "slo_misses": n,
                 "ttft_s": 0.3,
                 "prefill_s": 0.25,
-                "cached_tokens": 10,
+                "cached_tokens": cached,
                 "tpot_best_s": 0.01,
                 "decodes": decodes if w == chosen and decodes else [],
             }
@@ -86,12 +88,13 @@ def test_each_miss_with_its_breakers_and_the_verdict() -> None:
     assert b.after and b.listed and not b.predicted_break
     assert (b.chosen_misses, b.fewest_misses) == (0, 0)
     assert m0.category == "unpredicted (chosen predicted clean)"
+    assert m0.term == "decode steps"  # cached, budget and prefill seconds as predicted
     assert b.budget_s == pytest.approx(0.16)
     assert b.service_s == pytest.approx(0.2)  # nothing before it on A: from its send
     assert m0.excess_s == pytest.approx(0.5 - 4 * 0.01)
     assert math.isnan(m0.best_s)  # row 0 has no decision record
     m2 = got[(2, "tpot")]
-    assert m2.category == "predicted (no clean candidate)"
+    assert m2.category == "predicted (no clean candidate)" and m2.term == ""
     assert m2.breakers[0].predicted_break
     m4 = got[(4, "ttft")]
     assert [b.row for b in m4.breakers] == [3] and m4.category == "prefills ahead of it"
@@ -112,6 +115,24 @@ def test_the_load_bound_case_and_the_confusion() -> None:
     assert (c.predicted_missed, c.predicted_met, c.unpredicted_missed, c.unpredicted_met) == (1, 0, 1, 0)
     md = attribution.markdown(att)
     assert "TPOT misses: 2" in md and "| 0 | tpot | 5 |" in md
+
+
+@pytest.mark.parametrize(
+    ("change", "term"),
+    [
+        ({"cached": 900}, "cached"),  # predicted 900 of its 1,000 tokens cached; the engine had 0
+        ({"budget_s": 0.5}, "budget"),  # predicted 0.5 s of budget where the SLO allowed 0.16
+        ({"prefill_s": 0.1}, "prefill seconds"),  # predicted 0.1 s; it took 0.2
+    ],
+)
+def test_the_term_that_was_off(change: dict[str, float], term: str) -> None:
+    h = held(0, False)
+    h["budget_s"] = change.get("budget_s", 0.16)
+    d = decision(1, "A", {"A": 0, "B": 0}, [h], cached=int(change.get("cached", 10)))
+    d["candidates"][0]["prefill_s"] = change.get("prefill_s", 0.25)
+    att = attribution.attribute(RECORDS, {**DECISIONS, 1: d}, WHERE, CALIB, X5, X5)
+    assert next(m for m in att.misses if m.row == 0).term == term
+    assert f"{term}: 1" in attribution.markdown(att)
 
 
 def test_read_log_joins_by_replay_row() -> None:
