@@ -33,6 +33,7 @@ import argparse
 import bisect
 import json
 import math
+import re
 import statistics
 import sys
 from collections.abc import Iterable, Sequence
@@ -434,7 +435,10 @@ def _logs(out: Path, label: str) -> list[Path]:
                         continue
         return ""
 
-    return sorted((p for p in (out / "logs").glob(f"{label}-*.log")), key=started)
+    # `label-XXXXXXXX.log` (bench/procs.py: mkstemp's 8 characters), not another target's
+    # whose label starts with this one's
+    own = re.compile(re.escape(label) + r"-[a-z0-9_]{8}\.log")
+    return sorted((p for p in (out / "logs").glob(f"{label}-*.log") if own.fullmatch(p.name)), key=started)
 
 
 def main(argv: list[str] | None = None) -> int:

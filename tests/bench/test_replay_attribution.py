@@ -191,7 +191,9 @@ def test_main_on_an_out_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         json.dumps({"event": "request.done", "request_id": f"replay-{r}", "decode": w})
         for r, w in WHERE.items()
     ]
-    (tmp_path / "logs" / "ca-abc.log").write_text("\n".join(log) + "\n")
+    (tmp_path / "logs" / "ca-abc12345.log").write_text("\n".join(log) + "\n")
+    other = tmp_path / "logs" / "ca-fix-abc12345.log"  # another target's, whose label starts "ca-"
+    other.write_text(json.dumps({"event": "gateway.started", "timestamp": "2026-12-04T23:59:59Z"}) + "\n")
     assert attribution.main([str(tmp_path), "--target", "ca"]) == 0
     out = capsys.readouterr().out
     assert "TPOT misses: 2" in out and "TTFT misses: 1" in out
