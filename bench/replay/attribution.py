@@ -204,12 +204,18 @@ def _category(kind: str, breakers: Sequence[Breaker], budget: float) -> str:
 
 def wrong_term(breakers: Sequence[Breaker], budget: float, unloaded: float, steps: int) -> str:
     """Which term of `DecodeSlo`'s model was off for a decode it predicted no breaker of, in
-    this order: a breaker found fewer cached tokens than predicted (by over 5 % of its prompt);
+    this order: a breaker found fewer cached tokens than predicted (by over 5 % of its prompt)
+    and took over 1.2x the prefill seconds predicted;
     the predicted budget was over 1.1x the benchmark's `budget` (`best(w)` above the unloaded
     TPOT); the breakers' measured prefill seconds were over 1.2x the predicted; else the decode
     steps themselves (slower than `best(w)` in a batch)."""
     after = [b for b in breakers if b.after]
-    if any(b.cached >= 0 and b.predicted_cached - b.cached > 0.05 * b.input_length for b in after):
+    if any(
+        b.cached >= 0
+        and b.predicted_cached - b.cached > 0.05 * b.input_length
+        and b.service_s > 1.2 * b.predicted_prefill_s  # (not where the SLO term saw through it)
+        for b in after
+    ):
         return "cached"
     listed = next((b for b in after if b.listed), None)
     if listed is not None and listed.budget_s > 1.1 * budget:

@@ -120,7 +120,9 @@ def test_the_load_bound_case_and_the_confusion() -> None:
 @pytest.mark.parametrize(
     ("change", "term"),
     [
-        ({"cached": 900}, "cached"),  # predicted 900 of its 1,000 tokens cached; the engine had 0
+        # predicted 900 of its 1,000 tokens cached (0.1 s of prefill); the engine had 0 (0.2 s)
+        ({"cached": 900, "prefill_s": 0.1}, "cached"),
+        ({"cached": 900}, "decode steps"),  # the same, but its 0.2 s predicted: the term saw it
         ({"budget_s": 0.5}, "budget"),  # predicted 0.5 s of budget where the SLO allowed 0.16
         ({"prefill_s": 0.1}, "prefill seconds"),  # predicted 0.1 s; it took 0.2
     ],
