@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no calibration in results.json: relative SLOs cannot be judged", file=sys.stderr)
         return 2
     calib = msgspec.convert(rep.calibration, Calibration)
-    runs = [r for r in rep.runs if r.target == a.target]
+    runs = sorted((r for r in rep.runs if r.target == a.target), key=lambda r: (r.load, r.repeat))
     logs = _logs(a.out, a.target)
     if not runs or len(logs) < a.repeat or len(runs) < a.repeat:
         print(f"{a.target}: {len(runs)} runs, {len(logs)} logs; no repeat {a.repeat}", file=sys.stderr)
