@@ -121,6 +121,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
             cfg.tpot_slo_s,
             cfg.tpot_slo_x,
             prefilled=cfg.slo_cache == "prefilled",
+            pool_best=cfg.slo_best == "pool",
         ),
     )
 

@@ -72,6 +72,7 @@ class SloSettings:
     tpot_slo_s: float = 0.0
     tpot_slo_x: float = 0.0
     prefilled: bool = False  # a prefix a running prefill writes is not cached for the SLO term
+    pool_best: bool = False  # best(w) of a worker with < 10 streams: the pool's least (`best`)
 
     @property
     def on(self) -> bool:
@@ -146,6 +147,7 @@ class DecodeSlo:
         # over-predicts them
         self._tpot: dict[str, deque[float]] = {}
         self._best: dict[str, float] = {}
+        self._pool_best: float | None = None  # the least of every worker's streams (`pool_best`)
         self._prior_tpot = CostPriors().tpot_s
 
     def observe(self, event: PolicyEvent) -> None:
@@ -174,6 +176,12 @@ class DecodeSlo:
                 seen.append(t.decode_s / (counted - 1))
                 n = len(seen)  # the median until there are 10
                 self._best[wid] = min(seen) if n >= 10 else sorted(seen)[n // 2]
+                if self.settings.pool_best and n < 10:  # the least of the pool's, once it has 10
+                    pooled = [v for d in self._tpot.values() for v in d]
+                    if len(pooled) >= 10:
+                        self._pool_best = min(pooled)
+                elif self.settings.pool_best and self._pool_best is not None:
+                    self._pool_best = min(self._pool_best, seen[-1])
 
     def _routed(self, ev: Routed) -> None:
         wid = ev.worker_ids[0]
@@ -259,8 +267,13 @@ class DecodeSlo:
     def best(self, worker_id: str) -> float:
         """The worker's unloaded time per output token: the least that its latest streams of at
         least `MIN_TOKENS` took per token, the median of fewer than 10 (without samples of its own, the least
-        of its peers', else the prior)."""
+        of its peers', else the prior). With `pool_best`, while it has fewer than 10 the least of
+        all the pool's streams once they are 10 (a worker's first streams ran under load: their
+        median was 1.5-2.7x the unloaded TPOT early in the x3 replay, docs/benchmarks.md)."""
         got = self._best.get(worker_id)
+        pool = self._pool_best
+        if pool is not None and len(self._tpot.get(worker_id, ())) < 10:  # (`pool_best`)
+            return pool if got is None else min(got, pool)
         if got is not None:
             return got
         return min(self._best.values()) if self._best else self._prior_tpot

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.outcomes import Timings
 from policies.base import Completed, routed_event
 from policies.build import cache_aware_settings
 from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState
@@ -105,3 +106,30 @@ def test_config_knob() -> None:
     assert isinstance(cfg, CacheAwareCfg)
     assert cache_aware_settings(cfg).slo.prefilled
     assert not cache_aware_settings(parse_policy({"type": "cache_aware", "tpot_slo_x": 5.0})).slo.prefilled
+
+
+def stream(st: CacheState, rid: str, wid: str, per_token: float) -> None:
+    """A 21-token stream on `wid` taking `per_token` seconds a token after its first."""
+    st.observe(routed_event(request(rid, [1, 2, 3], 21), Colocated(make_worker(wid, engine="sglang"))))
+    t = Timings(0.01 + 20 * per_token, first_token_s=0.01, chunks=21, output_tokens=21)
+    st.observe(Completed(rid, (wid,), timings=t))
+
+
+@pytest.mark.parametrize(("pool_best", "b_best"), [(False, 0.006), (True, 0.002)])
+def test_slo_best_pool(pool_best: bool, b_best: float) -> None:
+    """`slo_best = "pool"`: a worker with under 10 streams of its own takes the least of the
+    pool's (once it has 10), not the median of its own first streams, run under load."""
+    st = CacheState(CacheAwareSettings(slo=SloSettings(tpot_slo_x=5.0, pool_best=pool_best)), clock=Clock())
+    for i in range(10):
+        stream(st, f"a{i}", "a", 0.002)
+    for i in range(3):
+        stream(st, f"b{i}", "b", 0.006)
+    assert st.slo is not None
+    assert st.slo.best("a") == pytest.approx(0.002)
+    assert st.slo.best("b") == pytest.approx(b_best)
+    assert (
+        cache_aware_settings(
+            parse_policy({"type": "cache_aware", "tpot_slo_x": 5.0, "slo_best": "pool"})
+        ).slo.pool_best
+        is True
+    )
