@@ -115,7 +115,14 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         exact_large_pool=cfg.large_pool == "exact",
         use_kv_events=cfg.index == "auto",
         record_prefilled=cfg.record == "prefilled",
-        slo=SloSettings(cfg.ttft_slo_s, cfg.ttft_slo_x, cfg.tpot_slo_s, cfg.tpot_slo_x),
+        slo=SloSettings(
+            cfg.ttft_slo_s,
+            cfg.ttft_slo_x,
+            cfg.tpot_slo_s,
+            cfg.tpot_slo_x,
+            prefilled=cfg.slo_cache == "prefilled",
+            pool_best=cfg.slo_best == "pool",
+        ),
     )
 
 

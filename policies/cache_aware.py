@@ -287,7 +287,13 @@ class CacheAwareSelector:
         if (slo := state.slo) is not None:  # the fewest predicted SLO misses first (decode_slo.py)
             ttft_limit = slo.ttft_limit(prompt, rate_sum / len(parts))  # (the mean rate of all)
             parts = [p for p in parts if p[0] <= saturation] or parts
-            counted = [slo.misses(w, now, wait, seconds, ttft_limit) for wait, seconds, _, _, w in parts]
+            if slo.settings.prefilled:  # the engine's view of the cache (policies/decode_slo.py)
+                secs = _slo_seconds(state, req, prompt, lookups, parts, now)
+                counted = [
+                    slo.misses(p[4], now, p[0], sec, ttft_limit) for p, sec in zip(parts, secs, strict=True)
+                ]
+            else:
+                counted = [slo.misses(w, now, wait, seconds, ttft_limit) for wait, seconds, _, _, w in parts]
             fewest = min(counted)
             parts = [p for p, n in zip(parts, counted, strict=True) if n == fewest]
         return self._rank(parts, k, s.inflight_factor, saturation)
@@ -435,6 +441,25 @@ class LoadSelector:
 
     def observe(self, event: PolicyEvent) -> None:
         return None
+
+
+def _slo_seconds(
+    state: CacheState,
+    req: RequestView,
+    prompt: int,
+    lookups: tuple[Lookup | None, Lookup],
+    parts: Sequence[tuple[float, float, float, float, WorkerState]],
+    now: float,
+) -> list[float]:
+    """Each candidate's prefill seconds as `DecodeSlo` weighs them with `slo_cache = "prefilled"`."""
+    slo = state.slo
+    assert slo is not None
+    threshold = math.floor(state.settings.cache_threshold * prompt)
+    out = []
+    for _, seconds, _, _, w in parts:
+        cached = min(state.cached(lookups, w.id)[0], prompt - 1)
+        out.append(slo.seconds(req.prompt_key, prompt, cached if cached > threshold else 0, w, seconds, now))
+    return out
 
 
 __all__ = [

@@ -22,11 +22,11 @@ from policies.base import (
     Routed,
     WorkerGone,
 )
-from policies.decode_slo import DecodeSlo, SloSettings
+from policies.decode_slo import NO_SLO, DecodeSlo, HeldDecode, SloSettings
 from policies.estimators import prefill_work
 from policies.pending import expire
 from policies.pool_pressure import DecayedRate, externality_per_work
-from policies.prefill_cost import PrefillQueues, RateSettings
+from policies.prefill_cost import PrefillQueues, RateSettings, prefill_seconds
 from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
 from policies.prompt_key import PromptKey
 from policies.snapshot import RequestView, WorkerState
@@ -93,6 +93,9 @@ class Estimate(msgspec.Struct, frozen=True, gc=False):
     externality_s: float = 0.0  # the delay its prefill work adds to later arrivals (pool_pressure)
     evict_s: float = 0.0  # the price of the cached tokens its new KV evicts (policies/turnover.py)
     slo_misses: int = 0  # SLO misses its prefill there is predicted to cause (policies/decode_slo.py)
+    prefill_s: float = 0.0  # its own prefill there, predicted seconds (as the SLO term weighs it)
+    tpot_best_s: float = 0.0  # the worker's unloaded time per token (DecodeSlo.best; SLO term on)
+    decodes: tuple[HeldDecode, ...] = ()  # the decodes there the TPOT term weighed (DecodeSlo.held)
 
 
 class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
@@ -207,6 +210,9 @@ class CacheState:
                 cached=self._cached_at_routing,
                 rate=self.queues.rate,
                 clock=clock,
+                wait=lambda wid, now: self.queues.backlog(wid, now) / self.queues.rate(wid),
+                chain=self.approx.chain,
+                block_tokens=s.block_tokens,
             )
 
     # -- reads (pure, but for the catch-up below) ---------------------------------------------
@@ -251,9 +257,49 @@ class CacheState:
         now = self.clock() if now is None else now
         s = self.settings
         prompt = max(1, req.prompt_tokens)
-        limit = prompt - 1
         threshold = s.cache_threshold * prompt
         factor = s.inflight_factor
+        rows = self._rows(prompt, cands, lookups, now)
+        rate_sum = sum(r[4] for r in rows)
+        k = self.externality_k(sum(r[5] for r in rows), rate_sum, len(rows), now, pool)
+        slo = self.slo
+        ttft_limit = 0.0 if slo is None or not rows else slo.ttft_limit(prompt, rate_sum / len(rows))
+        out: list[Estimate] = []
+        for w, cached, source, backlog, rate, wait, work, evict in rows:
+            own = work / rate
+            ext = k * work
+            credit = cached if cached > threshold else 0
+            slo_s, misses, best, held = (
+                NO_SLO if slo is None else slo.weigh(w, req, credit, own, wait, ttft_limit, now)
+            )
+            out.append(
+                Estimate(
+                    worker=w.id,
+                    cached_tokens=cached,
+                    source=source,
+                    backlog_tokens=backlog,
+                    rate=rate,
+                    ttft_s=wait + own,
+                    inflight=w.inflight,
+                    cost=wait + own * (1.0 + factor * w.inflight) + ext + evict,
+                    saturated=wait > s.saturation_wait_s,
+                    externality_s=ext,
+                    evict_s=evict,
+                    slo_misses=misses,
+                    prefill_s=slo_s if slo is not None else own,
+                    tpot_best_s=best,
+                    decodes=held,
+                )
+            )
+        return out
+
+    def _rows(
+        self, prompt: int, cands: Sequence[WorkerState], lookups: tuple[Lookup | None, Lookup], now: float
+    ) -> list[tuple[WorkerState, int, str, float, float, float, float, float]]:
+        """`estimates`' parts per candidate: (w, cached, source, backlog, rate, wait, work, evict)."""
+        s = self.settings
+        limit = prompt - 1
+        threshold = s.cache_threshold * prompt
         attention = s.crossover_tokens
         queues = self.queues
         price = s.evict_price * self.turnover.factor(now)  # (as `_choose` computes it)
@@ -272,32 +318,7 @@ class CacheState:
             if price > 0.0 and (pool_tokens := self.capacity(w)):  # (unknown or 0: no price)
                 evict = price * (prompt - credit) / rate * written.get(wid, 0.0) / pool_tokens
             rows.append((w, cached, source, backlog, rate, backlog / rate, work, evict))
-        rate_sum = sum(r[4] for r in rows)
-        k = self.externality_k(sum(r[5] for r in rows), rate_sum, len(rows), now, pool)
-        slo = self.slo
-        ttft_limit = 0.0 if slo is None or not rows else slo.ttft_limit(prompt, rate_sum / len(rows))
-        out: list[Estimate] = []
-        for w, cached, source, backlog, rate, wait, work, evict in rows:
-            own = work / rate
-            ext = k * work
-            misses = 0 if slo is None else slo.misses(w, now, wait, own, ttft_limit)
-            out.append(
-                Estimate(
-                    worker=w.id,
-                    cached_tokens=cached,
-                    source=source,
-                    backlog_tokens=backlog,
-                    rate=rate,
-                    ttft_s=wait + own,
-                    inflight=w.inflight,
-                    cost=wait + own * (1.0 + factor * w.inflight) + ext + evict,
-                    saturated=wait > s.saturation_wait_s,
-                    externality_s=ext,
-                    evict_s=evict,
-                    slo_misses=misses,
-                )
-            )
-        return out
+        return rows
 
     def externality_k(
         self, wait_sum: float, rate_sum: float, n: int, now: float, pool: int | None = None
@@ -444,7 +465,7 @@ class CacheState:
             self._record(p)
         self._unpin(p.worker, p.pin)
         prompt = p.predicted + int(p.uncached)
-        seconds = _prefill_seconds(ev)
+        seconds = prefill_seconds(ev)
         if seconds is not None:
             work = p.work
             if ev.cached_tokens is not None:  # the work the engine did, not the predicted
@@ -472,17 +493,6 @@ class CacheState:
 
     def _unpin_gone(self, p: _Pending) -> None:
         self._unpin(p.worker, p.pin)
-
-
-def _prefill_seconds(ev: Completed) -> float | None:
-    """How long after it was routed the request's prefill ended, where the gateway saw it: a P/D
-    prefill's answer, else a stream's first token. None for a whole answer (its first byte is
-    its last: decode included) and where no timings came. (Not `Completed.ttft_s`: it counts from
-    the request's arrival, admission included, and a P/D request's is its decode's first token.)"""
-    t = ev.timings
-    if t is None:
-        return None
-    return t.prefill_s if t.prefill_s is not None else t.first_token_s
 
 
 # ---- filter, scorers, pickers -------------------------------------------------------------------

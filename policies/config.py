@@ -136,6 +136,13 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     ttft_slo_x: float = 0.0
     tpot_slo_s: float = 0.0
     tpot_slo_x: float = 0.0
+    # what the SLO term counts as cached when it predicts a prefill's seconds on a worker:
+    # "routed" (the index, as the cost does) or "prefilled" (not a prefix a prefill still running
+    # there writes: the engine computes it again; policies/decode_slo.py)
+    slo_cache: Literal["routed", "prefilled"] = "routed"
+    # the SLO term's unloaded time per token of a worker with under 10 streams of its own: "worker"
+    # (the median of its streams) or "pool" (the least of the pool's, once it has 10)
+    slo_best: Literal["worker", "pool"] = "worker"
     seed: int | None = None
 
     def __post_init__(self) -> None:

@@ -27,6 +27,15 @@ own predictions):
 
 `tokens_i` is the decider's expected output (`max_tokens` x the learned share a request fills).
 
+With `prefilled` (`slo_cache = "prefilled"`), a prefill's seconds here count as cached only
+what the engine will have when it schedules it: a prefix that a prefill still running on `w`
+(routed, its predicted prefill not ended) is writing is computed again. A chunked engine takes
+the next waiting prompt's first chunk in the step of the holder's last, and matches it then,
+before the holder's blocks are registered (the emulator's `_plan_step`; SGLang forms a prefill
+batch the same way). The index counts the prompt as `w`'s from its routing on, so a turn sent
+right behind its predecessor was predicted a few milliseconds of prefill where it took the
+whole prompt's (docs/benchmarks.md, "Why the predicted-clean breaks were predicted clean").
+
 `cache_aware` with an SLO configured picks among the candidates with the fewest misses by its
 cost (policies/cache_aware.py); with none configured nothing here is built or run.
 """
@@ -39,10 +48,13 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from policies.base import Completed, Failed, PolicyEvent, Routed, WorkerGone
 from policies.cost_model import CostModel, CostPriors
 from policies.estimators import prefill_work
-from policies.snapshot import WorkerState
+from policies.prompt_key import PromptKey
+from policies.snapshot import RequestView, WorkerState
 
 HORIZON_S = 600.0  # a request whose outcome never came is forgotten after this
 MAX_HELD = 100_000  # requests decoding the model keeps (the oldest go first)
@@ -59,6 +71,8 @@ class SloSettings:
     ttft_slo_x: float = 0.0
     tpot_slo_s: float = 0.0
     tpot_slo_x: float = 0.0
+    prefilled: bool = False  # a prefix a running prefill writes is not cached for the SLO term
+    pool_best: bool = False  # best(w) of a worker with < 10 streams: the pool's least (`best`)
 
     @property
     def on(self) -> bool:
@@ -73,6 +87,18 @@ class SloSettings:
         return self.tpot_slo_s > 0.0 or self.tpot_slo_x > 0.0
 
 
+class HeldDecode(msgspec.Struct, frozen=True, gc=False):
+    """A request decoding on a prefill-first worker as `DecodeSlo` sees it when a new prefill is
+    weighed there (a row of a decision record's candidate; bench/replay/attribution.py compares
+    it with what happened)."""
+
+    request_id: str
+    tokens: int  # its expected output tokens
+    budget_s: float  # the stall it may take within its TPOT SLO: (tokens - 1) x (limit - best)
+    stall_s: float  # the stall predicted so far: the prefill seconds routed there after its own
+    broken: bool  # the prefill weighed is predicted to put it over its budget
+
+
 class DecodeSlo:
     """The decode windows on each worker and the misses a new prefill there would cause."""
 
@@ -85,6 +111,9 @@ class DecodeSlo:
         cached: Callable[[Routed, str], int],
         rate: Callable[[str], float],
         clock: Callable[[], float] = time.monotonic,
+        wait: Callable[[str, float], float] | None = None,
+        chain: Callable[[PromptKey], tuple[int, ...]] | None = None,
+        block_tokens: int = 16,
     ) -> None:
         self.settings = settings
         self.crossover = crossover_tokens
@@ -97,6 +126,14 @@ class DecodeSlo:
         self._routed_s: dict[str, float] = {}
         self._held: dict[str, dict[str, tuple[int, float]]] = {}
         self._where: OrderedDict[str, tuple[str, float]] = OrderedDict()  # request -> (worker, at)
+        # `prefilled`: per worker, the prefills predicted still running there: request ->
+        # (predicted end, tokens it found cached, its prompt); `wait(w, now)` is w's queue in
+        # seconds, `chain` the index's block keys of a prompt (`ApproxIndex.chain`)
+        self._wait = wait
+        self._chain = chain
+        self._block_tokens = block_tokens
+        self._filling: dict[str, dict[str, tuple[float, int, PromptKey]]] = {}
+        self._filling_on: dict[str, str] = {}
         self.model = CostModel(
             priors=CostPriors(prefill_rate=prefill_rate, crossover_tokens=crossover_tokens),
             clock=clock,
@@ -110,6 +147,7 @@ class DecodeSlo:
         # over-predicts them
         self._tpot: dict[str, deque[float]] = {}
         self._best: dict[str, float] = {}
+        self._pool_best: float | None = None  # the least of every worker's streams (`pool_best`)
         self._prior_tpot = CostPriors().tpot_s
 
     def observe(self, event: PolicyEvent) -> None:
@@ -118,8 +156,12 @@ class DecodeSlo:
                 self._routed(event)
             case Completed() | Failed():
                 self._done(event.request_id)
+                if (wid := self._filling_on.pop(event.request_id, None)) is not None:
+                    self._filling.get(wid, {}).pop(event.request_id, None)
             case WorkerGone():
                 self._routed_s.pop(event.worker_id, None)
+                for rid in self._filling.pop(event.worker_id, {}):
+                    self._filling_on.pop(rid, None)
                 for rid in self._held.pop(event.worker_id, {}):
                     self._where.pop(rid, None)
         self.model.observe(event)
@@ -134,18 +176,34 @@ class DecodeSlo:
                 seen.append(t.decode_s / (counted - 1))
                 n = len(seen)  # the median until there are 10
                 self._best[wid] = min(seen) if n >= 10 else sorted(seen)[n // 2]
+                if self.settings.pool_best and n < 10:  # the least of the pool's, once it has 10
+                    pooled = [v for d in self._tpot.values() for v in d]
+                    if len(pooled) >= 10:
+                        self._pool_best = min(pooled)
+                elif self.settings.pool_best and self._pool_best is not None:
+                    self._pool_best = min(self._pool_best, seen[-1])
 
     def _routed(self, ev: Routed) -> None:
         wid = ev.worker_ids[0]
         prompt = max(1, ev.prompt_tokens)
         cached = min(prompt - 1, max(0, self._cached(ev, wid)))
+        now = self.clock()
+        key = ev.prompt_key
+        if self.settings.prefilled and key is not None:
+            cached = self.engine_cached(key, wid, cached, now)
         seconds = prefill_work(prompt - cached, cached, self.crossover) / self._rate(wid)
+        if self.settings.prefilled and key is not None and self._wait is not None:
+            self._filling.setdefault(wid, {})[ev.request_id] = (
+                now + self._wait(wid, now) + seconds,
+                cached,
+                key,
+            )
+            self._filling_on[ev.request_id] = wid
         total = self._routed_s[wid] = self._routed_s.get(wid, 0.0) + seconds
         if ev.disaggregated:  # its decode is elsewhere and prefills nothing there (SGLang)
             return
         self._done(ev.request_id)  # routed again (a retry): its new place only
         out = self.model.output_tokens(ev.max_tokens) if ev.max_tokens > 0 else 1
-        now = self.clock()
         self._held.setdefault(wid, {})[ev.request_id] = (out, total)
         where = self._where
         where[ev.request_id] = (wid, now)
@@ -162,11 +220,60 @@ class DecodeSlo:
             if held is not None:
                 held.pop(rid, None)
 
+    def engine_cached(self, key: PromptKey, worker_id: str, cached: int, now: float) -> int:
+        """Of the `cached` tokens the index predicts `worker_id` holds of the prompt `key`, those
+        its engine will have when it schedules the prompt (`prefilled`, module docstring): at most
+        what a prefill still running there found cached itself, where that prefill shares more
+        of the prompt than that."""
+        running = self._filling.get(worker_id)
+        if not running or cached <= 0 or self._chain is None:
+            return cached
+        mine: tuple[int, ...] | None = None
+        for rid, (end, found, other) in list(running.items()):
+            if end <= now:
+                del running[rid]
+                self._filling_on.pop(rid, None)
+                continue
+            if found >= cached:
+                continue
+            if mine is None:
+                mine = self._chain(key)
+            if shared_blocks(mine, self._chain(other)) * self._block_tokens > found:
+                cached = found
+        return cached
+
+    def seconds(
+        self, key: PromptKey | None, prompt: int, cached: int, w: WorkerState, own: float, now: float
+    ) -> float:
+        """The prefill seconds on `w` the SLO term weighs: `own` (cache_aware's, for `cached`
+        tokens found), or with `prefilled` the engine's view's where a running prefill shares
+        the prefix."""
+        if not self.settings.prefilled or key is None or cached <= 0:
+            return own
+        got = self.engine_cached(key, w.id, cached, now)
+        if got >= cached:
+            return own
+        return prefill_work(prompt - got, got, self.crossover) / self._rate(w.id)
+
+    def weigh(
+        self, w: WorkerState, req: RequestView, cached: int, own: float, wait: float, limit: float, now: float
+    ) -> tuple[float, int, float, tuple[HeldDecode, ...]]:
+        """A decision record's SLO figures for the request's prefill on `w` after `wait` (`own`
+        seconds for `cached` tokens found, as cache_aware predicts; `limit` its TTFT SLO): (the prefill
+        seconds weighed, `misses`, `best(w)`, `held`)."""
+        seconds = self.seconds(req.prompt_key, max(1, req.prompt_tokens), cached, w, own, now)
+        return seconds, self.misses(w, now, wait, seconds, limit), self.best(w.id), self.held(w, seconds)
+
     def best(self, worker_id: str) -> float:
         """The worker's unloaded time per output token: the least that its latest streams of at
         least `MIN_TOKENS` took per token, the median of fewer than 10 (without samples of its own, the least
-        of its peers', else the prior)."""
+        of its peers', else the prior). With `pool_best`, while it has fewer than 10 the least of
+        all the pool's streams once they are 10 (a worker's first streams ran under load: their
+        median was 1.5-2.7x the unloaded TPOT early in the x3 replay, docs/benchmarks.md)."""
         got = self._best.get(worker_id)
+        pool = self._pool_best
+        if pool is not None and len(self._tpot.get(worker_id, ())) < 10:  # (`pool_best`)
+            return pool if got is None else min(got, pool)
         if got is not None:
             return got
         return min(self._best.values()) if self._best else self._prior_tpot
@@ -214,10 +321,43 @@ class DecodeSlo:
                 n += 1
         return n
 
+    def held(self, w: WorkerState, seconds: float) -> tuple[HeldDecode, ...]:
+        """The decodes on prefill-first `w` whose TPOT `broken` weighs against a prefill of
+        `seconds` there, with their predicted budgets and stalls (for decision records; empty
+        where the TPOT SLO is off or `w` decodes beside its prefills)."""
+        s = self.settings
+        if not s.tpot_on or w.decodes_beside_prefill:
+            return ()
+        base = self.best(w.id)
+        slack = s.tpot_slo_s + s.tpot_slo_x * base - base
+        total = self._routed_s.get(w.id, 0.0)
+        rows = []
+        for rid, (out, at) in self._held.get(w.id, {}).items():
+            if out < 2:
+                continue
+            budget, stall = (out - 1) * slack, total - at
+            rows.append(HeldDecode(rid, out, budget, stall, stall <= budget < stall + seconds))
+        return tuple(rows)
+
     def misses(self, w: WorkerState, now: float, wait: float, seconds: float, ttft_limit: float) -> int:
         """`broken(w)` plus 1 where this request's own predicted TTFT is over `ttft_limit`."""
         own = 1 if wait + seconds > ttft_limit else 0
         return own + self.broken(w, now + wait, seconds)
 
 
-__all__ = ["DecodeSlo", "SloSettings"]
+def shared_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The leading blocks two chains of prefix-chained keys share (key `j` stands for blocks
+    `0..j`, so equal keys at `j` mean equal keys below it: a binary search)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+NO_SLO: tuple[float, int, float, tuple[HeldDecode, ...]] = (0.0, 0, 0.0, ())  # `weigh` with no SLO set
+
+__all__ = ["NO_SLO", "DecodeSlo", "HeldDecode", "SloSettings", "shared_blocks"]

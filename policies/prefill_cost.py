@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policies.base import Completed
+
 
 @dataclass(frozen=True, slots=True)
 class RateSettings:
@@ -166,3 +168,14 @@ class PrefillQueues:
         rates = self._rate
         self._rate_sum = self._rate_sum + change if rates else 0.0
         self._prior = self._rate_sum / len(rates) if rates else self.settings.default_rate
+
+
+def prefill_seconds(ev: Completed) -> float | None:
+    """How long after it was routed the request's prefill ended, where the gateway saw it: a P/D
+    prefill's answer, else a stream's first token. None for a whole answer (its first byte is
+    its last: decode included) and where no timings came. (Not `Completed.ttft_s`: it counts from
+    the request's arrival, admission included, and a P/D request's is its decode's first token.)"""
+    t = ev.timings
+    if t is None:
+        return None
+    return t.prefill_s if t.prefill_s is not None else t.first_token_s

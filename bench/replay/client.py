@@ -70,9 +70,14 @@ def encode(obj: Any) -> bytes:
 # --------------------------------------------------------------------------- SSE timing
 
 
+class _Details(msgspec.Struct):
+    cached_tokens: int = 0
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int = -1
     completion_tokens: int = 0
+    prompt_tokens_details: _Details | None = None  # (an engine leaves it out when 0 are cached)
 
 
 class _Choice(msgspec.Struct):
@@ -147,6 +152,8 @@ class _TimedProtocol(_ClientProtocol):
         if chunk.usage is not None:
             rec.prompt_tokens = chunk.usage.prompt_tokens
             rec.completion_tokens = chunk.usage.completion_tokens
+            details = chunk.usage.prompt_tokens_details
+            rec.cached_tokens = details.cached_tokens if details is not None else 0
 
 
 class Pool:

@@ -35,6 +35,7 @@ class Record(msgspec.Struct, kw_only=True):
     status: int = 0  # HTTP status (0: none)
     completion_tokens: int = 0
     prompt_tokens: int = -1  # as the engine reported it (-1: not reported)
+    cached_tokens: int = -1  # of the prompt, as the engine reported it (-1: no usage came)
     error: str = ""
     warmup: bool = False  # sent, but left out of the statistics
 
