@@ -27,7 +27,7 @@ from gateway.orchestration.legs import Handoff, Leg
 from gateway.orchestration.relay import relay
 from gateway.orchestration.services import Services, engine_headers
 from gateway.orchestration.shadow import decode_check, start_early
-from gateway.orchestration.verify import DecodeCheck, guarded, verifiable
+from gateway.orchestration.verify import DecodeCheck
 from gateway.registry import Worker
 
 # Enum members as module constants on the request path: on Python 3.11 a class attribute of an
@@ -167,7 +167,7 @@ async def _decode_first(
     async def settle(gate: PrefillGate) -> DecodeCheck | None:
         return await _settle(s, ctx, h, hctx, gate, t0, early)
 
-    keep = guarded(s.cfg, req) and verifiable(req)
+    keep = s.cfg.guards.decode_consistency and req.verifiable
     return PrefillGate(pcall, settle, sound, hctx.stream_usage, keep)
 
 
