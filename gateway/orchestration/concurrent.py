@@ -46,7 +46,7 @@ async def run_concurrent(s: Services, ctx: RequestContext, p: Worker, d: Worker,
     pbody, dbody = d.adapter.handoff_bodies(req, hctx)
     # the prefill counts as in flight until its answer is in, not until the decode's end
     pleg = Leg(s, ctx, p, ctx.view.prompt_tokens, _PREFILL, _CONCURRENT)
-    dleg = Leg(s, ctx, d, ctx.tokens, _DECODE, _CONCURRENT)
+    dleg = Leg(s, ctx, d, ctx.view.prompt_tokens + ctx.view.max_tokens, _DECODE, _CONCURRENT)  # ctx.tokens
     async with Handoff(s, ctx, pleg, dleg, concurrent=True) as h:
         # Futures, not Tasks: on pooled connections both requests are written right here and
         # resolved from the connections' callbacks.
