@@ -110,7 +110,7 @@ class HttpResponder:
         if conn._server._draining and self._keep_alive:
             self._keep_alive = False
             self._drain_close = True
-        buf = bytearray(_status_line(status))
+        buf = bytearray(_STATUS_LINES.get(status) or _status_line(status))
         for n, v in headers:
             buf += n
             buf += b": "
