@@ -115,7 +115,10 @@ class StreamWatch:
         if self._passing and data.endswith(_SEP):
             # the hot path: whole events in the middle of a stream
             for marker in self._ends:
-                if data.find(marker) >= 0:  # (not `in`: common/jsonbytes.py)
+                # (`partition`, neither `in`, which makes and drops a TypeError on Python 3.11
+                # (common/jsonbytes.py), nor `find`, whose arguments are parsed by format; a
+                # miss returns `data` itself in the tuple, no copy)
+                if data.partition(marker)[1]:
                     break
             else:
                 self._write(data)
