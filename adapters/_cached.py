@@ -93,7 +93,9 @@ def stream_cached(tail: bytes, *, generate: bool) -> CachedTokens | None:
             return None
         payload = tail[start + 5 : end].strip()
         end = start
-        if marker in payload and payload[:1] == b"{" and payload[-1:] == b"}":
+        if (
+            payload.find(marker) >= 0 and payload[:1] == b"{" and payload[-1:] == b"}"
+        ):  # (common/jsonbytes.py)
             got = read(payload)
             if got is not None:
                 return got

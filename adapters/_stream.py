@@ -34,7 +34,7 @@ def without_usage_chunk(events: bytes) -> bytes:
     out = []
     fingerprint = b""
     for event in events.split(_SEP):
-        if b'"usage"' in event and event.startswith(b"data:"):
+        if event.find(b'"usage"') >= 0 and event.startswith(b"data:"):  # (`find`: common/jsonbytes.py)
             try:
                 ev = _usage_chunk.decode(event[5:].strip())
             except msgspec.DecodeError:
@@ -45,7 +45,7 @@ def without_usage_chunk(events: bytes) -> bytes:
         out.append(event)
     if fingerprint and fingerprint != b"null":
         for i, event in enumerate(out):
-            if STREAM_END_MARKERS[0] in event and b'"system_fingerprint"' not in event:
+            if event.find(STREAM_END_MARKERS[0]) >= 0 and event.find(b'"system_fingerprint"') < 0:
                 end = event.rfind(b"}")
                 if event.startswith(b"data:") and end > 0:
                     out[i] = event[:end] + b',"system_fingerprint":' + fingerprint + event[end:]

@@ -43,7 +43,9 @@ def ask_stream_usage(body: bytes, *, keep_continuous: bool) -> bytes:
     way), and dropped where `include_usage` is what turns it on (vLLM: `include_continuous_usage
     = include_usage and continuous_usage_stats`): asking for the end's usage must not make the
     engine add a usage to every chunk the client would not have had."""
-    if b'"stream_options"' not in body:  # the usual case: no decode
+    # (`find`, not `in`: on Python 3.11 `sub in some_bytes` first tries `sub` as an integer
+    # and makes, formats and drops a TypeError, ~1,800 instructions; `find` does not)
+    if body.find(b'"stream_options"') < 0:  # the usual case: no decode
         return splice(body, _USAGE_ON)
     fields: dict[str, msgspec.Raw] = msgspec.json.decode(body, type=dict[str, msgspec.Raw])
     raw = fields.get("stream_options")

@@ -57,7 +57,7 @@ def _id_range(ids: list[int], param: str, raw: bytes | None = None) -> int:
     """The largest id of a token-id prompt; a negative id is a 400. `raw`: the ids' JSON,
     when they were read from it as plain integers (no `-` in it: none is negative, and the
     pass for the smallest is saved)."""
-    if (raw is None or b"-" in raw) and min(ids) < 0:
+    if (raw is None or raw.find(b"-") >= 0) and min(ids) < 0:  # (`find`: common/jsonbytes.py)
         raise BadRequest(f"Token id {min(ids)} is out of vocabulary", param=param)
     return max(ids)
 
@@ -264,7 +264,7 @@ def _utf8_floor(raw: bytes) -> int:
     `\\uXXXX` at least five (6 -> 1..3; a surrogate pair 12 -> 4). Exact for a string without
     escapes; never more than the truth, so a length check built on it refuses only what surely
     cannot fit (clients that escape all non-ASCII, as Python's json does, included)."""
-    if b"\\" not in raw:
+    if raw.find(b"\\") < 0:  # (not `in`: common/jsonbytes.py)
         return max(0, len(raw) - 2)
     return max(0, len(raw) - 2 - raw.count(b"\\") - 4 * raw.count(b"\\u"))
 

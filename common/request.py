@@ -62,7 +62,10 @@ class ParsedRequest:
         "return_logprob",
         "route",
         "same_first_token",
+        "single",
         "stream",
+        "usage_unasked",
+        "verifiable",
     )
 
     def __init__(self, route: RouteKind, path: str, body: bytes, f: Fields, model: str) -> None:
@@ -152,10 +155,23 @@ class ParsedRequest:
         self.max_tokens: int | None = explicit
         self.n = n
         self.greedy = greedy
+        # one answer to compare (one sample of one prompt): what the decode-consistency guard
+        # watches (where it is on); asked several times per request, so answered once here
+        single = n == 1 and not self.is_batch
+        self.single = single
+        # can the answer be checked against a short colocated re-run before its clean end is
+        # sent? (greedy, one answer; a stream's tokens flow meanwhile, only its end is held)
+        self.verifiable = greedy and single
+        # a stream on an OpenAI route that did not ask for usage: where the guard is on, its
+        # decode is asked for a usage chunk (`HandoffCtx.stream_usage`), dropped on the way out:
+        # the guard's "finished early" check needs the real token count, and counting events is
+        # wrong both ways (role-only events; SGLang sends several tokens in one event with
+        # --stream-interval > 1 or a held-back multi-byte character)
+        self.usage_unasked = self.stream and not self.include_usage and route is not _GENERATE and single
         # must the decode start on the prefill's first token? Greedy requests, and one sample of
         # one prompt drawn with a seed: both legs draw the first token from the same logits with
         # the same seed (vLLM's decode samples it again; SGLang's is the prefill's, shipped)
-        self.same_first_token = greedy or (seeded and n == 1 and not self.is_batch)
+        self.same_first_token = greedy or (seeded and single)
 
     @property
     def units(self) -> int:

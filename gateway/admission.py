@@ -101,7 +101,12 @@ class Admission:
                     retry_after_s=self.retry_after_s,
                 )
             self._clients[client] = n + 1
-        if self.active < self.max_concurrent and not self.queued and self._fits(tokens):
+        limit = self.max_tokens  # (`_fits`, inline)
+        if (
+            self.active < self.max_concurrent
+            and not self.queued
+            and (limit is None or self.active == 0 or self.active_tokens + tokens <= limit)
+        ):
             self.active += 1
             self.active_tokens += tokens
             self.admitted += 1

@@ -8,7 +8,7 @@ import asyncio
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from common.bodyscan import SCAN_FROM
 from common.errors import (
@@ -46,8 +46,7 @@ _VALID_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 OTHER_ROUTE = "other"
 
 
-class _Headers(Protocol):
-    def header(self, name: bytes) -> bytes | None: ...
+_Lookup = Callable[[bytes], "bytes | None"]  # a request's header lookup (`header`, `fields().get`)
 
 
 class Handlers:
@@ -96,7 +95,7 @@ class Handlers:
         self._get = self.info.routes()
 
     def request_id(self, req: HttpRequest) -> str:
-        return self._client_id(req) or self.ids.next()
+        return self._client_id(req.header) or self.ids.next()
 
     async def __call__(self, req: HttpRequest, res: HttpResponder) -> None:
         route = self._post.get(req.path)
@@ -180,7 +179,7 @@ class Handlers:
         headers were read (else a new one) is echoed, the request counted (route: the
         generation route named by its path, else "other"; outcome: the refusal's code) and
         logged, at stage "http"."""
-        request_id = self._client_id(r) or self.ids.next()
+        request_id = self._client_id(dict(reversed(r.headers)).get) or self.ids.next()  # (r.header)
         route = self._post.get(r.path)
         self.metrics.child(
             self.metrics.requests, route.value if route is not None else OTHER_ROUTE, "", "none", r.code
@@ -223,10 +222,10 @@ class Handlers:
             answered=res is None or res.finished,  # the whole answer was written (to buffers)
         )
 
-    def _client_id(self, req: _Headers) -> str | None:
-        """The client's valid request id, if it sent one."""
+    def _client_id(self, header: _Lookup) -> str | None:
+        """The client's valid request id, if it sent one (`header`: the request's lookup)."""
         for name in self.id_headers:
-            v = req.header(name)
+            v = header(name)
             if v is not None and _VALID_ID.match(v):
                 return v.decode()
         return None
@@ -267,12 +266,13 @@ class Handlers:
         """A generation request: parsed, admitted, then served by the orchestrator (each stage's
         refusals answered, counted and logged here)."""
         started = time.monotonic()
-        request_id = self.request_id(req)
+        get = req.fields().get  # (each header looked up in C, not through a frame)
+        request_id = self._client_id(get) or self.ids.next()
         names = self._names
         names[res] = request_id  # (named by `stalled` if its client stops reading)
         try:
             if len(req.body) <= SCAN_FROM:
-                parsed = self._parse(route, req, res, request_id, started)
+                parsed = self._parse(route, req, res, request_id, started, get)
             else:  # measured in slices first, the event loop free between them
                 parsed = await self._parse_large(route, req, res, request_id, started)
             if parsed is None:
@@ -281,15 +281,16 @@ class Handlers:
             assert task is not None
             session = None
             for h in self.session_headers:
-                session = req.header(h)
+                session = get(h)
                 if session is not None:
                     break
             ctx = self.orchestrator.context(
-                parsed, request_id, res, task, req.header(b"authorization"), session=session
+                parsed, request_id, res, task, get(b"authorization"), session=session
             )
-            if self.orchestrator.cfg.explain_header and req.header(b"x-pdgw-explain") is not None:
+            if self.orchestrator.cfg.explain_header and get(b"x-pdgw-explain") is not None:
                 ctx.explain = True
-            client = self.client_key(req)
+            # (None: the socket's address, `_address` inline)
+            client = self.client_key(req) if self.client_key else req.client[0] if req.client else ""
             tokens = ctx.tokens if self._count_tokens else 0
             try:
                 admitted = self.admission.admit_now(client, tokens)
@@ -309,7 +310,13 @@ class Handlers:
             del names[res]
 
     def _parse(
-        self, route: RouteKind, req: HttpRequest, res: HttpResponder, request_id: str, started: float
+        self,
+        route: RouteKind,
+        req: HttpRequest,
+        res: HttpResponder,
+        request_id: str,
+        started: float,
+        get: _Lookup,
     ) -> ParsedRequest | None:
         """The request parsed, or None when it was refused (answered, counted and logged)."""
         try:
@@ -317,7 +324,7 @@ class Handlers:
                 route,
                 req.path,
                 req.body,
-                default_model=self._checked(route, req),
+                default_model=self._checked(route, get),
                 max_n=self.max_n,
                 max_tokens_cap=self.max_tokens_cap,
                 work=self.work,
@@ -336,7 +343,7 @@ class Handlers:
                 route,
                 req.path,
                 req.body,
-                default_model=self._checked(route, req),
+                default_model=self._checked(route, req.header),
                 max_n=self.max_n,
                 max_tokens_cap=self.max_tokens_cap,
                 work=self.work,
@@ -345,15 +352,15 @@ class Handlers:
             self._unparsed(route, req, res, request_id, e, started)
             return None
 
-    def _checked(self, route: RouteKind, req: HttpRequest) -> str | None:
-        """A generation request's headers checked (a 400 or 415 raised); the model a request
-        naming none goes to."""
-        ctype = req.header(b"content-type")
-        if ctype is not None and b"json" not in ctype.lower():
+    def _checked(self, route: RouteKind, header: _Lookup) -> str | None:
+        """A generation request's headers checked (a 400 or 415 raised; `header`: its lookup);
+        the model a request naming none goes to."""
+        ctype = header(b"content-type")
+        if ctype is not None and ctype.lower().find(b"json") < 0:  # (not `in`: common/jsonbytes.py)
             raise BadRequest(
                 f"unsupported content-type {ctype.decode(errors='replace')!r}; send application/json"
             )
-        coding = req.header(b"content-encoding")
+        coding = header(b"content-encoding")
         if coding is not None and coding.strip().lower() not in (b"", b"identity"):
             raise UnsupportedMediaType(
                 f"unsupported content-encoding {coding.decode(errors='replace')!r}; send the JSON "
@@ -468,12 +475,13 @@ def _address(req: HttpRequest) -> str:
     return req.client[0] if req.client is not None else ""
 
 
-def client_key_reader(header: str) -> Callable[[HttpRequest], str]:
-    """Who sent a request, for the per-client cap: the socket's address, or the value of a
-    configured header when the request has it (`x-forwarded-for`: its last address, the one the
-    trusted proxy in front of the gateway appended; earlier ones are the client's own word)."""
+def client_key_reader(header: str) -> Callable[[HttpRequest], str] | None:
+    """Who sent a request, for the per-client cap: the socket's address (None: the caller reads
+    it, `_address`, without a call of this), or the value of a configured header when the request
+    has it (`x-forwarded-for`: its last address, the one the trusted proxy in front of the
+    gateway appended; earlier ones are the client's own word)."""
     if not header:
-        return _address
+        return None
     name = header.lower().encode()
     last_hop = name == b"x-forwarded-for"
 

@@ -112,10 +112,14 @@ class StreamWatch:
         self._write = write
 
     def feed(self, data: bytes) -> None:
-        if self._passing and data.endswith(_SEP):
+        # (`data[-2:] == _SEP`: `endswith` parses its arguments by format on Python 3.11)
+        if self._passing and data[-2:] == _SEP:
             # the hot path: whole events in the middle of a stream
             for marker in self._ends:
-                if marker in data:
+                # (`partition`, neither `in`, which makes and drops a TypeError on Python 3.11
+                # (common/jsonbytes.py), nor `find`, whose arguments are parsed by format; a
+                # miss returns `data` itself in the tuple, no copy)
+                if data.partition(marker)[1]:
                     break
             else:
                 self._write(data)

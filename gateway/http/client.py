@@ -184,30 +184,6 @@ class UpstreamPool:
             raise UpstreamConnectError(f"connect to {self.host}:{self.port} failed: {e}") from e
         return proto
 
-    def _head(
-        self, method: str, path: str | bytes, headers: Sequence[tuple[bytes, bytes]], body: bytes | None
-    ) -> bytes:
-        m = _METHODS.get(method) or method.encode("ascii")
-        p = path if isinstance(path, bytes) else path.encode("latin-1")
-        parts = [m, b" ", p, b" HTTP/1.1\r\n"]
-        host = self._host_line
-        for n, v in headers:
-            if n in _DROP:
-                if n == b"host":
-                    host = b"host: %s\r\n" % v
-                continue
-            parts += (n, b": ", v, b"\r\n")
-        parts.append(host)
-        if body is not None:
-            parts.append(b"content-length: %d\r\n\r\n" % len(body))
-            if len(body) <= _JOIN_BODY_MAX:
-                parts.append(body)
-        elif method in _NO_BODY_METHODS:
-            parts.append(b"\r\n")
-        else:
-            parts.append(b"content-length: 0\r\n\r\n")
-        return b"".join(parts)
-
     async def request(
         self,
         method: str,
@@ -279,14 +255,43 @@ class UpstreamPool:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        data = self._head(method, path, headers, body)
-        extra = body if body is not None and len(body) > _JOIN_BODY_MAX else None
+        # the request's head (and a small body, in one write); Host added unless given, the
+        # framing fields (`_DROP`) dropped and Content-Length set here
+        m = _METHODS.get(method) or method.encode("ascii")
+        p = path if isinstance(path, bytes) else path.encode("latin-1")
+        parts = [m, b" ", p, b" HTTP/1.1\r\n"]
+        host = self._host_line
+        for n, v in headers:
+            if n in _DROP:
+                if n == b"host":
+                    host = b"host: %s\r\n" % v
+                continue
+            parts += (n, b": ", v, b"\r\n")
+        parts.append(host)
+        extra = None
+        if body is not None:
+            parts.append(b"content-length: %d\r\n\r\n" % len(body))
+            if len(body) <= _JOIN_BODY_MAX:
+                parts.append(body)
+            else:
+                extra = body
+        elif method in _NO_BODY_METHODS:
+            parts.append(b"\r\n")
+        else:
+            parts.append(b"content-length: 0\r\n\r\n")
+        data = b"".join(parts)
         call = _Call(loop, self, data, extra, method == "HEAD", whole, replay)
         if self._closed:
             call.set_exception(UpstreamConnectError(f"pool for {self.host}:{self.port} is closed"))
             return call
         self.in_use += 1
-        conn = self._take(loop.time()) if self._idle else None
+        idle, conn = self._idle, None
+        if idle:  # the newest idle connection, if open and fresh (`_take`'s first step, inline)
+            conn = idle[-1]
+            if not conn._closed and loop.time() - conn._idle_since <= self.idle_timeout_s:
+                idle.pop()
+            else:
+                conn = self._take(loop.time())
         if conn is not None:
             conn._send(call)
         else:

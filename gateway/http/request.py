@@ -57,6 +57,14 @@ class HttpRequest:
             index = self._index = dict(reversed(self.headers))
         return index.get(name)
 
+    def fields(self) -> dict[bytes, bytes]:
+        """The index `header` reads (lowercase name: its first value), built on the first call:
+        for a reader of several names, whose `.get` of each is then a call into C, not a frame."""
+        index = self._index
+        if index is None:
+            index = self._index = dict(reversed(self.headers))
+        return index
+
     def __repr__(self) -> str:
         return f"<HttpRequest {self.method} {self.path}>"
 

@@ -17,6 +17,9 @@ _STATUS_LINES: dict[int, bytes] = {
 }
 _LAST_CHUNK = b"0\r\n\r\n"
 _SMALL = 16 * 1024  # below this, header+body / chunk framing+data are joined into one write
+# the size lines of chunks below 2 KiB (a streamed event's), made once: `b"%x\r\n" % n` per
+# chunk formatted an int each time (the table: ~95 KB)
+_SIZE_LINES = tuple(b"%x\r\n" % n for n in range(2048))
 
 
 def _status_line(status: int) -> bytes:
@@ -110,7 +113,7 @@ class HttpResponder:
         if conn._server._draining and self._keep_alive:
             self._keep_alive = False
             self._drain_close = True
-        buf = bytearray(_status_line(status))
+        buf = bytearray(_STATUS_LINES.get(status) or _status_line(status))
         for n, v in headers:
             buf += n
             buf += b": "
@@ -187,7 +190,9 @@ class HttpResponder:
             self._corked(data)
         elif self._chunked:
             n = len(data)
-            if n < _SMALL:
+            if n < 2048:
+                conn._transport.write(b"".join((_SIZE_LINES[n], data, b"\r\n")))
+            elif n < _SMALL:
                 conn._transport.write(b"%x\r\n%b\r\n" % (n, data))
             else:
                 conn._transport.writelines((b"%x\r\n" % n, data, b"\r\n"))

@@ -17,7 +17,6 @@ from common.workers import Role
 from gateway.config import RetriesConfig
 from gateway.orchestration.checks import fits_quietly
 from gateway.orchestration.services import Services
-from gateway.orchestration.verify import verifiable
 from gateway.registry import Worker
 from policies.snapshot import Colocated, Disaggregated, Reject, RequestView
 
@@ -68,7 +67,7 @@ def plan(s: Services, view: RequestView, req: ParsedRequest, failed: set[str]) -
         if alone:
             excl = excl | alone
     suspects = registry.suspect_pairs()
-    if suspects and (req.stream or not verifiable(req)):
+    if suspects and (req.stream or not req.verifiable):
         p = s.policy.plan(view, snap, excl | suspects)
         if not isinstance(p, Reject) or p.status == 404:
             return p

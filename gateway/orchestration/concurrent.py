@@ -27,7 +27,7 @@ from gateway.orchestration.legs import Handoff, Leg
 from gateway.orchestration.relay import relay
 from gateway.orchestration.services import Services, engine_headers
 from gateway.orchestration.shadow import decode_check, start_early
-from gateway.orchestration.verify import DecodeCheck, guarded, verifiable
+from gateway.orchestration.verify import DecodeCheck
 from gateway.registry import Worker
 
 # Enum members as module constants on the request path: on Python 3.11 a class attribute of an
@@ -46,7 +46,7 @@ async def run_concurrent(s: Services, ctx: RequestContext, p: Worker, d: Worker,
     pbody, dbody = d.adapter.handoff_bodies(req, hctx)
     # the prefill counts as in flight until its answer is in, not until the decode's end
     pleg = Leg(s, ctx, p, ctx.view.prompt_tokens, _PREFILL, _CONCURRENT)
-    dleg = Leg(s, ctx, d, ctx.tokens, _DECODE, _CONCURRENT)
+    dleg = Leg(s, ctx, d, ctx.view.prompt_tokens + ctx.view.max_tokens, _DECODE, _CONCURRENT)  # ctx.tokens
     async with Handoff(s, ctx, pleg, dleg, concurrent=True) as h:
         # Futures, not Tasks: on pooled connections both requests are written right here and
         # resolved from the connections' callbacks.
@@ -167,7 +167,7 @@ async def _decode_first(
     async def settle(gate: PrefillGate) -> DecodeCheck | None:
         return await _settle(s, ctx, h, hctx, gate, t0, early)
 
-    keep = guarded(s.cfg, req) and verifiable(req)
+    keep = s.cfg.guards.decode_consistency and req.verifiable
     return PrefillGate(pcall, settle, sound, hctx.stream_usage, keep)
 
 

@@ -21,7 +21,7 @@ import msgspec
 
 from common.errors import UpstreamFailure
 from common.outcomes import LegRecord
-from common.request import ParsedRequest
+from common.request import DEFAULT_MAX_TOKENS, ParsedRequest
 from gateway.deadlines import Deadline, DeadlineWheel
 from gateway.http.server import Responder
 from gateway.orchestration.keying import prompt_key
@@ -148,17 +148,20 @@ def request_view(
     (`prompt_key`; where the policy matches prefixes, `Needs.prompt_key`). `session`: its session
     header's value, which comes before the body's `session_id` and `user`."""
     units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / chars_per_token) + 1
+    # (`accounting_max_tokens` and, for a string or no `session_id`, `_session_key`, inline)
+    budget = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS[req.route]
+    sid = req.fields.session_id
     return RequestView(
         request_id=request_id,
         model=req.model,
         route=req.route,
         prompt_tokens=units,
-        max_tokens=req.accounting_max_tokens * req.n * req.batch,
+        max_tokens=budget * req.n * req.batch,
         stream=req.stream,
         n=req.n,
         greedy=req.greedy,
         session_key=(session.decode("latin-1") if session else None)
-        or _session_key(req.fields.session_id)
+        or (sid if sid is None or sid.__class__ is str else _session_key(sid))
         or req.fields.user,
         prompt_key=prompt_key(req) if keyed else None,
     )

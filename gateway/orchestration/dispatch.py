@@ -25,7 +25,6 @@ from gateway.orchestration.context import Phase, RequestContext
 from gateway.orchestration.sequential import run_sequential
 from gateway.orchestration.services import Services
 from gateway.orchestration.split import run_split
-from gateway.orchestration.verify import guarded, stream_usage
 from gateway.registry import Worker
 from policies.snapshot import Colocated, Disaggregated, Reject
 
@@ -73,8 +72,11 @@ def _disaggregated(
         prefill=plan.prefill,
         decode=plan.decode,
         room=new_room(s.rng),
-        stream_usage=stream_usage(s.cfg, req),
-        near_ties=g.near_tie_alternatives if req.greedy and p.near_ties and guarded(s.cfg, req) else 0,
+        # (the decode-consistency guard's: `ParsedRequest.single`, `usage_unasked`)
+        stream_usage=req.usage_unasked and g.decode_consistency,
+        near_ties=g.near_tie_alternatives
+        if req.greedy and p.near_ties and g.decode_consistency and req.single
+        else 0,
         near_tie_margin=g.near_tie_margin,
     )
     if d.adapter.handoff is _CONCURRENT:

@@ -42,7 +42,7 @@ def prompt_key(req: ParsedRequest) -> PromptKey | None:
         if req.prompt_is_ids:
             return PromptKey.from_token_ids(_ids.decode(raw))
         raw = raw.strip()
-        if b"\\" not in raw and raw[:1] == b'"' and raw[-1:] == b'"':
+        if raw.find(b"\\") < 0 and raw[:1] == b'"' and raw[-1:] == b'"':  # (`find`: common/jsonbytes.py)
             data = raw[1:-1]
             return PromptKey("text", data, len(data), None)
         return PromptKey.from_text(_text.decode(raw))

@@ -30,7 +30,7 @@ from gateway.guards import Guard
 from gateway.http.errors import UpstreamConnectError, UpstreamProtocolError
 from gateway.logging import get_logger
 from gateway.orchestration.services import Services, engine_headers
-from gateway.orchestration.verify import DecodeCheck, guarded, verifiable
+from gateway.orchestration.verify import DecodeCheck
 from gateway.registry import Worker
 from policies.base import Completed, Failed, routed_event
 from policies.cost_model import RERUN_REASON
@@ -55,7 +55,7 @@ def decode_check(
     """The decode-consistency check for one handoff, or None where it does not apply. `early`:
     the sampled re-run started with the prefill (`start_early`), which the answer then waits
     for; `drawn`: the handoff's sampling draw was made then (`early` None: not picked)."""
-    if not guarded(s.cfg, req):
+    if not (req.single and s.cfg.guards.decode_consistency):  # the guard watches one answer
         return None
     c = DecodeCheck(
         ctx,
@@ -67,7 +67,7 @@ def decode_check(
         view=view,
     )
     c.on_tie = lambda check, decode: _near_tie(s, check, decode)
-    if not verifiable(req):
+    if not req.verifiable:
         return c
     if drawn:
         if early is not None and not early.cancelled() and not early.cancelling():
@@ -96,7 +96,7 @@ def verify_late(s: Services, c: DecodeCheck) -> None:
     started: if it was this answer's pair, a re-run starts now and the answer waits for it (the
     answers already on their way when a pair is caught are not delivered unverified)."""
     c.epoch = s.registry.suspect_epoch
-    if not verifiable(c.req) or f"{c.ctx.prefill.id}|{c.ctx.decode.id}" not in s.registry.suspect_pairs():
+    if not c.req.verifiable or f"{c.ctx.prefill.id}|{c.ctx.decode.id}" not in s.registry.suspect_pairs():
         return
     _verify_now(s, c)
 
@@ -111,7 +111,10 @@ def start_early(
     None where the request is not sampled (or not verifiable), or no worker can run it. The
     caller cancels it where the attempt ends before its decode check takes it
     (`decode_check`'s `early`)."""
-    if not (s.sample_before_delivery and guarded(s.cfg, req) and verifiable(req)) or not s.verify_share.due():
+    if (
+        not (req.verifiable and s.sample_before_delivery and s.cfg.guards.decode_consistency)
+        or not s.verify_share.due()
+    ):
         return None
     w = _pick(s, req, view, hctx.decode, sampled=True)
     if w is None:

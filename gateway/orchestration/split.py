@@ -20,7 +20,6 @@ from gateway.ids import new_room
 from gateway.orchestration.concurrent import run_concurrent
 from gateway.orchestration.context import Phase, RequestContext, request_view
 from gateway.orchestration.services import Services
-from gateway.orchestration.verify import stream_usage
 from gateway.registry import Worker
 from gateway.samples import SampleMerger
 from policies.snapshot import Disaggregated
@@ -53,7 +52,7 @@ async def run_split(s: Services, ctx: RequestContext, p: Worker, d: Worker, plan
             prefill=plan.prefill,
             decode=plan.decode,
             room=new_room(s.rng),
-            stream_usage=stream_usage(s.cfg, ureq),
+            stream_usage=ureq.usage_unasked and s.cfg.guards.decode_consistency,
         )
         await run_concurrent(s, u, p, d, hctx)
 

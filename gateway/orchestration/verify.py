@@ -18,32 +18,10 @@ from adapters import EngineAdapter, HandoffCtx
 from common.errors import KVIntegrityError
 from common.request import ParsedRequest
 from common.summary import Summary
-from common.workers import GENERATE_ROUTE as _GENERATE
-from gateway.config import GatewayConfig
 from gateway.guards import Guard, check_decode
 from gateway.orchestration.services import Services
 from gateway.registry import Worker
 from policies.snapshot import RequestView
-
-
-def guarded(cfg: GatewayConfig, req: ParsedRequest) -> bool:
-    """Does the decode-consistency guard watch this request's decode? (One answer to compare.)"""
-    return cfg.guards.decode_consistency and req.n == 1 and not req.is_batch
-
-
-def stream_usage(cfg: GatewayConfig, req: ParsedRequest) -> bool:
-    """Does the decode of this handoff get asked for a usage chunk the client did not ask
-    for? Yes for a guarded stream on an OpenAI route: the guard's "finished early" check
-    needs the real token count, and counting events is wrong both ways (role-only events;
-    SGLang sends several tokens in one event with --stream-interval > 1 or a held-back
-    multi-byte character). The chunk is dropped on the way to the client."""
-    return req.stream and not req.include_usage and req.route is not _GENERATE and guarded(cfg, req)
-
-
-def verifiable(req: ParsedRequest) -> bool:
-    """Can this request's answer be checked against a short colocated re-run before its clean
-    end is sent? (Greedy, one answer; a stream's tokens flow meanwhile, only its end is held.)"""
-    return req.greedy and req.n == 1 and not req.is_batch
 
 
 class DecodeCheck(msgspec.Struct, eq=False):
