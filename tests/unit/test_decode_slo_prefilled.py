@@ -133,3 +133,17 @@ def test_slo_best_pool(pool_best: bool, b_best: float) -> None:
         ).slo.pool_best
         is True
     )
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.05, 0.2, 0.5, 1.0, 5.0])
+def test_a_records_held_decodes_break_as_the_slo_term_counts(seconds: float) -> None:
+    """`DecodeSlo.held` (the decision record's decodes) restates `broken`'s prefill-first loop
+    without its hot-path cost: the decodes it marks broken are the ones `broken` counts."""
+    clock, st, _, (a, _) = scenario(False)
+    for i, out in enumerate((2, 5, 40, 200)):  # answers with budgets on both sides of the stalls
+        st.observe(routed_event(request(f"d{i}", [9, i], out), Colocated(a)))
+        clock.t += 0.02
+    assert st.slo is not None
+    held = st.slo.held(a, seconds)
+    assert len(held) == 6  # turn 1, the short answer and the four above
+    assert sum(h.broken for h in held) == st.slo.broken(a, clock.t, seconds)
