@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from bench.replay import attribution
-from bench.replay.report import Report
 from bench.replay.stats import Calibration, Record, Slo
+from tests.bench.support import report_of, run_result
 
 CALIB = Calibration(lengths=[100, 10_000], ttft_s=[0.1, 0.1], tpot_s=[0.01, 0.01])  # flat: 0.1 s, 10 ms
 X5 = Slo(5, True)  # TTFT limit 0.5 s, TPOT limit 50 ms
@@ -150,41 +150,7 @@ def test_read_log_joins_by_replay_row() -> None:
 
 
 def test_main_on_an_out_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from bench.replay.report import RunResult
-    from bench.replay.stats import summarize
-
-    run = RunResult(
-        target="ca",
-        kind="gateway",
-        load="rate x3",
-        rate=3.0,
-        concurrency=None,
-        repeat=1,
-        position=0,
-        summary=summarize(RECORDS, X5, X5, CALIB),
-        hit_rate=0.0,
-        load_spread=1.0,
-        workers={},
-        frontend_cpu_s=0.0,
-        cluster_cpu_s=0.0,
-        client_cpu_s=0.0,
-        partial=False,
-        argv=[],
-        records=RECORDS,
-    )
-    rep = Report(
-        command="",
-        started="",
-        conditions={},
-        cluster="",
-        input="",
-        rows=6,
-        slo_ttft="5x",
-        slo_tpot="5x",
-        calibration=CALIB,
-        reachable={},
-        runs=[run],
-    )
+    rep = report_of([run_result("ca", 1, RECORDS, CALIB, rate=3.0)], CALIB)
     (tmp_path / "results.json").write_bytes(msgspec.json.encode(rep))
     (tmp_path / "logs").mkdir()
     log = [json.dumps({"event": "gateway.started", "timestamp": "2026-12-05T00:00:00Z"})]

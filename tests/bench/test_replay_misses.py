@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from bench.replay import misses, report
 from bench.replay.stats import Calibration, Record, Slo
+from tests.bench.support import report_of, run_result
 
 CALIB = Calibration(lengths=[100, 1000], ttft_s=[0.1, 0.1], tpot_s=[0.01, 0.01])  # flat: 0.1 s, 10 ms
 
@@ -51,44 +52,8 @@ def test_counts_by_answer_length() -> None:
     }
 
 
-def _run(target: str, repeat: int, records: list[Record]) -> report.RunResult:
-    from bench.replay.stats import summarize
-
-    return report.RunResult(
-        target=target,
-        kind="gateway",
-        load="rate x1",
-        rate=1.0,
-        concurrency=None,
-        repeat=repeat,
-        position=0,
-        summary=summarize(records, Slo(5, True), Slo(5, True), CALIB),
-        hit_rate=0.0,
-        load_spread=1.0,
-        workers={},
-        frontend_cpu_s=0.0,
-        cluster_cpu_s=0.0,
-        client_cpu_s=0.0,
-        partial=False,
-        argv=[],
-        records=records,
-    )
-
-
 def test_the_report_carries_the_table_with_means_per_repeat() -> None:
-    rep = report.Report(
-        command="",
-        started="",
-        conditions={},
-        cluster="",
-        input="",
-        rows=6,
-        slo_ttft="5x",
-        slo_tpot="5x",
-        calibration=CALIB,
-        reachable={},
-        runs=[_run("a", 0, RECORDS), _run("a", 1, RECORDS[:3])],
-    )
+    rep = report_of([run_result("a", 0, RECORDS, CALIB), run_result("a", 1, RECORDS[:3], CALIB)], CALIB)
     text = report.markdown(rep)
     assert "Where the SLO misses are" in text
     row = next(line for line in text.splitlines() if line.startswith("| a | 0.0 / 0.0 of 0"))
@@ -96,5 +61,5 @@ def test_the_report_carries_the_table_with_means_per_repeat() -> None:
     assert row.split(" | ")[2] == "1.0 / 1.0 of 3"
     assert row.split(" | ")[4] == "0.5 / 0.5 of 1"
     # a relative SLO without a calibration is not judged: no table
-    bare = report.Report(**{**{f: getattr(rep, f) for f in rep.__struct_fields__}, "calibration": None})
+    bare = report_of(rep.runs, None)
     assert "Where the SLO misses are" not in report.markdown(bare)
