@@ -4,11 +4,10 @@ and the prefill's server): one TCP request per read, notification or room wait."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
-from emulator.kvtransfer import TransferError, recv_msg, send_msg, unpack_blocks
+from emulator.kvtransfer import TransferError, close_writer, recv_msg, send_msg, unpack_blocks
 
 
 async def _request(
@@ -21,15 +20,18 @@ async def _request(
     try:
         await send_msg(writer, header)
         try:
-            return await asyncio.wait_for(recv_msg(reader), wait_s)
+            answer = await asyncio.wait_for(recv_msg(reader), wait_s)
         except TimeoutError as e:
             raise TransferError("timeout", "timed out") from e
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise TransferError("lost", "Lost connection with prefill instance") from e
-    finally:
+    except BaseException:
+        # No await while unwinding: a cancelled read, or a coroutine closed at collection
+        # (GeneratorExit), must not suspend again ("coroutine ignored GeneratorExit").
         writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
+        raise
+    await close_writer(writer)
+    return answer
 
 
 async def pull_blocks(

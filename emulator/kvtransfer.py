@@ -84,6 +84,15 @@ async def recv_msg(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]
     return header, payload
 
 
+async def close_writer(writer: asyncio.StreamWriter) -> None:
+    """Close a connection and wait for it, on a path that is not unwinding an exception: a
+    coroutine cancelled or closed at collection must only `writer.close()` (an await there
+    suspends a coroutine being closed: "coroutine ignored GeneratorExit")."""
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+
+
 def pack_blocks(contents: list[bytes], pad: int) -> bytes:
     return b"".join(contents) + bytes(max(0, pad))
 
@@ -290,10 +299,10 @@ class KvServer:
             pass
         except Exception:
             log.exception("kv server connection failed")
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+        except BaseException:
+            writer.close()  # cancelled or collected: no await while unwinding (close_writer)
+            raise
+        await close_writer(writer)
 
     async def _send_blocks(
         self,
