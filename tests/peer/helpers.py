@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,3 +239,27 @@ def assert_corrupt_kv_changes_tokens(cluster: PeerCluster, path: str, fault: str
     assert routed.status == 200, (routed.status, routed.body[:300])  # silent: no error reaches the client
     got = tokens_of(path, routed, stream=False)
     assert got.text != want.text, f"a corrupt KV transfer ({fault}) gave the colocated answer"
+
+
+def assert_concurrent_requests_pair(cluster: PeerCluster, n: int = 16) -> None:
+    """`n` requests at once through the router: each answer equals the colocated server's (every
+    decode got its own prefill's KV, not a neighbour's) and every one crossed a KV transfer."""
+    prompts = [f"request number {i}: tell me about {'kv ' * i}" for i in range(n)]
+    path = "/v1/completions"
+
+    def one(p: str) -> tuple[Tokens, Tokens]:
+        body = body_for(path, p, stream=False, max_tokens=16)
+        return (
+            tokens_of(path, post(cluster.router_url, path, body), stream=False),
+            tokens_of(path, post(cluster.colocated_url, path, body), stream=False),
+        )
+
+    before = cluster.kv_counters()
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, prompts))
+    after = cluster.kv_counters()
+    for got, want in results:
+        assert got == want
+    assert len({g.text for g, _ in results}) > 1, "different prompts gave identical output"
+    assert after["decode.kv_transfers_ok"] - before["decode.kv_transfers_ok"] >= n, (before, after)
+    assert after["kv_transfers_failed"] == before["kv_transfers_failed"]

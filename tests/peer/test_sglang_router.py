@@ -8,15 +8,13 @@ emulators must show that a real KV transfer carried every answer.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from tests.peer.helpers import (
     MAX_TOKENS,
     MODEL,
     PeerCluster,
-    Tokens,
+    assert_concurrent_requests_pair,
     assert_corrupt_kv_changes_tokens,
     body_for,
     compare,
@@ -93,25 +91,7 @@ def test_return_logprob_joins_both_legs(sglang_pd: PeerCluster) -> None:
 
 def test_concurrent_requests_each_find_their_kv(sglang_pd: PeerCluster) -> None:
     """16 requests at once: every decode must pair with its own prefill by room."""
-    prompts = [f"request number {i}: tell me about {'kv ' * i}" for i in range(16)]
-    path = "/v1/completions"
-
-    def one(p: str) -> tuple[Tokens, Tokens]:
-        body = body_for(path, p, stream=False, max_tokens=16)
-        return (
-            tokens_of(path, post(sglang_pd.router_url, path, body), stream=False),
-            tokens_of(path, post(sglang_pd.colocated_url, path, body), stream=False),
-        )
-
-    before = sglang_pd.kv_counters()
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(one, prompts))
-    after = sglang_pd.kv_counters()
-    for got, want in results:
-        assert got == want
-    assert len({g.text for g, _ in results}) > 1, "different prompts gave identical output"
-    assert after["decode.kv_transfers_ok"] - before["decode.kv_transfers_ok"] >= 16, (before, after)
-    assert after["kv_transfers_failed"] == before["kv_transfers_failed"]
+    assert_concurrent_requests_pair(sglang_pd)
 
 
 def test_router_rejects_text_list_on_generate(sglang_pd: PeerCluster) -> None:

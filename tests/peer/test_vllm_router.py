@@ -10,18 +10,15 @@ no params would recompute the prompt and still answer the same, so the counters 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from tests.peer.helpers import (
     PeerCluster,
-    Tokens,
+    assert_concurrent_requests_pair,
     assert_corrupt_kv_changes_tokens,
     body_for,
     compare,
     post,
-    tokens_of,
 )
 
 pytestmark = [pytest.mark.peer, pytest.mark.timeout(180)]
@@ -60,25 +57,7 @@ def test_client_request_id_is_echoed(vllm_pd: PeerCluster) -> None:
 
 def test_concurrent_requests_each_find_their_kv(vllm_pd: PeerCluster) -> None:
     """16 requests at once: every decode must pull its own prefill's blocks."""
-    prompts = [f"request number {i}: tell me about {'kv ' * i}" for i in range(16)]
-    path = "/v1/completions"
-
-    def one(p: str) -> tuple[Tokens, Tokens]:
-        body = body_for(path, p, stream=False, max_tokens=16)
-        return (
-            tokens_of(path, post(vllm_pd.router_url, path, body), stream=False),
-            tokens_of(path, post(vllm_pd.colocated_url, path, body), stream=False),
-        )
-
-    before = vllm_pd.kv_counters()
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(one, prompts))
-    after = vllm_pd.kv_counters()
-    for got, want in results:
-        assert got == want
-    assert len({g.text for g, _ in results}) > 1, "different prompts gave identical output"
-    assert after["decode.kv_transfers_ok"] - before["decode.kv_transfers_ok"] >= 16, (before, after)
-    assert after["kv_transfers_failed"] == before["kv_transfers_failed"]
+    assert_concurrent_requests_pair(vllm_pd)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
