@@ -123,8 +123,6 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
             prefilled=cfg.slo_cache == "prefilled",
             pool_best=cfg.slo_best == "pool",
         ),
-        cold_slack_s=cfg.cold_slack_s,
-        cold_window_s=cfg.cold_window_s,
     )
 
 

@@ -73,7 +73,6 @@ from policies.base import (
     NoCandidates,
     PolicyEvent,
 )
-from policies.cache_aware_cold import cold_choice, cold_pick
 from policies.cache_narrow import PositionMemo, narrow
 from policies.cache_pool_order import PoolOrders, choose_exact
 from policies.cache_state import (
@@ -234,8 +233,6 @@ class CacheAwareSelector:
             fewest = min(e.slo_misses for _, e in ok)
             ok = [(w, e) for w, e in ok if e.slo_misses == fewest]
         scores = ttft_scores([e for _, e in ok])
-        if (cold := cold_choice(state, req.prompt_tokens, pairs, ok)) is not None:
-            return cold, self._record_of(req, est, scores, cold, "cold_turnover")
         chosen, why = self.picker.pick_why([(w, scores[w.id]) for w, _ in ok])
         return chosen, self._record_of(req, est, scores, chosen, "all_saturated" if all_saturated else why)
 
@@ -285,7 +282,7 @@ class CacheAwareSelector:
         now = state.clock()
         prompt = req.prompt_tokens if req.prompt_tokens > 0 else 1
         saturation = s.saturation_wait_s
-        parts, wait_sum, rate_sum, matched = self._parts(prompt, cands, lookups, now)
+        parts, wait_sum, rate_sum = self._parts(prompt, cands, lookups, now)
         k = state.externality_k(wait_sum, rate_sum, len(parts), now, pool)
         if (slo := state.slo) is not None:  # the fewest predicted SLO misses first (decode_slo.py)
             ttft_limit = slo.ttft_limit(prompt, rate_sum / len(parts))  # (the mean rate of all)
@@ -299,11 +296,6 @@ class CacheAwareSelector:
                 counted = [slo.misses(w, now, wait, seconds, ttft_limit) for wait, seconds, _, _, w in parts]
             fewest = min(counted)
             parts = [p for p, n in zip(parts, counted, strict=True) if n == fewest]
-        if not matched and s.cold_slack_s > 0.0:  # a prompt held nowhere (policies/cache_aware_cold.py)
-            f = s.inflight_factor
-            rows = [(wt + sec * (1.0 + f * w.inflight) + k * wk + ev, w) for wt, sec, wk, ev, w in parts]
-            unsat = [r for r, p in zip(rows, parts, strict=True) if p[0] <= saturation]
-            return cold_pick(state, unsat or rows, now)
         return self._rank(parts, k, s.inflight_factor, saturation)
 
     def _parts(
@@ -312,9 +304,9 @@ class CacheAwareSelector:
         cands: Sequence[WorkerState],
         lookups: tuple[Lookup | None, Lookup],
         now: float,
-    ) -> tuple[list[tuple[float, float, float, float, WorkerState]], float, float, bool]:
+    ) -> tuple[list[tuple[float, float, float, float, WorkerState]], float, float]:
         """`_choose`'s loop over the candidates: their (wait, prefill s, work, eviction price s,
-        w) parts, the sums of their waits and rates, and whether any holds a match (a credit)."""
+        w) parts, and the sums of their waits and rates."""
         state = self.state
         s = state.settings
         limit = prompt - 1
@@ -335,7 +327,6 @@ class CacheAwareSelector:
             price *= state.turnover.factor(now)
             default_pool = s.worker_cache_tokens
         evict = 0.0
-        matched = False
         for w in cands:
             wid = w.id
             if (from_precise is None or (cached := from_precise(wid)) is None) and (
@@ -346,10 +337,7 @@ class CacheAwareSelector:
                 cached = limit
             backlog, rate = backlog_rate(wid, now, w.load.waiting)
             wait = backlog / rate
-            if cached > threshold:
-                credit, matched = cached, True
-            else:
-                credit = 0
+            credit = cached if cached > threshold else 0
             new = float(prompt - credit)  # (exact: float arithmetic below, no int-float mixing)
             if price > 0.0:
                 pool_tokens = w.kv_capacity_tokens if w.kv_capacity_tokens is not None else default_pool
@@ -359,7 +347,7 @@ class CacheAwareSelector:
             parts.append((wait, new / rate, new, evict, w))
             wait_sum += wait
             rate_sum += rate
-        return parts, wait_sum, rate_sum, matched
+        return parts, wait_sum, rate_sum
 
     def _rank(
         self,

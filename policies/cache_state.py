@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 import msgspec
 
 from policies.approx_index import ApproxIndex
-from policies.base import EVENT_TYPES, Completed, Failed, Needs, PolicyEvent, Routed, WorkerGone
+from policies.base import (
+    EVENT_TYPES,
+    Completed,
+    Failed,
+    Needs,
+    PolicyEvent,
+    Routed,
+    WorkerGone,
+)
 from policies.decode_slo import NO_SLO, DecodeSlo, HeldDecode, SloSettings
 from policies.estimators import prefill_work
 from policies.pending import expire
@@ -44,8 +52,6 @@ class CacheAwareSettings:
     pressure_window_s: float = 10.0
     evict_price: float = 0.0  # the eviction price's weight (policies/turnover.py); 0: off
     evict_window_s: float = 5.0  # new KV sent to each worker: decayed over this window
-    cold_slack_s: float = 0.0  # an unmatched prompt: least turnover within this of the cheapest
-    cold_window_s: float = 30.0  # the cold placement's turnover window (policies/cache_aware_cold.py)
     saturation_wait_s: float = 10.0
     max_candidates: int = 16
     scan_limit: int = 64
@@ -187,7 +193,6 @@ class CacheState:
         self.accuracy = PredictionStats()
         self.arrivals = DecayedRate(s.pressure_window_s)  # routed requests and their prefill work
         self.turnover = Turnover(s.evict_window_s)  # new KV tokens sent to each worker
-        self.cold_turnover = Turnover(s.cold_window_s)  # the same over the cold placement's window
         # routing decisions by (role that prefills, prediction source, matched: cached > 0)
         self.decisions: dict[tuple[str, str, bool], int] = {}
         self.clock = clock
@@ -367,7 +372,6 @@ class CacheState:
                 self.accuracy.forget(event.worker_id)
                 self._pinned.pop(event.worker_id, None)
                 self.turnover.forget(event.worker_id)
-                self.cold_turnover.forget(event.worker_id)
         now = self.clock()
         if now - self._last_sweep >= self.settings.eviction_interval_s:
             self._sweep(now)
@@ -426,10 +430,7 @@ class CacheState:
         self.queues.add(wid, work, now)
         self.arrivals.add(work, now)
         # the new KV it writes there: its uncached prompt, and a colocated answer's tokens
-        written = uncached + (0 if ev.disaggregated else ev.max_tokens)
-        self.turnover.add(wid, written, now)
-        if self.settings.cold_slack_s > 0.0:
-            self.cold_turnover.add(wid, written, now)
+        self.turnover.add(wid, uncached + (0 if ev.disaggregated else ev.max_tokens), now)
         capacity = None if w is None else self.capacity(w)
         # until its prefill ends the engine holds its prompt pinned, not cached (a request that
         # shares the prefix and is admitted meanwhile computes it again); a colocated answer

@@ -143,11 +143,6 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # the SLO term's unloaded time per token of a worker with under 10 streams of its own: "worker"
     # (the median of its streams) or "pool" (the least of the pool's, once it has 10)
     slo_best: Literal["worker", "pool"] = "worker"
-    # a prompt predicted cached on no worker: of the workers whose cost is within cold_slack_s of
-    # the cheapest, the one sent the least new KV / its pool over cold_window_s (decayed;
-    # policies/cache_aware_cold.py: sglang-router's smallest tree, bounded by the slack); 0: off
-    cold_slack_s: float = 0.0
-    cold_window_s: float = 30.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -193,16 +188,6 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
         slo = self.ttft_slo_s + self.ttft_slo_x + self.tpot_slo_s + self.tpot_slo_x
         if self.large_pool == "exact" and slo > 0:
             raise ValueError('large_pool = "exact" does not weigh SLOs: set no ttft_slo_* / tpot_slo_*')
-        for name in ("cold_slack_s", "cold_window_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-        if self.cold_window_s <= 0:
-            raise ValueError(f"cold_window_s must be > 0, got {self.cold_window_s}")
-        if self.large_pool == "exact" and self.cold_slack_s > 0:
-            raise ValueError(
-                'large_pool = "exact" needs cold_slack_s = 0: the exact search places no cold prompts'
-            )
 
 
 class PluginCfg(_Cfg, tag="plugin", frozen=True):
