@@ -74,6 +74,16 @@ def test_one_wild_sample_moves_the_line_a_bounded_step(
     assert rate_within[0] <= q.rate("w") <= rate_within[1]
 
 
+@pytest.mark.parametrize(("new_rate", "after", "within"), [(40_000.0, 60, 0.1), (400_000.0, 100, 0.1)])
+def test_a_worker_whose_speed_changes_is_followed_through_the_clip(
+    new_rate: float, after: int, within: float
+) -> None:
+    q = PrefillQueues(RateSettings(default_rate=10_000.0, fit=True))
+    feed(q, MIXED)
+    feed(q, (MIXED * 2)[:after], rate=new_rate)  # 3.2x slower or faster: clipped at first
+    assert q.rate("w") == pytest.approx(new_rate, rel=within)
+
+
 def test_a_sample_is_clipped_only_once_the_line_has_enough() -> None:
     assert CLIP > 1.0 and CLIP_AFTER >= 1
     q = PrefillQueues(RateSettings(default_rate=10_000.0, fit=True))
