@@ -122,7 +122,9 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
             cfg.tpot_slo_x,
             prefilled=cfg.slo_cache == "prefilled",
             pool_best=cfg.slo_best == "pool",
+            queue_prefilled=cfg.queue_cache == "prefilled",
         ),
+        prefill_fit_line=cfg.prefill_fit == "line",
     )
 
 

@@ -61,6 +61,7 @@ class CacheAwareSettings:
     record_prefilled: bool = False
     max_pending: int = 100_000
     slo: SloSettings = field(default_factory=SloSettings)  # off unless an SLO is set (policies/decode_slo.py)
+    prefill_fit_line: bool = False  # the rate: a fitted line's slope (policies/prefill_cost.py `fit`)
 
     def __post_init__(self) -> None:
         if self.exact_large_pool and self.queue_externality > 0:
@@ -189,7 +190,7 @@ class CacheState:
             block_tokens=s.block_tokens, chars_per_token=s.chars_per_token, budget_tokens=s.max_tree_size
         )
         self.precise = precise if s.use_kv_events else None
-        self.queues = PrefillQueues(RateSettings(default_rate=s.prefill_rate))
+        self.queues = PrefillQueues(RateSettings(default_rate=s.prefill_rate, fit=s.prefill_fit_line))
         self.accuracy = PredictionStats()
         self.arrivals = DecayedRate(s.pressure_window_s)  # routed requests and their prefill work
         self.turnover = Turnover(s.evict_window_s)  # new KV tokens sent to each worker
@@ -424,6 +425,7 @@ class CacheState:
             cached = min(cached, req_tokens - 1)
         uncached = req_tokens - cached
         work = prefill_work(uncached, cached, self.settings.crossover_tokens)
+        work = work if self.slo is None else self.slo.queued_work(ev, wid, cached, work)
         tally = (ev.roles[0].value, source, cached > 0)
         self.decisions[tally] = self.decisions.get(tally, 0) + 1
         backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)

@@ -143,6 +143,15 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # the SLO term's unloaded time per token of a worker with under 10 streams of its own: "worker"
     # (the median of its streams) or "pool" (the least of the pool's, once it has 10)
     slo_best: Literal["worker", "pool"] = "worker"
+    # how a worker's prefill rate is learned from what requests took: "rate" (an average of
+    # work / seconds) or "line" (seconds = fixed cost + work / rate, fitted per worker: a small
+    # prefill's fixed cost is not taken for a slow rate; policies/prefill_cost.py)
+    prefill_fit: Literal["rate", "line"] = "rate"
+    # the prefill work a routed request adds to its worker's queue: "routed" (the index's cached
+    # tokens, as the cost counts them) or "prefilled" (the engine's view, as `slo_cache =
+    # "prefilled"` counts it: a turn sent while its predecessor still prefills there queues its
+    # whole prompt); "prefilled" needs slo_cache = "prefilled"
+    queue_cache: Literal["routed", "prefilled"] = "routed"
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -152,6 +161,8 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
             raise ValueError("balance_abs_threshold must be >= 0")
         if not (math.isfinite(self.balance_rel_threshold) and self.balance_rel_threshold >= 1.0):
             raise ValueError("balance_rel_threshold must be a finite number >= 1")
+        if self.queue_cache == "prefilled" and self.slo_cache != "prefilled":
+            raise ValueError('queue_cache = "prefilled" needs slo_cache = "prefilled"')
         for name in ("eviction_interval", "chars_per_token", "prefill_rate", "saturation_wait_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

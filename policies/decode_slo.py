@@ -73,6 +73,7 @@ class SloSettings:
     tpot_slo_x: float = 0.0
     prefilled: bool = False  # a prefix a running prefill writes is not cached for the SLO term
     pool_best: bool = False  # best(w) of a worker with < 10 streams: the pool's least (`best`)
+    queue_prefilled: bool = False  # a routed prefill queues the work of `prefilled`'s view (`queued_work`)
 
     @property
     def on(self) -> bool:
@@ -241,6 +242,17 @@ class DecodeSlo:
             if shared_blocks(mine, self._chain(other)) * self._block_tokens > found:
                 cached = found
         return cached
+
+    def queued_work(self, ev: Routed, worker_id: str, cached: int, work: float) -> float:
+        """The prefill work a request just routed to `worker_id` queues there: `work` (for
+        `cached` tokens found, the index's view), or with `queue_prefilled` its work for the
+        cached tokens `_routed` predicted the engine finds (`prefilled`'s view) where fewer."""
+        if not self.settings.queue_prefilled:
+            return work
+        got = self._filling.get(worker_id, {}).get(ev.request_id)
+        if got is None or got[1] >= cached:
+            return work
+        return prefill_work(max(1, ev.prompt_tokens) - got[1], got[1], self.crossover)
 
     def seconds(
         self, key: PromptKey | None, prompt: int, cached: int, w: WorkerState, own: float, now: float

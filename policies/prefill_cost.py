@@ -34,6 +34,21 @@ hits, cheap on paper) waited seconds that no prediction showed.
 
 The engine's own report of waiting requests puts a floor under the backlog (work other gateway
 replicas sent): `waiting * mean uncached tokens per request`.
+
+With `fit` (`prefill_fit = "line"`) the rate is the slope of a line fitted per worker instead,
+
+    seconds = overhead(w) + (backlog + work) / rate(w)
+
+(`policies.estimators.LinearFit`, exponentially weighted least squares, every request
+measured): a prefill's fixed cost (the engine's step and the request's round trip, ~4 ms at
+20 tokens on the emulated H100) is the intercept, not a slower rate. The single-rate average
+took each small request's fixed cost for slowness (a 351-token prompt measured ~55k work/s, a
+38k one ~125k), and a rate pulled low predicted a backlog that had already drained, which the
+next short request then measured as a rate 5x too fast (590k work/s in one sample): over a
+replay a quarter of the decisions ran on a rate outside 100-140k work/s, their predicted TTFT
+off 1.4-2x (docs/benchmarks.md, "The learned prefill rate"). Once a fit has `CLIP_AFTER`
+samples each new one is clipped to within `CLIP` x its prediction, so one such sample moves the
+line a bounded step.
 """
 
 from __future__ import annotations
@@ -41,6 +56,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policies.base import Completed
+from policies.estimators import LinearFit
+
+CLIP = 2.0  # with `fit`: a sample counts as at most this factor off the line's prediction
+CLIP_AFTER = 5  # ... once the line has this many samples
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +69,9 @@ class RateSettings:
     max_rate: float = 10_000_000.0
     learn_min_tokens: int = 256  # requests with less work are not measured (overheads dominate)
     smoothing: float = 0.2  # weight of a new measurement
+    fit: bool = False  # a line per worker (fixed cost + work / rate) instead of the EWMA rate
+    fit_forget: float = 0.05  # with `fit`: each sample scales the older ones by 1 - this
+    max_overhead_s: float = 0.1  # with `fit`: the fixed cost's upper bound
 
 
 class PrefillQueues:
@@ -60,6 +82,7 @@ class PrefillQueues:
     """
 
     __slots__ = (
+        "_fits",
         "_mean_uncached",
         "_prior",
         "_queue",
@@ -76,6 +99,7 @@ class PrefillQueues:
         self.settings = settings or RateSettings()
         self._queue: dict[str, tuple[float, float]] = {}  # worker -> (tokens, as of)
         self._rate: dict[str, float] = {}
+        self._fits: dict[str, LinearFit] = {}  # with `settings.fit`
         self._rate_sum = 0.0
         self._prior = self.settings.default_rate  # an unmeasured worker's: the measured ones' mean
         self._mean_uncached = 1024.0  # SMG's mean_prefill_tokens default, until measured
@@ -113,6 +137,11 @@ class PrefillQueues:
     def rate(self, worker_id: str) -> float:
         return self._rate.get(worker_id, self._prior)
 
+    def overhead(self, worker_id: str) -> float:
+        """With `fit`: the fitted fixed seconds of a prefill on the worker (0: not fitted)."""
+        f = self._fits.get(worker_id)
+        return 0.0 if f is None else f.coefficients()[0]
+
     def backlog(self, worker_id: str, now: float, waiting: int = 0) -> float:
         """Tokens still queued for prefill on the worker at `now`."""
         q = self._queue.get(worker_id)
@@ -148,17 +177,50 @@ class PrefillQueues:
         """A request that had `work_tokens` (backlog + its own uncached) ahead of its first token
         took `seconds`."""
         s = self.settings
+        if s.fit:
+            if work_tokens > 0 and seconds > 0:
+                self._fit(worker_id, work_tokens, seconds)
+            return
         if work_tokens < s.learn_min_tokens or seconds <= 0:
             return
         sample = min(max(work_tokens / seconds, s.min_rate), s.max_rate)
         old = self._rate.get(worker_id)
         new = sample if old is None else old + s.smoothing * (sample - old)
+        self._set_rate(worker_id, new)
+
+    def _fit(self, worker_id: str, work: float, seconds: float) -> None:
+        """`learn` with `fit`: the sample, clipped once the line has `CLIP_AFTER`, joins the
+        worker's line; its rate is 1 / the slope. The first sample starts the line through the
+        origin at its own rate (the EWMA's first value)."""
+        s = self.settings
+        f = self._fits.get(worker_id)
+        if f is None:
+            slope = min(max(seconds / work, 1.0 / s.max_rate), 1.0 / s.min_rate)
+            f = self._fits[worker_id] = LinearFit(
+                0.0,
+                slope,
+                work,
+                prior_weight=0.5,
+                forget=s.fit_forget,
+                b_min=1.0 / s.max_rate,
+                b_max=1.0 / s.min_rate,
+                a_max=s.max_overhead_s,
+            )
+        elif f.samples >= CLIP_AFTER:
+            predicted = f.predict(work)
+            seconds = min(max(seconds, predicted / CLIP), predicted * CLIP)
+        f.add(work, seconds)
+        self._set_rate(worker_id, 1.0 / f.coefficients()[1])
+
+    def _set_rate(self, worker_id: str, new: float) -> None:
+        old = self._rate.get(worker_id)
         self._rate[worker_id] = new
         self._reprior(new - (old or 0.0))
         self._changed(worker_id)
 
     def forget(self, worker_id: str) -> None:
         self._queue.pop(worker_id, None)
+        self._fits.pop(worker_id, None)
         old = self._rate.pop(worker_id, None)
         if old is not None:
             self._reprior(-old)

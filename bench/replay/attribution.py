@@ -13,6 +13,8 @@ are what stalled it), and for every answer past its TTFT SLO those whose first t
 its send and its own first token (prefills run ahead of it). For each such breaker: routed
 before or after the missed request, its decision's predicted misses on the chosen worker and
 the fewest of any candidate, and whether that decision listed the missed decode as broken.
+A TTFT miss is put down to its own decision (`ttft_category`): predicted over its limit (chosen
+knowingly), or predicted within it and wrong (a prefix ahead predicted cached, or the queue).
 
 A TPOT miss is put down to its decisive breaker (the one at which the measured prefill seconds
 routed after it pass the stall its SLO allowed): predicted (that decision listed it broken),
@@ -179,13 +181,12 @@ def decisive(breakers: Sequence[Breaker], budget: float) -> Breaker | None:
     return after[-1] if after else None
 
 
-def _category(kind: str, breakers: Sequence[Breaker], budget: float) -> str:
-    """Why a miss was not avoided: the decision of its decisive breaker (TPOT), or whether
-    prefills ran ahead of it (TTFT)."""
+def _category(kind: str, breakers: Sequence[Breaker], budget: float, own: dict | None, limit: float) -> str:
+    """Why a miss was not avoided: the decision of its decisive breaker (TPOT), its own (TTFT)."""
+    if kind == "ttft":
+        return ttft_category(own, limit, breakers)
     if not breakers:
         return "no breaker on its worker"
-    if kind == "ttft":
-        return "prefills ahead of it" if any(not b.after for b in breakers) else "prefills routed after it"
     b = decisive(breakers, budget)
     if b is None:
         return "only prefills routed before it"
@@ -202,6 +203,30 @@ def _category(kind: str, breakers: Sequence[Breaker], budget: float) -> str:
     return "chosen not the fewest"
 
 
+def ttft_category(dec: dict | None, limit: float, breakers: Sequence[Breaker]) -> str:
+    """Why a TTFT miss was not avoided, by its own decision: the chosen worker predicted over
+    `limit` (chosen knowingly: with another candidate predicted within it, or with none), else
+    predicted within it and wrong: a prefill ahead of it computed tokens predicted cached (a
+    turn sent behind its predecessor), or else the queue or the rate; without a record, whether
+    prefills ran ahead of it."""
+    c = _chosen(dec)
+    if dec is None or c is None or "ttft_s" not in c:
+        if not breakers:
+            return "no breaker on its worker"
+        return "prefills ahead of it" if any(not b.after for b in breakers) else "prefills routed after it"
+    if c["ttft_s"] > limit:
+        within = min(e.get("ttft_s", math.inf) for e in dec["candidates"]) <= limit
+        return f"predicted over the limit, {'a candidate' if within else 'none'} within"
+    if any(not b.after and _computed_cached(b) for b in breakers):
+        return "predicted within, a prefill ahead computed its predicted cache"
+    return "predicted within, the queue or the rate off"
+
+
+def _computed_cached(b: Breaker) -> bool:
+    """The engine computed over 5 % of the breaker's prompt that its decision predicted cached."""
+    return b.cached >= 0 and b.predicted_cached - b.cached > 0.05 * b.input_length
+
+
 def wrong_term(breakers: Sequence[Breaker], budget: float, unloaded: float, steps: int) -> str:
     """Which term of `DecodeSlo`'s model was off for a decode it predicted no breaker of, in
     this order: a breaker found fewer cached tokens than predicted (by over 5 % of its prompt)
@@ -210,12 +235,8 @@ def wrong_term(breakers: Sequence[Breaker], budget: float, unloaded: float, step
     TPOT); the breakers' measured prefill seconds were over 1.2x the predicted; else the decode
     steps themselves (slower than `best(w)` in a batch)."""
     after = [b for b in breakers if b.after]
-    if any(
-        b.cached >= 0
-        and b.predicted_cached - b.cached > 0.05 * b.input_length
-        and b.service_s > 1.2 * b.predicted_prefill_s  # (not where the SLO term saw through it)
-        for b in after
-    ):
+    # (not where the SLO term saw through it: its prefill seconds as measured)
+    if any(_computed_cached(b) and b.service_s > 1.2 * b.predicted_prefill_s for b in after):
         return "cached"
     listed = next((b for b in after if b.listed), None)
     if listed is not None and listed.budget_s > 1.1 * budget:
@@ -266,7 +287,7 @@ def _miss(
         unloaded_tpot_s=unloaded,
         best_s=own.get("tpot_best_s", math.nan) if own else math.nan,
         excess_s=(x.last_token - x.first_token) - steps * unloaded,
-        category=(cat := _category(kind, breakers, budget)),
+        category=(cat := _category(kind, breakers, budget, decisions.get(x.index), limits[0])),
         term=wrong_term(breakers, budget, unloaded, steps) if cat.startswith("unpredicted") else "",
         breakers=breakers,
     )

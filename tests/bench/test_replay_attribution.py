@@ -97,7 +97,8 @@ def test_each_miss_with_its_breakers_and_the_verdict() -> None:
     assert m2.category == "predicted (no clean candidate)" and m2.term == ""
     assert m2.breakers[0].predicted_break
     m4 = got[(4, "ttft")]
-    assert [b.row for b in m4.breakers] == [3] and m4.category == "prefills ahead of it"
+    assert [b.row for b in m4.breakers] == [3]
+    assert m4.category == "predicted within, the queue or the rate off"  # 0.3 s predicted, 0.9 took
     assert att.joined == 6 and att.records == 6
 
 
@@ -135,6 +136,33 @@ def test_the_term_that_was_off(change: dict[str, float], term: str) -> None:
     att = attribution.attribute(RECORDS, {**DECISIONS, 1: d}, WHERE, CALIB, X5, X5)
     assert next(m for m in att.misses if m.row == 0).term == term
     assert f"{term}: 1" in attribution.markdown(att)
+
+
+@pytest.mark.parametrize(
+    ("own", "ahead_cached", "category"),
+    [
+        # row 4's own decision: each candidate's predicted TTFT (its limit 0.5 s; it took 0.9)
+        ({"A": 0.3, "B": 0.3}, 10, "predicted within, the queue or the rate off"),
+        # row 3, ahead of it on B, was predicted 900 of its 1,000 tokens cached; the engine had 0
+        ({"A": 0.3, "B": 0.3}, 900, "predicted within, a prefill ahead computed its predicted cache"),
+        ({"A": 0.3, "B": 0.7}, 10, "predicted over the limit, a candidate within"),
+        ({"A": 0.6, "B": 0.7}, 10, "predicted over the limit, none within"),
+        (None, 10, "prefills ahead of it"),  # no decision record
+    ],
+)
+def test_a_ttft_miss_by_its_own_decision(
+    own: dict[str, float] | None, ahead_cached: int, category: str
+) -> None:
+    decisions = {**DECISIONS, 3: decision(3, "B", {"A": 1, "B": 1}, [held(2, True)], cached=ahead_cached)}
+    if own is None:
+        del decisions[4]
+    else:
+        d = decisions[4] = decision(4, "B", {"A": 0, "B": 0})
+        for c in d["candidates"]:
+            c["ttft_s"] = own[c["worker"]]
+    att = attribution.attribute(RECORDS, decisions, WHERE, CALIB, X5, X5)
+    assert next(m for m in att.misses if m.kind == "ttft").category == category
+    assert f"TTFT misses: 1 ({category}: 1)" in attribution.markdown(att)
 
 
 def test_read_log_joins_by_replay_row() -> None:
