@@ -108,7 +108,6 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         pressure_window_s=cfg.pressure_window_s,
         evict_price=cfg.evict_price,
         evict_window_s=cfg.evict_window_s,
-        block_price=cfg.block_price,
         saturation_wait_s=cfg.saturation_wait_s,
         max_candidates=cfg.max_candidates,
         scan_limit=cfg.scan_limit,

@@ -33,11 +33,7 @@ the pool compute its prefix again, and every later arrival pays for that. `evict
 `evict_price` is set) prices what the request's new KV pushes out of w's cache:
 `evict_price x uncached(w) / rate(w) x written(w) / pool(w)`, `written(w)` the new KV tokens sent
 to w over the last `evict_window_s` (decayed; policies/turnover.py): a worker whose cache turns
-over fast evicts prefixes still to be asked for. With `block_price` set (0: off), `evict(w)` also
-holds the blocking price `block_price x lam_aff(w) x S(w) x (wait(w) + S(w) / 2)`: `lam_aff(w)`
-the decayed rate of requests routed to w predicted cached there (each by its cached share),
-`S(w)` this request's prefill seconds there (policies/turnover.py): a long prompt is charged
-most where the most conversations return. Affinity is never a reason to overload a worker:
+over fast evicts prefixes still to be asked for. Affinity is never a reason to overload a worker:
 
 - a worker whose queued prefill alone takes longer than `saturation_wait_s` is **saturated**:
   filtered out while any worker is not (`SaturationFilter`);
@@ -330,10 +326,6 @@ class CacheAwareSelector:
             written = state.turnover.scaled
             price *= state.turnover.factor(now)
             default_pool = s.worker_cache_tokens
-        block = s.block_price
-        if block > 0.0:  # the blocking price (policies/turnover.py): affinity arrivals / s, decayed
-            hits = state.turnover.hits
-            block *= state.turnover.factor(now) / state.turnover.window_s
         evict = 0.0
         for w in cands:
             wid = w.id
@@ -352,11 +344,7 @@ class CacheAwareSelector:
                 evict = price * new / rate * written.get(wid, 0.0) / pool_tokens if pool_tokens else 0.0
             if attention > 0.0:  # prefill_work, inlined (the hot loop)
                 new *= 1.0 + (float(credit) + 0.5 * new) / attention
-            if block > 0.0:  # the turns expected at w while this prefill is queued and running
-                sw = new / rate
-                parts.append((wait, sw, new, evict + block * hits.get(wid, 0.0) * sw * (wait + 0.5 * sw), w))
-            else:
-                parts.append((wait, new / rate, new, evict, w))
+            parts.append((wait, new / rate, new, evict, w))
             wait_sum += wait
             rate_sum += rate
         return parts, wait_sum, rate_sum

@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 import msgspec
 
 from policies.approx_index import ApproxIndex
-from policies.base import EVENT_TYPES, Completed, Failed, Needs, PolicyEvent, Routed, WorkerGone
+from policies.base import (
+    EVENT_TYPES,
+    Completed,
+    Failed,
+    Needs,
+    PolicyEvent,
+    Routed,
+    WorkerGone,
+)
 from policies.decode_slo import NO_SLO, DecodeSlo, HeldDecode, SloSettings
 from policies.estimators import prefill_work
 from policies.pending import expire
@@ -44,7 +52,6 @@ class CacheAwareSettings:
     pressure_window_s: float = 10.0
     evict_price: float = 0.0  # the eviction price's weight (policies/turnover.py); 0: off
     evict_window_s: float = 5.0  # new KV sent to each worker: decayed over this window
-    block_price: float = 0.0  # the blocking price's weight (policies/turnover.py); 0: off
     saturation_wait_s: float = 10.0
     max_candidates: int = 16
     scan_limit: int = 64
@@ -298,8 +305,6 @@ class CacheState:
         queues = self.queues
         price = s.evict_price * self.turnover.factor(now)  # (as `_choose` computes it)
         written = self.turnover.scaled
-        block = s.block_price * self.turnover.factor(now) / self.turnover.window_s
-        hits = self.turnover.hits
         rows: list[tuple[WorkerState, int, str, float, float, float, float, float]] = []
         for w in cands:
             cached, source = self.cached(lookups, w.id)
@@ -313,8 +318,6 @@ class CacheState:
             evict = 0.0
             if price > 0.0 and (pool_tokens := self.capacity(w)):  # (unknown or 0: no price)
                 evict = price * (prompt - credit) / rate * written.get(wid, 0.0) / pool_tokens
-            if block > 0.0:  # the blocking price (policies/turnover.py), as `_parts` adds it
-                evict += block * hits.get(wid, 0.0) * work / rate * (backlog / rate + 0.5 * work / rate)
             rows.append((w, cached, source, backlog, rate, backlog / rate, work, evict))
         return rows
 
@@ -429,8 +432,7 @@ class CacheState:
         self.queues.add(wid, work, now)
         self.arrivals.add(work, now)
         # the new KV it writes there: its uncached prompt, and a colocated answer's tokens
-        hit = cached / req_tokens if cached > self.settings.cache_threshold * req_tokens else 0.0
-        self.turnover.add(wid, uncached + (0 if ev.disaggregated else ev.max_tokens), now, hit)
+        self.turnover.add(wid, uncached + (0 if ev.disaggregated else ev.max_tokens), now)
         capacity = None if w is None else self.capacity(w)
         # until its prefill ends the engine holds its prompt pinned, not cached (a request that
         # shares the prefix and is admitted meanwhile computes it again); a colocated answer

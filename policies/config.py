@@ -115,11 +115,6 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # turns over fast (policies/turnover.py); 0: off. Needs the pool (reported, or worker_cache_tokens)
     evict_price: float = 0.0
     evict_window_s: float = 5.0  # the best measured (docs/benchmarks.md, "An eviction price")
-    # + block_price x (requests routed to the worker predicted cached there, each by its cached
-    # share, per second over evict_window_s) x own prefill s x (queued wait + own prefill s / 2):
-    # the delay a long prefill imposes on the turns that come back to its worker
-    # (policies/turnover.py); 0: off
-    block_price: float = 0.0
     saturation_wait_s: float = 10.0  # queued prefill beyond this: no new work while others have less
     max_candidates: int = 16  # deepest-matching workers considered in a large pool
     scan_limit: int = 64  # pools up to this size are scored whole
@@ -189,10 +184,6 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
             raise ValueError(
                 'large_pool = "exact" needs evict_price = 0: the exact search does not price evictions'
             )
-        if not (math.isfinite(self.block_price) and self.block_price >= 0):
-            raise ValueError(f"block_price must be a finite number >= 0, got {self.block_price}")
-        if self.large_pool == "exact" and self.block_price > 0:
-            raise ValueError('large_pool = "exact" needs block_price = 0: the exact search does not price it')
         if not (math.isfinite(self.pressure_window_s) and self.pressure_window_s > 0):
             raise ValueError(f"pressure_window_s must be a finite number > 0, got {self.pressure_window_s}")
         if not (math.isfinite(self.inflight_factor) and self.inflight_factor >= 0):

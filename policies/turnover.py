@@ -18,20 +18,6 @@ whose next turn is still to come.
 The sums are kept scaled by `exp((t - t0) / window)` so that a read is one multiply by a factor
 computed once per decision (the hot loop reads one dict entry per candidate); `t0` moves
 forward (every sum rescaled) before the scale can overflow.
-
-The same class keeps each worker's decayed *affinity arrivals* (`hits`): requests routed to it
-that were predicted cached there above `cache_threshold`, each counted by its cached share of
-the prompt (a returning turn ~1, a shared system prompt ~0). `cache_aware`'s blocking price
-(`block_price`, 0: off) charges a candidate the delay its prefill imposes on the turns expected
-to come back to it while the prefill is queued and running:
-
-    block(w) = block_price x lam_aff(w) x S(w) x (wait(w) + S(w) / 2)
-
-`lam_aff(w)`: those arrivals per second (`hits / window_s`), `S(w)`: the request's prefill
-seconds there, `wait(w)`: its queue ahead. A cached turn on its holder has a small `S` and is
-barely charged; a long cold prompt is charged most where the most conversations live, so it goes
-where it blocks the fewest (the busy-pool price, policies/pool_pressure.py, is the same for
-every worker and cannot ask which one).
 """
 
 from __future__ import annotations
@@ -44,19 +30,17 @@ _REBASE = 50.0  # windows: exp(50) ~ 5e21, far from a float's range
 class Turnover:
     """Per worker: new KV tokens sent to it, exponentially decayed over `window_s`."""
 
-    __slots__ = ("_hits", "_scaled", "_t0", "window_s")
+    __slots__ = ("_scaled", "_t0", "window_s")
 
     def __init__(self, window_s: float = 10.0) -> None:
         if not (math.isfinite(window_s) and window_s > 0):
             raise ValueError(f"window_s must be a finite number > 0, got {window_s}")
         self.window_s = window_s
         self._scaled: dict[str, float] = {}
-        self._hits: dict[str, float] = {}  # affinity arrivals, scaled as `_scaled`
         self._t0: float | None = None
 
-    def add(self, worker: str, tokens: float, now: float, hit: float = 0.0) -> None:
-        """`tokens` new KV sent to `worker`; `hit`: the request's cached share there (0 to 1)."""
-        if tokens <= 0.0 and hit <= 0.0:
+    def add(self, worker: str, tokens: float, now: float) -> None:
+        if tokens <= 0.0:
             return
         if self._t0 is None:
             self._t0 = now
@@ -64,13 +48,8 @@ class Turnover:
         if e > _REBASE:
             k = math.exp(-e)
             self._scaled = {w: v * k for w, v in self._scaled.items() if v * k > 1e-9}
-            self._hits = {w: v * k for w, v in self._hits.items() if v * k > 1e-9}
             self._t0, e = now, 0.0
-        scale = math.exp(e)
-        if tokens > 0.0:
-            self._scaled[worker] = self._scaled.get(worker, 0.0) + tokens * scale
-        if hit > 0.0:
-            self._hits[worker] = self._hits.get(worker, 0.0) + hit * scale
+        self._scaled[worker] = self._scaled.get(worker, 0.0) + tokens * math.exp(e)
 
     def factor(self, now: float) -> float:
         """The multiplier that turns `scaled` values into tokens as of `now`."""
@@ -82,19 +61,9 @@ class Turnover:
     def scaled(self) -> dict[str, float]:
         return self._scaled
 
-    @property
-    def hits(self) -> dict[str, float]:
-        """Affinity arrivals per worker, scaled as `scaled` (x `factor(now)` / `window_s`: per s)."""
-        return self._hits
-
-    def affinity_rate(self, worker: str, now: float) -> float:
-        """`lam_aff`: the decayed affinity arrivals at `worker` per second as of `now`."""
-        return self._hits.get(worker, 0.0) * self.factor(now) / self.window_s
-
     def tokens(self, worker: str, now: float) -> float:
         """The decayed new KV tokens sent to `worker` as of `now`."""
         return self._scaled.get(worker, 0.0) * self.factor(now)
 
     def forget(self, worker: str) -> None:
         self._scaled.pop(worker, None)
-        self._hits.pop(worker, None)
