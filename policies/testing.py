@@ -102,6 +102,16 @@ def make_worker(
     )
 
 
+class ManualClock:
+    """A clock a test moves by hand (`clock.t += 1.5`): pass it where a policy takes `clock`."""
+
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def make_snapshot(*workers: WorkerState, version: int = 1) -> ClusterSnapshot:
     return ClusterSnapshot(version=version, workers=tuple(workers))
 

@@ -27,15 +27,8 @@ from policies.estimators import prefill_work
 from policies.prefill_cost import PrefillQueues, RateSettings
 from policies.prompt_key import PromptKey, render_chat
 from policies.snapshot import Colocated, Disaggregated, RequestView, RouteKind, WorkerState
+from policies.testing import ManualClock as Clock
 from policies.testing import make_snapshot, make_worker, run_conformance
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def req(ids: list[int] | None, rid: str = "r", model: str = "m", text: str | None = None) -> RequestView:

@@ -13,17 +13,10 @@ from policies.base import Completed, Failed, routed_event
 from policies.cache_aware import CacheAwareSettings, CacheState
 from policies.prompt_key import PromptKey
 from policies.snapshot import Colocated, RequestView, RouteKind, WorkerState
+from policies.testing import ManualClock as Clock
 from policies.testing import make_worker
 
 PREFIX = list(range(1000, 1800))  # 800 tokens = 50 blocks of 16
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def req(ids: list[int], rid: str, max_tokens: int = 16) -> RequestView:

@@ -17,16 +17,9 @@ from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheSt
 from policies.config import CacheAwareCfg, parse_policy
 from policies.prompt_key import PromptKey
 from policies.snapshot import Colocated, RequestView, RouteKind, WorkerState
+from policies.testing import ManualClock as Clock
 from policies.testing import make_worker
 from policies.turnover import Turnover
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def req(ids: list[int], rid: str = "ask") -> RequestView:

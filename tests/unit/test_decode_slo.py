@@ -17,16 +17,8 @@ from policies.config import CacheAwareCfg, parse_policy
 from policies.decode_slo import SloSettings
 from policies.prompt_key import PromptKey
 from policies.snapshot import Colocated, RequestView, RouteKind, WorkerState
+from policies.testing import ManualClock as Clock
 from policies.testing import make_worker
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
 
 DOC = list(range(10_000, 20_000))  # a 10,000-token document a conversation keeps sending
 

@@ -15,6 +15,7 @@ from policies.config import CacheAwareCfg
 from policies.pool_pressure import RHO_MAX, DecayedRate, externality_per_work
 from policies.prompt_key import PromptKey
 from policies.snapshot import Colocated, RequestView, RouteKind
+from policies.testing import ManualClock as Clock
 from policies.testing import make_worker
 
 
@@ -68,14 +69,6 @@ def test_bad_window_is_refused() -> None:
 
 PREFIX = list(range(1000, 1800))  # 800 tokens: what worker b holds
 ASK = PREFIX + [9] * 200  # 1000 tokens: b computes 200 of them, a all 1000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def req(ids: list[int], rid: str = "ask") -> RequestView:

@@ -16,6 +16,7 @@ from policies.decode_slo import SloSettings
 from policies.prefill_cost import CLIP, CLIP_AFTER, PrefillQueues, RateSettings
 from policies.prompt_key import PromptKey
 from policies.snapshot import Colocated, RequestView, RouteKind
+from policies.testing import ManualClock as Clock
 from policies.testing import make_worker
 
 RATE = 125_000.0  # work per second (the emulated H100's unloaded rate, docs/benchmarks.md)
@@ -116,14 +117,6 @@ def test_the_knob_reaches_the_queues(tmp_path, value: str, fit: bool) -> None:
 
 
 # ---- queue_cache = "prefilled": the queued work of a turn sent behind its predecessor ----------
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 DOC = list(range(10_000, 20_000))  # 10,000 tokens: 1 s of prefill at the prior 10,000 work/s
