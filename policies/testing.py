@@ -36,6 +36,7 @@ from typing import Literal
 
 from common.outcomes import Timings
 from policies.base import Completed, Policy, Scorer, pair_id, plan_worker_ids, routed_event
+from policies.prompt_key import PromptKey
 from policies.snapshot import (
     ClusterSnapshot,
     Colocated,
@@ -136,6 +137,18 @@ def make_request(
         stream=stream,
         prefix_hashes=prefix_hashes,
         session_key=session_key,
+    )
+
+
+def make_token_request(request_id: str, token_ids: list[int], max_tokens: int = 16) -> RequestView:
+    """A completions request keyed on its token ids (what a cache-aware policy's index reads)."""
+    return RequestView(
+        request_id,
+        "m",
+        RouteKind.COMPLETIONS,
+        len(token_ids),
+        max_tokens,
+        prompt_key=PromptKey.from_token_ids(token_ids),
     )
 
 

@@ -14,17 +14,12 @@ from policies.build import cache_aware_settings
 from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState
 from policies.config import CacheAwareCfg, parse_policy
 from policies.decode_slo import SloSettings, shared_blocks
-from policies.prompt_key import PromptKey
-from policies.snapshot import Colocated, RequestView, RouteKind, WorkerState
+from policies.snapshot import Colocated, WorkerState
 from policies.testing import ManualClock as Clock
+from policies.testing import make_token_request as request
 from policies.testing import make_worker
 
 DOC = list(range(10_000, 20_000))  # 10,000 tokens: 1 s of prefill at the prior 10,000 tokens/s
-
-
-def request(rid: str, ids: list[int], max_tokens: int = 16) -> RequestView:
-    key = PromptKey.from_token_ids(ids)
-    return RequestView(rid, "m", RouteKind.COMPLETIONS, len(ids), max_tokens, prompt_key=key)
 
 
 def scenario(prefilled: bool) -> tuple[Clock, CacheState, CacheAwareSelector, list[WorkerState]]:

@@ -14,9 +14,9 @@ from policies.cache_state import CacheAwareSettings, CacheState
 from policies.config import parse_policy
 from policies.decode_slo import SloSettings
 from policies.prefill_cost import CLIP, CLIP_AFTER, PrefillQueues, RateSettings
-from policies.prompt_key import PromptKey
-from policies.snapshot import Colocated, RequestView, RouteKind
+from policies.snapshot import Colocated
 from policies.testing import ManualClock as Clock
+from policies.testing import make_token_request as _request
 from policies.testing import make_worker
 
 RATE = 125_000.0  # work per second (the emulated H100's unloaded rate, docs/benchmarks.md)
@@ -120,12 +120,6 @@ def test_the_knob_reaches_the_queues(tmp_path, value: str, fit: bool) -> None:
 
 
 DOC = list(range(10_000, 20_000))  # 10,000 tokens: 1 s of prefill at the prior 10,000 work/s
-
-
-def _request(rid: str, ids: list[int]) -> RequestView:
-    return RequestView(
-        rid, "m", RouteKind.COMPLETIONS, len(ids), 16, prompt_key=PromptKey.from_token_ids(ids)
-    )
 
 
 @pytest.mark.parametrize(
