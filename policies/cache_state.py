@@ -194,8 +194,7 @@ class CacheState:
         self.accuracy = PredictionStats()
         self.arrivals = DecayedRate(s.pressure_window_s)  # routed requests and their prefill work
         self.turnover = Turnover(s.evict_window_s)  # new KV tokens sent to each worker
-        # routing decisions by (role that prefills, prediction source, matched: cached > 0)
-        self.decisions: dict[tuple[str, str, bool], int] = {}
+        self.decisions: dict[tuple[str, str, bool], int] = {}  # by (prefill role, source, cached > 0)
         self.clock = clock
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._last_sweep = clock()
@@ -425,7 +424,8 @@ class CacheState:
             cached = min(cached, req_tokens - 1)
         uncached = req_tokens - cached
         work = prefill_work(uncached, cached, self.settings.crossover_tokens)
-        work = work if self.slo is None else self.slo.queued_work(ev, wid, cached, work)
+        if self.slo is not None and self.settings.slo.queue_prefilled:
+            work = self.slo.queued_work(ev, wid, cached, work)
         tally = (ev.roles[0].value, source, cached > 0)
         self.decisions[tally] = self.decisions.get(tally, 0) + 1
         backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)

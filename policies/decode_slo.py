@@ -244,11 +244,10 @@ class DecodeSlo:
         return cached
 
     def queued_work(self, ev: Routed, worker_id: str, cached: int, work: float) -> float:
-        """The prefill work a request just routed to `worker_id` queues there: `work` (for
-        `cached` tokens found, the index's view), or with `queue_prefilled` its work for the
-        cached tokens `_routed` predicted the engine finds (`prefilled`'s view) where fewer."""
-        if not self.settings.queue_prefilled:
-            return work
+        """With `queue_prefilled` (the caller checks it), the prefill work a request just routed
+        to `worker_id` queues there: its work for the cached tokens `_routed` predicted the
+        engine finds (`prefilled`'s view) where fewer than `cached` (the index's view, whose
+        work is `work`), else `work`."""
         got = self._filling.get(worker_id, {}).get(ev.request_id)
         if got is None or got[1] >= cached:
             return work
