@@ -22,15 +22,7 @@ from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheSt
 from policies.cache_pool_order import DIRECT_GROUP
 from policies.prompt_key import PromptKey
 from policies.snapshot import Colocated, RequestView, RouteKind, WorkerLoad, WorkerState
-from policies.testing import make_worker
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from policies.testing import ManualClock, make_worker
 
 
 def request(ids: list[int], rid: str) -> RequestView:
@@ -64,7 +56,7 @@ def fill_precise(
 def scenario(seed: int, precise: bool) -> int:
     """Runs one random history; returns how many decisions took the large-pool path."""
     rng = random.Random(seed)
-    clock = Clock()
+    clock = ManualClock(1000.0)
     n = rng.randrange(5, 90)
     cfg = CacheAwareSettings(
         exact_large_pool=True,
@@ -140,7 +132,7 @@ def test_with_the_precise_index_too(seed: int) -> None:
 
 def test_the_search_reads_few_workers_of_a_large_idle_pool() -> None:
     """1,000 measured workers, one holding the prompt: the search scores a handful."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     state = CacheState(
         CacheAwareSettings(scan_limit=64, exact_large_pool=True, queue_externality=0.0), clock=clock
     )

@@ -15,20 +15,12 @@ from policies.config import DeciderCfg, LeastLoadCfg
 from policies.cost_model import RERUN_REASON, CostModel, CostPriors, prefill_work
 from policies.decider import CostModelDecider, CostSettings, PairChoice, Verdict, compatible
 from policies.snapshot import Colocated, Disaggregated, RequestView, WorkerState
-from policies.testing import make_request, make_snapshot, make_worker
+from policies.testing import ManualClock, make_request, make_snapshot, make_worker
 
 PRIORS = CostPriors()
 A, B = PRIORS.prefill_overhead_s, 1.0 / PRIORS.prefill_rate
 HA, HB = PRIORS.transfer_overhead_s, PRIORS.transfer_s_per_token
 X = PRIORS.crossover_tokens
-
-
-@dataclass
-class Clock:
-    t: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @dataclass
@@ -67,8 +59,8 @@ def local_event(rid: str, prompt: int, w: WorkerState = C1, max_tokens: int = 16
     return routed_event(req, Colocated(w))
 
 
-def decider(clock: Clock | None = None, **kw: object) -> CostModelDecider:
-    return CostModelDecider(CostSettings(**kw), clock=clock or Clock())  # type: ignore[arg-type]
+def decider(clock: ManualClock | None = None, **kw: object) -> CostModelDecider:
+    return CostModelDecider(CostSettings(**kw), clock=clock or ManualClock(1000.0))  # type: ignore[arg-type]
 
 
 # -- predictions ----------------------------------------------------------------------------------
@@ -204,7 +196,7 @@ def test_the_engines_queue_puts_a_floor_under_the_predicted_one() -> None:
 
 
 def test_a_slow_pair_loses_to_a_fast_one() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     d = decider(clock)
     for i in range(60):  # p1 -> d1 hands off slowly (50 ms per 1k tokens), p2 -> d1 fast
         for p, per_token in ((P1, 5e-5), (P2, 1e-6)):
@@ -324,7 +316,7 @@ def test_bad_settings_are_refused() -> None:
 
 def test_the_prefill_rate_converges_on_the_workers_own() -> None:
     """Synthetic outcomes of a worker that prefills at 0.05 s + work / 20,000 per second."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     m = CostModel(CostPriors(), clock=clock)
     for i in range(200):
         n = 500 + (i * 997) % 16_000
@@ -341,7 +333,7 @@ def test_the_prefill_rate_converges_on_the_workers_own() -> None:
 
 
 def test_the_handoff_cost_and_time_per_token_converge() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     m = CostModel(CostPriors(), clock=clock)
     for i in range(200):
         n = 1000 + (i * 1733) % 20_000
@@ -357,7 +349,7 @@ def test_the_handoff_cost_and_time_per_token_converge() -> None:
 
 
 def test_a_local_prefill_learns_from_its_first_token() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     m = CostModel(CostPriors(), clock=clock)
     for i in range(100):
         n = 200 + (i * 389) % 8000
@@ -374,7 +366,7 @@ def test_a_local_prefill_learns_from_its_first_token() -> None:
 def test_a_prefill_faster_than_predicted_leaves_no_phantom_queue() -> None:
     """The priors predict 2.6 s for a 20k-token prefill; it took 0.8 s. Once its outcome is in,
     the next request finds no queue (and learns its own prefill in full)."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     m = CostModel(CostPriors(), clock=clock)
     m.observe(pd_event("r1", 20_000))
     assert m.queue_s(P1, clock.t) > 2.0
@@ -428,7 +420,7 @@ def test_a_local_prefill_is_gated_only_by_the_decodes_it_overlaps(case: StallCas
 def test_a_decode_near_its_end_is_stalled_at_most_a_chunk_per_token_left() -> None:
     """Chunked prefill: the decode makes a token in each step, so a 4.4 s prefill that reaches a
     decode with 3 tokens to go holds it for 3 chunks, not 4.4 s."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     m = CostModel(CostPriors(chunk_tokens=512), clock=clock)
     m.observe(local_event("r1", 10, VD1, max_tokens=64))  # 63 tokens at 20 ms: 1.26 s
     clock.t += 0.02 + 60 * 0.02  # its first token, then 60 more
@@ -447,7 +439,7 @@ def test_a_decode_near_its_end_is_stalled_at_most_a_chunk_per_token_left() -> No
 def test_an_sglang_worker_holds_its_decodes_for_the_whole_prefill() -> None:
     """SGLang runs a step with prefill work as a prefill step: a decode with 3 tokens to go waits
     for all of a 4.4 s prefill, not 3 chunks."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     m = CostModel(CostPriors(chunk_tokens=512), clock=clock)
     m.observe(local_event("r1", 10, C1, max_tokens=64))
     clock.t += 0.02 + 60 * 0.02
@@ -460,7 +452,7 @@ def test_an_sglang_worker_holds_its_decodes_for_the_whole_prefill() -> None:
 def test_a_pd_decode_avoids_a_worker_whose_queued_local_prefill_would_break_its_tpot() -> None:
     """vd1 (the decode policy's pick, with the faster handoff) has 4 s of local prefill queued;
     a P/D request decoding there would be held by what is left of it once its KV arrives."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     d = CostModelDecider(CostSettings(tpot_slo_s=0.05, priors=CostPriors(chunk_tokens=512)), clock=clock)
     for i in range(40):  # the handoff to vd2 is learned slow (0.3 s more)
         for dec, extra in ((VD1, 0.0), (VD2, 0.3)):
@@ -494,7 +486,7 @@ def test_a_rerun_booked_on_a_decode_is_a_local_prefill_there() -> None:
     the local prefills routed there after it, and stalls the decodes running there (what the
     TPOT gate weighs next). With the prefill pool 3 s deep, a 3,000-token prompt prefills on
     vd1; with a 20,000-token re-run booked there (~2.6 s), it goes P/D."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     d = decider(clock, tpot_slo_s=0.05)
     _busy(d, 3.0, VP1)
     for i in range(2):
@@ -523,7 +515,7 @@ def test_a_rerun_booked_on_a_decode_is_a_local_prefill_there() -> None:
 
 @pytest.mark.parametrize("end", ["completed", "failed"])
 def test_a_rerun_booking_is_settled_at_its_end(end: str) -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     d = decider(clock)
     d.observe_rerun(rerun_event("pd0", 20_000, VD1))
     assert d.model.tracked() == 1 and d.model.booked_s("vd1") > 0.0
@@ -538,7 +530,7 @@ def test_a_rerun_goes_where_it_puts_no_running_decode_over_its_tpot_slo() -> Non
     """vd1 runs the verified answer itself (8 tokens: a 2 s prefill beside it breaks its TPOT),
     vd2 a long answer (200 tokens: the same prefill adds 10 ms a token). The re-run goes to
     vd2, not to the verified answer's own decode."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     d = decider(clock, tpot_slo_s=0.05)
     d.observe(local_event("long", 10, VD2, max_tokens=200))
     d.observe(pd_event("v", 20_000, p=VP1, d=VD1, max_tokens=8))
@@ -555,7 +547,7 @@ def test_a_rerun_started_with_its_prefill_goes_where_it_slows_no_decode() -> Non
     """A re-run started with the verified request's prefill (the vLLM shape) runs while the
     prefill does: it ends before that request's own decode starts on vd1, so vd1 is where it
     slows nothing; on vd2 it would slow the long answer there (within its SLO)."""
-    clock = Clock()
+    clock = ManualClock(1000.0)
     d = decider(clock, tpot_slo_s=0.05)
     d.observe(local_event("long", 10, VD2, max_tokens=200))
     clock.t += 0.1
