@@ -25,7 +25,7 @@ OrderedDict entry per (block, worker).
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 
 
@@ -90,10 +90,15 @@ class BlockIndex:
     def add(self, slot: int, keys: Sequence[int]) -> int:
         """Record that `slot` holds `keys` (a chain, parent first): new entries are added and
         known ones refreshed, deepest first. Returns how many entries are new."""
-        bit = 1 << slot
         lru = self._lru[slot]
-        holders = self._holders
         move = lru.move_to_end
+        try:  # the slot holds the whole chain (a prompt touched again): each moved, in C
+            deque(map(move, reversed(keys)), maxlen=0)
+            return 0
+        except KeyError:  # (its deepest blocks were moved: the loop below moves them again)
+            pass
+        bit = 1 << slot
+        holders = self._holders
         added = fresh = 0
         for k in reversed(keys):
             m = holders.get(k, 0)

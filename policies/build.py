@@ -125,6 +125,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
             queue_prefilled=cfg.queue_cache == "prefilled",
         ),
         prefill_fit_line=cfg.prefill_fit == "line",
+        touch_done=cfg.lru_touch == "done",
     )
 
 

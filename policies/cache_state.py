@@ -13,15 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from policies.approx_index import ApproxIndex
-from policies.base import (
-    EVENT_TYPES,
-    Completed,
-    Failed,
-    Needs,
-    PolicyEvent,
-    Routed,
-    WorkerGone,
-)
+from policies.base import EVENT_TYPES, Completed, Failed, Needs, PolicyEvent, Routed, WorkerGone
 from policies.decode_slo import NO_SLO, DecodeSlo, HeldDecode, SloSettings
 from policies.estimators import prefill_work
 from policies.pending import expire
@@ -62,6 +54,7 @@ class CacheAwareSettings:
     max_pending: int = 100_000
     slo: SloSettings = field(default_factory=SloSettings)  # off unless an SLO is set (policies/decode_slo.py)
     prefill_fit_line: bool = False  # the rate: a fitted line's slope (policies/prefill_cost.py `fit`)
+    touch_done: bool = False  # a colocated prompt is touched in the index again as it ends
 
     def __post_init__(self) -> None:
         if self.exact_large_pool and self.queue_externality > 0:
@@ -457,7 +450,8 @@ class CacheState:
             now, wid, ev.model, cached, source, backlog, uncached, work, capacity, key, not defer, pin
         )
         if len(pending) > self.settings.max_pending:
-            self._unpin_gone(pending.popitem(last=False)[1])
+            p = pending.popitem(last=False)[1]
+            self._unpin(p.worker, p.pin)
 
     def _completed(self, ev: Completed) -> None:
         p = self._pending.pop(ev.request_id, None)
@@ -466,6 +460,9 @@ class CacheState:
         if p.key is not None and not p.recorded:
             self._record(p)
         self._unpin(p.worker, p.pin)
+        if self.settings.touch_done and p.key is not None and len(ev.worker_ids) == 1:
+            # colocated: its engine frees its blocks into its LRU now, its prompt the most recent
+            self.approx.insert(p.model, p.worker, p.key, self._evictable(p.worker, p.capacity))
         prompt = p.predicted + int(p.uncached)
         seconds = prefill_seconds(ev)
         if seconds is not None:
@@ -487,14 +484,10 @@ class CacheState:
                 self.precise.outcome(p.worker, p.predicted, ev.cached_tokens)
 
     def _sweep(self, now: float) -> None:
-        """Every `eviction_interval`: forget requests routed longer ago than that whose outcome
-        never came (a cancelled request may send none), oldest first."""
+        """Every `eviction_interval`: forget requests routed that long ago whose outcome never came."""
         self._last_sweep = now
         for _, p in expire(self._pending, now - self.settings.eviction_interval_s):
-            self._unpin_gone(p)
-
-    def _unpin_gone(self, p: _Pending) -> None:
-        self._unpin(p.worker, p.pin)
+            self._unpin(p.worker, p.pin)
 
 
 # ---- filter, scorers, pickers -------------------------------------------------------------------

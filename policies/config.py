@@ -153,6 +153,10 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # whole prompt); "prefilled" needs slo_cache = "prefilled"
     queue_cache: Literal["routed", "prefilled"] = "routed"
     seed: int | None = None
+    # when the approximate index counts a colocated prompt as used: "routed" (as it is sent) or
+    # "done" (also as its answer ends: an engine frees a request's blocks into its LRU then, so
+    # a prefix is as recent there as its last answer's end, not its routing; policies/cache_state.py)
+    lru_touch: Literal["routed", "done"] = "routed"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
