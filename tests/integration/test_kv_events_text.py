@@ -117,6 +117,8 @@ async def test_text_prompts_are_predicted_from_the_engines_events(setup: Setup, 
     assert abs(predicted - reported) <= 0.03 * reported, (predicted, reported)
     w = s.gateway.kv_events.index.worker(engine)
     assert w is not None and w.state == "live" and w.removed > 0  # live, and the engine evicted
+    (status,) = [r for r in s.gateway.kv_events.status() if r.worker == engine]
+    assert status.lag_s is not None and 0 <= status.lag_s <= status.max_lag_s < 5.0  # kept up
 
 
 async def test_the_emulators_chats_are_predicted_too(setup: Setup) -> None:
