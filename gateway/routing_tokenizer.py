@@ -28,7 +28,7 @@ Kinds:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from gateway.config_base import _Section
@@ -37,6 +37,9 @@ from gateway.config_base import _Section
 EMULATOR_BOS = 1
 EMULATOR_BYTE_OFFSET = 3
 _ADD_OFFSET = EMULATOR_BYTE_OFFSET.__add__
+_FITS = bytes(range(256 - EMULATOR_BYTE_OFFSET))  # the bytes whose id fits a byte
+_SHIFT = bytes((b + EMULATOR_BYTE_OFFSET) & 255 for b in range(256))
+_BOS = bytes([EMULATOR_BOS])
 
 
 class TokenizerConfig(_Section, frozen=True):
@@ -55,11 +58,11 @@ class TokenizerConfig(_Section, frozen=True):
 class RoutingTokenizer(Protocol):
     kind: str
 
-    def text_ids(self, text: bytes) -> tuple[int, ...]:
+    def text_ids(self, text: bytes) -> Sequence[int]:
         """The ids of a completion's or /generate's text prompt (its UTF-8 bytes)."""
         ...
 
-    def chat_ids(self, messages: Any, tools: Any) -> tuple[int, ...] | None:
+    def chat_ids(self, messages: Any, tools: Any) -> Sequence[int] | None:
         """The ids of a chat (decoded messages and tools); None where this kind cannot render
         it exactly."""
         ...
@@ -70,10 +73,14 @@ class EmulatorTokenizer:
 
     kind = "emulator"
 
-    def text_ids(self, text: bytes) -> tuple[int, ...]:
+    def text_ids(self, text: bytes) -> Sequence[int]:
+        # every id fits a byte (UTF-8 has no byte above 0xF4): the ids as bytes, made in C
+        # (20,000 ids: ~10 us; as a tuple of ints, ~0.7 ms) and read as ints like a tuple's
+        if not text.translate(None, _FITS):  # (no byte above 0xFC: checked in C)
+            return _BOS + text.translate(_SHIFT)
         return (EMULATOR_BOS, *map(_ADD_OFFSET, text))
 
-    def chat_ids(self, messages: Any, tools: Any) -> tuple[int, ...] | None:
+    def chat_ids(self, messages: Any, tools: Any) -> Sequence[int] | None:
         rendered = emulator_chat(messages)  # (its template leaves tools out)
         return None if rendered is None else self.text_ids(rendered.encode("utf-8", "surrogatepass"))
 
@@ -128,10 +135,11 @@ class HfTokenizer:
             raise ValueError(f"tokenizer.path {path!r}: cannot load it: {e}") from None
         self._encode: Callable[..., Any] = self._tok.encode
 
-    def text_ids(self, text: bytes) -> tuple[int, ...]:
-        return tuple(self._encode(text.decode("utf-8", "surrogatepass"), add_special_tokens=True).ids)
+    def text_ids(self, text: bytes) -> Sequence[int]:
+        ids: list[int] = self._encode(text.decode("utf-8", "surrogatepass"), add_special_tokens=True).ids
+        return ids
 
-    def chat_ids(self, messages: Any, tools: Any) -> tuple[int, ...] | None:
+    def chat_ids(self, messages: Any, tools: Any) -> Sequence[int] | None:
         return None  # the chat template is not run here (module docstring)
 
 

@@ -70,7 +70,7 @@ class PromptKey:
 
     __slots__ = ("_approx", "_engine", "data", "kind", "token_ids", "units")
 
-    def __init__(self, kind: Kind, data: bytes, units: int, token_ids: tuple[int, ...] | None) -> None:
+    def __init__(self, kind: Kind, data: bytes, units: int, token_ids: Sequence[int] | None) -> None:
         self.kind: Kind = kind
         self.data = data  # ids as little-endian int64, or the canonical UTF-8 text
         self.units = units  # tokens, or bytes of text

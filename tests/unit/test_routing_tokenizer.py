@@ -57,7 +57,13 @@ TEXTS = ["hello world", 'say "hi"\n', "caf\u00e9 \u2603", "", "x" * 300]
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_the_emulator_kind_gives_the_emulators_ids(text: str) -> None:
-    assert list(EmulatorTokenizer().text_ids(text.encode())) == emu.encode(text)
+    got = EmulatorTokenizer().text_ids(text.encode())
+    assert list(got) == emu.encode(text) and len(got) == len(emu.encode(text))
+    assert tuple(got[1:17]) == tuple(emu.encode(text)[1:17])  # (as the hashers read blocks)
+
+
+def test_bytes_no_utf8_has_still_get_the_emulators_rule() -> None:
+    assert list(EmulatorTokenizer().text_ids(b"a\xfd\xff")) == [1, 100, 256, 258]
 
 
 CHATS: list[Any] = [
@@ -109,8 +115,8 @@ def write_tokenizer_json(path: Path) -> Path:
 def test_the_hf_kind_encodes_with_the_files_special_tokens(tmp_path: Path) -> None:
     tok = make_tokenizer(TokenizerConfig(kind="hf", path=str(write_tokenizer_json(tmp_path / "t.json"))))
     assert isinstance(tok, HfTokenizer)
-    assert tok.text_ids(b"hello world the cat") == (1, 2, 3, 4, 5)
-    assert tok.text_ids(b"the dog") == (1, 4, 0)
+    assert list(tok.text_ids(b"hello world the cat")) == [1, 2, 3, 4, 5]
+    assert list(tok.text_ids(b"the dog")) == [1, 4, 0]
     # the gateway does not run a model's chat template: chats keep their text key
     assert tok.chat_ids([{"role": "user", "content": "hello"}], None) is None
 
@@ -145,7 +151,7 @@ def test_a_text_key_carries_the_ids_and_keeps_its_text_key(
     req = parsed(route, body)
     plain, tokenized = prompt_key(req), prompt_key(req, EmulatorTokenizer())
     assert plain is not None and tokenized is not None
-    assert tokenized.token_ids == tuple(emu.encode(text))
+    assert tokenized.token_ids is not None and list(tokenized.token_ids) == emu.encode(text)
     assert plain.token_ids is None
     # the approximate index is keyed as without a tokenizer
     assert (tokenized.kind, tokenized.data, tokenized.units) == (plain.kind, plain.data, plain.units)
@@ -167,7 +173,7 @@ def test_chats_token_ids_and_batches() -> None:
     tok = EmulatorTokenizer()
     chat = prompt_key(parsed(RouteKind.CHAT, {"messages": msgs}), tok)
     assert chat is not None and chat.kind == "text"
-    assert chat.token_ids == tuple(emu.encode_chat(msgs))
+    assert chat.token_ids is not None and list(chat.token_ids) == emu.encode_chat(msgs)
     assert chat.data == PromptKey.from_chat(msgs).data  # (its text key as without a tokenizer)
     ids = prompt_key(parsed(RouteKind.COMPLETIONS, {"prompt": [5, 6, 7]}), tok)
     assert ids is not None and ids.token_ids == (5, 6, 7) and ids.kind == "tokens"
