@@ -33,6 +33,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.multiprocess.siblings import ControlServer, ProcessContext, Siblings
 from gateway.orchestration import Orchestrator
 from gateway.registry import Registry, Worker
+from gateway.routing_tokenizer import Tokenizing, make_tokenizer
 from policies.base import MetricSource
 from policies.build import build_policy
 
@@ -93,6 +94,12 @@ class Gateway:
         if isinstance(self.policy, MetricSource):
             self.metrics.watch_policy(self.policy.metrics)
         self.orchestrator = Orchestrator(self.registry, self.policy, self.metrics, cfg)
+        if cfg.tokenizer is not None and any(st.precise is not None for st in states):
+            try:  # text prompts' ids for the precise index, while a worker publishes KV events
+                tok = make_tokenizer(cfg.tokenizer)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            self.orchestrator.s.tokenizing = Tokenizing(tok, self.kv_events.__len__)
         self.health = HealthChecker(self.registry, cfg.health)
         lim = cfg.limits
         # with several processes each takes its share of the gateway-wide limits

@@ -1,13 +1,12 @@
 """The gateway's configuration: frozen msgspec Structs, decoded strictly from TOML (and flags).
 
-`load_config(path)` reads a TOML file; `gateway.cli_args.parse_serve_args(argv)` reads flags on
-top of an optional `--config FILE`. Both produce one frozen `GatewayConfig`, built once in
-`main` and passed down; nothing reads configuration from globals or the environment here
-(`api_key_env` / `token_env` name variables that the caller resolves with an explicit
-`environ`). Every section forbids unknown fields, so a typo is an error naming the key and
-where it is (``unknown field `tiemouts` at `$` ``). Validation lives in `__post_init__`.
-See docs/configuration.md for an annotated example.
-"""
+`load_config(path)` reads a TOML file; `gateway.cli_args.parse_serve_args(argv)` reads flags on top
+of an optional `--config FILE`. Both produce one frozen `GatewayConfig`, built once in `main` and
+passed down; nothing reads configuration from globals or the environment here (`api_key_env` /
+`token_env` name variables that the caller resolves with an explicit `environ`). Every section
+forbids unknown fields, so a typo is an error naming the key and where it is (``unknown field
+`tiemouts` at `$` ``). Validation lives in `__post_init__`. See docs/configuration.md for an
+annotated example."""
 
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ from gateway.config_base import (
     _Section,
 )
 from gateway.config_workers import KubernetesConfig, KvEventsConfig, WorkerConfig
+from gateway.routing_tokenizer import TokenizerConfig
 from policies.config import DeciderCfg, PolicyCfg, RoundRobinCfg, policy_shorthand
 
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
@@ -171,8 +171,7 @@ class LimitsConfig(_Section, frozen=True):
     max_tokens_cap: int | None = None  # reject (400) larger max_tokens; None: no cap
     max_n: int = 128  # largest `n`
     # one request's work: completions asked for (prompts x n), tokens (prompts + max_tokens for
-    # each of those), JSON values in its body (bounds its decoding: a larger body is refused
-    # with a 413 before it is decoded)
+    # each), JSON values in its body (bounds its decoding: more is a 413 before it is decoded)
     max_batch: int = 1024
     max_request_tokens: int = 2_097_152
     max_json_values: int = 131_072
@@ -334,6 +333,7 @@ class GatewayConfig(_Section, frozen=True):
     explain_header: bool = False
     admin: AdminConfig = AdminConfig()
     kubernetes: KubernetesConfig | None = None  # pod discovery; None: only the configured workers
+    tokenizer: TokenizerConfig | None = None  # text prompts' ids for the KV-event index; None: off
     shutdown_grace_s: float = 10.0  # SIGTERM: how long in-flight requests may finish before they are cut
     log_level: LogLevel = "info"
     log_json: bool = True

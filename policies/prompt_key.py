@@ -12,8 +12,9 @@ prompt into chains of block keys:
   differ, as the engine's tokens do).
 - `engine_keys(hasher, upto)`: the engine's own block hashes (`BlockHasher`, implemented by
   `adapters.blockhash` for each engine), for the index built from the engines' KV events.
-  Only token-id prompts have them (the gateway has no tokenizer); computed lazily, block by
-  block, as far as a lookup asks, and remembered.
+  Only prompts with token ids have them: given as ids, or a text prompt with the ids of the
+  gateway's routing tokenizer (gateway/routing_tokenizer.py; the key stays a text key for the
+  approximate index); computed lazily, block by block, as far as a lookup asks, and remembered.
 
 Chat messages are rendered so that a conversation's turns share a prefix: turn `k + 1`'s
 rendering starts with turn `k`'s. Each message is its role, name, text content, tool calls
@@ -69,11 +70,11 @@ class PromptKey:
 
     __slots__ = ("_approx", "_engine", "data", "kind", "token_ids", "units")
 
-    def __init__(self, kind: Kind, data: bytes, units: int, token_ids: tuple[int, ...] | None) -> None:
+    def __init__(self, kind: Kind, data: bytes, units: int, token_ids: Sequence[int] | None) -> None:
         self.kind: Kind = kind
         self.data = data  # ids as little-endian int64, or the canonical UTF-8 text
         self.units = units  # tokens, or bytes of text
-        self.token_ids = token_ids
+        self.token_ids = token_ids  # a text prompt's: the routing tokenizer's, where there is one
         self._approx: dict[int, tuple[int, ...]] = {}
         self._engine: dict[str, tuple[list[int], object]] = {}
 
@@ -132,7 +133,7 @@ class PromptKey:
 
     def engine_keys(self, hasher: BlockHasher, upto: int) -> list[int]:
         """The engine's block keys of (at least) the first `upto` full blocks, fewer when the
-        prompt is shorter; empty for a text prompt. The list is the memo: do not modify it."""
+        prompt is shorter; empty without token ids. The list is the memo: do not modify it."""
         ids = self.token_ids
         if ids is None:
             return []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import socket
 import sys
 import urllib.request
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class ClusterSpec:
     max_model_len: int = 262144
     max_total_tokens: int | None = None  # KV pool per worker, tokens (default: the profile's)
     emulator_args: list[str] = field(default_factory=list)
+    # emulated workers publish their KV events (`--kv-events`), which gateway targets subscribe to
+    kv_events: bool = False
     model: str = MODEL
     worker_urls: list[str] = field(default_factory=list)
     prefill_urls: list[PrefillAddr] = field(default_factory=list)
@@ -64,6 +67,8 @@ class ClusterSpec:
             raise ValueError("a P/D pool needs at least one prefill and one decode worker")
         if w + p == 0:
             raise ValueError("the cluster has no workers (--colocated N, or --prefill N --decode N)")
+        if self.kv_events and self.given:
+            raise ValueError("--kv-events starts emulated workers with KV events: not with given URLs")
 
     @property
     def shape(self) -> str:
@@ -106,6 +111,7 @@ class Worker:
     url: str
     bootstrap_port: int | None = None
     proc: procs.ManagedProcess | None = None
+    kv_events: str | None = None  # its KV-event PUB endpoint (the replay socket: the port + 1)
 
     @property
     def computes_prefill(self) -> bool:
@@ -250,6 +256,8 @@ def start_cluster(group: procs.ProcessGroup, spec: ClusterSpec, log_dir: Path) -
     plan = [("both", f"worker{i}") for i in range(spec.colocated)]
     plan += [("prefill", f"prefill{i}") for i in range(spec.prefill)]
     plan += [("decode", f"decode{i}") for i in range(spec.decode)]
+    taken: set[int] = set()
+    kv = {name: f"tcp://{procs.HOST}:{free_port_pair(taken)}" for _, name in plan} if spec.kv_events else {}
     ups = [
         (
             name,
@@ -263,7 +271,7 @@ def start_cluster(group: procs.ProcessGroup, spec: ClusterSpec, log_dir: Path) -
                 # tokens (the gateway's guards check that) as real engines of one model do
                 seed=0,
                 log_dir=log_dir,
-                extra=extra,
+                extra=[*extra, "--kv-events", kv[name]] if name in kv else extra,
                 wait=False,
             ),
         )
@@ -271,4 +279,26 @@ def start_cluster(group: procs.ProcessGroup, spec: ClusterSpec, log_dir: Path) -
     ]
     for _, up in ups:
         procs.wait_upstream(up, timeout=90.0)
-    return Cluster(spec, [Worker(name, up.role, up.url, up.bootstrap_port, up.proc) for name, up in ups])
+    return Cluster(
+        spec, [Worker(name, up.role, up.url, up.bootstrap_port, up.proc, kv.get(name)) for name, up in ups]
+    )
+
+
+def free_port_pair(taken: set[int]) -> int:
+    """A port p with p and p + 1 free and not in `taken` (an emulator's KV-event replay socket
+    is on p + 1); both are added to `taken`."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((procs.HOST, 0))
+            p: int = s.getsockname()[1]
+        if {p, p + 1} & taken:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind((procs.HOST, p))
+                b.bind((procs.HOST, p + 1))
+            taken |= {p, p + 1}
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")

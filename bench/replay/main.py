@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--emulator-arg", action="append", default=[], help="passed to every emulator (repeatable)"
     )
+    g.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="emulators publish KV events; gateway targets subscribe (bench/replay/targets.py)",
+    )
     g.add_argument("--model", default=None, help="model name (emulated: replay-model)")
     g.add_argument("--worker-url", action="append", default=[], help="a running colocated engine")
     g.add_argument("--prefill-url", action="append", nargs="+", default=[], metavar="URL [BOOTSTRAP_PORT]")
@@ -185,6 +190,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         max_model_len=args.max_model_len,
         max_total_tokens=args.max_total_tokens,
         emulator_args=list(args.emulator_arg),
+        kv_events=args.kv_events,
         worker_urls=list(args.worker_url),
         prefill_urls=prefill,
         decode_urls=list(args.decode_url),
@@ -404,7 +410,8 @@ async def one_run(
 def _save_policy_metrics(target: RunningTarget, log_dir: Path, desc: str) -> None:
     """A gateway's own policy figures at the end of a run, kept beside its logs: the decider's
     verdicts, learned rates, fallbacks and verification re-runs (`pdgw_shadow_*`, `pdgw_guard_*`)
-    as `<run>.metrics.txt` (what it chose and checked), and its
+    and its KV-event index's health (`pdgw_kv_index_*`: state, gaps, lag) as `<run>.metrics.txt`
+    (what it chose and checked), and its
     `pdgw_cache_*` metrics (what its cache-aware policy predicted against what the engines
     reported, per worker) as `LABEL-pdgw_cache-N.prom`."""
     if target.spec.kind != "gateway" or target.url is None:
@@ -418,7 +425,9 @@ def _save_policy_metrics(target: RunningTarget, log_dir: Path, desc: str) -> Non
     keep = [
         ln
         for ln in lines
-        if ln.startswith(("pdgw_decider", "pdgw_fallbacks", "pdgw_requests", "pdgw_shadow", "pdgw_guard"))
+        if ln.startswith(
+            ("pdgw_decider", "pdgw_fallbacks", "pdgw_requests", "pdgw_shadow", "pdgw_guard", "pdgw_kv_index")
+        )
     ]
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in desc)
     log_dir.mkdir(parents=True, exist_ok=True)

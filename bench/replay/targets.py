@@ -15,12 +15,19 @@ A target is written `KIND[:POLICY]` or `LABEL=KIND [ARGS...]`:
     (sglang-router `--pd-disaggregation` for SGLang engines, vllm-router
     `--vllm-pd-disaggregation` for vLLM engines). Neither takes a mixed pool: there a router
     gets the P/D pool only (its always-disaggregate) and the colocated workers stay idle.
+
+With `--kv-events` (the emulators publish their KV events) a gateway gets its workers from a
+TOML file written beside the run's logs (`LABEL.kv.toml`): the target's own `--config` file
+followed by the workers, each with its `[workers.kv_events]`. Its precise index serves text
+prompts only where that file also has a `[tokenizer]` (gateway/routing_tokenizer.py); routers
+get the same emulators and leave their events unread.
 """
 
 from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,8 +83,18 @@ class RunningTarget:
         return procs.tree_cpu_seconds(self.proc.pid) if self.proc is not None else 0.0
 
 
-def target_argv(spec: TargetSpec, cluster: Cluster, port: int, prom_port: int) -> list[str]:
+def target_argv(
+    spec: TargetSpec, cluster: Cluster, port: int, prom_port: int, config_dir: Path | None = None
+) -> list[str]:
+    """The target's command line. With KV events (`--kv-events`), a gateway's workers are written
+    to a TOML file in `config_dir` with their `kv_events` tables (`kv_events_config`)."""
     engine = cluster.spec.engine
+    if spec.kind == "gateway" and any(w.kv_events for w in cluster.workers):
+        path = (config_dir or Path(".")) / f"{spec.label.replace('/', '_')}.kv.toml"
+        args = kv_events_config(spec.args, cluster, path)
+        argv = [*procs.pd_gateway_argv(), "serve", "--engine", engine]
+        argv += ["--host", procs.HOST, "--port", str(port), "--log-level", "warning"]
+        return [*argv, *args]
     if spec.kind == "gateway":
         argv = [*procs.pd_gateway_argv(), "serve", "--engine", engine]
         for w in cluster.colocated:
@@ -104,6 +121,39 @@ def target_argv(spec: TargetSpec, cluster: Cluster, port: int, prom_port: int) -
     return [*argv, *procs.router_common_argv(procs.HOST, port, prom_port), "--log-level", level, *spec.args]
 
 
+def kv_events_config(args: Sequence[str], cluster: Cluster, path: Path) -> list[str]:
+    """`args` with the target's own `--config FILE` (if any) replaced by `path`: that file's text
+    followed by a `[[workers]]` table per worker, each with the `[workers.kv_events]` of its
+    emulator (the emulator's hash scheme; the replay socket on the port after the PUB one).
+    ConfigError (gateway/config.py) when the result is not a valid configuration."""
+    from gateway.config import load_config
+
+    rest: list[str] = []
+    text = ""
+    it = iter(args)
+    for a in it:
+        if a == "--config" or a.startswith("--config="):
+            own = a.partition("=")[2] or next(it, "")
+            text = Path(own).read_text() + "\n"
+        else:
+            rest.append(a)
+    role = {"both": "colocated", "prefill": "prefill", "decode": "decode"}
+    for w in cluster.workers:
+        text += f'\n[[workers]]\nurl = "{w.url}"\nrole = "{role[w.role]}"\nengine = "{cluster.spec.engine}"\n'
+        if w.role == "prefill" and cluster.spec.engine == "sglang" and w.bootstrap_port:
+            text += f"bootstrap_port = {w.bootstrap_port}\n"
+        if w.kv_events:
+            head, _, pub = w.kv_events.rpartition(":")
+            text += (
+                f'[workers.kv_events]\nendpoint = "{w.kv_events}"\n'
+                f'replay_endpoint = "{head}:{int(pub) + 1}"\nhash = "emulator"\n'
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    load_config(path)
+    return ["--config", str(path), *rest]
+
+
 def start_target(
     group: procs.ProcessGroup, spec: TargetSpec, cluster: Cluster, log_dir: Path
 ) -> RunningTarget:
@@ -111,7 +161,7 @@ def start_target(
     if spec.kind == "direct":
         return RunningTarget(spec, None)
     port, prom_port = procs.free_ports(2)
-    argv = target_argv(spec, cluster, port, prom_port)
+    argv = target_argv(spec, cluster, port, prom_port, log_dir)
     proc = group.add(
         procs.start_process(spec.label.replace("/", "_"), argv, log_dir=log_dir, cwd=procs.REPO_ROOT)
     )

@@ -160,6 +160,14 @@ class KvEventCollector(Collector):
             labels=["worker"],
         )
         blocks = GaugeMetricFamily("pdgw_kv_index_blocks", "Blocks indexed per worker", labels=["worker"])
+        lag = GaugeMetricFamily(
+            "pdgw_kv_index_lag_seconds",
+            "The last event batch's delay: applied to the index less published by the engine",
+            labels=["worker"],
+        )
+        max_lag = GaugeMetricFamily(
+            "pdgw_kv_index_max_lag_seconds", "The longest event batch delay seen", labels=["worker"]
+        )
         counters = {
             name: CounterMetricFamily(f"pdgw_kv_index_{name}", text, labels=["worker"])
             for name, text in (
@@ -178,6 +186,9 @@ class KvEventCollector(Collector):
             usable.add_metric([r.worker, r.state], 1.0 if r.usable else 0.0)
             aligned.add_metric([r.worker], 1.0 if r.state == "misaligned" else 0.0)
             blocks.add_metric([r.worker], r.blocks)
+            if r.lag_s is not None:
+                lag.add_metric([r.worker], r.lag_s)
+            max_lag.add_metric([r.worker], r.max_lag_s)
             for name, fam in counters.items():
                 fam.add_metric([r.worker], getattr(r, name))
         memory = GaugeMetricFamily("pdgw_kv_index_bytes", "Estimated memory of the KV-event index")
@@ -185,5 +196,7 @@ class KvEventCollector(Collector):
         yield usable
         yield aligned
         yield blocks
+        yield lag
+        yield max_lag
         yield memory
         yield from counters.values()

@@ -77,6 +77,8 @@ class WorkerStatus(msgspec.Struct, frozen=True):
     skipped: int  # events for other tiers / KV groups / malformed
     outcome_mismatches: int
     last_event_age_s: float | None
+    lag_s: float | None = None  # the last batch's delay: applied here less published (wall clocks)
+    max_lag_s: float = 0.0  # the longest such delay seen
 
 
 @dataclass(eq=False)
@@ -118,6 +120,8 @@ class WorkerIndex:
     evicted: int = 0
     skipped: int = 0
     outcome_mismatches: int = 0
+    lag_s: float | None = None
+    max_lag_s: float = 0.0
     outcomes: deque[bool] = field(default_factory=lambda: deque(maxlen=OUTCOME_WINDOW))
     recent: OrderedDict[int, bytes] = field(default_factory=OrderedDict)  # seq -> digest, applied
 
@@ -257,6 +261,9 @@ class KvEventIndex:
         w.last_seq = seq
         w.last_digest = payload_digest_
         w.last_event_at = self._clock()
+        w.lag_s = lag = time.time() - batch.ts  # (one host's clock, or synchronised ones)
+        if lag > w.max_lag_s:
+            w.max_lag_s = lag
         w.recent[seq] = payload_digest_
         if len(w.recent) > 256:
             w.recent.popitem(last=False)
@@ -418,6 +425,8 @@ class KvEventIndex:
                 skipped=w.skipped,
                 outcome_mismatches=w.outcome_mismatches,
                 last_event_age_s=None if w.last_event_at is None else now - w.last_event_at,
+                lag_s=w.lag_s,
+                max_lag_s=w.max_lag_s,
             )
             for w in self._workers.values()
         ]

@@ -25,6 +25,7 @@ from common.request import DEFAULT_MAX_TOKENS, ParsedRequest
 from gateway.deadlines import Deadline, DeadlineWheel
 from gateway.http.server import Responder
 from gateway.orchestration.keying import prompt_key
+from gateway.routing_tokenizer import RoutingTokenizer
 from policies.snapshot import RequestView
 
 Header = tuple[bytes, bytes]
@@ -143,11 +144,18 @@ def request_view(
     chars_per_token: float,
     keyed: bool = False,
     session: bytes | None = None,
+    tokenizer: RoutingTokenizer | None = None,
 ) -> RequestView:
     """What routing needs of a request (policies read only this). `keyed`: with its prompt's key
     (`prompt_key`; where the policy matches prefixes, `Needs.prompt_key`). `session`: its session
-    header's value, which comes before the body's `session_id` and `user`."""
-    units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / chars_per_token) + 1
+    header's value, which comes before the body's `session_id` and `user`. `tokenizer`: the
+    routing tokenizer, where a text prompt's ids are wanted (keying.py); a prompt it tokenized
+    counts its ids, not the `chars_per_token` estimate."""
+    key = prompt_key(req, tokenizer) if keyed else None
+    if key is not None and key.token_ids is not None:
+        units = len(key.token_ids)
+    else:
+        units = req.prompt_units if req.prompt_is_ids else int(req.prompt_units / chars_per_token) + 1
     # (`accounting_max_tokens` and, for a string or no `session_id`, `_session_key`, inline)
     budget = req.max_tokens if req.max_tokens is not None else DEFAULT_MAX_TOKENS[req.route]
     sid = req.fields.session_id
@@ -163,7 +171,7 @@ def request_view(
         session_key=(session.decode("latin-1") if session else None)
         or (sid if sid is None or sid.__class__ is str else _session_key(sid))
         or req.fields.user,
-        prompt_key=prompt_key(req) if keyed else None,
+        prompt_key=key,
     )
 
 

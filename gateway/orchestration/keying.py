@@ -7,6 +7,11 @@ the request has them (a completions `prompt` of ids, `/generate`'s `input_ids`, 
 Batches are not keyed (None), nor is a prompt in a form only the engines' lax readers take
 (ids as strings or floats): its routing is then load-aware without the cache.
 
+With a routing tokenizer (gateway/routing_tokenizer.py, given only while some worker publishes
+KV events) a text key also carries the ids the engine will see, for the precise index's block
+hashes; the key stays a text key (the approximate index is keyed as without one). A chat gets
+them only where the tokenizer renders chats exactly (`chat_ids` not None).
+
 A text prompt's JSON string without escapes is its UTF-8 text between the quotes: taken as it
 is, without decoding it (the usual case, and the cheap one for a long prompt).
 """
@@ -17,6 +22,7 @@ import msgspec
 
 from common.request import ParsedRequest
 from common.workers import RouteKind
+from gateway.routing_tokenizer import RoutingTokenizer
 from policies.prompt_key import PromptKey
 
 _ids = msgspec.json.Decoder(list[int])
@@ -24,7 +30,7 @@ _text = msgspec.json.Decoder(str)
 _any = msgspec.json.Decoder()
 
 
-def prompt_key(req: ParsedRequest) -> PromptKey | None:
+def prompt_key(req: ParsedRequest, tokenizer: RoutingTokenizer | None = None) -> PromptKey | None:
     """The key of the request's prompt; None for a batch or a prompt it cannot key."""
     if req.is_batch:
         return None
@@ -34,7 +40,11 @@ def prompt_key(req: ParsedRequest) -> PromptKey | None:
             if f.input_ids:  # SGLang's chat: these ids are its prompt (the template is skipped)
                 return PromptKey.from_token_ids(_ids.decode(f.input_ids))
             tools = _any.decode(f.tools) if f.tools else None
-            return PromptKey.from_chat(_any.decode(f.messages), tools)
+            messages = _any.decode(f.messages)
+            key = PromptKey.from_chat(messages, tools)
+            if key is not None and tokenizer is not None:
+                key.token_ids = tokenizer.chat_ids(messages, tools)
+            return key
         if req.route is RouteKind.COMPLETIONS:
             raw = bytes(f.prompt)
         else:  # /generate: SGLang reads `input_ids` whenever they are given
@@ -44,7 +54,9 @@ def prompt_key(req: ParsedRequest) -> PromptKey | None:
         raw = raw.strip()
         if raw.find(b"\\") < 0 and raw[:1] == b'"' and raw[-1:] == b'"':  # (`find`: common/jsonbytes.py)
             data = raw[1:-1]
-            return PromptKey("text", data, len(data), None)
-        return PromptKey.from_text(_text.decode(raw))
+        else:
+            data = _text.decode(raw).encode("utf-8", "surrogatepass")
+        ids = None if tokenizer is None else tokenizer.text_ids(data)
+        return PromptKey("text", data, len(data), ids)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None

@@ -98,8 +98,14 @@ class Orchestrator:
     # -- entry ---------------------------------------------------------------------------------
 
     def view(self, req: ParsedRequest, request_id: str) -> RequestView:
+        s = self.s
+        keyed = s.needs.prompt_key
         return request_view(
-            req, request_id, self.cfg.guards.chars_per_token_estimate, self.s.needs.prompt_key
+            req,
+            request_id,
+            self.cfg.guards.chars_per_token_estimate,
+            keyed,
+            tokenizer=s.tokenizer() if keyed else None,
         )
 
     def context(
@@ -121,12 +127,14 @@ class Orchestrator:
         wheel = self._wheel
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
+        keyed = self.s.needs.prompt_key
         view = request_view(
             req,
             request_id,
             self.cfg.guards.chars_per_token_estimate,
-            self.s.needs.prompt_key,
+            keyed,
             session,
+            self.s.tokenizer() if keyed else None,
         )
         ctx = RequestContext(req, request_id, res, task, view, wheel, headers, echo)
         ctx.client_sized = outgrows(view, self.cfg.timeouts)

@@ -17,6 +17,7 @@ from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.orchestration.sampling import ShareSampler
 from gateway.registry import Registry, Worker
+from gateway.routing_tokenizer import RoutingTokenizer, Tokenizing
 from policies.base import Needs, Policy, RerunHost, needs_of
 
 log = get_logger("pd_gateway.request")
@@ -46,6 +47,7 @@ class Services:
         "rng",
         "sample_after_delivery",
         "sample_before_delivery",
+        "tokenizing",
         "verify_share",
     )
 
@@ -76,6 +78,14 @@ class Services:
         # where the policy places and books verification re-runs itself (shadow.py)
         self.reruns: RerunHost | None = policy if isinstance(policy, RerunHost) else None
         self.background: set[asyncio.Task[None]] = set()
+        # the routing tokenizer, where the policy keys prompts and KV events are configured
+        # (gateway/routing_tokenizer.py; the gateway sets it): None, no text prompt is tokenized
+        self.tokenizing: Tokenizing | None = None
+
+    def tokenizer(self) -> RoutingTokenizer | None:
+        """The routing tokenizer for a request now (None: keys stay untokenized)."""
+        t = self.tokenizing
+        return None if t is None else t.get()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` beside the request, kept until it ends (`drain`)."""

@@ -44,7 +44,8 @@ async def run_split(s: Services, ctx: RequestContext, p: Worker, d: Worker, plan
         sink = merger.sink(j, task)
         uid = f"{ctx.request_id}-{j}"  # each unit's own, in logs and engine rids
         # its own prompt and budget, in the workers' accounting
-        view = request_view(ureq, uid, s.cfg.guards.chars_per_token_estimate, s.needs.prompt_key)
+        cpt = s.cfg.guards.chars_per_token_estimate
+        view = request_view(ureq, uid, cpt, s.needs.prompt_key, tokenizer=s.tokenizer())
         u = ctx.unit(ureq, uid, sink, task, view)
         started.append(u)
         hctx = HandoffCtx(

@@ -12,6 +12,8 @@ import pytest
 from bench.replay import reference, synthetic, trace
 from bench.replay.cluster import Cluster, ClusterSpec, Worker, counters_from_metrics, kv_capacity_from_metrics
 from bench.replay.targets import TargetSpec, target_argv
+from gateway.config import load_config
+from policies.config import CacheAwareCfg
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "traces" / "mooncake_synthetic_head.jsonl"
 
@@ -181,3 +183,38 @@ def test_engine_counters_from_prometheus() -> None:
     assert (v.requests, v.prompt_tokens, v.cached_tokens) == (4, 800, 320)
     assert kv_capacity_from_metrics("sglang", SGLANG_METRICS) == 426784
     assert kv_capacity_from_metrics("vllm", VLLM_METRICS) == 1600
+
+
+def test_with_kv_events_a_gateway_gets_its_workers_and_their_events_in_its_config(tmp_path: Path) -> None:
+    """`--kv-events`: a gateway target's own TOML, then each worker with its `kv_events`; a
+    router gets the same workers as always."""
+    own = tmp_path / "own.toml"
+    own.write_text('policy = "cache_aware"\n\n[tokenizer]\nkind = "emulator"\n')
+    workers = [
+        Worker("c0", "both", "http://127.0.0.1:1", kv_events="tcp://127.0.0.1:5000"),
+        Worker("p0", "prefill", "http://127.0.0.1:2", bootstrap_port=9, kv_events="tcp://127.0.0.1:5002"),
+        Worker("d0", "decode", "http://127.0.0.1:3", kv_events="tcp://127.0.0.1:5004"),
+    ]
+    cluster = Cluster(ClusterSpec(engine="sglang", colocated=1, prefill=1, decode=1, kv_events=True), workers)
+    spec = TargetSpec.parse(f"mine=gateway --config {own} --log-level debug")
+    argv = target_argv(spec, cluster, 10, 11, tmp_path / "logs")
+    written = tmp_path / "logs" / "mine.kv.toml"
+    assert argv[argv.index("--config") + 1] == str(written) and str(own) not in argv
+    assert argv[-2:] == ["--log-level", "debug"] and "--worker" not in argv
+    cfg = load_config(written)
+    assert isinstance(cfg.policy, CacheAwareCfg) and cfg.tokenizer is not None
+    assert [(w.url, w.role.value, w.bootstrap_port) for w in cfg.workers] == [
+        ("http://127.0.0.1:1", "colocated", None),
+        ("http://127.0.0.1:2", "prefill", 9),
+        ("http://127.0.0.1:3", "decode", None),
+    ]
+    kv = cfg.workers[1].kv_events
+    assert kv is not None and kv.hash == "emulator"
+    assert (kv.endpoint, kv.replay_endpoint) == ("tcp://127.0.0.1:5002", "tcp://127.0.0.1:5003")
+    # without its own file: the workers alone
+    target_argv(TargetSpec.parse("gateway:least_load"), cluster, 10, 11, tmp_path)
+    assert len(load_config(tmp_path / "gateway:least_load.kv.toml").workers) == 3
+    router = target_argv(TargetSpec.parse("sglang-router:cache_aware"), cluster, 10, 11, tmp_path)
+    assert "--config" not in router and "tcp://127.0.0.1:5000" not in " ".join(router)
+    with pytest.raises(ValueError, match="given URLs"):
+        ClusterSpec(worker_urls=["http://127.0.0.1:1"], kv_events=True).check()

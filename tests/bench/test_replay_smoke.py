@@ -80,6 +80,41 @@ def test_a_tiny_replay_on_a_mixed_cluster_with_the_cost_model_decider(tmp_path: 
     assert sum(float(ln.rsplit(" ", 1)[1]) for ln in verdicts) >= 4, verdicts
 
 
+def test_a_tiny_replay_with_kv_events_and_the_precise_index(tmp_path: Path) -> None:
+    """`--kv-events`: the emulators publish their KV events, a gateway with a routing tokenizer
+    predicts the text prompts' cached tokens from them, and its index's health is kept beside
+    the logs (live, no gaps)."""
+    own = tmp_path / "precise.toml"
+    own.write_text(
+        'policy = { type = "cache_aware", chars_per_token = 1.0 }\n\n[tokenizer]\nkind = "emulator"\n'
+    )
+    out = tmp_path / "res"
+    rc = replay_main.main(
+        [
+            "--synthetic", "chat", "--synthetic-requests", "6", "--synthetic-rate", "8",
+            "--engine", "sglang", "--colocated", "2", "--time-scale", "0.02", "--kv-events",
+            "--emulator-arg=--enable-cache-report",
+            "--target", f"precise=gateway --config {own}", "--target", "sglang-router:cache_aware",
+            "--slo-ttft", "10", "--slo-tpot", "1", "--out", str(out), "--no-progress", "--no-plots",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert [r["target"] for r in data["runs"]] == ["precise", "sglang-router:cache_aware"]
+    for run in data["runs"]:
+        assert run["summary"]["completed"] == 6 and run["summary"]["errors"] == 0
+    [kept] = (out / "logs").glob("*.metrics.txt")
+    lines = kept.read_text().splitlines()
+    live = [ln for ln in lines if ln.startswith("pdgw_kv_index_usable") and 'state="live"' in ln]
+    assert len(live) == 2 and all(ln.endswith(" 1.0") for ln in live), lines
+    gaps = [ln for ln in lines if ln.startswith("pdgw_kv_index_gaps_total")]
+    assert len(gaps) == 2 and all(ln.endswith(" 0.0") for ln in gaps), gaps
+    assert any(ln.startswith("pdgw_kv_index_max_lag_seconds") for ln in lines)
+    [cache] = (out / "logs").glob("precise-pdgw_cache-*.prom")
+    predicted = [ln for ln in cache.read_text().splitlines() if ln.startswith("pdgw_cache_predicted_tokens")]
+    assert any('source="kv_events"' in ln and not ln.endswith(" 0.0") for ln in predicted), predicted
+
+
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_stops_the_run_writes_partial_results_and_leaves_no_process(
     tmp_path: Path, presses: int

@@ -30,6 +30,7 @@ from gateway.config import (
     WorkerConfig,
 )
 from gateway.router_flags import ROUTER_FLAGS
+from gateway.routing_tokenizer import TokenizerConfig
 from policies.config import DeciderCfg
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -48,6 +49,7 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
     # a table whose presence turns discovery on: commented out in the example, its keys with it
     "kubernetes": KubernetesConfig,
     "workers.kv_events": KvEventsConfig,  # a worker's sub-table
+    "tokenizer": TokenizerConfig,  # (like kubernetes: on when present)
 }
 _KEY = re.compile(r"^(#\s*)?([a-z_]+)\s*=")
 # a table's header, `[name]`, `[[name]]` or `[name.sub]`; commented out (`# [name]`): a table

@@ -1,0 +1,151 @@
+"""Text prompts and the precise index: with a routing tokenizer (`[tokenizer] kind =
+"emulator"`), the gateway keys the text of /v1/completions prompts and the emulator's chats
+with the ids the engine sees, and its KV-event index predicts the cached tokens each engine
+then reports within a few percent (as test_kv_events.py shows for prompts of token ids).
+
+The figures are the policy's own: each routed request's prediction by the `kv_events` source,
+joined with the cached tokens its answer reported (`CacheState.accuracy`)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
+from gateway.app import Gateway
+from gateway.cache_metrics import cache_states
+from gateway.config import GatewayConfig, HealthConfig, KvEventsConfig, ListenConfig, WorkerConfig
+from gateway.routing_tokenizer import TokenizerConfig
+from policies.config import CacheAwareCfg
+from policies.snapshot import Engine, Role
+from tests.integration.test_kv_events import BLOCK, Setup, caught_up, free_port_pair
+
+ENGINES = ("vllm", "sglang")
+
+
+async def start(tokenizer: TokenizerConfig | None) -> Setup:
+    ports = {name: free_port_pair() for name in ENGINES}
+    emus: dict[str, EmulatorHandle] = {}
+    for name in ENGINES:
+        emus[name] = await start_emulator(
+            EmulatorSpec(
+                engine=name,  # type: ignore[arg-type]
+                role="both",
+                model=f"m-{name}",
+                kv_events=f"tcp://127.0.0.1:{ports[name]}",
+                block_size=BLOCK,
+                max_total_tokens=2048,  # the engines evict
+                enable_prompt_tokens_details=name == "vllm",  # how each reports cached tokens
+                enable_cache_report=name == "sglang",  # on its OpenAI routes
+            )
+        )
+    workers = tuple(
+        WorkerConfig(
+            url=emus[name].url,
+            role=Role.COLOCATED,
+            engine=Engine(name),
+            id=name,
+            kv_events=KvEventsConfig(
+                endpoint=f"tcp://127.0.0.1:{ports[name]}",
+                replay_endpoint=f"tcp://127.0.0.1:{ports[name] + 1}",
+                hash="emulator",
+            ),
+        )
+        for name in ENGINES
+    )
+    cfg = GatewayConfig(
+        listen=ListenConfig(host="127.0.0.1", port=0),
+        workers=workers,
+        policy=CacheAwareCfg(chars_per_token=1.0),
+        health=HealthConfig(interval_s=0.5, timeout_s=2.0),
+        tokenizer=tokenizer,
+    )
+    gateway = Gateway(cfg)
+    await gateway.start()
+    return Setup(gateway, emus, ports)
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[Setup]:
+    s = await start(TokenizerConfig(kind="emulator"))
+    try:
+        yield s
+    finally:
+        await s.gateway.stop(grace_s=1.0)
+        for h in s.emulators.values():
+            await h.stop()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("abcdefghij ") for _ in range(n))
+
+
+async def send(http: aiohttp.ClientSession, s: Setup, engine: str, body: dict[str, Any], chat: bool) -> None:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with http.post(s.gateway.url + path, json={"model": f"m-{engine}", "max_tokens": 2, **body}) as r:
+        assert r.status == 200, await r.text()
+
+
+def accuracy(s: Setup, engine: str) -> tuple[int, float, float, float]:
+    (state,) = cache_states(s.gateway.policy)
+    return state.accuracy.summary().get((engine, "kv_events"), (0, 0.0, 0.0, 0.0))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_text_prompts_are_predicted_from_the_engines_events(setup: Setup, engine: str) -> None:
+    s = setup
+    rng = random.Random(11)
+    systems = [words(rng, rng.randrange(150, 400)) for _ in range(3)]
+    convs = [rng.choice(systems) + words(rng, 80) for _ in range(8)]
+    async with aiohttp.ClientSession() as http:
+        for _ in range(40):
+            c = rng.randrange(len(convs))
+            convs[c] += words(rng, rng.randrange(5, 60))
+            await caught_up(s, engine)
+            await send(http, s, engine, {"prompt": convs[c]}, chat=False)
+    n, _err, predicted, reported = accuracy(s, engine)
+    # every request was predicted by the precise index (those whose answer reported its cached
+    # tokens are counted: vLLM leaves the count out when it is 0)
+    (state,) = cache_states(s.gateway.policy)
+    assert {src for w, src in state.accuracy.summary() if w == engine} == {"kv_events"}
+    assert n >= 36, s.gateway.kv_events.status()
+    assert reported > 5000  # the prompts did share prefixes
+    assert abs(predicted - reported) <= 0.03 * reported, (predicted, reported)
+    w = s.gateway.kv_events.index.worker(engine)
+    assert w is not None and w.state == "live" and w.removed > 0  # live, and the engine evicted
+    (status,) = [r for r in s.gateway.kv_events.status() if r.worker == engine]
+    assert status.lag_s is not None and 0 <= status.lag_s <= status.max_lag_s < 5.0  # kept up
+
+
+async def test_the_emulators_chats_are_predicted_too(setup: Setup) -> None:
+    s = setup
+    rng = random.Random(5)
+    history: list[dict[str, Any]] = [{"role": "system", "content": words(rng, 300)}]
+    async with aiohttp.ClientSession() as http:
+        for _ in range(12):
+            history.append({"role": "user", "content": words(rng, 40)})
+            await caught_up(s, "sglang")
+            await send(http, s, "sglang", {"messages": history}, chat=True)
+            history.append({"role": "assistant", "content": words(rng, 10)})
+    n, _err, predicted, reported = accuracy(s, "sglang")
+    assert n >= 11 and reported > 2000  # (the first one found none: no count)
+    assert abs(predicted - reported) <= 0.03 * reported, (predicted, reported)
+
+
+async def test_without_a_tokenizer_text_prompts_use_the_approximate_index() -> None:
+    s = await start(None)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                await send(http, s, "sglang", {"prompt": "abc " * 100}, chat=False)
+        assert accuracy(s, "sglang")[0] == 0
+        (state,) = cache_states(s.gateway.policy)
+        assert state.accuracy.summary()[("sglang", "approx")][0] >= 2
+    finally:
+        await s.gateway.stop(grace_s=1.0)
+        for h in s.emulators.values():
+            await h.stop()
