@@ -46,9 +46,15 @@ took each small request's fixed cost for slowness (a 351-token prompt measured ~
 38k one ~125k), and a rate pulled low predicted a backlog that had already drained, which the
 next short request then measured as a rate 5x too fast (590k work/s in one sample): over a
 replay a quarter of the decisions ran on a rate outside 100-140k work/s, their predicted TTFT
-off 1.4-2x (docs/benchmarks.md, "The learned prefill rate"). Once a fit has `CLIP_AFTER`
-samples each new one is clipped to within `CLIP` x its prediction, so one such sample moves the
-line a bounded step.
+off 1.4-2x (docs/benchmarks.md, "The learned prefill rate"). The line starts at the first
+request with `learn_min_tokens` of work (a smaller one's seconds are its fixed cost: a line
+through the origin at its rate would start 5-10x too slow), and every later sample is clipped to
+within `CLIP` x the line's prediction, so one sample moves the line a bounded step. Unclipped,
+a few early samples of small work let one slow one (a request queued behind work the gateway
+did not count: 105 work units in 205 ms, its line predicting 6 ms) tip the least-squares slope
+to the floor: the rate jumped from 35k to the 10M work/s cap, the worker's backlog looked
+drained at once, it was sent every request for ~4 s and one worker ended with 1.5x the mean
+prefill load (docs/benchmarks.md, "Why the line lost on the defaults").
 """
 
 from __future__ import annotations
@@ -58,8 +64,7 @@ from dataclasses import dataclass
 from policies.base import Completed
 from policies.estimators import LinearFit
 
-CLIP = 2.0  # with `fit`: a sample counts as at most this factor off the line's prediction
-CLIP_AFTER = 5  # ... once the line has this many samples
+CLIP = 2.0  # with `fit`: a sample after the first counts as at most this factor off the line
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +194,15 @@ class PrefillQueues:
         self._set_rate(worker_id, new)
 
     def _fit(self, worker_id: str, work: float, seconds: float) -> None:
-        """`learn` with `fit`: the sample, clipped once the line has `CLIP_AFTER`, joins the
-        worker's line; its rate is 1 / the slope. The first sample starts the line through the
-        origin at its own rate (the EWMA's first value)."""
+        """`learn` with `fit`: the sample, clipped to `CLIP` x the line's prediction, joins the
+        worker's line; its rate is 1 / the slope. The first sample of `learn_min_tokens` work
+        or more starts the line through the origin at its own rate (the EWMA's first value);
+        smaller ones before it are not measured."""
         s = self.settings
         f = self._fits.get(worker_id)
         if f is None:
+            if work < s.learn_min_tokens:
+                return
             slope = min(max(seconds / work, 1.0 / s.max_rate), 1.0 / s.min_rate)
             f = self._fits[worker_id] = LinearFit(
                 0.0,
@@ -206,7 +214,7 @@ class PrefillQueues:
                 b_max=1.0 / s.min_rate,
                 a_max=s.max_overhead_s,
             )
-        elif f.samples >= CLIP_AFTER:
+        else:
             predicted = f.predict(work)
             seconds = min(max(seconds, predicted / CLIP), predicted * CLIP)
         f.add(work, seconds)
