@@ -46,15 +46,16 @@ took each small request's fixed cost for slowness (a 351-token prompt measured ~
 38k one ~125k), and a rate pulled low predicted a backlog that had already drained, which the
 next short request then measured as a rate 5x too fast (590k work/s in one sample): over a
 replay a quarter of the decisions ran on a rate outside 100-140k work/s, their predicted TTFT
-off 1.4-2x (docs/benchmarks.md, "The learned prefill rate"). The line starts at the first
-request with `learn_min_tokens` of work (a smaller one's seconds are its fixed cost: a line
-through the origin at its rate would start 5-10x too slow), and every later sample is clipped to
-within `CLIP` x the line's prediction, so one sample moves the line a bounded step. Unclipped,
-a few early samples of small work let one slow one (a request queued behind work the gateway
-did not count: 105 work units in 205 ms, its line predicting 6 ms) tip the least-squares slope
-to the floor: the rate jumped from 35k to the 10M work/s cap, the worker's backlog looked
-drained at once, it was sent every request for ~4 s and one worker ended with 1.5x the mean
-prefill load (docs/benchmarks.md, "Why the line lost on the defaults").
+off 1.4-2x (docs/benchmarks.md, "The learned prefill rate"). Every sample after the first
+counts as at most `CLIP` x slower than the line predicted, and once the line has `CLIP_AFTER`
+samples as at most `CLIP` x faster, so one sample moves the line a bounded step. The asymmetry:
+a young line is too slow (its first sample is often a small prefill, mostly fixed cost: through
+the origin 5-10x too slow), so a faster sample is what it needs, at once; a slower one is most
+often a request queued behind work the gateway did not count, which only ever adds seconds.
+Unclipped, one such (105 work units in 205 ms, its four-sample line predicting 6 ms) tipped the
+least-squares slope to its floor: the rate jumped from 35k to the 10M work/s cap, the worker's
+backlog looked drained at once, it was sent 50 of the next 64 requests and ended with 1.5x the
+mean prefill work (docs/benchmarks.md, "Why the line lost on the defaults").
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ from dataclasses import dataclass
 from policies.base import Completed
 from policies.estimators import LinearFit
 
-CLIP = 2.0  # with `fit`: a sample after the first counts as at most this factor off the line
+CLIP = 2.0  # with `fit`: a sample after the first counts as at most this factor slower than the line
+CLIP_AFTER = 5  # ... and, once the line has this many samples, at most this factor faster
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,15 +196,12 @@ class PrefillQueues:
         self._set_rate(worker_id, new)
 
     def _fit(self, worker_id: str, work: float, seconds: float) -> None:
-        """`learn` with `fit`: the sample, clipped to `CLIP` x the line's prediction, joins the
-        worker's line; its rate is 1 / the slope. The first sample of `learn_min_tokens` work
-        or more starts the line through the origin at its own rate (the EWMA's first value);
-        smaller ones before it are not measured."""
+        """`learn` with `fit`: the sample, clipped (`CLIP`, `CLIP_AFTER`), joins the worker's
+        line; its rate is 1 / the slope. The first sample starts the line through the origin at
+        its own rate (the EWMA's first value)."""
         s = self.settings
         f = self._fits.get(worker_id)
         if f is None:
-            if work < s.learn_min_tokens:
-                return
             slope = min(max(seconds / work, 1.0 / s.max_rate), 1.0 / s.min_rate)
             f = self._fits[worker_id] = LinearFit(
                 0.0,
@@ -216,7 +215,9 @@ class PrefillQueues:
             )
         else:
             predicted = f.predict(work)
-            seconds = min(max(seconds, predicted / CLIP), predicted * CLIP)
+            seconds = min(seconds, predicted * CLIP)
+            if f.samples >= CLIP_AFTER:
+                seconds = max(seconds, predicted / CLIP)
         f.add(work, seconds)
         self._set_rate(worker_id, 1.0 / f.coefficients()[1])
 
