@@ -46,9 +46,16 @@ took each small request's fixed cost for slowness (a 351-token prompt measured ~
 38k one ~125k), and a rate pulled low predicted a backlog that had already drained, which the
 next short request then measured as a rate 5x too fast (590k work/s in one sample): over a
 replay a quarter of the decisions ran on a rate outside 100-140k work/s, their predicted TTFT
-off 1.4-2x (docs/benchmarks.md, "The learned prefill rate"). Once a fit has `CLIP_AFTER`
-samples each new one is clipped to within `CLIP` x its prediction, so one such sample moves the
-line a bounded step.
+off 1.4-2x (docs/benchmarks.md, "The learned prefill rate"). Every sample after the first
+counts as at most `CLIP` x slower than the line predicted, and once the line has `CLIP_AFTER`
+samples as at most `CLIP` x faster, so one sample moves the line a bounded step. The asymmetry:
+a young line is too slow (its first sample is often a small prefill, mostly fixed cost: through
+the origin 5-10x too slow), so a faster sample is what it needs, at once; a slower one is most
+often a request queued behind work the gateway did not count, which only ever adds seconds.
+Unclipped, one such (105 work units in 205 ms, its four-sample line predicting 6 ms) tipped the
+least-squares slope to its floor: the rate jumped from 35k to the 10M work/s cap, the worker's
+backlog looked drained at once, it was sent 50 of the next 64 requests and ended with 1.5x the
+mean prefill work (docs/benchmarks.md, "Why the line lost on the defaults").
 """
 
 from __future__ import annotations
@@ -58,8 +65,8 @@ from dataclasses import dataclass
 from policies.base import Completed
 from policies.estimators import LinearFit
 
-CLIP = 2.0  # with `fit`: a sample counts as at most this factor off the line's prediction
-CLIP_AFTER = 5  # ... once the line has this many samples
+CLIP = 2.0  # with `fit`: a sample after the first counts as at most this factor slower than the line
+CLIP_AFTER = 5  # ... and, once the line has this many samples, at most this factor faster
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +196,9 @@ class PrefillQueues:
         self._set_rate(worker_id, new)
 
     def _fit(self, worker_id: str, work: float, seconds: float) -> None:
-        """`learn` with `fit`: the sample, clipped once the line has `CLIP_AFTER`, joins the
-        worker's line; its rate is 1 / the slope. The first sample starts the line through the
-        origin at its own rate (the EWMA's first value)."""
+        """`learn` with `fit`: the sample, clipped (`CLIP`, `CLIP_AFTER`), joins the worker's
+        line; its rate is 1 / the slope. The first sample starts the line through the origin at
+        its own rate (the EWMA's first value)."""
         s = self.settings
         f = self._fits.get(worker_id)
         if f is None:
@@ -206,9 +213,11 @@ class PrefillQueues:
                 b_max=1.0 / s.min_rate,
                 a_max=s.max_overhead_s,
             )
-        elif f.samples >= CLIP_AFTER:
+        else:
             predicted = f.predict(work)
-            seconds = min(max(seconds, predicted / CLIP), predicted * CLIP)
+            seconds = min(seconds, predicted * CLIP)
+            if f.samples >= CLIP_AFTER:
+                seconds = max(seconds, predicted / CLIP)
         f.add(work, seconds)
         self._set_rate(worker_id, 1.0 / f.coefficients()[1])
 
