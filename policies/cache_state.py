@@ -54,7 +54,7 @@ class CacheAwareSettings:
     max_pending: int = 100_000
     slo: SloSettings = field(default_factory=SloSettings)  # off unless an SLO is set (policies/decode_slo.py)
     prefill_fit_line: bool = False  # the rate: a fitted line's slope (policies/prefill_cost.py `fit`)
-    touch_done: bool = False  # a colocated prompt is touched in the index again as it ends
+    touch_done: bool = True  # a colocated prompt is touched in the index again as it ends
 
     def __post_init__(self) -> None:
         if self.exact_large_pool and self.queue_externality > 0:

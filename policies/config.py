@@ -156,7 +156,7 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # when the approximate index counts a colocated prompt as used: "routed" (as it is sent) or
     # "done" (also as its answer ends: an engine frees a request's blocks into its LRU then, so
     # a prefix is as recent there as its last answer's end, not its routing; policies/cache_state.py)
-    lru_touch: Literal["routed", "done"] = "routed"
+    lru_touch: Literal["routed", "done"] = "done"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:

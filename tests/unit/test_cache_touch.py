@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from policies.base import Completed, routed_event
+from policies.build import cache_aware_settings
 from policies.cache_aware import CacheAwareSettings, CacheState
 from policies.config import CacheAwareCfg, parse_policy
 from policies.prompt_key import PromptKey
@@ -47,8 +48,6 @@ def test_a_prompt_is_as_recent_as_its_answers_end(
 ) -> None:
     cfg = parse_policy({"type": "cache_aware", "lru_touch": touch})
     assert isinstance(cfg, CacheAwareCfg)
-    from policies.build import cache_aware_settings
-
     settings = cache_aware_settings(cfg)
     settings = CacheAwareSettings(
         worker_cache_tokens=1600, prefill_rate=1000.0, crossover_tokens=0.0, touch_done=settings.touch_done
@@ -93,8 +92,9 @@ def test_a_prompt_forgotten_while_it_ran_is_held_again_when_it_ends() -> None:
     assert s.cached_tokens(probe, a) == 800
 
 
-def test_the_knob_is_off_by_default_and_refuses_other_values() -> None:
-    assert CacheAwareCfg().lru_touch == "routed"
-    assert not CacheAwareSettings().touch_done
+def test_the_knob_is_on_by_default_and_refuses_other_values() -> None:
+    assert CacheAwareCfg().lru_touch == "done"
+    assert CacheAwareSettings().touch_done
+    assert not cache_aware_settings(parse_policy({"type": "cache_aware", "lru_touch": "routed"})).touch_done
     with pytest.raises(Exception, match="lru_touch"):
         parse_policy({"type": "cache_aware", "lru_touch": "never"})
