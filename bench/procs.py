@@ -114,6 +114,11 @@ class ManagedProcess:
             return ""
         return data[-n_bytes:].decode("utf-8", "replace")
 
+    def lost_port_race(self) -> bool:
+        """Whether it exited because a port picked for it (`free_ports`: free a moment before)
+        was taken by another process before it could bind it."""
+        return not self.alive() and "address already in use" in self.log_tail()
+
     def check_alive(self) -> None:
         if not self.alive():
             raise ProcessDied(

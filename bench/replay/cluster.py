@@ -257,31 +257,45 @@ def start_cluster(group: procs.ProcessGroup, spec: ClusterSpec, log_dir: Path) -
     plan += [("prefill", f"prefill{i}") for i in range(spec.prefill)]
     plan += [("decode", f"decode{i}") for i in range(spec.decode)]
     taken: set[int] = set()
-    kv = {name: f"tcp://{procs.HOST}:{free_port_pair(taken)}" for _, name in plan} if spec.kv_events else {}
-    ups = [
-        (
-            name,
-            procs.start_emulator(
-                group,
-                spec.engine,
-                role,
-                model=spec.model,
-                time_scale=spec.time_scale,
-                # one seed for all: the same "weights", so a decode continues its prefill's
-                # tokens (the gateway's guards check that) as real engines of one model do
-                seed=0,
-                log_dir=log_dir,
-                extra=[*extra, "--kv-events", kv[name]] if name in kv else extra,
-                wait=False,
-            ),
+    kv: dict[str, str] = {}
+
+    def start(role: str, name: str) -> procs.Upstream:
+        if spec.kv_events:
+            kv[name] = f"tcp://{procs.HOST}:{free_port_pair(taken)}"
+        return procs.start_emulator(
+            group,
+            spec.engine,
+            role,
+            model=spec.model,
+            time_scale=spec.time_scale,
+            # one seed for all: the same "weights", so a decode continues its prefill's
+            # tokens (the gateway's guards check that) as real engines of one model do
+            seed=0,
+            log_dir=log_dir,
+            extra=[*extra, "--kv-events", kv[name]] if name in kv else extra,
+            wait=False,
         )
-        for role, name in plan
-    ]
-    for _, up in ups:
-        procs.wait_upstream(up, timeout=90.0)
-    return Cluster(
-        spec, [Worker(name, up.role, up.url, up.bootstrap_port, up.proc, kv.get(name)) for name, up in ups]
-    )
+
+    ups = [(role, name, start(role, name)) for role, name in plan]
+    workers = []
+    for role, name, up in ups:
+        for attempt in range(PORT_RACE_TRIES):
+            try:
+                procs.wait_upstream(up, timeout=90.0)
+                break
+            except procs.ProcessDied:
+                # a port picked for it was taken before it bound it (another process's
+                # connection got it): not the target's failure, so start it on new ports
+                if attempt == PORT_RACE_TRIES - 1 or not up.proc.lost_port_race():
+                    raise
+                up = start(role, name)
+        workers.append(Worker(name, up.role, up.url, up.bootstrap_port, up.proc, kv.get(name)))
+    return Cluster(spec, workers)
+
+
+# times an emulated worker is started on fresh ports when another process took one of its
+# ports between `procs.free_ports` and its bind (one start of 128 in an eight-repeat replay)
+PORT_RACE_TRIES = 3
 
 
 def free_port_pair(taken: set[int]) -> int:
