@@ -27,6 +27,7 @@ from adapters.blockhash import HashSpec, make_hasher
 from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, KvEventsConfig, ListenConfig, WorkerConfig
+from gateway.routing_tokenizer import TokenizerConfig
 from policies.config import CacheAwareCfg
 from policies.prompt_key import PromptKey
 from policies.snapshot import Engine, Role
@@ -66,10 +67,19 @@ def spec(engine: str, model: str, port: int, max_total_tokens: int = 2048) -> Em
         block_size=BLOCK,
         max_total_tokens=max_total_tokens,
         enable_prompt_tokens_details=engine == "vllm",  # (vLLM reports cached tokens only so)
+        enable_cache_report=engine == "sglang",  # (on its OpenAI routes; /generate always does)
     )
 
 
-async def start(kv: dict[str, dict[str, Any]] | None = None, max_total_tokens: int = 2048) -> Setup:
+async def start(
+    kv: dict[str, dict[str, Any]] | None = None,
+    max_total_tokens: int = 2048,
+    *,
+    policy: CacheAwareCfg | None = None,
+    tokenizer: TokenizerConfig | None = None,
+) -> Setup:
+    """Two emulated engines (vLLM, SGLang) publishing KV events, and a gateway subscribed to
+    both; `kv`: per engine, `KvEventsConfig` fields that differ from the emulator's scheme."""
     kv = kv or {}
     ports = {name: free_port_pair() for name in ("vllm", "sglang")}
     emus = {
@@ -93,8 +103,9 @@ async def start(kv: dict[str, dict[str, Any]] | None = None, max_total_tokens: i
     cfg = GatewayConfig(
         listen=ListenConfig(host="127.0.0.1", port=0),
         workers=workers,
-        policy=CacheAwareCfg(),
+        policy=policy or CacheAwareCfg(),
         health=HealthConfig(interval_s=0.5, timeout_s=2.0),
+        tokenizer=tokenizer,
     )
     gateway = Gateway(cfg)
     await gateway.start()

@@ -15,58 +15,19 @@ from typing import Any
 import aiohttp
 import pytest
 
-from emulator.api import EmulatorHandle, EmulatorSpec, start_emulator
-from gateway.app import Gateway
 from gateway.cache_metrics import cache_states
-from gateway.config import GatewayConfig, HealthConfig, KvEventsConfig, ListenConfig, WorkerConfig
 from gateway.routing_tokenizer import TokenizerConfig
 from policies.config import CacheAwareCfg
-from policies.snapshot import Engine, Role
-from tests.integration.test_kv_events import BLOCK, Setup, caught_up, free_port_pair
+from tests.integration.test_kv_events import Setup, caught_up
+from tests.integration.test_kv_events import start as start_kv
 
 ENGINES = ("vllm", "sglang")
 
 
 async def start(tokenizer: TokenizerConfig | None) -> Setup:
-    ports = {name: free_port_pair() for name in ENGINES}
-    emus: dict[str, EmulatorHandle] = {}
-    for name in ENGINES:
-        emus[name] = await start_emulator(
-            EmulatorSpec(
-                engine=name,  # type: ignore[arg-type]
-                role="both",
-                model=f"m-{name}",
-                kv_events=f"tcp://127.0.0.1:{ports[name]}",
-                block_size=BLOCK,
-                max_total_tokens=2048,  # the engines evict
-                enable_prompt_tokens_details=name == "vllm",  # how each reports cached tokens
-                enable_cache_report=name == "sglang",  # on its OpenAI routes
-            )
-        )
-    workers = tuple(
-        WorkerConfig(
-            url=emus[name].url,
-            role=Role.COLOCATED,
-            engine=Engine(name),
-            id=name,
-            kv_events=KvEventsConfig(
-                endpoint=f"tcp://127.0.0.1:{ports[name]}",
-                replay_endpoint=f"tcp://127.0.0.1:{ports[name] + 1}",
-                hash="emulator",
-            ),
-        )
-        for name in ENGINES
-    )
-    cfg = GatewayConfig(
-        listen=ListenConfig(host="127.0.0.1", port=0),
-        workers=workers,
-        policy=CacheAwareCfg(chars_per_token=1.0),
-        health=HealthConfig(interval_s=0.5, timeout_s=2.0),
-        tokenizer=tokenizer,
-    )
-    gateway = Gateway(cfg)
-    await gateway.start()
-    return Setup(gateway, emus, ports)
+    """test_kv_events.py's two engines (caches small enough that they evict), the gateway's
+    approximate index told the emulator's one byte a token."""
+    return await start_kv(policy=CacheAwareCfg(chars_per_token=1.0), tokenizer=tokenizer)
 
 
 @pytest.fixture

@@ -29,8 +29,14 @@ PATHS = {
 
 
 def parsed(route: RouteKind, body: dict[str, Any]) -> Any:
+    """`body` (model "m" unless it names one) as the gateway parses it on `route`'s path."""
     return parse_request(
-        route, PATHS[route], json.dumps(body).encode(), default_model="m", max_n=8, max_tokens_cap=None
+        route,
+        PATHS[route],
+        json.dumps({"model": "m", **body}).encode(),
+        default_model="m",
+        max_n=8,
+        max_tokens_cap=None,
     )
 
 

@@ -11,14 +11,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from adapters.blockhash import HashSpec, make_hasher
-from common.request import parse_request
 from common.workers import RouteKind
 from emulator import tokenizer as emu
 from gateway.app import Gateway
@@ -33,24 +31,7 @@ from gateway.routing_tokenizer import (
     make_tokenizer,
 )
 from policies.prompt_key import PromptKey
-
-PATHS = {
-    RouteKind.GENERATE: "/generate",
-    RouteKind.CHAT: "/v1/chat/completions",
-    RouteKind.COMPLETIONS: "/v1/completions",
-}
-
-
-def parsed(route: RouteKind, body: dict[str, Any]) -> Any:
-    return parse_request(
-        route,
-        PATHS[route],
-        json.dumps({"model": "m", **body}).encode(),
-        default_model="m",
-        max_n=8,
-        max_tokens_cap=None,
-    )
-
+from tests.unit.test_cache_feedback import parsed
 
 TEXTS = ["hello world", 'say "hi"\n', "caf\u00e9 \u2603", "", "x" * 300]
 
