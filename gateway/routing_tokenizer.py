@@ -117,22 +117,29 @@ def emulator_chat(messages: Any) -> str | None:
     return "".join(out)
 
 
+def load_tokenizer_json(path: str, what: str) -> Any:
+    """A HuggingFace `tokenizers.Tokenizer` read from `path` (a model's tokenizer.json); a
+    ValueError naming `what` (the setting or flag that gave the path) when the `tokenizers`
+    package is missing or the file cannot be loaded. Also the replay's prompt builder's."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:  # pragma: no cover - the extra is installed with dev
+        raise ValueError(
+            f"{what} needs the `tokenizers` package: pip install 'pd-gateway[tokenizers]'"
+        ) from e
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the library raises its own exception types
+        raise ValueError(f"{what} {path!r}: cannot load it: {e}") from None
+
+
 class HfTokenizer:
     """A `tokenizers` JSON file, with the special tokens its post-processor adds."""
 
     kind = "hf"
 
     def __init__(self, path: str) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:  # pragma: no cover - the extra is installed with dev
-            raise ValueError(
-                "tokenizer kind hf needs the `tokenizers` package: pip install 'pd-gateway[tokenizers]'"
-            ) from e
-        try:
-            self._tok = Tokenizer.from_file(path)
-        except Exception as e:  # the library raises its own exception types
-            raise ValueError(f"tokenizer.path {path!r}: cannot load it: {e}") from None
+        self._tok = load_tokenizer_json(path, "tokenizer.path")
         self._encode: Callable[..., Any] = self._tok.encode
 
     def text_ids(self, text: bytes) -> Sequence[int]:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from bench.replay.trace import BLOCK_TOKENS, Row
+from gateway.routing_tokenizer import load_tokenizer_json
 
 # Words tried as units by the word tokenizers: common English words, most of them one token
 # in any BPE vocabulary trained on English.
@@ -105,13 +106,7 @@ class HFTokenizer(_WordTokenizer):
     """A HuggingFace `tokenizers` JSON file (the model's tokenizer.json)."""
 
     def __init__(self, path: str) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as exc:  # pragma: no cover - the extra is installed with dev
-            raise ValueError(
-                "--tokenizer needs the `tokenizers` package: pip install 'pd-gateway[tokenizers]'"
-            ) from exc
-        self.tok = Tokenizer.from_file(path)
+        self.tok = load_tokenizer_json(path, "--tokenizer")
         self.name = f"tokenizer:{path}"
 
     def encode_ids(self, text: str, special: bool) -> list[int]:
