@@ -17,6 +17,10 @@ Two execution modes share the same state (block pool, prefix cache, counters):
     ``chunked_prefill_size`` tokens, 8192 on 80-141 GB GPUs, arg_groups/memory_hook.py) is a
     prefill step only; the running decodes wait until no prefill is left (a chunked request in
     progress keeps the next step a prefill step), on a colocated server as on a prefill server;
+
+  a prompt's full blocks enter the prefix cache as its chunks are computed, not only when its
+  prefill ends (:class:`StepPolicy` ``cache_at_schedule``), so that a prompt sharing the prefix
+  and scheduled later (a conversation's next turn queued behind its predecessor) reads them;
 * zero-delay (``time_scale == 0``): prefill completes at once and tokens are produced directly by
   the consumer, with no sleeps and no per-token task switches - the mode for overhead benchmarks.
 """
@@ -38,19 +42,29 @@ T = TypeVar("T")
 class StepPolicy:
     """How a step is built: `chunk_tokens` of prefill at most per step; `prefill_first`: a step
     with prefill work decodes nothing (SGLang), else the decodes ride along and take their
-    tokens out of the budget first (vLLM)."""
+    tokens out of the budget first (vLLM).
 
-    __slots__ = ("chunk_tokens", "prefill_first")
+    When an unfinished prefill's full blocks enter the prefix cache: `cache_at_schedule` as its
+    chunk is scheduled, so that a prompt scheduled after it in the same step reads them (vLLM
+    v1: ``KVCacheManager.allocate_slots`` ends with ``cache_blocks(request, min(computed + new,
+    num_tokens))``, v1/core/kv_cache_manager.py), else once the chunk is computed, before the
+    next step is formed (SGLang: the scheduler calls ``tree_cache.cache_unfinished_req`` on the
+    chunked request as it builds the next batch, managers/scheduler.py, and
+    ``RadixCache.cache_unfinished_req`` inserts the filled, page-aligned tokens into the radix
+    tree, mem_cache/radix_cache.py)."""
 
-    def __init__(self, chunk_tokens: int, prefill_first: bool) -> None:
+    __slots__ = ("cache_at_schedule", "chunk_tokens", "prefill_first")
+
+    def __init__(self, chunk_tokens: int, prefill_first: bool, cache_at_schedule: bool = False) -> None:
         self.chunk_tokens = chunk_tokens
         self.prefill_first = prefill_first
+        self.cache_at_schedule = cache_at_schedule
 
     @classmethod
     def of(cls, engine: str, profile: Profile) -> StepPolicy:
         if engine == "sglang":
             return cls(profile.chunk_tokens, prefill_first=True)
-        return cls(profile.batched_tokens, prefill_first=False)
+        return cls(profile.batched_tokens, prefill_first=False, cache_at_schedule=True)
 
 
 class EngineDead(Exception):
@@ -91,6 +105,8 @@ class Seq:
         "aborted",
         "blocks",
         "cached_tokens",
+        "chunk_blocks",
+        "chunk_cache",
         "credits",
         "event",
         "finished",
@@ -120,6 +136,8 @@ class Seq:
         self.n_prompt_blocks = 0
         self.cached_tokens = 0
         self.max_cached = 0  # prompt blocks it may read from the prefix cache
+        self.chunk_cache = False  # its chunks' full blocks enter the prefix cache as computed
+        self.chunk_blocks = 0  # prompt blocks written and registered by its chunks so far
         self.kv_valid = True
         self.state = 0
         self.aborted = False
@@ -269,6 +287,9 @@ class Engine:
         self.counters.local_compute_tokens += new_tokens
         if not self.zero_delay and new_tokens > 0:
             seq.prefill_left = new_tokens
+            # a prefill that computes only part of its prompt's KV (the truncation fault)
+            # registers nothing before its end shows what it wrote
+            seq.chunk_cache = truncate_to is None
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             seq.prefill_future = fut
             self.prefill_queue.append(seq)
@@ -285,7 +306,7 @@ class Engine:
 
     def write_prompt_kv(self, seq: Seq, *, truncate_to: int | None = None) -> None:
         bs = self.block_size
-        first = seq.cached_tokens // bs
+        first = max(seq.cached_tokens // bs, seq.chunk_blocks)
         if truncate_to is not None:
             # only the first ``truncate_to`` tokens' KV is computed (SGLang #30233 shape)
             partial = model.chain_hashes(seq.prompt[:truncate_to], bs)
@@ -298,6 +319,23 @@ class Engine:
                 self.pool.write(seq.blocks[i], seq.hashes[i])
             self.register_full_blocks(seq, first)
         self.set_state(seq)
+
+    def cache_chunks(self, seq: Seq, computed: int) -> None:
+        """Write and register the full prompt blocks among the first `computed` tokens of a
+        prefill still running (see :class:`StepPolicy`)."""
+        if not seq.chunk_cache or not seq.kv_valid or seq.aborted:
+            return
+        bs = self.block_size
+        first = max(seq.cached_tokens // bs, seq.chunk_blocks)
+        full = min(computed, len(seq.prompt)) // bs
+        if full <= first or full > len(seq.blocks):
+            return
+        for i in range(first, full):
+            self.pool.write(seq.blocks[i], seq.hashes[i])
+        parent = seq.hashes[first - 1] if first > 0 else None
+        tokens = seq.prompt[first * bs : full * bs]
+        self.pool.register(seq.blocks[first:full], seq.hashes[first:full], parent, tokens)
+        seq.chunk_blocks = full
 
     def register_full_blocks(self, seq: Seq, first: int) -> None:
         full = len(seq.prompt) // self.block_size
@@ -479,6 +517,8 @@ class Engine:
             work.append((seq, n))
             chunks.append((n, len(seq.prompt) - seq.prefill_left))
             budget -= n
+            if policy.cache_at_schedule:
+                self.cache_chunks(seq, len(seq.prompt) - seq.prefill_left + n)
         if work and policy.prefill_first:
             batch = []  # SGLang: a prefill step, the decodes wait
         return work, chunks, batch
@@ -517,7 +557,9 @@ class Engine:
         finished = False
         for seq, n in work:
             seq.prefill_left -= n
-            if seq.prefill_left <= 0:
+            if seq.prefill_left > 0:
+                self.cache_chunks(seq, len(seq.prompt) - seq.prefill_left)
+            else:
                 finished = True
                 if seq in self.prefill_queue:
                     self.prefill_queue.remove(seq)
