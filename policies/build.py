@@ -123,6 +123,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
             prefilled=cfg.slo_cache == "prefilled",
             pool_best=cfg.slo_best == "pool",
             queue_prefilled=cfg.queue_cache == "prefilled",
+            ttft_after_tpot=cfg.ttft_slo_rank == "after_tpot",
         ),
         prefill_fit_line=cfg.prefill_fit == "line",
         touch_done=cfg.lru_touch == "done",

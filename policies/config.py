@@ -152,6 +152,10 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # "prefilled"` counts it: a turn sent while its predecessor still prefills there queues its
     # whole prompt); "prefilled" needs slo_cache = "prefilled"
     queue_cache: Literal["routed", "prefilled"] = "routed"
+    # how the request's own TTFT SLO (ttft_slo_s / ttft_slo_x) counts: "sum" (one more miss, as a
+    # decode broken is) or "after_tpot" (the fewest decodes broken first, then within its own
+    # TTFT SLO, then the cost; policies/decode_slo.py `ttft_rank`)
+    ttft_slo_rank: Literal["sum", "after_tpot"] = "sum"
     seed: int | None = None
     # when the approximate index counts a colocated prompt as used: "routed" (as it is sent) or
     # "done" (also as its answer ends: an engine frees a request's blocks into its LRU then, so

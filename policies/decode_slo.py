@@ -24,6 +24,7 @@ own predictions):
     ttft_slo      = ttft_slo_s + ttft_slo_x x (work(P, 0) / rate): the prompt computed whole on
                     an idle worker, what `bench replay`'s relative SLOs are multiples of
     misses(w)     = broken(w) + (1 if wait + seconds > ttft_slo else 0)
+                    (with `ttft_after_tpot`: 2 x broken(w) + that 1 or 0, `ttft_rank`)
 
 `tokens_i` is the decider's expected output (`max_tokens` x the learned share a request fills).
 
@@ -74,6 +75,7 @@ class SloSettings:
     prefilled: bool = False  # a prefix a running prefill writes is not cached for the SLO term
     pool_best: bool = False  # best(w) of a worker with < 10 streams: the pool's least (`best`)
     queue_prefilled: bool = False  # a routed prefill queues the work of `prefilled`'s view (`queued_work`)
+    ttft_after_tpot: bool = False  # `misses` ranks (decodes broken, own TTFT miss), not their sum
 
     @property
     def on(self) -> bool:
@@ -351,9 +353,22 @@ class DecodeSlo:
         return tuple(rows)
 
     def misses(self, w: WorkerState, now: float, wait: float, seconds: float, ttft_limit: float) -> int:
-        """`broken(w)` plus 1 where this request's own predicted TTFT is over `ttft_limit`."""
+        """`broken(w)` plus 1 where this request's own predicted TTFT is over `ttft_limit`; with
+        `ttft_after_tpot`, the rank `ttft_rank` gives them."""
         own = 1 if wait + seconds > ttft_limit else 0
-        return own + self.broken(w, now + wait, seconds)
+        broken = self.broken(w, now + wait, seconds)
+        return ttft_rank(broken, own) if self.settings.ttft_after_tpot else own + broken
+
+
+def ttft_rank(broken: int, own: int) -> int:
+    """`misses` with `ttft_slo_rank = "after_tpot"`: `2 x broken + own` (`own` 0 or 1), so the
+    fewest orders the candidates by the decodes they break first and by the request's own TTFT
+    miss only among those breaking as few (a lexicographic order as one int: the selectors'
+    "fewest misses" filter is unchanged). Summed, an own TTFT miss saved by a worker that breaks
+    one decode ties with the clean worker and the cost then picks, most often the cache holder
+    that breaks it: on the x3 replay summing raised the TPOT misses by 11-13 a repeat
+    (docs/benchmarks.md, "The TTFT SLO again, on the corrected rate")."""
+    return 2 * broken + own
 
 
 def shared_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -371,4 +386,4 @@ def shared_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 
 NO_SLO: tuple[float, int, float, tuple[HeldDecode, ...]] = (0.0, 0, 0.0, ())  # `weigh` with no SLO set
 
-__all__ = ["NO_SLO", "DecodeSlo", "HeldDecode", "SloSettings", "shared_blocks"]
+__all__ = ["NO_SLO", "DecodeSlo", "HeldDecode", "SloSettings", "shared_blocks", "ttft_rank"]
