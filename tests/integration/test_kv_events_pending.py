@@ -135,3 +135,7 @@ async def test_a_turn_routed_during_its_predecessors_prefill_goes_to_its_holder(
     pending = index.pending
     assert pending.added == 2 and not pending.entries and pending.blocks == 0
     assert pending.dropped_stored + pending.dropped_ended == 2
+    async with aiohttp.ClientSession() as http, http.get(gateway.url + "/metrics") as r:
+        text = await r.text()
+    assert "pdgw_kv_index_pending_requests 0.0" in text
+    assert 'pdgw_kv_index_pending_dropped_total{why="expired"} 0.0' in text
