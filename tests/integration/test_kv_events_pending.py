@@ -4,7 +4,7 @@ Two SGLang workers of one model, timed (a long prompt's prefill takes about a se
 conversation's first turn is routed to one of them; its next turn arrives while the first is still
 prefilling, before that engine has published a `BlockStored` for it. With the events alone
 (`precise_record = "stored"`) the precise index knows no holder, and the turn is sent to the idle
-worker, which computes the whole prompt again. With the pending overlay (`"routed"`, the default)
+worker, which computes the whole prompt again. With the pending overlay (`"routed"`)
 the turn is predicted to find the first turn's prefix on its worker and is sent there; the engine
 matches the prefix again as it schedules the queued turn, after the first one's prefill, and
 reports it cached. The overlay's entries are gone once the engine's events have stored the blocks
