@@ -99,7 +99,9 @@ class Gateway:
                 tok = make_tokenizer(cfg.tokenizer)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            self.orchestrator.s.tokenizing = Tokenizing(tok, self.kv_events.__len__)
+            self.orchestrator.s.tokenizing = Tokenizing(
+                tok, self.kv_events.__len__, cfg.tokenizer.offload_bytes
+            )
         self.health = HealthChecker(self.registry, cfg.health)
         lim = cfg.limits
         # with several processes each takes its share of the gateway-wide limits

@@ -126,6 +126,13 @@ def build_serve_parser() -> argparse.ArgumentParser:
         help="disaggregate or not, per request (docs/policies.md, Deciders); default "
         f"{_DECIDER.type}; cost_model weighs each alternative's predicted TTFT and TPOT",
     )
+    r.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="KIND[:PATH]",
+        help="the routing tokenizer ([tokenizer]): emulator | hf:PATH (the model's tokenizer.json) | "
+        "none; text prompts' ids for cache_aware's precise index (workers with KV events)",
+    )
     for flag, key in (("--ttft-slo-s", "ttft_slo_s"), ("--tpot-slo-s", "tpot_slo_s")):
         r.add_argument(
             flag,
@@ -259,11 +266,32 @@ def merge_args(raw: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                 timeouts[name] = args.request_timeout_s
     if args.max_concurrent is not None:
         section("limits")["max_concurrent"] = args.max_concurrent
+    if args.tokenizer is not None:
+        _tokenizer_flag(doc, args.tokenizer)
     if args.admin_token_env is not None:
         admin = section("admin")
         admin.pop("token", None)  # the flag replaces whatever the file chose
         admin["token_env"] = args.admin_token_env
     return doc
+
+
+def _tokenizer_flag(doc: dict[str, Any], value: str) -> None:
+    """`--tokenizer KIND[:PATH]` replaces the file's [tokenizer] kind and path, keeping its other
+    keys (`none`: removes the section)."""
+    kind, _, path = value.partition(":")
+    if kind == "none" and not path:
+        doc.pop("tokenizer", None)
+        return
+    if kind not in ("emulator", "hf") or (kind == "hf") != bool(path):
+        raise ConfigError(f"--tokenizer takes emulator, hf:PATH or none, got {value!r}")
+    current = doc.get("tokenizer")
+    table = dict(current) if isinstance(current, dict) else {}
+    table["kind"] = kind
+    if path:
+        table["path"] = path
+    else:
+        table.pop("path", None)
+    doc["tokenizer"] = table
 
 
 def parse_serve_args(argv: Sequence[str]) -> GatewayConfig:

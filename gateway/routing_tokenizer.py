@@ -24,6 +24,13 @@ Kinds:
   that tokenizer.json's post-processor adds (`add_bos_token`), the ids differ from the
   engine's: the index's outcome check then reports the worker misaligned and stops using it
   (gateway/kvevents/index.py), it never routes on the wrong ids silently.
+
+  A long prompt is tokenized off the event loop: the `tokenizers` package holds the GIL in
+  `encode` (20,000 tokens: ~34 ms during which the gateway serves nothing else) and releases it
+  in `encode_batch`, so a text prompt of more than `offload_bytes` (default 4096) is encoded as
+  a batch of one in a worker thread while the loop goes on (`bench/replay/tokenize_cost.py`
+  measures the loop's longest stall both ways); shorter ones inline (a thread hop costs more).
+  The `emulator` kind (~10 us for 20,000 tokens) is always inline.
 """
 
 from __future__ import annotations
@@ -47,8 +54,12 @@ class TokenizerConfig(_Section, frozen=True):
 
     kind: Literal["emulator", "hf"]
     path: str | None = None  # hf: the model's tokenizer.json
+    # hf: text prompts longer than this many bytes are tokenized in a worker thread (0: never)
+    offload_bytes: int = 4096
 
     def __post_init__(self) -> None:
+        if self.offload_bytes < 0:
+            raise ValueError("tokenizer.offload_bytes must be >= 0")
         if self.kind == "hf" and not self.path:
             raise ValueError('tokenizer.path: kind = "hf" needs the model\'s tokenizer.json')
         if self.kind == "emulator" and self.path is not None:
@@ -141,6 +152,7 @@ class HfTokenizer:
     def __init__(self, path: str) -> None:
         self._tok = load_tokenizer_json(path, "tokenizer.path")
         self._encode: Callable[..., Any] = self._tok.encode
+        self._batch: Callable[..., Any] = self._tok.encode_batch
 
     def text_ids(self, text: bytes) -> Sequence[int]:
         ids: list[int] = self._encode(text.decode("utf-8", "surrogatepass"), add_special_tokens=True).ids
@@ -148,6 +160,11 @@ class HfTokenizer:
 
     def chat_ids(self, messages: Any, tools: Any) -> Sequence[int] | None:
         return None  # the chat template is not run here (module docstring)
+
+    def text_ids_unlocked(self, text: bytes) -> Sequence[int]:
+        """`text_ids`, releasing the GIL while it encodes (for a worker thread: module docstring)."""
+        ids: list[int] = self._batch([text.decode("utf-8", "surrogatepass")], add_special_tokens=True)[0].ids
+        return ids
 
 
 def make_tokenizer(cfg: TokenizerConfig) -> RoutingTokenizer:
@@ -160,13 +177,26 @@ def make_tokenizer(cfg: TokenizerConfig) -> RoutingTokenizer:
 
 class Tokenizing:
     """Whether a request is tokenized: only while some worker publishes KV events (`sources`,
-    the hub's subscriptions, which the admin API and discovery change at run time)."""
+    the hub's subscriptions, which the admin API and discovery change at run time); and which
+    text prompts are tokenized off the event loop (`offload_bytes`, an `hf` tokenizer's)."""
 
-    __slots__ = ("_sources", "tokenizer")
+    __slots__ = ("_sources", "offload_bytes", "tokenizer")
 
-    def __init__(self, tokenizer: RoutingTokenizer, sources: Callable[[], int]) -> None:
+    def __init__(
+        self, tokenizer: RoutingTokenizer, sources: Callable[[], int], offload_bytes: int = 0
+    ) -> None:
         self.tokenizer = tokenizer
         self._sources = sources
+        self.offload_bytes = offload_bytes if isinstance(tokenizer, HfTokenizer) else 0
 
     def get(self) -> RoutingTokenizer | None:
         return self.tokenizer if self._sources() else None
+
+    def offloads(self, text_bytes: int) -> HfTokenizer | None:
+        """The tokenizer to run in a worker thread for a text prompt of `text_bytes` (None:
+        inline, or not at all)."""
+        tok = self.tokenizer
+        limit = self.offload_bytes
+        if limit and text_bytes > limit and isinstance(tok, HfTokenizer) and self._sources():
+            return tok
+        return None

@@ -114,6 +114,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         sample=cfg.sample,
         exact_large_pool=cfg.large_pool == "exact",
         use_kv_events=cfg.index == "auto",
+        precise_pending=cfg.precise_record == "routed",
         record_prefilled=cfg.record == "prefilled",
         slo=SloSettings(
             cfg.ttft_slo_s,

@@ -19,7 +19,7 @@ from policies.estimators import prefill_work
 from policies.pending import expire
 from policies.pool_pressure import DecayedRate, externality_per_work
 from policies.prefill_cost import PrefillQueues, RateSettings, prefill_seconds
-from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PrefixSource
+from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PendingSink, PrefixSource
 from policies.prompt_key import PromptKey
 from policies.snapshot import RequestView, WorkerState
 from policies.turnover import Turnover
@@ -50,6 +50,7 @@ class CacheAwareSettings:
     sample: int = 4
     exact_large_pool: bool = False
     use_kv_events: bool = True
+    precise_pending: bool = False  # the precise index counts routed prompts until stored (PendingSink)
     record_prefilled: bool = False
     max_pending: int = 100_000
     slo: SloSettings = field(default_factory=SloSettings)  # off unless an SLO is set (policies/decode_slo.py)
@@ -183,6 +184,7 @@ class CacheState:
             block_tokens=s.block_tokens, chars_per_token=s.chars_per_token, budget_tokens=s.max_tree_size
         )
         self.precise = precise if s.use_kv_events else None
+        self.sink = self.precise if s.precise_pending and isinstance(self.precise, PendingSink) else None
         self.queues = PrefillQueues(RateSettings(default_rate=s.prefill_rate, fit=s.prefill_fit_line))
         self.accuracy = PredictionStats()
         self.arrivals = DecayedRate(s.pressure_window_s)  # routed requests and their prefill work
@@ -365,6 +367,8 @@ class CacheState:
                 self.accuracy.forget(event.worker_id)
                 self._pinned.pop(event.worker_id, None)
                 self.turnover.forget(event.worker_id)
+        if self.sink is not None:  # last: a routed prompt's own prediction is read without it
+            self.sink.observe(event)
         now = self.clock()
         if now - self._last_sweep >= self.settings.eviction_interval_s:
             self._sweep(now)

@@ -16,10 +16,13 @@ matches (`top`) and, for any worker, the prompt tokens it is predicted to hold
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from policies.block_index import BlockIndex, iter_bits
 from policies.prompt_key import PromptKey
+
+if TYPE_CHECKING:
+    from policies.base import PolicyEvent
 
 
 class Lookup(Protocol):
@@ -45,6 +48,15 @@ class PrefixSource(Protocol):
         """A request this source predicted `predicted` cached tokens for on the worker found
         `reported` (the engine's own count): how the source checks itself."""
         ...
+
+
+@runtime_checkable
+class PendingSink(Protocol):
+    """A source that also counts the prompts routed to a worker until its engine reports them
+    stored (the precise index's pending overlay, gateway/kvevents/pending.py): told, after the
+    policy's own bookkeeping, what was routed and what ended."""
+
+    def observe(self, event: PolicyEvent) -> None: ...
 
 
 class IndexLookup:

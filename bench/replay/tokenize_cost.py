@@ -12,13 +12,19 @@ Prints microseconds per request, the best of five repeats:
     twice its match's depth (policies/block_index.py), so these are the worst case;
   * `hf` ids: a byte-level BPE `tokenizer.json` (GPT-2 / Llama-3 style pre-tokenizer, 600
     tokens, trained here on English words: the shape of a real one, not its vocabulary) on a
-    text of English words that it encodes to 20,000 tokens.
+    text of English words that it encodes to 20,000 tokens;
+  * the event loop's longest stall while that prompt is tokenized five times, inline (`encode`,
+    the GIL held throughout) and as the gateway does it for a long prompt (`encode_batch` in a
+    worker thread, the GIL released: gateway/routing_tokenizer.py `offload_bytes`), beside a
+    task that sleeps 1 ms at a time (milliseconds beyond its sleep).
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import tempfile
+import time
 import timeit
 from collections.abc import Callable
 from pathlib import Path
@@ -81,6 +87,38 @@ def main() -> None:
     data = " ".join(words[:lo]).encode()
     n = len(hf.text_ids(data))
     print(f"hf ids, {n} tokens ({len(data)} bytes): {best_us(lambda: hf.text_ids(data), 10):.0f} us")
+    assert list(hf.text_ids_unlocked(data)) == list(hf.text_ids(data))
+    for threaded in (False, True):
+        stall = asyncio.run(loop_stall(hf, data, threaded))
+        print(f"hf ids, {'worker thread' if threaded else 'inline'}: the loop's longest stall {stall:.1f} ms")
+
+
+async def loop_stall(hf: HfTokenizer, data: bytes, threaded: bool) -> float:
+    """The longest delay (ms) past a 1 ms sleep while `data` is tokenized five times."""
+    worst = 0.0
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        nonlocal worst
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            worst = max(worst, now - last - 0.001)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.02)
+    loop = asyncio.get_running_loop()
+    for _ in range(5):
+        if threaded:
+            await loop.run_in_executor(None, hf.text_ids_unlocked, data)
+        else:
+            hf.text_ids(data)
+        await asyncio.sleep(0.005)
+    done.set()
+    await ticker
+    return worst * 1e3
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from adapters import ADAPTERS
 from common.workers import Engine
 from gateway.config import KvEventsConfig, WorkerConfig
 from gateway.kvevents.index import KvEventIndex, WorkerStatus
+from gateway.kvevents.pending import PendingBlocks
 from gateway.kvevents.subscriber import KvEventSubscriber
 from gateway.logging import get_logger
 
@@ -193,6 +194,7 @@ class KvEventCollector(Collector):
                 fam.add_metric([r.worker], getattr(r, name))
         memory = GaugeMetricFamily("pdgw_kv_index_bytes", "Estimated memory of the KV-event index")
         memory.add_metric([], self.hub.index.memory_bytes())
+        yield from pending_metrics(self.hub.index.pending)
         yield usable
         yield aligned
         yield blocks
@@ -200,3 +202,21 @@ class KvEventCollector(Collector):
         yield max_lag
         yield memory
         yield from counters.values()
+
+
+def pending_metrics(p: PendingBlocks) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """`pdgw_kv_index_pending_*`: the overlay of prompts routed, not yet stored (pending.py)."""
+    requests = GaugeMetricFamily(
+        "pdgw_kv_index_pending_requests", "Requests routed whose prompt the engines have not yet stored"
+    )
+    requests.add_metric([], len(p.entries))
+    blocks = GaugeMetricFamily("pdgw_kv_index_pending_blocks", "Their (block, worker) entries")
+    blocks.add_metric([], p.blocks)
+    dropped = CounterMetricFamily(
+        "pdgw_kv_index_pending_dropped", "Pending prompts dropped, by why", labels=["why"]
+    )
+    for why, n in (("stored", p.dropped_stored), ("ended", p.dropped_ended), ("expired", p.dropped_expired)):
+        dropped.add_metric([why], n)
+    yield requests
+    yield blocks
+    yield dropped

@@ -31,14 +31,16 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from adapters.blockhash import BlockHasherBase, HashSpec, Scheme, VllmAlgo, make_hasher
 from adapters.kvevents import Batch, Cleared, Removed, Stored
+from gateway.kvevents.pending import Merged, Overlay, PendingBlocks, WithPending
 from gateway.logging import get_logger
+from policies.base import Completed, Failed, PolicyEvent, Routed
 from policies.block_index import BlockIndex
 from policies.prefix_source import IndexLookup, Lookup
 from policies.prompt_key import PromptKey
@@ -85,6 +87,7 @@ class WorkerStatus(msgspec.Struct, frozen=True):
 class _Group:
     hasher: BlockHasherBase
     index: BlockIndex = field(default_factory=BlockIndex)
+    overlay: Overlay = field(default_factory=Overlay)  # prompts routed, not yet stored (pending.py)
     slot_of: dict[str, int] = field(default_factory=dict)
     ids: list[str | None] = field(default_factory=list)
 
@@ -157,6 +160,7 @@ class KvEventIndex:
         self._groups: dict[str, _Group] = {}
         self._model_of = model_of or (lambda wid: None)
         self._clock = clock
+        self.pending = PendingBlocks(clock)  # fed by a policy's `observe`, if any
 
     # -- membership -----------------------------------------------------------------------------
 
@@ -208,6 +212,8 @@ class KvEventIndex:
         assert g is not None
         slot = g.slot_of.pop(w.worker)
         g.index.free_slot(slot)
+        self.pending.forget_worker(w.worker)
+        g.overlay.clear_slot(slot)
         g.ids[slot] = None
         w.group = None
 
@@ -327,6 +333,8 @@ class KvEventIndex:
             w.unverifiable += 1
         slot = g.slot_of[w.worker]
         w.stored += g.index.add(slot, keys)
+        if g.overlay.ends:
+            self.pending.stored(g.overlay, slot, keys)
         over = g.index.slot_entries(slot) - w.max_blocks
         if over > 0:
             w.evicted += g.index.evict(slot, over)
@@ -334,12 +342,22 @@ class KvEventIndex:
     # -- outcomes ---------------------------------------------------------------------------------
 
     def outcome(self, worker_id: str, predicted: int, reported: int) -> None:
-        """A request this index predicted `predicted` cached tokens for found `reported`."""
+        """A request this index predicted `predicted` cached tokens for found `reported`. Where a
+        policy feeds the pending overlay, the prediction checked is the engine's blocks' alone,
+        from the request's end (`observe`), not this one (its overlay's credit may be in it)."""
+        if not self.pending.fed:
+            self._check(worker_id, predicted, reported)
+
+    def _check(self, worker_id: str, predicted: int, reported: int, pending: int | None = None) -> None:
+        """`pending`: the prediction with the overlay's credit (the engine may have stored the
+        pending prefix by the time it scheduled the request: either may be right)."""
         w = self._workers.get(worker_id)
         if w is None or not w.usable:
             return
         bs = w.block_size or 1
         off = abs(predicted - reported) > max(2 * bs, 0.1 * max(predicted, reported))
+        if off and pending is not None:
+            off = abs(pending - reported) > max(2 * bs, 0.1 * max(pending, reported))
         w.outcomes.append(off)
         if off:
             w.outcome_mismatches += 1
@@ -350,6 +368,34 @@ class KvEventIndex:
                 f"{len(w.outcomes)} requests found a different number of cached tokens than "
                 f"the index predicted (last: predicted {predicted}, engine reported {reported})",
             )
+
+    # -- the pending overlay (gateway/kvevents/pending.py) -----------------------------------------
+
+    def observe(self, event: PolicyEvent) -> None:
+        """What a policy routed and saw end: the pending overlay's entries (`PendingSink`)."""
+        if isinstance(event, Routed):
+            self._routed(event)
+        elif isinstance(event, Completed | Failed):
+            got = self.pending.ended(event.request_id)
+            if got is not None and isinstance(event, Completed) and event.cached_tokens is not None:
+                self._check(got[0], got[1], event.cached_tokens, got[2])
+
+    def _routed(self, ev: Routed) -> None:
+        key, wid = ev.prompt_key, ev.worker_ids[0]
+        w = self._workers.get(wid)
+        g = None if w is None else w.group
+        if key is None or key.token_ids is None or g is None or not self.known(ev.model)(wid):
+            self.pending.fed = True
+            return
+        bs = g.hasher.block_size
+        n = (len(key.token_ids) - 1) // bs  # the blocks a lookup reads (an engine matches)
+        keys = key.engine_keys(g.hasher, n)[:n]
+        slot = g.slot_of[wid]
+        held = g.index.depth(keys, 1 << slot)
+        both = max(held, g.overlay.index.depth(keys, 1 << slot))
+        self.pending.routed(
+            ev.request_id, wid, (held * bs, both * bs), g.overlay, slot, keys if held < n else ()
+        )
 
     # -- PrefixSource -------------------------------------------------------------------------------
 
@@ -370,16 +416,21 @@ class KvEventIndex:
         if key.token_ids is None or not self._workers:
             return None
         known = self.known(model)
-        parts: list[IndexLookup] = []
+        parts: list[IndexLookup | WithPending] = []
         for g in self._groups.values():
             if not g.slot_of:
                 continue
             bs = g.hasher.block_size
             chain = key.engine_chain(g.hasher, (len(key.token_ids) - 1) // bs)
-            parts.append(IndexLookup(g.index, chain, g.slot_of, g.ids, bs, max_candidates, known))
+            got = IndexLookup(g.index, chain, g.slot_of, g.ids, bs, max_candidates, known)
+            if g.overlay.refs:
+                pending = IndexLookup(g.overlay.index, chain, g.slot_of, g.ids, bs, max_candidates, known)
+                parts.append(WithPending(got, pending, max_candidates))
+            else:
+                parts.append(got)
         if len(parts) == 1:
             return parts[0]
-        return _Merged(parts, known)
+        return Merged(parts, known)
 
     # -- stats ------------------------------------------------------------------------------------
 
@@ -445,35 +496,3 @@ def _hash_mismatch(w: WorkerIndex, hasher: BlockHasherBase, got: int, computed: 
         "--prefix-caching-hash-algo, PYTHONHASHSEED and block size against kv_events.hash, "
         "hash_algo, hash_seed and block_size"
     )
-
-
-class _Merged:
-    """The lookups of several hash groups (or none yet) as one."""
-
-    __slots__ = ("_known", "_parts", "top")
-
-    def __init__(self, parts: Sequence[IndexLookup], known: Callable[[str], bool]) -> None:
-        self._parts = parts
-        self._known = known
-        merged = [t for p in parts for t in p.top]
-        merged.sort(key=lambda t: -t[1])
-        self.top: Sequence[tuple[str, int]] = merged
-
-    def named(self, limit: int) -> list[str] | None:
-        """Every part's `named`, together (None when more than `limit`)."""
-        out: list[str] = []
-        for p in self._parts:
-            got = p.named(limit)
-            if got is None or len(out) + len(got) > limit:
-                return None
-            out += got
-        return out
-
-    def cached_tokens(self, worker_id: str) -> int | None:
-        if not self._known(worker_id):
-            return None
-        for p in self._parts:
-            got = p.cached_tokens(worker_id)
-            if got:
-                return got
-        return 0

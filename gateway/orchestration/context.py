@@ -25,7 +25,7 @@ from common.request import DEFAULT_MAX_TOKENS, ParsedRequest
 from gateway.deadlines import Deadline, DeadlineWheel
 from gateway.http.server import Responder
 from gateway.orchestration.keying import prompt_key
-from gateway.routing_tokenizer import RoutingTokenizer
+from gateway.routing_tokenizer import HfTokenizer, RoutingTokenizer
 from policies.snapshot import RequestView
 
 Header = tuple[bytes, bytes]
@@ -100,6 +100,8 @@ class RequestContext(msgspec.Struct, eq=False):
     # the client asked why its worker was chosen (`explain_header`); the answer's extra headers
     explain: bool = False
     extra: tuple[Header, ...] = ()
+    # its text prompt is tokenized in a worker thread as it is served, not yet (keying.py `later`)
+    tokenize: HfTokenizer | None = None
 
     @property
     def tokens(self) -> int:

@@ -10,7 +10,9 @@ Batches are not keyed (None), nor is a prompt in a form only the engines' lax re
 With a routing tokenizer (gateway/routing_tokenizer.py, given only while some worker publishes
 KV events) a text key also carries the ids the engine will see, for the precise index's block
 hashes; the key stays a text key (the approximate index is keyed as without one). A chat gets
-them only where the tokenizer renders chats exactly (`chat_ids` not None).
+them only where the tokenizer renders chats exactly (`chat_ids` not None). A long text prompt
+for an `hf` tokenizer is keyed without ids at first and tokenized in a worker thread as it is
+served, before it is routed (`later`; `Tokenizing.offloads`).
 
 A text prompt's JSON string without escapes is its UTF-8 text between the quotes: taken as it
 is, without decoding it (the usual case, and the cheap one for a long prompt).
@@ -18,12 +20,18 @@ is, without decoding it (the usual case, and the cheap one for a long prompt).
 
 from __future__ import annotations
 
+import asyncio
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from common.request import ParsedRequest
 from common.workers import RouteKind
 from gateway.routing_tokenizer import RoutingTokenizer
 from policies.prompt_key import PromptKey
+
+if TYPE_CHECKING:
+    from gateway.orchestration.context import RequestContext
 
 _ids = msgspec.json.Decoder(list[int])
 _text = msgspec.json.Decoder(str)
@@ -60,3 +68,17 @@ def prompt_key(req: ParsedRequest, tokenizer: RoutingTokenizer | None = None) ->
         return PromptKey("text", data, len(data), ids)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+async def later(ctx: RequestContext) -> bool:
+    """Tokenize the request's text prompt in a worker thread (`ctx.tokenize`, an `hf` tokenizer:
+    gateway/routing_tokenizer.py), so that the event loop serves others meanwhile; its key gets
+    the ids and its view their count. False where there was nothing to tokenize."""
+    tok, ctx.tokenize = ctx.tokenize, None
+    key = ctx.view.prompt_key
+    if tok is None or key is None or key.kind != "text" or key.token_ids is not None:
+        return False
+    ids = await asyncio.get_running_loop().run_in_executor(None, tok.text_ids_unlocked, key.data)
+    key.token_ids = ids
+    ctx.view = msgspec.structs.replace(ctx.view, prompt_tokens=len(ids))
+    return True

@@ -39,6 +39,7 @@ from gateway.orchestration.blame import exclusions
 from gateway.orchestration.context import Attempt, Phase, RequestContext, request_view
 from gateway.orchestration.decisions import explain_plan
 from gateway.orchestration.dispatch import execute
+from gateway.orchestration.keying import later
 from gateway.orchestration.public import screened
 from gateway.orchestration.quarantine import Quarantine
 from gateway.orchestration.services import Services
@@ -128,16 +129,18 @@ class Orchestrator:
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
         keyed = self.s.needs.prompt_key
+        later = self.s.offloaded(req) if keyed else None  # (tokenized as it is served: `serve`)
         view = request_view(
             req,
             request_id,
             self.cfg.guards.chars_per_token_estimate,
             keyed,
             session,
-            self.s.tokenizer() if keyed else None,
+            self.s.tokenizer() if keyed and later is None else None,
         )
         ctx = RequestContext(req, request_id, res, task, view, wheel, headers, echo)
         ctx.client_sized = outgrows(view, self.cfg.timeouts)
+        ctx.tokenize = later
         return ctx
 
     async def serve(self, ctx: RequestContext) -> None:
@@ -145,6 +148,8 @@ class Orchestrator:
         ctx.began = time.monotonic()
         try:
             with ctx.wheel.after(self.cfg.timeouts.total_s, ctx.task) as ctx.total:
+                if ctx.tokenize is not None and await later(ctx):
+                    ctx.client_sized = outgrows(ctx.view, self.cfg.timeouts)
                 self.quarantine.check(ctx)  # a copy of a request that coincided with an engine death
                 if ctx.req.index_id >= 0 and not self.bounds.proven(ctx):
                     await self.bounds.turn(ctx)  # token ids above every one served (token_bounds.py)

@@ -9,6 +9,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from common.request import ParsedRequest
+from common.workers import RouteKind
 from gateway.config import GatewayConfig
 from gateway.guards import Guard
 from gateway.http.client import UpstreamResponse
@@ -17,7 +18,7 @@ from gateway.logging import get_logger
 from gateway.metrics import GatewayMetrics
 from gateway.orchestration.sampling import ShareSampler
 from gateway.registry import Registry, Worker
-from gateway.routing_tokenizer import RoutingTokenizer, Tokenizing
+from gateway.routing_tokenizer import HfTokenizer, RoutingTokenizer, Tokenizing
 from policies.base import Needs, Policy, RerunHost, needs_of
 
 log = get_logger("pd_gateway.request")
@@ -86,6 +87,20 @@ class Services:
         """The routing tokenizer for a request now (None: keys stay untokenized)."""
         t = self.tokenizing
         return None if t is None else t.get()
+
+    def offloaded(self, req: ParsedRequest) -> HfTokenizer | None:
+        """The tokenizer that encodes the request's text prompt in a worker thread, as it is
+        served (`Tokenizing.offloads`); None: tokenized inline, or not at all."""
+        t = self.tokenizing
+        if (
+            t is None
+            or not t.offload_bytes
+            or req.prompt_is_ids
+            or req.is_batch
+            or req.route is RouteKind.CHAT
+        ):
+            return None
+        return t.offloads(req.prompt_units)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` beside the request, kept until it ends (`drain`)."""

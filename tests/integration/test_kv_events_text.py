@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -20,6 +21,7 @@ from gateway.routing_tokenizer import TokenizerConfig
 from policies.config import CacheAwareCfg
 from tests.integration.test_kv_events import Setup, caught_up
 from tests.integration.test_kv_events import start as start_kv
+from tests.unit.test_routing_tokenizer import write_tokenizer_json
 
 ENGINES = ("vllm", "sglang")
 
@@ -106,6 +108,23 @@ async def test_without_a_tokenizer_text_prompts_use_the_approximate_index() -> N
         assert accuracy(s, "sglang")[0] == 0
         (state,) = cache_states(s.gateway.policy)
         assert state.accuracy.summary()[("sglang", "approx")][0] >= 2
+    finally:
+        await s.gateway.stop(grace_s=1.0)
+        for h in s.emulators.values():
+            await h.stop()
+
+
+async def test_a_long_prompt_tokenized_off_the_loop_is_routed_on_its_ids(tmp_path: Path) -> None:
+    """An `hf` tokenizer's long text prompt is tokenized in a worker thread as it is served
+    (gateway/routing_tokenizer.py `offload_bytes`): before it is routed, so that the precise
+    index reads its ids (the engines' are the emulator's: the index finds nothing, but knows)."""
+    path = str(write_tokenizer_json(tmp_path / "t.json"))
+    s = await start(TokenizerConfig(kind="hf", path=path, offload_bytes=64))
+    try:
+        async with aiohttp.ClientSession() as http:
+            await send(http, s, "sglang", {"prompt": "hello world the cat " * 20}, chat=False)
+        (state,) = cache_states(s.gateway.policy)
+        assert state.decisions == {("colocated", "kv_events", False): 1}
     finally:
         await s.gateway.stop(grace_s=1.0)
         for h in s.emulators.values():

@@ -1,0 +1,221 @@
+"""The precise index's pending overlay (gateway/kvevents/pending.py): prompts routed to a worker
+count as its until its engine's events store them, the request ends or the horizon passes; the
+overlay is bounded and equal to the union of the pending prompts' chains."""
+
+from __future__ import annotations
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adapters.kvevents import decode_batch
+from emulator.kvevents import VllmBlockRemoved, VllmBlockStored
+from emulator.model import chain_hashes
+from gateway.kvevents.index import KvEventIndex, payload_digest
+from policies.base import Completed, Failed, routed_event
+from policies.cache_aware import CacheAwareSettings, CacheState
+from policies.prompt_key import PromptKey
+from policies.snapshot import Colocated, RequestView, RouteKind
+from policies.testing import make_worker
+
+BS = 4
+IDS = list(range(10, 50))  # 10 blocks of 4
+WORKERS = ("w", "x")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def index_of(clock: Clock | None = None) -> KvEventIndex:
+    index = KvEventIndex(clock=clock) if clock is not None else KvEventIndex()
+    for w in WORKERS:
+        index.add_worker(w, endpoint=f"tcp://{w}:1", scheme="emulator", block_size=BS)
+        index.set_state(w, "live")
+    return index
+
+
+_seq: dict[str, int] = {}
+
+
+def apply(index: KvEventIndex, worker: str, *events: object) -> None:
+    p = msgspec.msgpack.encode([0.0, list(events), 0])
+    seq = _seq[worker] = _seq.get(worker, -1) + 1
+    index.apply(worker, seq, payload_digest(p), decode_batch(p, "vllm"))
+
+
+def stored(ids: list[int]) -> VllmBlockStored:
+    n = len(ids) // BS
+    return VllmBlockStored(chain_hashes(ids, BS)[:n], None, ids[: n * BS], BS, None, "GPU")
+
+
+def request(rid: str, ids: list[int]) -> RequestView:
+    return RequestView(rid, "m", RouteKind.COMPLETIONS, len(ids), 4, prompt_key=PromptKey.from_token_ids(ids))
+
+
+def route(index: KvEventIndex | CacheState, rid: str, worker: str, ids: list[int]) -> None:
+    index.observe(routed_event(request(rid, ids), Colocated(make_worker(worker))))
+
+
+def cached(index: KvEventIndex, ids: list[int], worker: str = "w") -> int | None:
+    key = PromptKey.from_token_ids(ids)
+    assert key is not None
+    look = index.lookup("m", key, 4)
+    return None if look is None else look.cached_tokens(worker)
+
+
+def test_a_routed_prompt_counts_until_its_engine_stores_it_then_the_events_rule() -> None:
+    index = index_of()
+    turn = [*IDS, 1]
+    assert cached(index, [*turn, 2]) == 0
+    route(index, "r1", "w", turn)
+    # its next turn, before the engine stored anything: the first turn's blocks, on its worker only
+    assert cached(index, [*turn, 2, 3, 4, 5]) == 40 and cached(index, [*turn, 2], "x") == 0
+    look = index.lookup("m", PromptKey.from_token_ids([*turn, 2]), 4)  # type: ignore[arg-type]
+    assert look is not None and list(look.top) == [("w", 40)]
+    apply(index, "w", stored(IDS))  # its last block stored: the entry is the engine's now
+    assert index.pending.dropped_stored == 1 and not index.pending.entries and index.pending.blocks == 0
+    apply(index, "w", VllmBlockRemoved(chain_hashes(IDS, BS)[6:], "GPU"))
+    assert cached(index, [*turn, 2]) == 24  # the engine evicted: not held up by the overlay
+
+
+def test_an_ended_or_failed_request_is_dropped() -> None:
+    index = index_of()
+    route(index, "r1", "w", [*IDS, 1])
+    route(index, "r2", "x", [*IDS[:20], 7, 7, 7, 7, 1])
+    index.observe(Completed("r1", ("w",), cached_tokens=0))
+    assert cached(index, [*IDS, 1]) == 0
+    assert cached(index, [*IDS, 1], "x") == 20
+    index.observe(Failed("r2", ("x",), "prefill"))
+    assert cached(index, [*IDS, 1], "x") == 0
+    assert index.pending.dropped_ended == 2 and index.pending.blocks == 0
+
+
+def test_prefixes_pending_twice_are_counted_per_request() -> None:
+    index = index_of()
+    a, b = [*IDS[:20], 5, 5, 5, 5, 1], [*IDS[:20], 6, 6, 6, 6, 1]
+    route(index, "a", "w", a)
+    route(index, "b", "w", b)
+    index.observe(Completed("a", ("w",)))
+    assert cached(index, a) == 20 and cached(index, b) == 24  # b still holds the shared prefix
+    index.observe(Completed("b", ("w",)))
+    assert cached(index, b) == 0 and index.pending.blocks == 0
+
+
+def test_the_horizon_and_the_bounds() -> None:
+    clock = Clock()
+    index = index_of(clock)
+    route(index, "old", "w", [*IDS, 1])
+    clock.t = index.pending.horizon_s + 1
+    route(index, "new", "x", [*IDS[:8], 1])  # (each routing sweeps what is past the horizon)
+    assert cached(index, [*IDS, 1]) == 0 and index.pending.dropped_expired == 1
+    index.pending.max_entries = 2
+    for i in range(5):
+        route(index, f"r{i}", "w", [i + 100, *IDS, 1])
+        assert len(index.pending.entries) <= 2
+    index.pending.max_blocks = 15
+    route(index, "big", "w", [*IDS, *IDS, 1])  # 20 blocks: more than fits, the others go first
+    assert list(index.pending.entries) == ["big"] and index.pending.blocks == 20
+
+
+def test_a_worker_that_leaves_takes_its_entries_along() -> None:
+    index = index_of()
+    route(index, "r1", "w", [*IDS, 1])
+    index.remove_worker("w")
+    assert not index.pending.entries and index.pending.blocks == 0
+    index.add_worker("y", endpoint="tcp://y:1", scheme="emulator", block_size=BS)  # w's slot again
+    index.set_state("y", "live")
+    assert cached(index, [*IDS, 1], "y") == 0
+
+
+def test_a_queued_turn_the_overlay_predicted_does_not_misalign_the_index() -> None:
+    index = index_of()
+    for i in range(13):  # each turn is routed during its predecessor's prefill
+        if i < 12:
+            route(index, f"r{i}", "w", [*IDS, *range(100, 100 + 4 * i), 1])
+        if i:  # the engine scheduled it after its predecessor's: it found the overlay's count
+            index.observe(Completed(f"r{i - 1}", ("w",), cached_tokens=40 + 4 * (i - 2) if i > 1 else 0))
+    w = index.worker("w")
+    assert w is not None and w.state == "live" and w.outcome_mismatches == 0
+    for i in range(12):  # but found nothing, where the events said it would: misaligned
+        apply(index, "w", stored([*IDS, 1]))
+        route(index, f"s{i}", "w", [*IDS, 1])
+        index.observe(Completed(f"s{i}", ("w",), cached_tokens=0))
+    assert w.state == "misaligned"
+
+
+def test_the_policy_feeds_it_unless_told_the_events_alone() -> None:
+    for pending, want in ((True, 40), (False, 0)):
+        index = index_of()
+        st = CacheState(CacheAwareSettings(precise_pending=pending), precise=index)
+        route(st, "r1", "w", [*IDS, 1])
+        assert cached(index, [*IDS, 1, 2]) == want
+        (e,) = st.estimates(request("r2", [*IDS, 1, 2]), [make_worker("w")])
+        assert (e.cached_tokens, e.source) == (want, "kv_events")
+        assert st.accuracy.summary() == {}  # (nothing ended yet)
+
+
+# -- property: the overlay is the union of the pending chains, bounded -------------------------
+
+PROMPTS = st.lists(st.integers(0, 1), min_size=1, max_size=5).map(tuple)  # a path in a binary tree
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("route"), st.integers(0, 5), st.sampled_from(WORKERS), PROMPTS),
+        st.tuples(st.just("store"), st.sampled_from(WORKERS), PROMPTS),
+        st.tuples(st.just("end"), st.integers(0, 5)),
+    ),
+    max_size=40,
+)
+
+
+def ids_of(path: tuple[int, ...]) -> list[int]:
+    return [t for i, c in enumerate(path) for t in (10 + c, 20 + i, 30, 40)]
+
+
+def common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS, st.integers(1, 4))
+def test_the_overlay_is_the_union_of_the_pending_prompts(ops: list[tuple], max_entries: int) -> None:
+    index = index_of()
+    index.pending.max_entries = max_entries
+    engine: dict[str, set[tuple[int, ...]]] = {w: set() for w in WORKERS}  # stored prefixes
+    pending: dict[int, tuple[str, tuple[int, ...]]] = {}  # request -> (worker, prompt), routing order
+    for op in ops:
+        if op[0] == "route":
+            _, r, w, path = op
+            route(index, f"r{r}", w, [*ids_of(path), 1])
+            pending.pop(r, None)
+            if path not in engine[w]:
+                pending[r] = (w, path)
+                while len(pending) > max_entries:
+                    del pending[next(iter(pending))]
+        elif op[0] == "store":
+            _, w, path = op
+            apply(index, w, stored(ids_of(path)))
+            engine[w] |= {path[:i] for i in range(1, len(path) + 1)}
+            for r in [r for r, (pw, p) in pending.items() if pw == w and p == path[: len(p)]]:
+                del pending[r]
+        else:
+            index.observe(Completed(f"r{op[1]}", ("w",)))
+            pending.pop(op[1], None)
+        assert set(index.pending.entries) == {f"r{r}" for r in pending}
+        assert index.pending.blocks == sum(len(p) for _, p in pending.values())
+        for w in WORKERS:
+            for probe in [(0,) * 5, (1,) * 5, (0, 1, 0, 1, 0), (1, 0, 1, 0, 1), (0, 0, 1, 1, 0)]:
+                held = max([common(probe, p) for p in engine[w]] + [0])
+                queued = max([common(probe, p) for pw, p in pending.values() if pw == w] + [0])
+                assert cached(index, [*ids_of(probe), 1], w) == BS * max(held, queued)
+    for r in list(pending):
+        index.observe(Completed(f"r{r}", ("w",)))
+    overlay = next(iter(index._groups.values())).overlay
+    assert index.pending.blocks == 0 and overlay.index.entries == 0 and not overlay.refs and not overlay.ends
