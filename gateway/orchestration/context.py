@@ -100,6 +100,8 @@ class RequestContext(msgspec.Struct, eq=False):
     # the client asked why its worker was chosen (`explain_header`); the answer's extra headers
     explain: bool = False
     extra: tuple[Header, ...] = ()
+    # seconds the policy holds the attempt before it is sent (policies/inflight.py; 0: none)
+    hold_s: float = 0.0
 
     @property
     def tokens(self) -> int:
