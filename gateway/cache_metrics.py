@@ -12,8 +12,9 @@ Per (worker, source), `source` being where the prediction came from (`kv_events`
 
 And `pdgw_cache_decisions_total{role, source, matched}`: routing decisions, `matched` "true"
 where the chosen worker was predicted to hold part of the prompt.
-With `inflight_hold` (policies/inflight.py): `pdgw_cache_holds_total`, the turns held behind a
-running prefill of their prefix, and `pdgw_cache_hold_seconds_total`, the seconds held.
+With `inflight_hold` (policies/inflight.py): `pdgw_cache_holds_total`, the requests held (turns
+behind a running prefill of their prefix, and those routed to its worker meanwhile), and
+`pdgw_cache_hold_seconds_total`, the seconds held.
 
 The prompt tokens are the gateway's count: exact for token ids, an estimate for text
 (`guards.chars_per_token_estimate`), so a text hit ratio is capped at 1.
@@ -96,7 +97,7 @@ class CacheCollector(Collector):
         if held:
             yield CounterMetricFamily(
                 "pdgw_cache_holds",
-                "Turns held behind a running prefill of their prefix",
+                "Requests held behind a running prefill of their prefix, or after such a request",
                 sum(h.held for h in held),
             )
             yield CounterMetricFamily(

@@ -20,6 +20,11 @@ routing; a longer wait is not held): it reaches the engine as its prefix is regi
 and prefills only its own suffix. The wait is the one the cost already predicted for it on that
 worker (the queue ahead, then its uncached suffix), so the choice of the worker is unchanged.
 
+A request routed to a worker while a turn held for it waits is held too, until just after that
+turn is sent: the engine queues in arrival order, and the cost predicted each request behind
+those routed before it (sent at once, a long prompt routed during the hold went ahead of the
+held turn, which then waited for it: 1.4 s where 0.3 s was predicted, in a replay).
+
 A turn is held where a prefill routed to the same worker (colocated), predicted still running,
 writes at least `HOLD_MIN_TOKENS` of its prompt's prefix beyond what that prefill found cached
 itself; it waits for the one that writes the most. A prefill's predicted end is its routing
@@ -35,6 +40,7 @@ from policies.base import Completed, Failed, PolicyEvent, WorkerGone
 from policies.decode_slo import shared_blocks
 
 HOLD_MIN_TOKENS = 512  # a running prefill writing less of the prompt than this is not waited for
+ORDER_S = 0.001  # a request routed after a held one is sent this long after it
 MAX_HOLDS = 10_000  # holds not taken by a gateway (a policy driven by tests) are dropped past this
 
 
@@ -50,7 +56,7 @@ class Filling:
 class InflightPrefills:
     """Per worker, the prefills predicted still running there; per request, the hold decided."""
 
-    __slots__ = ("_by_worker", "_holds", "_where", "block_tokens", "held", "held_s", "max_hold_s")
+    __slots__ = ("_by_worker", "_holds", "_release", "_where", "block_tokens", "held", "held_s", "max_hold_s")
 
     def __init__(self, max_hold_s: float, block_tokens: int) -> None:
         self.max_hold_s = max_hold_s
@@ -58,6 +64,7 @@ class InflightPrefills:
         self._by_worker: dict[str, dict[str, Filling]] = {}
         self._where: dict[str, str] = {}  # request -> worker
         self._holds: dict[str, float] = {}  # request -> seconds to hold it before it is sent
+        self._release: dict[str, float] = {}  # worker -> when the last request held for it is sent
         self.held = 0  # requests held so far
         self.held_s = 0.0  # seconds held so far (as decided)
 
@@ -66,7 +73,8 @@ class InflightPrefills:
     ) -> float:
         """A prefill routed to `worker_id` (colocated) that finds `found` cached tokens and is
         predicted to end at `end`: its hold (seconds from `now`; 0: none, module docstring),
-        kept for `hold_s`. Then it is a running prefill there itself."""
+        kept for `hold_s`; at least until just after the last one held for the worker is sent.
+        Then it is a running prefill there itself."""
         running = self._by_worker.setdefault(worker_id, {})
         wait, gain = 0.0, 0
         for other, f in list(running.items()):
@@ -78,7 +86,11 @@ class InflightPrefills:
             if writes >= HOLD_MIN_TOKENS and writes > gain:
                 wait, gain = f.end - now, writes
         hold = wait if 0.0 < wait <= self.max_hold_s else 0.0
+        last = self._release.get(worker_id)
+        if last is not None and last > now:  # one held before it: sent after it (module docstring)
+            hold = max(hold, last - now + ORDER_S)
         if hold > 0.0:
+            self._release[worker_id] = now + hold
             if len(self._holds) >= MAX_HOLDS:
                 self._holds.clear()
             self._holds[rid] = hold
@@ -110,6 +122,7 @@ class InflightPrefills:
 
     def forget(self, worker_id: str) -> None:
         """The worker left or restarted."""
+        self._release.pop(worker_id, None)
         for rid in self._by_worker.pop(worker_id, {}):
             self._where.pop(rid, None)
 

@@ -111,6 +111,33 @@ def test_a_turn_waits_for_what_its_predecessor_writes_not_what_it_found() -> Non
     assert s.inflight.hold_s("rd") > 0.0
 
 
+# After a turn held until 0.8 s (A's predicted end), at `at` a request not sharing A is routed
+# to `to`: to the same worker it is held until just after the turn is sent (the engine queues in
+# arrival order; the cost put it behind the turn); elsewhere, or once the turn is sent, not.
+@pytest.mark.parametrize(
+    ("to", "at", "expected"),
+    [
+        ("a", 0.3, 0.5 + 0.001),
+        ("b", 0.3, 0.0),
+        ("a", 0.85, 0.0),
+    ],
+)
+def test_a_request_routed_during_a_hold_is_sent_after_the_held_turn(
+    to: str, at: float, expected: float
+) -> None:
+    clock = Clock(0.0)
+    s = state(2.0, clock)
+    a, b = make_worker("a"), make_worker("b")
+    s.observe(routed_event(req(A, "ra"), Colocated(a)))
+    clock.t = 0.2
+    s.observe(routed_event(req(TURN, "rt"), Colocated(a)))
+    clock.t = at
+    s.observe(routed_event(req(list(range(20_000, 21_000)), "rx"), Colocated(a if to == "a" else b)))
+    assert s.inflight is not None
+    assert s.inflight.hold_s("rt") == pytest.approx(0.6)
+    assert s.inflight.hold_s("rx") == pytest.approx(expected)
+
+
 def test_a_pd_prefill_is_not_held() -> None:
     """Only colocated turns are held (a P/D prefill's dispatch is not)."""
     clock = Clock(0.0)
