@@ -11,7 +11,7 @@ predecessor's prompt is still being prefilled, with nothing queued between the t
 none of that prefix and computes the whole prompt again, behind its predecessor: it pays the
 holder's queue *and* the whole prompt, where `cache_aware` predicted the queue and its suffix
 (the approximate index counts a prompt from its routing on). On the Mooncake slice at x3 this is
-a handful of long turns a repeat, each 0.3-0.6 points of the hit rate (docs/benchmarks.md,
+five to seven long turns a repeat, 0.3-1.0 points of the hit rate each (docs/benchmarks.md,
 "Turns behind a prefill still running").
 
 With `inflight_hold` (seconds, 0: off) the gateway holds such a turn before it sends it, until
