@@ -12,6 +12,9 @@ Per (worker, source), `source` being where the prediction came from (`kv_events`
 
 And `pdgw_cache_decisions_total{role, source, matched}`: routing decisions, `matched` "true"
 where the chosen worker was predicted to hold part of the prompt.
+With `inflight_hold` (policies/inflight.py): `pdgw_cache_holds_total`, the requests held (turns
+behind a running prefill of their prefix, and those routed to its worker meanwhile), and
+`pdgw_cache_hold_seconds_total`, the seconds held.
 
 The prompt tokens are the gateway's count: exact for token ids, an estimate for text
 (`guards.chars_per_token_estimate`), so a text hit ratio is capped at 1.
@@ -19,7 +22,7 @@ The prompt tokens are the gateway's count: exact for token ids, an estimate for 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -37,6 +40,15 @@ def cache_states(policy: Policy) -> list[CacheState]:
         if isinstance(st, CacheState) and all(st is not o for o in out):
             out.append(st)
     return out
+
+
+def hold_source(policy: Policy) -> Callable[[str], float] | None:
+    """The hold of a request just routed (`InflightPrefills.hold_s`), where a cache-aware state of
+    the policy holds turns behind running prefills (`inflight_hold`); None: none does."""
+    for st in cache_states(policy):
+        if st.inflight is not None:
+            return st.inflight.hold_s
+    return None
 
 
 class CacheCollector(Collector):
@@ -81,6 +93,16 @@ class CacheCollector(Collector):
                 buckets.append((str(bound), cum))
             buckets.append(("+Inf", cum))
             hist.add_metric([worker], buckets, sum_value=counts[-1])
+        held = [st.inflight for st in self.states if st.inflight is not None]
+        if held:
+            yield CounterMetricFamily(
+                "pdgw_cache_holds",
+                "Requests held behind a running prefill of their prefix, or after such a request",
+                sum(h.held for h in held),
+            )
+            yield CounterMetricFamily(
+                "pdgw_cache_hold_seconds", "Seconds turns were held (as decided)", sum(h.held_s for h in held)
+            )
         yield from fams.values()
         yield hist
         yield decisions

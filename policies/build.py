@@ -128,6 +128,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         ),
         prefill_fit_line=cfg.prefill_fit == "line",
         touch_done=cfg.lru_touch == "done",
+        inflight_hold_s=cfg.inflight_hold,
     )
 
 

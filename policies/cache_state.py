@@ -1,6 +1,5 @@
-"""The state of the `cache_aware` policy (see policies/cache_aware.py for the model): its
-settings, the per-worker predictions (`CacheState.estimates`), and what it learns from outcomes
-(`CacheState.observe`: the approximate index, prefill queues and rates, prediction accuracy)."""
+"""The state of the `cache_aware` policy (policies/cache_aware.py has the model): its settings, the
+per-worker predictions (`estimates`), what it learns from outcomes (`observe`)."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from policies.approx_index import ApproxIndex
 from policies.base import EVENT_TYPES, Completed, Failed, Needs, PolicyEvent, Routed, WorkerGone
 from policies.decode_slo import NO_SLO, DecodeSlo, HeldDecode, SloSettings
 from policies.estimators import prefill_work
+from policies.inflight import InflightPrefills
 from policies.pending import expire
 from policies.pool_pressure import DecayedRate, externality_per_work
 from policies.prefill_cost import PrefillQueues, RateSettings, prefill_seconds
@@ -56,6 +56,7 @@ class CacheAwareSettings:
     slo: SloSettings = field(default_factory=SloSettings)  # off unless an SLO is set (policies/decode_slo.py)
     prefill_fit_line: bool = False  # the rate: a fitted line's slope (policies/prefill_cost.py `fit`)
     touch_done: bool = True  # a colocated prompt is touched in the index again as it ends
+    inflight_hold_s: float = 0.0  # longest hold behind a running prefill (policies/inflight.py)
 
     def __post_init__(self) -> None:
         if self.exact_large_pool and self.queue_externality > 0:
@@ -195,6 +196,7 @@ class CacheState:
         self._last_sweep = clock()
         self._filling: list[tuple[float, str]] = []
         self._pinned: dict[str, float] = {}  # worker -> KV tokens pinned by requests in flight
+        self.inflight = InflightPrefills(s.inflight_hold_s, s.block_tokens) if s.inflight_hold_s > 0 else None
         # the decode windows and SLO misses (policies/decode_slo.py); None unless an SLO is set
         self.slo: DecodeSlo | None = None
         if s.slo.on:
@@ -351,6 +353,8 @@ class CacheState:
     def observe(self, event: PolicyEvent) -> None:
         if self.slo is not None:  # first: it reads the index as the routing saw it
             self.slo.observe(event)
+        if self.inflight is not None and not isinstance(event, Routed):
+            self.inflight.observe(event)
         match event:
             case Routed():
                 self._routed(event)
@@ -426,6 +430,9 @@ class CacheState:
         tally = (ev.roles[0].value, source, cached > 0)
         self.decisions[tally] = self.decisions.get(tally, 0) + 1
         backlog = self.queues.backlog(wid, now, 0 if w is None else w.load.waiting)
+        if self.inflight is not None and key is not None and not ev.disaggregated:
+            end = now + (backlog + work) / self.queues.rate(wid)
+            self.inflight.routed(ev.request_id, wid, self.approx.chain(key), cached, end, now)
         self.queues.add(wid, work, now)
         self.arrivals.add(work, now)
         # the new KV it writes there: its uncached prompt, and a colocated answer's tokens

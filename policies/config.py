@@ -166,6 +166,10 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # "done" (also as its answer ends: an engine frees a request's blocks into its LRU then, so
     # a prefix is as recent there as its last answer's end, not its routing; policies/cache_state.py)
     lru_touch: Literal["routed", "done"] = "done"
+    # seconds: the gateway holds a colocated turn whose prefix a prefill still running on its
+    # worker writes until that prefill's predicted end, at most this long (then it finds the
+    # prefix, where sent at once it would compute it again; policies/inflight.py); 0: off
+    inflight_hold: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -180,6 +184,8 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.inflight_hold) and self.inflight_hold >= 0):
+            raise ValueError(f"inflight_hold must be a finite number >= 0, got {self.inflight_hold}")
         for name in ("max_tree_size", "block_tokens", "max_candidates", "scan_limit", "sample"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -102,6 +102,8 @@ class RequestContext(msgspec.Struct, eq=False):
     extra: tuple[Header, ...] = ()
     # its text prompt is tokenized in a worker thread as it is served, not yet (keying.py `later`)
     tokenize: HfTokenizer | None = None
+    # seconds the policy holds the attempt before it is sent (policies/inflight.py; 0: none)
+    hold_s: float = 0.0
 
     @property
     def tokens(self) -> int:

@@ -29,6 +29,7 @@ from common.errors import (
 from common.outcomes import Timings
 from common.request import ParsedRequest
 from common.workers import RouteKind
+from gateway.cache_metrics import hold_source
 from gateway.config import GatewayConfig
 from gateway.deadlines import DeadlineWheel
 from gateway.http.server import HttpResponder, Responder
@@ -95,6 +96,8 @@ class Orchestrator:
         # a served request's `Completed` event is built only for a policy that observes it
         # (`policies.base.wants`: round robin does not, ~80 bytecodes a request)
         self._tell_completed = wants(policy, Completed)
+        # a cache_aware policy that holds turns behind a running prefill (policies/inflight.py)
+        self._hold = hold_source(policy)
 
     # -- entry ---------------------------------------------------------------------------------
 
@@ -155,6 +158,9 @@ class Orchestrator:
                     await self.bounds.turn(ctx)  # token ids above every one served (token_bounds.py)
                 while True:
                     p = self._plan(ctx)
+                    if ctx.hold_s > 0.0:  # (deadlines and a client leaving cancel it as any wait)
+                        await asyncio.sleep(ctx.hold_s)
+                        ctx.hold_s = 0.0
                     try:
                         await execute(self.s, ctx, p)
                     except UpstreamFailure as e:
@@ -233,6 +239,8 @@ class Orchestrator:
                 explain_plan(self.s, ctx, p)
             ctx.routed = True
             self._policy.observe(routed)
+            if self._hold is not None:
+                ctx.hold_s = self._hold(ctx.request_id)
         return p
 
     def _served(self, ctx: RequestContext) -> None:

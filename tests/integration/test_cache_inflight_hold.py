@@ -1,0 +1,104 @@
+"""`inflight_hold` through the gateway, on an emulated SGLang worker with real timing: a turn sent
+while its predecessor's prompt is still being prefilled there finds none of that prefix when
+sent at once (the engine takes the turn's first chunk into the step of the predecessor's last
+one, and matches it before the predecessor's blocks are registered), and all of it when the
+gateway holds it until the predecessor's predicted end (policies/inflight.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from common.workers import Engine, Role
+from emulator.api import EmulatorSpec, start_emulator
+from gateway.app import Gateway
+from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
+from policies.config import CacheAwareCfg
+
+MODEL = "m-sgl"
+PROMPT = 16_000  # two prefill chunks of 8,192: the turn comes during the first
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Any]:
+    started: list[Any] = []
+
+    async def start(hold: float) -> Gateway:
+        # time 2x slower than the profile: the first prompt's two chunks take ~1.2 s
+        emu = await start_emulator(
+            EmulatorSpec(
+                engine="sglang",
+                role="both",
+                model=MODEL,
+                block_size=16,
+                enable_cache_report=True,
+                time_scale=2.0,
+                max_model_len=32_768,
+            )
+        )
+        started.append(emu)
+        cfg = GatewayConfig(
+            listen=ListenConfig(host="127.0.0.1", port=0),
+            workers=(
+                # (a vocabulary: token ids proven, so the two requests are not run one by one)
+                WorkerConfig(url=emu.url, role=Role.COLOCATED, engine=Engine.SGLANG, id="w0", vocab_size=256),
+            ),
+            policy=CacheAwareCfg(index="approximate", seed=1, inflight_hold=hold),
+            health=HealthConfig(interval_s=0.5, timeout_s=2.0),
+        )
+        gw = Gateway(cfg)
+        await gw.start()
+        started.append(gw)
+        return gw
+
+    yield start
+    for part in reversed(started):
+        if isinstance(part, Gateway):
+            await part.stop(grace_s=1.0)
+        else:
+            await part.stop()
+
+
+def cached(usage: Any) -> int:
+    d = getattr(usage, "prompt_tokens_details", None)
+    return int(getattr(d, "cached_tokens", None) or 0)
+
+
+@pytest.mark.parametrize("hold", [0.0, 5.0])
+async def test_a_turn_behind_its_running_predecessor_finds_its_prefix_only_held(
+    serve: Any, hold: float
+) -> None:
+    gw = await serve(hold)
+    rng = random.Random(5)
+    first = [rng.randrange(3, 250) for _ in range(PROMPT)]
+    turn = first + [rng.randrange(3, 250) for _ in range(200)]
+    client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    try:
+        ahead = asyncio.create_task(client.completions.create(model=MODEL, prompt=first, max_tokens=2))
+        await asyncio.sleep(0.05)  # the predecessor is in its first chunk
+        began = time.monotonic()
+        got = await client.completions.create(model=MODEL, prompt=turn, max_tokens=2)
+        took = time.monotonic() - began
+        assert cached((await ahead).usage) == 0
+    finally:
+        await client.close()
+    found = cached(got.usage)
+    if hold:
+        # held until the predicted end (the prior rate, slower than the emulator's: a late
+        # release), then read the whole prefix; the hold is counted
+        assert found >= PROMPT - 16, found
+        assert took < hold
+        async with aiohttp.ClientSession() as http, http.get(gw.url + "/metrics") as r:
+            text = await r.text()
+        assert re.search(r"^pdgw_cache_holds_total 1\.0$", text, re.M), text
+        assert re.search(r"^pdgw_cache_hold_seconds_total [1-4]\.", text, re.M)
+    else:
+        assert found == 0  # sent at once: the engine computed the prefix again
