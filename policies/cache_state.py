@@ -7,13 +7,14 @@ import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
 from policies.approx_index import ApproxIndex
 from policies.base import EVENT_TYPES, Completed, Failed, Needs, PolicyEvent, Routed, WorkerGone
-from policies.decode_slo import NO_SLO, DecodeSlo, HeldDecode, SloSettings
+from policies.cache_settings import CacheAwareSettings
+from policies.decode_slo import NO_SLO, DecodeSlo, HeldDecode
 from policies.estimators import prefill_work
 from policies.inflight import InflightPrefills
 from policies.pending import expire
@@ -23,53 +24,6 @@ from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PendingSink,
 from policies.prompt_key import PromptKey
 from policies.snapshot import RequestView, WorkerState
 from policies.turnover import Turnover
-
-
-@dataclass(frozen=True, slots=True)
-class CacheAwareSettings:
-    """The knobs (`policies.config.CacheAwareCfg` documents each)."""
-
-    cache_threshold: float = 0.0
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    eviction_interval_s: float = 120.0
-    max_tree_size: int = 1 << 24
-    block_tokens: int = 16
-    chars_per_token: float = 4.0
-    worker_cache_tokens: int | None = None
-    prefill_rate: float = 10_000.0
-    crossover_tokens: float = 32_768.0
-    inflight_factor: float = 1.0
-    queue_externality: float = 1.0
-    pressure_window_s: float = 10.0
-    evict_price: float = 0.0  # the eviction price's weight (policies/turnover.py); 0: off
-    evict_window_s: float = 5.0  # new KV sent to each worker: decayed over this window
-    saturation_wait_s: float = 10.0
-    max_candidates: int = 16
-    scan_limit: int = 64
-    sample: int = 4
-    exact_large_pool: bool = False
-    use_kv_events: bool = True
-    precise_pending: bool = False  # the precise index counts routed prompts until stored (PendingSink)
-    record_prefilled: bool = False
-    max_pending: int = 100_000
-    slo: SloSettings = field(default_factory=SloSettings)  # off unless an SLO is set (policies/decode_slo.py)
-    prefill_fit_line: bool = False  # the rate: a fitted line's slope (policies/prefill_cost.py `fit`)
-    touch_done: bool = True  # a colocated prompt is touched in the index again as it ends
-    inflight_hold_s: float = 0.0  # longest hold behind a running prefill (policies/inflight.py)
-
-    def __post_init__(self) -> None:
-        if self.exact_large_pool and self.queue_externality > 0:
-            raise ValueError(
-                'large_pool = "exact" needs queue_externality = 0: the busy-pool price is taken over the whole pool, which the exact search does not read'
-            )
-        if self.exact_large_pool and self.evict_price > 0:
-            raise ValueError(
-                'large_pool = "exact" needs evict_price = 0: the exact search does not price evictions'
-            )
-        if self.exact_large_pool and self.slo.on:
-            raise ValueError('large_pool = "exact" does not weigh SLOs: set no ttft_slo_* / tpot_slo_*')
-
 
 # ---- predictions -------------------------------------------------------------------------------
 
