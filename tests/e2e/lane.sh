@@ -13,7 +13,7 @@
 # UCX progress thread spins one core per vLLM P/D server even when idle).
 #
 # Environment (all optional): E2E_PORT_BASE (default 18400 vLLM, 31600 SGLang), E2E_ENGINE_CPUS,
-# E2E_READY_TIMEOUT_S (240), E2E_PYTEST_TIMEOUT_S (900), E2E_RUN_DIR (logs; default .cache/e2e/run-ENGINE), E2E_HOLD=1 (keep
+# E2E_READY_TIMEOUT_S (240), E2E_WARM_TIMEOUT_S (600), E2E_PYTEST_TIMEOUT_S (900), E2E_RUN_DIR (logs; default .cache/e2e/run-ENGINE), E2E_HOLD=1 (keep
 # everything running instead of testing, for debugging; stop the script with SIGTERM).
 set -euo pipefail
 
@@ -200,18 +200,34 @@ say "engines up, pinned to CPU $ENGINE_CPUS"
 # prefill deadline on a busy one (seen: 31 s, and two chat prefills cut at 60 s). Warm every
 # server directly, one at a time, with a generous deadline, so tests measure answers, not set-up.
 # An SGLang prefill or decode serves only P/D pairs, so there only the single server is warmed.
+# vLLM: the first request that asks for logprobs compiles vLLM's rank kernel with torch.compile
+# (inductor: C++ built with the system compiler; `batched_count_greater_than`, v1/sample/ops/
+# logprobs.py), whatever --enforce-eager says: 70 s on a busy 2-core machine (2026-12-06: 36 s
+# tracing, 41 s compiling), past the 60 s deadlines of the gateway's prefill and of the tests'
+# client. The gateway asks every greedy vLLM prefill for logprobs (its near-tie check), so vLLM's
+# completion warm-up asks for them too (the first server pays the compile; the others load it
+# from inductor's disk cache).
 warm() {
-	local name=$1 base=$2
-	curl -fsS -o /dev/null --max-time 600 "$base/v1/completions" -H 'content-type: application/json' \
-		-d '{"model":"tiny","prompt":"warm up","max_tokens":1,"temperature":0}' || say "$name: completion warm-up failed"
-	curl -fsS -o /dev/null --max-time 600 "$base/v1/chat/completions" -H 'content-type: application/json' \
-		-d '{"model":"tiny","messages":[{"role":"user","content":"warm up"}],"max_tokens":1,"temperature":0}' ||
-		say "$name: chat warm-up failed"
+	local name=$1 base=$2 t lp=''
+	[[ $ENGINE == vllm ]] && lp=',"logprobs":1'
+	t=$(curl -fsS -o /dev/null -w '%{time_total}' --max-time 600 "$base/v1/completions" -H 'content-type: application/json' \
+		-d '{"model":"tiny","prompt":"warm up","max_tokens":1,"temperature":0'"$lp"'}') &&
+		say "$name: completion warm-up ${t}s" || say "$name: completion warm-up failed"
+	t=$(curl -fsS -o /dev/null -w '%{time_total}' --max-time 600 "$base/v1/chat/completions" -H 'content-type: application/json' \
+		-d '{"model":"tiny","messages":[{"role":"user","content":"warm up"}],"max_tokens":1,"temperature":0}') &&
+		say "$name: chat warm-up ${t}s" || say "$name: chat warm-up failed"
 }
 warm single "http://127.0.0.1:$SINGLE_PORT"
 if [[ $ENGINE == vllm ]]; then
 	warm prefill "http://127.0.0.1:$PREFILL_PORT"
 	warm decode "http://127.0.0.1:$DECODE_PORT"
+	# ... and the P/D path itself, which those requests do not reach: a prefill asked for its KV
+	# and its near-tie logprobs (chat's as well), the decode's first NIXL handshake and KV pull.
+	# One handoff of each kind, as the gateway sends it, each leg timed and given
+	# E2E_WARM_TIMEOUT_S (600); a failure ends the lane here, naming the leg.
+	"$ROOT/.venv/bin/python" -m tests.e2e.handoff "http://127.0.0.1:$PREFILL_PORT" \
+		"http://127.0.0.1:$DECODE_PORT" tiny "${E2E_WARM_TIMEOUT_S:-600}" ||
+		{ say "the P/D warm-up failed: the pair cannot hand over KV (see above)"; exit 1; }
 fi
 say "engines warmed"
 

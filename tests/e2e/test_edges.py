@@ -6,18 +6,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
-import msgspec
 import pytest
 from openai import BadRequestError, OpenAI
 
-from adapters import ADAPTERS, HandoffCtx
-from common.request import parse_request
-from common.workers import Engine, Role, RouteKind, WorkerState
 from tests.e2e._support import (
     GENERATED_TOKENS,
     KINDS,
@@ -31,6 +26,7 @@ from tests.e2e._support import (
     scrape,
     wait_idle,
 )
+from tests.e2e.handoff import vllm_handoff
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -263,34 +259,8 @@ def test_the_prefills_best_first_tokens_are_read(lane: Lane, kind: Kind) -> None
     if lane.engine != "vllm":
         pytest.skip("SGLang ships the prefill's first token: no near ties to read")
 
-    route = RouteKind.CHAT if kind == "chat" else RouteKind.COMPLETIONS
-    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     prompt = _text(random.Random(f"ties-{kind}"), 20)
-    body: dict[str, Any] = {"model": lane.model, "max_tokens": 6, "temperature": 0}
-    if kind == "chat":
-        body["messages"] = [{"role": "user", "content": prompt}]
-    else:
-        body["prompt"] = prompt
-    req = parse_request(
-        route, path, json.dumps(body).encode(), default_model=lane.model, max_n=8, max_tokens_cap=None
-    )
-    rid = f"ties-{kind}-{random.randrange(1 << 30)}"
-    p = WorkerState(id="p", url=lane.prefill, role=Role.PREFILL, engine=Engine.VLLM)
-    d = WorkerState(id="d", url=lane.decode, role=Role.DECODE, engine=Engine.VLLM)
-    ctx = HandoffCtx(request_id=rid, prefill=p, decode=d, room=0, near_ties=3, near_tie_margin=1e9)
-    vllm = ADAPTERS[Engine.VLLM]
-
-    def send(base: str, data: bytes) -> bytes:
-        r = urllib.request.Request(
-            base + path, data, {"content-type": "application/json", "X-Request-Id": rid}
-        )
-        with urllib.request.urlopen(r, timeout=600) as resp:  # only the lane's 127.0.0.1 servers
-            out: bytes = resp.read()
-            return out
-
     # vLLM's CPU build compiles its logprobs path on the first request that asks (see above)
-    out = send(lane.prefill, vllm.prefill_body(req, ctx))
-    verdict = vllm.judge_prefill(req, ctx, 200, out)
-    assert verdict.ok and len(verdict.ties) == 2, (verdict, out[:600])
-    answer = msgspec.json.decode(send(lane.decode, vllm.decode_body(req, ctx, verdict)))
-    assert answer["usage"]["completion_tokens"] == 6
+    h = vllm_handoff(lane.prefill, lane.decode, lane.model, kind, prompt, 6)
+    assert len(h.verdict.ties) == 2, h.verdict
+    assert h.answer["usage"]["completion_tokens"] == 6

@@ -30,8 +30,10 @@ import openai
 import pytest
 
 from tests.e2e._support import (
+    Case,
     Kind,
     Lane,
+    Outcome,
     call,
     http_get,
     metric,
@@ -39,6 +41,7 @@ from tests.e2e._support import (
     unique_prompt,
     wait_idle,
 )
+from tests.e2e._ties import unexplained_departure
 from tests.e2e.faultproxy import SGLANG_MODES, VLLM_MODES, FaultProxy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -116,13 +119,49 @@ def guarded(lane: Lane) -> Iterator[GuardedGateway]:
 
 
 def _clean_pd_request(lane: Lane, g: GuardedGateway, kind: Kind) -> None:
-    """A normal request through the guarded gateway: P/D, and exactly the reference's tokens."""
-    prompt = unique_prompt(12, "guard-clean")
-    want = call(lane.client(lane.reference), kind, prompt, 12, False, lane.model)
+    """A normal request through the guarded gateway: P/D, and the reference's tokens (or a
+    departure from them only at a near tie of the reference's own top two, as in test_pd.py: a
+    departure anywhere else is what KV left wrong on the decode by a broken handoff would look
+    like)."""
+    case = Case(-1, unique_prompt(12, "guard-clean"), 12)
+    want = call(lane.client(lane.reference), kind, case.prompt, case.max_tokens, False, lane.model)
     hits, forwarded = g.proxy.hits, g.proxy.forwarded
-    got = call(lane.client(g.url), kind, prompt, 12, False, lane.model)
+    decode = _DecodeLedger(lane)
+    got = call(lane.client(g.url), kind, case.prompt, case.max_tokens, False, lane.model)
     assert g.proxy.hits == hits and g.proxy.forwarded == forwarded + 1, "not served P/D"
-    assert got.same_generation() == want.same_generation()
+    sources = decode.delta()
+    why = unexplained_departure(
+        lane, lane.client(g.url), lane.client(lane.reference), kind, case, False, got, want, want
+    )
+    assert why is None, (
+        f"clean P/D request: {got.same_generation()} != {want.same_generation()}: {why}; {sources}"
+    )
+
+
+class _DecodeLedger:
+    """vLLM: what the decode served between two readings: requests finished, and where their
+    prompt tokens came from (`external_kv_transfer`: pulled; `local_cache_hit`: its own prefix
+    cache, where blocks left wrong by a broken handoff would be read from)."""
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self.before = self._read()
+
+    def _read(self) -> dict[str, float]:
+        if self.lane.engine != "vllm":
+            return {}
+        d = scrape(self.lane.decode)
+        src = "vllm:prompt_tokens_by_source_total"
+        return {
+            "requests": metric(d, "vllm:request_success_total"),
+            **{
+                s: metric(d, src, source=s)
+                for s in ("external_kv_transfer", "local_cache_hit", "local_compute")
+            },
+        }
+
+    def delta(self) -> dict[str, float]:
+        return {k: v - self.before[k] for k, v in self._read().items()}
 
 
 def _decode_is_sound(lane: Lane) -> None:
@@ -168,14 +207,16 @@ def test_a_broken_handoff_never_reaches_a_client_or_an_engine(
 ) -> None:
     assert mode in (VLLM_MODES if lane.engine == "vllm" else SGLANG_MODES)
     _clean_pd_request(lane, guarded, kind)  # also gives 'stale' an intact, consumed handoff to reuse
-    prompt = unique_prompt(words, f"guard-{mode}")
-    want = call(lane.client(lane.reference), kind, prompt, 16, stream, lane.model)
+    case = Case(-1, unique_prompt(words, f"guard-{mode}"), 16)
+    want = call(lane.client(lane.reference), kind, case.prompt, case.max_tokens, stream, lane.model)
     verdicts = guarded.guard_hits("prefill_verdict")
-    hits = guarded.proxy.hits
+    hits, forwarded = guarded.proxy.hits, guarded.proxy.forwarded
+    decode = _DecodeLedger(lane)
     guarded.proxy.arm(mode)
     t0 = time.monotonic()
     try:
-        got = call(lane.client(guarded.url, timeout=QUICK_S + 10), kind, prompt, 16, stream, lane.model)
+        client = lane.client(guarded.url, timeout=QUICK_S + 10)
+        got = call(client, kind, case.prompt, case.max_tokens, stream, lane.model)
     except openai.APIStatusError as e:
         # a clear refusal is allowed only where the engine itself refused (SGLang 'reject': the
         # prefill's own 400 about the request) and it must come fast, in OpenAI's shape
@@ -188,9 +229,9 @@ def test_a_broken_handoff_never_reaches_a_client_or_an_engine(
     else:
         elapsed = time.monotonic() - t0
         assert elapsed < QUICK_S, f"{mode}: took {elapsed:.1f}s"
-        assert got.same_generation() == want.same_generation(), (
-            f"{mode}: delivered other tokens than the reference"
-        )
+        _decode_got_no_broken_handoff(lane, guarded, decode, forwarded)
+        why = _departure(lane, guarded, kind, case, stream, got, want)
+        assert why is None, f"{mode}: delivered other tokens than the reference: {why}"
     assert guarded.proxy.hits == hits + 1, "the fault was not injected"
     if lane.engine == "vllm" or mode == "reject":
         # vLLM: the engine said 200 but its params were unsound: the verdict refused them.
@@ -199,3 +240,29 @@ def test_a_broken_handoff_never_reaches_a_client_or_an_engine(
         assert guarded.guard_hits("prefill_verdict") == verdicts + 1
     _decode_is_sound(lane)
     _clean_pd_request(lane, guarded, kind)  # the pair still works, with P/D
+
+
+def _departure(
+    lane: Lane, g: GuardedGateway, kind: Kind, case: Case, stream: bool, got: Outcome, want: Outcome
+) -> str | None:
+    """Why `got` (through the guarded gateway: refused, then served again P/D or by the fallback)
+    is not the reference's answer `want`, None where it is (a departure at a near tie included)."""
+    reference = lane.client(lane.reference)
+    whole = want if not stream else call(reference, kind, case.prompt, case.max_tokens, False, lane.model)
+    return unexplained_departure(lane, lane.client(g.url), reference, kind, case, stream, got, want, whole)
+
+
+def _decode_got_no_broken_handoff(
+    lane: Lane, g: GuardedGateway, decode: _DecodeLedger, forwarded: int
+) -> None:
+    """vLLM: the decode served exactly one request per prefill the proxy passed on intact (the
+    retry's), none with the broken handoff's params, so nothing could have put the broken
+    handoff's KV into its prefix cache. (Real vLLM serves stale params with a 200 and counts
+    it.) Its counters are read until they agree, for a few seconds."""
+    if lane.engine != "vllm":
+        return
+    intact = g.proxy.forwarded - forwarded
+    deadline = time.monotonic() + 5
+    while (served := decode.delta()["requests"]) != intact and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert served == intact, f"the decode served {served} requests for {intact} intact prefills"

@@ -17,7 +17,6 @@ from openai import OpenAI
 from tests.e2e._support import (
     GENERATED_TOKENS,
     KINDS,
-    Case,
     Kind,
     Lane,
     Outcome,
@@ -27,63 +26,14 @@ from tests.e2e._support import (
     call,
     cases,
     metric,
-    request_kwargs,
     scrape,
     unique_prompt,
     wait_idle,
 )
+from tests.e2e._ties import unexplained_departure
 from tests.e2e.conftest import References
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-
-# How far apart (in nats) the single server's top two tokens may be where a P/D answer departs
-# from it: the prefill's KV is computed in another batch shape (and, on the CPU, bf16 kernels)
-# than the single server's own, so a greedy pick between two tokens this close may fall either
-# way without anything being wrong. A departure anywhere else fails the test.
-NEAR_TIE_NATS = 0.05
-
-
-def _single_top(reference: OpenAI, kind: Kind, case: Case, model: str, at: int) -> dict[int, float]:
-    """The single server's top-5 token ids and logprobs at generated position `at` (vLLM:
-    `return_tokens_as_token_ids` names each as `token_id:N`)."""
-    extra: dict[str, object] = {"return_tokens_as_token_ids": True}
-    kw = request_kwargs(kind, model, case.prompt, case.max_tokens, False, **extra)
-    if kind == "chat":
-        kw.update(logprobs=True, top_logprobs=5)
-        r = reference.chat.completions.create(**kw)
-        content = r.choices[0].logprobs.content
-        tops = content[at].top_logprobs if content is not None else []
-        return {int(t.token.split(":")[1]): t.logprob for t in tops}
-    kw["logprobs"] = 5
-    r = reference.completions.create(**kw)
-    lp = r.choices[0].logprobs
-    top = lp.top_logprobs[at] if lp is not None and lp.top_logprobs is not None else {}
-    return {int(k.split(":")[1]): v for k, v in top.items()}
-
-
-def near_tie_departure(
-    lane: Lane, reference: OpenAI, kind: Kind, case: Case, got: Outcome, want: Outcome
-) -> str | None:
-    """None where `got` (P/D, whole) equals `want` (single server) up to a position where the
-    single server's own top two were within NEAR_TIE_NATS and `got` took the runner-up (after
-    that the answers legitimately differ); otherwise why the departure is not such a tie."""
-    if lane.engine != "vllm" or got.token_ids is None or want.token_ids is None:
-        return "no token ids to compare"
-    at = next(
-        (i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=False)) if a != b), None
-    )
-    if at is None or got.prompt_tokens != want.prompt_tokens:
-        return "not a departure at a generated token"
-    top = _single_top(reference, kind, case, lane.model, at)
-    first, other = want.token_ids[at], got.token_ids[at]
-    if first not in top or other not in top:
-        return f"at token {at}: P/D's {other} not in the single server's top 5 {top}"
-    gap = top[first] - top[other]
-    if gap > NEAR_TIE_NATS:
-        return f"at token {at}: {first} leads P/D's {other} by {gap:.4f} nats > {NEAR_TIE_NATS}"
-    print(f"{kind} case {case.idx}: departs at token {at}, a near tie ({gap:.4f} nats)")
-    return None
 
 
 def _diff(kind: Kind, stream: bool, idx: int, got: Outcome, want: Outcome) -> str:
@@ -178,20 +128,11 @@ def test_pd_greedy_equals_single_server(
         got = call(gateway, kind, case.prompt, case.max_tokens, stream, lane.model)
         if not stream:
             assert got.token_ids is not None, "the engine returned no token ids (return_token_ids)"
-        # the whole P/D answer this one must equal: the single server's, or (where the two depart
-        # at a near tie of the single server's own top two) the gateway's whole answer
+        # the single server's answer, or one departing from it at a near tie of its own top two
         whole = refs.get(kind, False, case)
-        if got.same_generation() != want.same_generation() or got.prompt_tokens != want.prompt_tokens:
-            pd_whole = (
-                got if not stream else call(gateway, kind, case.prompt, case.max_tokens, False, lane.model)
-            )
-            why = near_tie_departure(lane, reference, kind, case, pd_whole, whole)
-            if why is not None:
-                wrong.append(f"{_diff(kind, stream, case.idx, got, want)}: {why}")
-            whole = pd_whole
-        if stream and got.text != whole.text:
-            # the stream carries the same tokens as the whole answer
-            wrong.append(f"{kind} case {case.idx}: stream text != whole text")
+        why = unexplained_departure(lane, gateway, reference, kind, case, stream, got, want, whole)
+        if why is not None:
+            wrong.append(f"{_diff(kind, stream, case.idx, got, want)}: {why}")
     assert not wrong, "\n".join(wrong)
     total = sum(w.prompt_tokens or 0 for w in want_all)
     assert_no_recompute(lane, ledger.delta(), len(want_all), total)
