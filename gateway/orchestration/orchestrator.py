@@ -132,18 +132,18 @@ class Orchestrator:
         if wheel is None or wheel.loop is not task.get_loop():
             wheel = self._wheel = DeadlineWheel(task.get_loop())
         keyed = self.s.needs.prompt_key
-        later = self.s.offloaded(req) if keyed else None  # (tokenized as it is served: `serve`)
+        deferred = self.s.offloaded(req) if keyed else None  # (tokenized as it is served: `serve`)
         view = request_view(
             req,
             request_id,
             self.cfg.guards.chars_per_token_estimate,
             keyed,
             session,
-            self.s.tokenizer() if keyed and later is None else None,
+            self.s.tokenizer() if keyed and deferred is None else None,
         )
         ctx = RequestContext(req, request_id, res, task, view, wheel, headers, echo)
         ctx.client_sized = outgrows(view, self.cfg.timeouts)
-        ctx.tokenize = later
+        ctx.tokenize = deferred
         return ctx
 
     async def serve(self, ctx: RequestContext) -> None:
