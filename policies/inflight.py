@@ -3,16 +3,16 @@
 An engine matches a waiting prompt's prefix as it schedules the prompt's first chunk, not as
 the prompt arrives (SGLang's scheduler as it forms a prefill batch, vLLM's as it schedules a
 waiting request, the emulator's `_plan_step`), and a chunked engine fills the step of a running
-prefill's last chunk with the next waiting prompt's first chunk: that prompt is matched before
-the running prefill's last blocks are registered (the emulator registers a prefill's blocks as
-it ends; SGLang inserts each finished chunk into its radix cache, so there the turn loses only
-the last chunk's part). So on the emulator a conversation's turn sent to the worker where its
-predecessor's prompt is still being prefilled, with nothing queued between the two, finds
-none of that prefix and computes the whole prompt again, behind its predecessor: it pays the
-holder's queue *and* the whole prompt, where `cache_aware` predicted the queue and its suffix
-(the approximate index counts a prompt from its routing on). On the Mooncake slice at x3 this is
-five to seven long turns a repeat, 0.3-1.0 points of the hit rate each (docs/benchmarks.md,
-"Turns behind a prefill still running").
+prefill's last chunk with the next waiting prompt's first chunk. SGLang (and the emulator's
+SGLang) has put the running prefill's earlier chunks into its radix cache by then, not its last
+one (vLLM caches a chunk as it schedules it, so there the turn reads all of it). So a
+conversation's turn sent to the worker where its predecessor's prompt is still being prefilled,
+with nothing queued between the two, computes the part of the prefix in its predecessor's last
+chunk again (up to one chunk, 8,192 tokens), where `cache_aware` predicted the queue and its
+suffix only (the approximate index counts a prompt from its routing on). Before the emulator
+cached chunk by chunk it lost the whole prefix, and holding the turn won 2-3 % goodput on the
+Mooncake slice at x3; after, nothing measurable (docs/benchmarks.md, "Turns behind a prefill
+still running" and "Wave 16 after the merges"), so the hold is off by default.
 
 With `inflight_hold` (seconds, 0: off) the gateway holds such a turn before it sends it, until
 the predicted end of the prefill it waits for (at most `inflight_hold` seconds from its
