@@ -24,12 +24,12 @@ from __future__ import annotations
 import asyncio
 import random
 import tempfile
-import time
 import timeit
 from collections.abc import Callable
 from pathlib import Path
 
 from adapters.blockhash import HashSpec, make_hasher
+from bench.loop_watch import LoopWatch
 from bench.replay import prompts
 from gateway.routing_tokenizer import EmulatorTokenizer, HfTokenizer
 from policies.prompt_key import PromptKey
@@ -95,30 +95,16 @@ def main() -> None:
 
 async def loop_stall(hf: HfTokenizer, data: bytes, threaded: bool) -> float:
     """The longest delay (ms) past a 1 ms sleep while `data` is tokenized five times."""
-    worst = 0.0
-    done = asyncio.Event()
-
-    async def tick() -> None:
-        nonlocal worst
-        last = time.perf_counter()
-        while not done.is_set():
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            worst = max(worst, now - last - 0.001)
-            last = now
-
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0.02)
     loop = asyncio.get_running_loop()
-    for _ in range(5):
-        if threaded:
-            await loop.run_in_executor(None, hf.text_ids_unlocked, data)
-        else:
-            hf.text_ids(data)
-        await asyncio.sleep(0.005)
-    done.set()
-    await ticker
-    return worst * 1e3
+    async with LoopWatch(0.001) as watch:
+        await asyncio.sleep(0.02)
+        for _ in range(5):
+            if threaded:
+                await loop.run_in_executor(None, hf.text_ids_unlocked, data)
+            else:
+                hf.text_ids(data)
+            await asyncio.sleep(0.005)
+    return watch.late_s * 1e3
 
 
 if __name__ == "__main__":
