@@ -42,7 +42,9 @@ class Estimate(msgspec.Struct, frozen=True, gc=False):
     saturated: bool
     externality_s: float = 0.0  # the delay its prefill work adds to later arrivals (pool_pressure)
     evict_s: float = 0.0  # the price of the cached tokens its new KV evicts (policies/turnover.py)
-    slo_misses: int = 0  # SLO misses its prefill there is predicted to cause (policies/decode_slo.py)
+    # SLO misses its prefill there is predicted to cause (policies/decode_slo.py); with
+    # ttft_slo_rank = "after_tpot" the rank 2 x decodes broken + own TTFT miss (`ttft_rank`)
+    slo_misses: int = 0
     prefill_s: float = 0.0  # its own prefill there, predicted seconds (as the SLO term weighs it)
     tpot_best_s: float = 0.0  # the worker's unloaded time per token (DecodeSlo.best; SLO term on)
     decodes: tuple[HeldDecode, ...] = ()  # the decodes there the TPOT term weighed (DecodeSlo.held)
