@@ -108,6 +108,8 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         pressure_window_s=cfg.pressure_window_s,
         evict_price=cfg.evict_price,
         evict_window_s=cfg.evict_window_s,
+        tail_price=cfg.tail_price,
+        tail_ttft_s=cfg.tail_ttft_s,
         saturation_wait_s=cfg.saturation_wait_s,
         max_candidates=cfg.max_candidates,
         scan_limit=cfg.scan_limit,

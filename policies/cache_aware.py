@@ -13,7 +13,7 @@ colocated workers, a vLLM decode prefilling itself):
                   (dense-token equivalents: attention grows with the context, policies/prefill_cost.py)
     ttft(w)     = (backlog(w) + work(w)) / rate(w)
     cost(w)     = backlog(w) / rate(w) + work(w) / rate(w) * (1 + inflight_factor * inflight(w))
-                  + K * work(w) + evict(w)
+                  + K * work(w) + evict(w) + tail(w)
 
 and picks the lowest cost (score `min cost / cost(w)` in (0, 1]; ties: fewer requests in
 flight, then at random). `inflight(w)` is the gateway's count of requests in flight on w (a
@@ -33,7 +33,9 @@ the pool compute its prefix again, and every later arrival pays for that. `evict
 `evict_price` is set) prices what the request's new KV pushes out of w's cache:
 `evict_price x uncached(w) / rate(w) x written(w) / pool(w)`, `written(w)` the new KV tokens sent
 to w over the last `evict_window_s` (decayed; policies/turnover.py): a worker whose cache turns
-over fast evicts prefixes still to be asked for. Affinity is never a reason to overload a worker:
+over fast evicts prefixes still to be asked for. `tail(w)` (0 unless `tail_price` is set,
+policies/tail_price.py) is `tail_price x max(0, ttft(w) - tail_ttft_s)`: the request's own wait
+beyond a threshold, priced above the mean's. Affinity is never a reason to overload a worker:
 
 - a worker whose queued prefill alone takes longer than `saturation_wait_s` is **saturated**:
   filtered out while any worker is not (`SaturationFilter`);
@@ -86,6 +88,7 @@ from policies.cache_state import (
 from policies.least_load import LoadScorer, LoadWeights
 from policies.prefix_source import IndexLookup, Lookup
 from policies.snapshot import RequestView, WorkerState
+from policies.tail_price import tail_s
 
 
 class SaturationFilter:
@@ -305,8 +308,8 @@ class CacheAwareSelector:
         lookups: tuple[Lookup | None, Lookup],
         now: float,
     ) -> tuple[list[tuple[float, float, float, float, WorkerState]], float, float]:
-        """`_choose`'s loop over the candidates: their (wait, prefill s, work, eviction price s,
-        w) parts, and the sums of their waits and rates."""
+        """`_choose`'s loop over the candidates: their (wait, prefill s, work, eviction + tail
+        price s, w) parts, and the sums of their waits and rates."""
         state = self.state
         s = state.settings
         limit = prompt - 1
@@ -327,6 +330,7 @@ class CacheAwareSelector:
             price *= state.turnover.factor(now)
             default_pool = s.worker_cache_tokens
         evict = 0.0
+        tail, tau = s.tail_price, s.tail_ttft_s
         for w in cands:
             wid = w.id
             if (from_precise is None or (cached := from_precise(wid)) is None) and (
@@ -344,7 +348,11 @@ class CacheAwareSelector:
                 evict = price * new / rate * written.get(wid, 0.0) / pool_tokens if pool_tokens else 0.0
             if attention > 0.0:  # prefill_work, inlined (the hot loop)
                 new *= 1.0 + (float(credit) + 0.5 * new) / attention
-            parts.append((wait, new / rate, new, evict, w))
+            seconds = new / rate
+            if tail > 0.0:  # the tail price rides with the eviction price (policies/tail_price.py)
+                parts.append((wait, seconds, new, evict + tail_s(wait + seconds, tail, tau), w))
+            else:
+                parts.append((wait, seconds, new, evict, w))
             wait_sum += wait
             rate_sum += rate
         return parts, wait_sum, rate_sum

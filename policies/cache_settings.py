@@ -27,6 +27,8 @@ class CacheAwareSettings:
     pressure_window_s: float = 10.0
     evict_price: float = 0.0  # the eviction price's weight (policies/turnover.py); 0: off
     evict_window_s: float = 5.0  # new KV sent to each worker: decayed over this window
+    tail_price: float = 0.0  # the tail price's weight (policies/tail_price.py); 0: off
+    tail_ttft_s: float = 0.5  # the predicted TTFT beyond which it counts
     saturation_wait_s: float = 10.0
     max_candidates: int = 16
     scan_limit: int = 64
@@ -49,6 +51,10 @@ class CacheAwareSettings:
         if self.exact_large_pool and self.evict_price > 0:
             raise ValueError(
                 'large_pool = "exact" needs evict_price = 0: the exact search does not price evictions'
+            )
+        if self.exact_large_pool and self.tail_price > 0:
+            raise ValueError(
+                'large_pool = "exact" needs tail_price = 0: the exact search does not price the tail'
             )
         if self.exact_large_pool and self.slo.on:
             raise ValueError('large_pool = "exact" does not weigh SLOs: set no ttft_slo_* / tpot_slo_*')

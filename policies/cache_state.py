@@ -23,6 +23,7 @@ from policies.prefill_cost import PrefillQueues, RateSettings, prefill_seconds
 from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PendingSink, PrefixSource
 from policies.prompt_key import PromptKey
 from policies.snapshot import RequestView, WorkerState
+from policies.tail_price import tail_s
 from policies.turnover import Turnover
 
 # ---- predictions -------------------------------------------------------------------------------
@@ -38,10 +39,11 @@ class Estimate(msgspec.Struct, frozen=True, gc=False):
     rate: float  # prefill work per second (policies/prefill_cost.py)
     ttft_s: float  # predicted
     inflight: int
-    cost: float  # queue wait + own prefill * (1 + inflight_factor * inflight) + externality + evict
+    cost: float  # wait + own prefill * (1 + inflight_factor * inflight) + externality + evict + tail
     saturated: bool
     externality_s: float = 0.0  # the delay its prefill work adds to later arrivals (pool_pressure)
     evict_s: float = 0.0  # the price of the cached tokens its new KV evicts (policies/turnover.py)
+    tail_s: float = 0.0  # its predicted TTFT's tail price (policies/tail_price.py)
     # SLO misses its prefill there is predicted to cause (policies/decode_slo.py); with
     # ttft_slo_rank = "after_tpot" the rank 2 x decodes broken + own TTFT miss (`ttft_rank`)
     slo_misses: int = 0
@@ -221,6 +223,7 @@ class CacheState:
         for w, cached, source, backlog, rate, wait, work, evict in rows:
             own = work / rate
             ext = k * work
+            tail = tail_s(wait + own, s.tail_price, s.tail_ttft_s) if s.tail_price > 0.0 else 0.0
             credit = cached if cached > threshold else 0
             slo_s, misses, best, held = (
                 NO_SLO if slo is None else slo.weigh(w, req, credit, own, wait, ttft_limit, now)
@@ -234,10 +237,11 @@ class CacheState:
                     rate=rate,
                     ttft_s=wait + own,
                     inflight=w.inflight,
-                    cost=wait + own * (1.0 + factor * w.inflight) + ext + evict,
+                    cost=wait + own * (1.0 + factor * w.inflight) + ext + evict + tail,
                     saturated=wait > s.saturation_wait_s,
                     externality_s=ext,
                     evict_s=evict,
+                    tail_s=tail,
                     slo_misses=misses,
                     prefill_s=slo_s if slo is not None else own,
                     tpot_best_s=best,

@@ -115,6 +115,11 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # turns over fast (policies/turnover.py); 0: off. Needs the pool (reported, or worker_cache_tokens)
     evict_price: float = 0.0
     evict_window_s: float = 5.0  # the best measured (docs/benchmarks.md, "An eviction price")
+    # + tail_price x max(0, predicted TTFT - tail_ttft_s): the request's own wait beyond the
+    # threshold counts 1 + tail_price times, so a turn leaves a backed-up holder for a worker
+    # predicted within it (policies/tail_price.py); 0: off
+    tail_price: float = 0.0
+    tail_ttft_s: float = 0.5
     saturation_wait_s: float = 10.0  # queued prefill beyond this: no new work while others have less
     max_candidates: int = 16  # deepest-matching workers considered in a large pool
     scan_limit: int = 64  # pools up to this size are scored whole
@@ -202,6 +207,13 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
         if self.large_pool == "exact" and self.evict_price > 0:
             raise ValueError(
                 'large_pool = "exact" needs evict_price = 0: the exact search does not price evictions'
+            )
+        for name in ("tail_price", "tail_ttft_s"):
+            if not (math.isfinite(value := getattr(self, name)) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.large_pool == "exact" and self.tail_price > 0:
+            raise ValueError(
+                'large_pool = "exact" needs tail_price = 0: the exact search does not price the tail'
             )
         if not (math.isfinite(self.pressure_window_s) and self.pressure_window_s > 0):
             raise ValueError(f"pressure_window_s must be a finite number > 0, got {self.pressure_window_s}")
