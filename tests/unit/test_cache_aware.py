@@ -571,6 +571,8 @@ SHAPES = {
     "searched": {"max_candidates": 1},
     # every worker with a queue saturated: often all of them (the rule over the saturated)
     "saturated": {"saturation_wait_s": 1e-9},
+    # the tail price over most predictions (policies/tail_price.py): both paths add it alike
+    "tail": {"tail_price": 4.0, "tail_ttft_s": 0.05},
 }
 
 
