@@ -129,9 +129,9 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # prefill ends, as an engine registers blocks: the predictions match what engines report)
     record: Literal["routed", "prefilled"] = "routed"
     # when the precise (KV-event) index counts a prompt as its worker's: "stored" (the engines'
-    # events alone) or "routed" (at once, until its engine's BlockStored names it, it ends or 120 s
-    # pass: a turn arriving while its predecessor prefills is drawn to that worker; it hashes every
-    # routed prompt whole, docs/policies.md "Prompts routed but not yet stored")
+    # events alone) or "routed" (at once, until it ends or 120 s pass: a turn arriving while its
+    # predecessor prefills is drawn to that worker; its token ids are compared with the pending
+    # prompts', docs/policies.md "Prompts routed but not yet stored")
     precise_record: Literal["routed", "stored"] = "stored"
     # SLO-aware choice (policies/decode_slo.py): the fewest predicted SLO misses first (this
     # request's TTFT, the TPOT of the decodes its prefill would stall), then the lowest cost.

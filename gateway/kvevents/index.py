@@ -387,7 +387,8 @@ class KvEventIndex:
         n = (len(key.token_ids) - 1) // bs  # the blocks a lookup reads (an engine matches)
         # (the engine's keys hashed only as far as the search reads: the lookup hashed them)
         held = g.index.depth(key.engine_chain(g.hasher, n), 1 << g.slot_of[wid])
-        ids = packed_ids(key.token_ids)
+        ids = packed_ids(key)
+        assert ids is not None  # (it has token ids)
         both = max(held, self.pending.depth(wid, ids, bs, n))
         self.pending.routed(ev.request_id, wid, (held * bs, both * bs), ids if held < n else None, n)
 
@@ -411,7 +412,7 @@ class KvEventIndex:
             return None
         known = self.known(model)
         parts: list[IndexLookup | WithPending] = []
-        ids = packed_ids(key.token_ids) if self.pending.entries else None
+        ids = packed_ids(key) if self.pending.entries else None
         for g in self._groups.values():
             if not g.slot_of:
                 continue

@@ -30,6 +30,7 @@ routed request, what the engine's blocks alone gave it (`predicted`).
 
 from __future__ import annotations
 
+import sys
 import time
 from array import array
 from collections import OrderedDict
@@ -38,15 +39,23 @@ from dataclasses import dataclass, field
 
 from policies.pending import expire
 from policies.prefix_source import IndexLookup
+from policies.prompt_key import PromptKey
 
 PENDING_HORIZON_S = 120.0  # the cache-aware policy's default eviction_interval
+_LITTLE = sys.byteorder == "little"
 
 
-def packed_ids(ids: Sequence[int]) -> tuple[bytes, int]:
-    """Token ids as bytes to compare with `memcmp`, and the bytes per id: the emulator
-    tokenizer's ids are bytes already (1); others are packed as int64 (8)."""
+def packed_ids(key: PromptKey) -> tuple[bytes, int] | None:
+    """The prompt's token ids as bytes to compare with `memcmp`, and the bytes per id: the
+    emulator tokenizer's ids are bytes already (1); a prompt given as ids is packed as int64 in
+    its key already (8); others are packed so."""
+    ids = key.token_ids
+    if ids is None:
+        return None
     if isinstance(ids, bytes):
         return ids, 1
+    if key.kind == "tokens" and _LITTLE:  # (`PromptKey.data`: little-endian int64, as array's here)
+        return key.data, 8
     return array("q", ids).tobytes(), 8
 
 

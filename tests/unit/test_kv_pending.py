@@ -115,6 +115,10 @@ def test_ids_kept_as_bytes_match_packed_ones() -> None:
     by_text.token_ids = bytes([*text_ids[:33], 5])
     look = index.lookup("m", by_text, 4)
     assert look is not None and look.cached_tokens("x") == 28 and look.cached_tokens("w") == 32
+    by_list = PromptKey.from_text("v")  # (a text prompt with ids not bytes: packed here)
+    by_list.token_ids = [*text_ids[:29], 5, 5, 5, 5]
+    look = index.lookup("m", by_list, 4)
+    assert look is not None and look.cached_tokens("x") == 28 and look.cached_tokens("w") == 28
 
 
 def test_an_ended_or_failed_request_is_dropped() -> None:
