@@ -124,7 +124,7 @@ async def test_a_turn_routed_during_its_predecessors_prefill_goes_to_its_holder(
         cached = await generate(http, gateway, second)
         assert await turn1 == 0
     counts = served(emus)
-    if record == "stored":  # the events alone: no holder yet, the turn is spread (main's behaviour)
+    if record == "stored":  # the events alone: no holder yet, the turn is spread
         assert counts[holder] == 1 and cached == 0
         return
     assert counts[holder] == 2, counts

@@ -14,6 +14,7 @@ from emulator.model import chain_hashes
 from gateway.kvevents.index import KvEventIndex, payload_digest
 from policies.base import Completed, Failed, routed_event
 from policies.cache_aware import CacheAwareSettings, CacheState
+from policies.config import CacheAwareCfg
 from policies.prompt_key import PromptKey
 from policies.snapshot import Colocated, RequestView, RouteKind
 from policies.testing import make_worker
@@ -195,6 +196,16 @@ def test_the_policy_feeds_it_unless_told_the_events_alone() -> None:
         (e,) = st.estimates(request("r2", [*IDS, 1, 2]), [make_worker("w")])
         assert (e.cached_tokens, e.source) == (want, "kv_events")
         assert st.accuracy.summary() == {}  # (nothing ended yet)
+
+
+def test_the_overlay_is_on_by_default() -> None:
+    """It won over the events alone on the x3 replay (docs/benchmarks.md, "Why the precise index
+    trailed"), at no CPU cost once it compared ids: `precise_record = "routed"` is the default."""
+    assert CacheAwareCfg().precise_record == "routed"
+    index = index_of()
+    st = CacheState(CacheAwareSettings(), precise=index)
+    route(st, "r1", "w", [*IDS, 1])
+    assert cached(index, [*IDS, 1, 2]) == 40
 
 
 # -- property: the overlay is the union of the pending chains, bounded -------------------------
