@@ -390,7 +390,7 @@ class KvEventIndex:
         ids = packed_ids(key)
         assert ids is not None  # (it has token ids)
         both = max(held, self.pending.depth(wid, ids, bs, n))
-        self.pending.routed(ev.request_id, wid, (held * bs, both * bs), ids if held < n else None, n)
+        self.pending.routed(ev.request_id, wid, (held * bs, both * bs), ids if held < n else None, n, bs)
 
     # -- PrefixSource -------------------------------------------------------------------------------
 

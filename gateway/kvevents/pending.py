@@ -10,9 +10,13 @@ approximate index, recording a prompt when it is routed, kept it there. The over
 per worker, the token ids of each request routed there (the routing tokenizer's, the ids the
 engine block hashes are made of), and a lookup reads the deeper of the engine's blocks and the
 longest common prefix, in whole blocks, of the prompt with a pending prompt of that worker
-(`WithPending`). Comparing ids costs a `memcmp` per pending prompt (a bisection over the
-prompts' bytes: ~15 us for 22,000 emulator ids); hashing every routed prompt into engine keys,
-as this overlay first did, cost ~1 ms of SHA-256 per 22,000 tokens and more in Python.
+(`WithPending`). Comparing ids costs a `memcmp` per pending prompt compared (a bisection over
+the prompts' bytes: ~15 us for 22,000 emulator ids); hashing every routed prompt into engine
+keys, as this overlay first did, cost ~1 ms of SHA-256 per 22,000 tokens and more in Python. A
+lookup compares only the pending prompts that share its first block (`by_head`), and of those
+at most the newest `scan_limit` (64): its cost stays bounded however many requests are in
+flight, also when all of them share a system prompt (a conversation's predecessor, the prompt
+the overlay is for, is recent).
 
 A request's entry is dropped when:
 
@@ -83,6 +87,24 @@ def common_blocks(a: bytes, b: bytes, width: int, block_size: int, limit: int) -
     return lo
 
 
+def head_of(ids: tuple[bytes, int], block_size: int) -> bytes | None:
+    """The prompt's first block as int64 bytes (one form for both widths; None: no whole block):
+    the overlay's bucket, so a lookup compares only the pending prompts it can share a block with."""
+    data, width = ids
+    if len(data) < width * block_size:
+        return None
+    return data[: 8 * block_size] if width == 8 else _widen(data[:block_size])
+
+
+def shared_blocks(ids: tuple[bytes, int], e: Entry, block_size: int, limit: int) -> int:
+    """`common_blocks` of a prompt's `packed_ids` and a pending entry's, whatever their widths."""
+    a, width = ids
+    b = e.ids
+    if e.width != width:  # (ids kept as bytes against packed ones: compare as int64)
+        a, b, width = (_widen(a), b, 8) if width == 1 else (a, _widen(b), 8)
+    return common_blocks(a, b, width, block_size, limit)
+
+
 @dataclass(slots=True)
 class Entry:
     at: float  # when routed
@@ -90,6 +112,7 @@ class Entry:
     ids: bytes  # `packed_ids`
     width: int
     blocks: int  # whole blocks of its prompt a lookup can match (counted against `max_blocks`)
+    head: bytes  # `head_of`: its bucket in `PendingBlocks.by_head`
 
 
 @dataclass(eq=False)
@@ -102,6 +125,12 @@ class PendingBlocks:
     max_blocks: int = 1 << 21
     entries: OrderedDict[str, Entry] = field(default_factory=OrderedDict)
     by_worker: dict[str, dict[str, Entry]] = field(default_factory=dict)  # worker -> request -> entry
+    # first block (`head_of`) -> request -> entry, oldest first
+    by_head: dict[bytes, dict[str, Entry]] = field(default_factory=dict)
+    # a lookup compares its prompt with at most this many pending prompts of its bucket, the
+    # newest first (a conversation's predecessor is recent): a bound on the lookup's cost however
+    # many requests in flight share a first block (a system prompt)
+    scan_limit: int = 64
     # request -> (worker, prompt tokens the engine's blocks alone held there when it was routed,
     # and with the overlay)
     predicted: OrderedDict[str, tuple[str, int, int]] = field(default_factory=OrderedDict)
@@ -112,18 +141,25 @@ class PendingBlocks:
     fed: bool = False  # a policy tells this overlay what it routes
 
     def routed(
-        self, rid: str, worker: str, held: tuple[int, int], ids: tuple[bytes, int] | None, blocks: int
+        self,
+        rid: str,
+        worker: str,
+        held: tuple[int, int],
+        ids: tuple[bytes, int] | None,
+        blocks: int,
+        block_size: int,
     ) -> None:
         """A request routed to `worker`, where it was predicted `held` prompt tokens (the engine's
         blocks alone, and with the overlay): its `packed_ids` (None: the engine holds it all),
-        `blocks` whole blocks a lookup can match, are the worker's until dropped."""
+        `blocks` whole blocks of `block_size` a lookup can match, are the worker's until dropped."""
         self.fed = True
         self._pop(rid)
         predicted = self.predicted
         predicted[rid] = (worker, *held)
         if len(predicted) > self.max_entries:
             predicted.popitem(last=False)
-        if ids is None or blocks <= 0:
+        head = None if ids is None or blocks <= 0 else head_of(ids, block_size)
+        if ids is None or head is None:
             return
         now = self.clock()
         self.expire(now - self.horizon_s)
@@ -131,8 +167,9 @@ class PendingBlocks:
         while entries and (len(entries) >= self.max_entries or self.blocks + blocks > self.max_blocks):
             self._pop(next(iter(entries)))
             self.dropped_expired += 1
-        e = entries[rid] = Entry(now, worker, ids[0], ids[1], blocks)
+        e = entries[rid] = Entry(now, worker, ids[0], ids[1], blocks, head)
         self.by_worker.setdefault(worker, {})[rid] = e
+        self.by_head.setdefault(head, {})[rid] = e
         self.blocks += blocks
         self.added += 1
 
@@ -148,6 +185,11 @@ class PendingBlocks:
             mine.pop(rid, None)
             if not mine:
                 del self.by_worker[e.worker]
+        bucket = self.by_head.get(e.head)
+        if bucket is not None:
+            bucket.pop(rid, None)
+            if not bucket:
+                del self.by_head[e.head]
         self.blocks -= e.blocks
 
     def ended(self, rid: str) -> tuple[str, int, int] | None:
@@ -169,23 +211,29 @@ class PendingBlocks:
             self._unlink(rid, e)
             self.dropped_expired += 1
 
+    def candidates(self, ids: tuple[bytes, int], block_size: int) -> list[Entry]:
+        """The pending prompts a lookup compares with: those sharing the prompt's first block,
+        the newest `scan_limit` of them."""
+        head = head_of(ids, block_size)
+        bucket = self.by_head.get(head) if head is not None else None
+        if not bucket:
+            return []
+        got = list(bucket.values())
+        return got[-self.scan_limit :] if len(got) > self.scan_limit else got
+
     def depth(self, worker: str, ids: tuple[bytes, int], block_size: int, limit: int) -> int:
         """The most whole blocks (at most `limit`) a pending prompt of the worker shares with
         the prompt of `packed_ids` `ids`."""
-        mine = self.by_worker.get(worker)
-        if not mine:
+        if worker not in self.by_worker:
             return 0
-        data, width = ids
         best = 0
-        for e in mine.values():
-            a, b, w = data, e.ids, width
-            if e.width != width:  # (ids kept as bytes against packed ones: compare as int64)
-                a, b, w = (_widen(a), b, 8) if width == 1 else (a, _widen(b), 8)
-            got = common_blocks(a, b, w, block_size, limit)
-            if got > best:
-                best = got
-                if best >= limit:
-                    break
+        for e in self.candidates(ids, block_size):
+            if e.worker == worker:
+                got = shared_blocks(ids, e, block_size, limit)
+                if got > best:
+                    best = got
+                    if best >= limit:
+                        break
         return best
 
 
@@ -215,12 +263,13 @@ class PendingLookup:
         got = self._tokens
         if got is None:
             got = self._tokens = {}
-            p, members, known = self._pending, self._members, self._known
-            for wid in p.by_worker:
+            members, known, bs, limit = self._members, self._known, self._bs, self._limit
+            for e in self._pending.candidates(self._ids, bs):
+                wid = e.worker
                 if wid in members and known(wid):
-                    d = p.depth(wid, self._ids, self._bs, self._limit)
-                    if d:
-                        got[wid] = d * self._bs
+                    d = shared_blocks(self._ids, e, bs, limit) * bs
+                    if d > got.get(wid, 0):
+                        got[wid] = d
         return got
 
     @property

@@ -4,6 +4,8 @@ the longest prefix a pending prompt shares, and routing does not hash the prompt
 
 from __future__ import annotations
 
+from array import array
+
 import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -120,6 +122,27 @@ def test_ids_kept_as_bytes_match_packed_ones() -> None:
     by_list.token_ids = [*text_ids[:29], 5, 5, 5, 5]
     look = index.lookup("m", by_list, 4)
     assert look is not None and look.cached_tokens("x") == 28 and look.cached_tokens("w") == 28
+
+
+def test_a_lookup_compares_only_pending_prompts_that_share_its_first_block() -> None:
+    """However many requests are in flight, a lookup compares its prompt with the pending prompts
+    of its first block only, the newest `scan_limit` of them (a bound on its cost)."""
+    index = index_of()
+    pending = index.pending
+    pending.scan_limit = 8
+    for i in range(50):  # 50 prompts with other first blocks
+        route(index, f"o{i}", "x", [1000 + i, *IDS, 1])
+    route(index, "old", "w", [*IDS, 1])  # the one sharing the probe's prefix, then 20 newer
+    for i in range(20):  # that share only its first block, on "x"
+        route(index, f"n{i}", "x", [*IDS[:4], 2000 + i, *IDS[5:], 1])
+    probe = (bytes(array("q", [*IDS, 7])), 8)
+    seen = pending.candidates(probe, BS)
+    assert len(seen) == 8 and {e.worker for e in seen} == {"x"}
+    assert cached(index, [*IDS, 7], "w") == 0  # (beyond the newest 8 of its bucket)
+    assert cached(index, [*IDS, 7], "x") == BS
+    pending.scan_limit = 64
+    assert len(pending.candidates(probe, BS)) == 21
+    assert cached(index, [*IDS, 7], "w") == 40
 
 
 def test_an_ended_or_failed_request_is_dropped() -> None:
@@ -265,3 +288,4 @@ def test_the_overlay_is_the_union_of_the_pending_prompts(ops: list[tuple], max_e
     for r in list(pending):
         index.observe(Completed(f"r{r}", ("w",)))
     assert index.pending.blocks == 0 and not index.pending.entries and not index.pending.by_worker
+    assert not index.pending.by_head
