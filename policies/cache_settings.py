@@ -35,7 +35,7 @@ class CacheAwareSettings:
     sample: int = 4
     exact_large_pool: bool = False
     use_kv_events: bool = True
-    precise_pending: bool = False  # the precise index counts routed prompts until stored (PendingSink)
+    precise_pending: bool = True  # the precise index counts routed prompts until they end (PendingSink)
     record_prefilled: bool = False
     max_pending: int = 100_000
     slo: SloSettings = field(default_factory=SloSettings)  # off unless an SLO is set (policies/decode_slo.py)

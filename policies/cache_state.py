@@ -50,6 +50,9 @@ class Estimate(msgspec.Struct, frozen=True, gc=False):
     prefill_s: float = 0.0  # its own prefill there, predicted seconds (as the SLO term weighs it)
     tpot_best_s: float = 0.0  # the worker's unloaded time per token (DecodeSlo.best; SLO term on)
     decodes: tuple[HeldDecode, ...] = ()  # the decodes there the TPOT term weighed (DecodeSlo.held)
+    # with `source = "kv_events"`: what the approximate index predicts there (-1: not asked), so a
+    # record shows where the two indexes differ
+    approx_tokens: int = -1
 
 
 class DecisionRecord(msgspec.Struct, frozen=True, gc=False):
@@ -220,6 +223,7 @@ class CacheState:
         slo = self.slo
         ttft_limit = 0.0 if slo is None or not rows else slo.ttft_limit(prompt, rate_sum / len(rows))
         out: list[Estimate] = []
+        approx = lookups[1]
         for w, cached, source, backlog, rate, wait, work, evict in rows:
             own = work / rate
             ext = k * work
@@ -246,6 +250,7 @@ class CacheState:
                     prefill_s=slo_s if slo is not None else own,
                     tpot_best_s=best,
                     decodes=held,
+                    approx_tokens=(approx.cached_tokens(w.id) or 0) if source == "kv_events" else -1,
                 )
             )
         return out

@@ -133,11 +133,11 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # sharing a prefix in flight are drawn to one worker) or "prefilled" (when its predicted
     # prefill ends, as an engine registers blocks: the predictions match what engines report)
     record: Literal["routed", "prefilled"] = "routed"
-    # when the precise (KV-event) index counts a prompt as its worker's: "stored" (the engines'
-    # events alone) or "routed" (at once, until its engine's BlockStored names it, it ends or 120 s
-    # pass: a turn arriving while its predecessor prefills is drawn to that worker; it hashes every
-    # routed prompt whole, docs/policies.md "Prompts routed but not yet stored")
-    precise_record: Literal["routed", "stored"] = "stored"
+    # when the precise (KV-event) index counts a prompt as its worker's: "routed" (at once, until
+    # it ends or 120 s pass: a turn arriving while its predecessor prefills is drawn to that
+    # worker; its token ids are compared with the pending prompts', docs/policies.md "Prompts
+    # routed but not yet stored") or "stored" (the engines' events alone)
+    precise_record: Literal["routed", "stored"] = "routed"
     # SLO-aware choice (policies/decode_slo.py): the fewest predicted SLO misses first (this
     # request's TTFT, the TPOT of the decodes its prefill would stall), then the lowest cost.
     # TTFT SLO = ttft_slo_s + ttft_slo_x x the prompt's prefill on an idle worker; TPOT SLO =

@@ -205,17 +205,17 @@ class KvEventCollector(Collector):
 
 
 def pending_metrics(p: PendingBlocks) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    """`pdgw_kv_index_pending_*`: the overlay of prompts routed, not yet stored (pending.py)."""
+    """`pdgw_kv_index_pending_*`: the overlay of prompts routed, not yet ended (pending.py)."""
     requests = GaugeMetricFamily(
-        "pdgw_kv_index_pending_requests", "Requests routed whose prompt the engines have not yet stored"
+        "pdgw_kv_index_pending_requests", "Requests routed, not yet ended, that the overlay counts"
     )
     requests.add_metric([], len(p.entries))
-    blocks = GaugeMetricFamily("pdgw_kv_index_pending_blocks", "Their (block, worker) entries")
+    blocks = GaugeMetricFamily("pdgw_kv_index_pending_blocks", "Their prompts' whole blocks")
     blocks.add_metric([], p.blocks)
     dropped = CounterMetricFamily(
         "pdgw_kv_index_pending_dropped", "Pending prompts dropped, by why", labels=["why"]
     )
-    for why, n in (("stored", p.dropped_stored), ("ended", p.dropped_ended), ("expired", p.dropped_expired)):
+    for why, n in (("ended", p.dropped_ended), ("expired", p.dropped_expired)):
         dropped.add_metric([why], n)
     yield requests
     yield blocks

@@ -38,7 +38,7 @@ import msgspec
 
 from adapters.blockhash import BlockHasherBase, HashSpec, Scheme, VllmAlgo, make_hasher
 from adapters.kvevents import Batch, Cleared, Removed, Stored
-from gateway.kvevents.pending import Merged, Overlay, PendingBlocks, WithPending
+from gateway.kvevents.pending import Merged, PendingBlocks, PendingLookup, WithPending, packed_ids
 from gateway.logging import get_logger
 from policies.base import Completed, Failed, PolicyEvent, Routed
 from policies.block_index import BlockIndex
@@ -87,7 +87,6 @@ class WorkerStatus(msgspec.Struct, frozen=True):
 class _Group:
     hasher: BlockHasherBase
     index: BlockIndex = field(default_factory=BlockIndex)
-    overlay: Overlay = field(default_factory=Overlay)  # prompts routed, not yet stored (pending.py)
     slot_of: dict[str, int] = field(default_factory=dict)
     ids: list[str | None] = field(default_factory=list)
 
@@ -213,7 +212,6 @@ class KvEventIndex:
         slot = g.slot_of.pop(w.worker)
         g.index.free_slot(slot)
         self.pending.forget_worker(w.worker)
-        g.overlay.clear_slot(slot)
         g.ids[slot] = None
         w.group = None
 
@@ -333,8 +331,6 @@ class KvEventIndex:
             w.unverifiable += 1
         slot = g.slot_of[w.worker]
         w.stored += g.index.add(slot, keys)
-        if g.overlay.ends:
-            self.pending.stored(g.overlay, slot, keys)
         over = g.index.slot_entries(slot) - w.max_blocks
         if over > 0:
             w.evicted += g.index.evict(slot, over)
@@ -389,13 +385,12 @@ class KvEventIndex:
             return
         bs = g.hasher.block_size
         n = (len(key.token_ids) - 1) // bs  # the blocks a lookup reads (an engine matches)
-        keys = key.engine_keys(g.hasher, n)[:n]
-        slot = g.slot_of[wid]
-        held = g.index.depth(keys, 1 << slot)
-        both = max(held, g.overlay.index.depth(keys, 1 << slot))
-        self.pending.routed(
-            ev.request_id, wid, (held * bs, both * bs), g.overlay, slot, keys if held < n else ()
-        )
+        # (the engine's keys hashed only as far as the search reads: the lookup hashed them)
+        held = g.index.depth(key.engine_chain(g.hasher, n), 1 << g.slot_of[wid])
+        ids = packed_ids(key)
+        assert ids is not None  # (it has token ids)
+        both = max(held, self.pending.depth(wid, ids, bs, n))
+        self.pending.routed(ev.request_id, wid, (held * bs, both * bs), ids if held < n else None, n, bs)
 
     # -- PrefixSource -------------------------------------------------------------------------------
 
@@ -417,14 +412,15 @@ class KvEventIndex:
             return None
         known = self.known(model)
         parts: list[IndexLookup | WithPending] = []
+        ids = packed_ids(key) if self.pending.entries else None
         for g in self._groups.values():
             if not g.slot_of:
                 continue
             bs = g.hasher.block_size
             chain = key.engine_chain(g.hasher, (len(key.token_ids) - 1) // bs)
             got = IndexLookup(g.index, chain, g.slot_of, g.ids, bs, max_candidates, known)
-            if g.overlay.refs:
-                pending = IndexLookup(g.overlay.index, chain, g.slot_of, g.ids, bs, max_candidates, known)
+            if ids is not None:
+                pending = PendingLookup(self.pending, ids, bs, len(chain), g.slot_of, known)
                 parts.append(WithPending(got, pending, max_candidates))
             else:
                 parts.append(got)

@@ -7,9 +7,8 @@ prefilling, before that engine has published a `BlockStored` for it. With the ev
 worker, which computes the whole prompt again. With the pending overlay (`"routed"`)
 the turn is predicted to find the first turn's prefix on its worker and is sent there; the engine
 matches the prefix again as it schedules the queued turn, after the first one's prefill, and
-reports it cached. The overlay's entries are gone once the engine's events have stored the blocks
-(and the requests ended); the index's outcome check stays quiet (the engine-only prediction is the
-one checked)."""
+reports it cached. The overlay's entries are gone once the requests ended; the index's outcome
+check stays quiet (the engine-only prediction is the one checked)."""
 
 from __future__ import annotations
 
@@ -125,7 +124,7 @@ async def test_a_turn_routed_during_its_predecessors_prefill_goes_to_its_holder(
         cached = await generate(http, gateway, second)
         assert await turn1 == 0
     counts = served(emus)
-    if record == "stored":  # the events alone: no holder yet, the turn is spread (main's behaviour)
+    if record == "stored":  # the events alone: no holder yet, the turn is spread
         assert counts[holder] == 1 and cached == 0
         return
     assert counts[holder] == 2, counts
@@ -134,7 +133,7 @@ async def test_a_turn_routed_during_its_predecessors_prefill_goes_to_its_holder(
     assert st[holder].usable and st[holder].outcome_mismatches == 0
     pending = index.pending
     assert pending.added == 2 and not pending.entries and pending.blocks == 0
-    assert pending.dropped_stored + pending.dropped_ended == 2
+    assert pending.dropped_ended == 2
     async with aiohttp.ClientSession() as http, http.get(gateway.url + "/metrics") as r:
         text = await r.text()
     assert "pdgw_kv_index_pending_requests 0.0" in text

@@ -1,8 +1,10 @@
 """The precise index's pending overlay (gateway/kvevents/pending.py): prompts routed to a worker
-count as its until its engine's events store them, the request ends or the horizon passes; the
-overlay is bounded and equal to the union of the pending prompts' chains."""
+count as its until the request ends or the horizon passes; the overlay is bounded, a lookup reads
+the longest prefix a pending prompt shares, and routing does not hash the prompt whole."""
 
 from __future__ import annotations
+
+from array import array
 
 import msgspec
 from hypothesis import given, settings
@@ -14,6 +16,7 @@ from emulator.model import chain_hashes
 from gateway.kvevents.index import KvEventIndex, payload_digest
 from policies.base import Completed, Failed, routed_event
 from policies.cache_aware import CacheAwareSettings, CacheState
+from policies.config import CacheAwareCfg
 from policies.prompt_key import PromptKey
 from policies.snapshot import Colocated, RequestView, RouteKind
 from policies.testing import make_worker
@@ -68,7 +71,7 @@ def cached(index: KvEventIndex, ids: list[int], worker: str = "w") -> int | None
     return None if look is None else look.cached_tokens(worker)
 
 
-def test_a_routed_prompt_counts_until_its_engine_stores_it_then_the_events_rule() -> None:
+def test_a_routed_prompt_counts_until_it_ends_then_the_events_rule() -> None:
     index = index_of()
     turn = [*IDS, 1]
     assert cached(index, [*turn, 2]) == 0
@@ -77,10 +80,69 @@ def test_a_routed_prompt_counts_until_its_engine_stores_it_then_the_events_rule(
     assert cached(index, [*turn, 2, 3, 4, 5]) == 40 and cached(index, [*turn, 2], "x") == 0
     look = index.lookup("m", PromptKey.from_token_ids([*turn, 2]), 4)  # type: ignore[arg-type]
     assert look is not None and list(look.top) == [("w", 40)]
-    apply(index, "w", stored(IDS))  # its last block stored: the entry is the engine's now
-    assert index.pending.dropped_stored == 1 and not index.pending.entries and index.pending.blocks == 0
+    apply(index, "w", stored(IDS[:16]))  # its first chunk stored: the overlay still counts the rest
+    assert cached(index, [*turn, 2]) == 40
+    apply(index, "w", stored(IDS))
+    index.observe(Completed("r1", ("w",), cached_tokens=0))  # ended: the entry is the engine's now
+    assert index.pending.dropped_ended == 1 and not index.pending.entries and index.pending.blocks == 0
+    assert cached(index, [*turn, 2]) == 40
     apply(index, "w", VllmBlockRemoved(chain_hashes(IDS, BS)[6:], "GPU"))
     assert cached(index, [*turn, 2]) == 24  # the engine evicted: not held up by the overlay
+
+
+def test_routing_does_not_hash_the_prompt_whole() -> None:
+    """The overlay compares token ids: routing a long prompt hashes only the engine keys the
+    search for its held prefix reads (it used to hash every block: ~1 ms a 22,000-token prompt)."""
+    index = index_of()
+    ids = [*range(3, 4003), 1]  # 1,000 blocks
+    key = PromptKey.from_token_ids(ids)
+    assert key is not None
+    view = RequestView("r1", "m", RouteKind.COMPLETIONS, len(ids), 4, prompt_key=key)
+    index.observe(routed_event(view, Colocated(make_worker("w"))))
+    assert index.pending.blocks == 1000
+    assert max((len(keys) for keys, _ in key._engine.values()), default=0) <= 2
+    assert cached(index, [*ids[:-1], 7, 8]) == 4000 and cached(index, [*ids[:2001], 9]) == 2000
+
+
+def test_ids_kept_as_bytes_match_packed_ones() -> None:
+    """The emulator tokenizer's ids are bytes; a prompt given as ids is a tuple: the same ids match."""
+    index = index_of()
+    text_ids = bytes([1, *range(10, 90)])  # (81 ids: 20 blocks a lookup reads)
+    key = PromptKey.from_text("t")
+    key.token_ids = text_ids
+    view = RequestView("r1", "m", RouteKind.COMPLETIONS, len(text_ids), 4, prompt_key=key)
+    index.observe(routed_event(view, Colocated(make_worker("w"))))
+    assert cached(index, [*text_ids[:41], 200, 201, 202, 203]) == 40
+    route(index, "r2", "x", [*text_ids[:30], 1])
+    by_text = PromptKey.from_text("u")
+    by_text.token_ids = bytes([*text_ids[:33], 5])
+    look = index.lookup("m", by_text, 4)
+    assert look is not None and look.cached_tokens("x") == 28 and look.cached_tokens("w") == 32
+    by_list = PromptKey.from_text("v")  # (a text prompt with ids not bytes: packed here)
+    by_list.token_ids = [*text_ids[:29], 5, 5, 5, 5]
+    look = index.lookup("m", by_list, 4)
+    assert look is not None and look.cached_tokens("x") == 28 and look.cached_tokens("w") == 28
+
+
+def test_a_lookup_compares_only_pending_prompts_that_share_its_first_block() -> None:
+    """However many requests are in flight, a lookup compares its prompt with the pending prompts
+    of its first block only, the newest `scan_limit` of them (a bound on its cost)."""
+    index = index_of()
+    pending = index.pending
+    pending.scan_limit = 8
+    for i in range(50):  # 50 prompts with other first blocks
+        route(index, f"o{i}", "x", [1000 + i, *IDS, 1])
+    route(index, "old", "w", [*IDS, 1])  # the one sharing the probe's prefix, then 20 newer
+    for i in range(20):  # that share only its first block, on "x"
+        route(index, f"n{i}", "x", [*IDS[:4], 2000 + i, *IDS[5:], 1])
+    probe = (bytes(array("q", [*IDS, 7])), 8)
+    seen = pending.candidates(probe, BS)
+    assert len(seen) == 8 and {e.worker for e in seen} == {"x"}
+    assert cached(index, [*IDS, 7], "w") == 0  # (beyond the newest 8 of its bucket)
+    assert cached(index, [*IDS, 7], "x") == BS
+    pending.scan_limit = 64
+    assert len(pending.candidates(probe, BS)) == 21
+    assert cached(index, [*IDS, 7], "w") == 40
 
 
 def test_an_ended_or_failed_request_is_dropped() -> None:
@@ -159,6 +221,16 @@ def test_the_policy_feeds_it_unless_told_the_events_alone() -> None:
         assert st.accuracy.summary() == {}  # (nothing ended yet)
 
 
+def test_the_overlay_is_on_by_default() -> None:
+    """It won over the events alone on the x3 replay (docs/benchmarks.md, "Why the precise index
+    trailed"), at no CPU cost once it compared ids: `precise_record = "routed"` is the default."""
+    assert CacheAwareCfg().precise_record == "routed"
+    index = index_of()
+    st = CacheState(CacheAwareSettings(), precise=index)
+    route(st, "r1", "w", [*IDS, 1])
+    assert cached(index, [*IDS, 1, 2]) == 40
+
+
 # -- property: the overlay is the union of the pending chains, bounded -------------------------
 
 PROMPTS = st.lists(st.integers(0, 1), min_size=1, max_size=5).map(tuple)  # a path in a binary tree
@@ -199,12 +271,10 @@ def test_the_overlay_is_the_union_of_the_pending_prompts(ops: list[tuple], max_e
                 pending[r] = (w, path)
                 while len(pending) > max_entries:
                     del pending[next(iter(pending))]
-        elif op[0] == "store":
+        elif op[0] == "store":  # (a pending prompt stays until its request ends)
             _, w, path = op
             apply(index, w, stored(ids_of(path)))
             engine[w] |= {path[:i] for i in range(1, len(path) + 1)}
-            for r in [r for r, (pw, p) in pending.items() if pw == w and p == path[: len(p)]]:
-                del pending[r]
         else:
             index.observe(Completed(f"r{op[1]}", ("w",)))
             pending.pop(op[1], None)
@@ -217,5 +287,5 @@ def test_the_overlay_is_the_union_of_the_pending_prompts(ops: list[tuple], max_e
                 assert cached(index, [*ids_of(probe), 1], w) == BS * max(held, queued)
     for r in list(pending):
         index.observe(Completed(f"r{r}", ("w",)))
-    overlay = next(iter(index._groups.values())).overlay
-    assert index.pending.blocks == 0 and overlay.index.entries == 0 and not overlay.refs and not overlay.ends
+    assert index.pending.blocks == 0 and not index.pending.entries and not index.pending.by_worker
+    assert not index.pending.by_head
