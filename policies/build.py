@@ -106,6 +106,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
         inflight_factor=cfg.inflight_factor,
         queue_externality=cfg.queue_externality,
         pressure_window_s=cfg.pressure_window_s,
+        shared_wait=cfg.queue_wait == "shared",
         evict_price=cfg.evict_price,
         evict_window_s=cfg.evict_window_s,
         tail_price=cfg.tail_price,

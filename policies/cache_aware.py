@@ -28,9 +28,11 @@ their cache whenever its worker had a little queued: 35-45 % reuse on the Moonca
 against 45-47 % this way). 0 leaves the predicted TTFT alone. `K * work(w)` is what the
 request's prefill costs the requests that arrive after it while the pool is busy
 (policies/pool_pressure.py: `K = queue_externality x arrivals/s x mean wait / ((1 - rho) x pool
-rate)`, 0 when no worker has a queue): under load a turn sent away from its cache holder makes
-the pool compute its prefix again, and every later arrival pays for that. `evict(w)` (0 unless
-`evict_price` is set) prices what the request's new KV pushes out of w's cache:
+rate)`, 0 when no worker has a queue; `queue_wait = "shared"`: the wait over the workers later
+arrivals share, a worker too backed up to rejoin them left out): under load a turn sent away
+from its cache holder makes the pool compute its prefix again, and every later arrival pays for
+that. `evict(w)` (0 unless `evict_price` is set) prices what the request's new KV pushes out
+of w's cache:
 `evict_price x uncached(w) / rate(w) x written(w) / pool(w)`, `written(w)` the new KV tokens sent
 to w over the last `evict_window_s` (decayed; policies/turnover.py): a worker whose cache turns
 over fast evicts prefixes still to be asked for. `tail(w)` (0 unless `tail_price` is set,
@@ -286,7 +288,8 @@ class CacheAwareSelector:
         prompt = req.prompt_tokens if req.prompt_tokens > 0 else 1
         saturation = s.saturation_wait_s
         parts, wait_sum, rate_sum = self._parts(prompt, cands, lookups, now)
-        k = state.externality_k(wait_sum, rate_sum, len(parts), now, pool)
+        waits = [p[0] for p in parts] if s.shared_wait else None
+        k = state.externality_k(wait_sum, rate_sum, len(parts), now, pool, waits)
         if (slo := state.slo) is not None:  # the fewest predicted SLO misses first (decode_slo.py)
             ttft_limit = slo.ttft_limit(prompt, rate_sum / len(parts))  # (the mean rate of all)
             parts = [p for p in parts if p[0] <= saturation] or parts

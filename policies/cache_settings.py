@@ -25,6 +25,7 @@ class CacheAwareSettings:
     inflight_factor: float = 1.0
     queue_externality: float = 1.0
     pressure_window_s: float = 10.0
+    shared_wait: bool = False  # queue_wait = "shared" (policies/pool_pressure.py `shared_wait`)
     evict_price: float = 0.0  # the eviction price's weight (policies/turnover.py); 0: off
     evict_window_s: float = 5.0  # new KV sent to each worker: decayed over this window
     tail_price: float = 0.0  # the tail price's weight (policies/tail_price.py); 0: off

@@ -18,7 +18,7 @@ from policies.decode_slo import NO_SLO, DecodeSlo, HeldDecode
 from policies.estimators import prefill_work
 from policies.inflight import InflightPrefills
 from policies.pending import expire
-from policies.pool_pressure import DecayedRate, externality_per_work
+from policies.pool_pressure import DecayedRate, externality_per_work, shared_wait
 from policies.prefill_cost import PrefillQueues, RateSettings, prefill_seconds
 from policies.prefix_source import EMPTY_LOOKUP, NO_LOOKUP, Lookup, PendingSink, PrefixSource
 from policies.prompt_key import PromptKey
@@ -219,7 +219,8 @@ class CacheState:
         factor = s.inflight_factor
         rows = self._rows(prompt, cands, lookups, now)
         rate_sum = sum(r[4] for r in rows)
-        k = self.externality_k(sum(r[5] for r in rows), rate_sum, len(rows), now, pool)
+        waits = [r[5] for r in rows]
+        k = self.externality_k(sum(waits), rate_sum, len(rows), now, pool, waits)
         slo = self.slo
         ttft_limit = 0.0 if slo is None or not rows else slo.ttft_limit(prompt, rate_sum / len(rows))
         out: list[Estimate] = []
@@ -283,17 +284,27 @@ class CacheState:
         return rows
 
     def externality_k(
-        self, wait_sum: float, rate_sum: float, n: int, now: float, pool: int | None = None
+        self,
+        wait_sum: float,
+        rate_sum: float,
+        n: int,
+        now: float,
+        pool: int | None = None,
+        waits: Sequence[float] | None = None,
     ) -> float:
         """Seconds of later arrivals' delay per unit of prefill work added to a pool of `pool`
-        workers (default `n`) of which `n` candidates wait `wait_sum` seconds and prefill
-        `rate_sum` per second in all (policies/pool_pressure.py); 0 with `queue_externality = 0`."""
+        workers (default `n`) of which `n` candidates wait `wait_sum` seconds (`waits` each,
+        read with `queue_wait = "shared"`) and prefill `rate_sum` per second in all
+        (policies/pool_pressure.py); 0 with `queue_externality = 0`."""
         weight = self.settings.queue_externality
         if weight <= 0.0 or n <= 0:
             return 0.0
         arrivals, work = self.arrivals.rates(now)
         pool_rate = rate_sum / n * (n if pool is None or pool < n else pool)
-        return weight * externality_per_work(arrivals, work, wait_sum / n, pool_rate)
+        wait = wait_sum / n
+        if waits is not None and self.settings.shared_wait and wait > 0.0 and pool_rate > 0.0:
+            wait = shared_wait(waits, work / pool_rate)
+        return weight * externality_per_work(arrivals, work, wait, pool_rate)
 
     def cached_for(self, model: str, key: PromptKey, worker_id: str) -> int:
         """The prompt tokens `worker_id` is predicted to hold of the prompt keyed `key`."""

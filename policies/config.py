@@ -110,6 +110,9 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # pool is busy, policies/pool_pressure.py); 0: the predicted TTFT and batch term alone
     queue_externality: float = 1.0
     pressure_window_s: float = 10.0  # arrivals and work per second: decayed over this window
+    # the pool wait W the externality reads: "mean", over the candidates; "shared", over those
+    # later arrivals share, a worker too backed up to rejoin them left out (policies/pool_pressure.py)
+    queue_wait: Literal["mean", "shared"] = "mean"
     # + evict_price x uncached / rate x (new KV tokens sent to the worker over evict_window_s,
     # decayed) / its KV pool: the price of the cached prefixes the new KV evicts where the cache
     # turns over fast (policies/turnover.py); 0: off. Needs the pool (reported, or worker_cache_tokens)

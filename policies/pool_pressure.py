@@ -22,11 +22,24 @@ finite when the pool is overloaded.
 
 `lam` and the work rate are exponentially decayed counts over `window_s` (`DecayedRate`):
 measured by the gateway itself from what it routes, so they need no engine metric.
+
+`W` is what later arrivals wait, and the mean over the pool reads that only while the router
+can balance them over every worker. A worker far more backed up than the rest takes none of
+them (the cost sends them to the others), so its queue delays none of them: one worker with
+seconds queued beside idle ones is not a busy pool. With `queue_wait = "shared"` `W` is the
+mean over the workers the arrivals share (`shared_wait`): the others' level `L` (their mean
+wait) falls at `1 - rho_s` seconds a second while they take every arrival (`rho_s`: `rho` over
+their share of the pool) and a backed-up worker's wait falls at 1, so it rejoins them before
+they run dry only when its wait is under `L / (1 - rho_s)`; beyond that it is left out, the
+most backed-up first. At `rho_s >= 1` the others fill up to it and every worker counts (the
+mean). `R` and `rho` stay the pool's: the worker left out still serves, its own turns and,
+once drained, the rest.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 RHO_MAX = 0.9  # the busy-period factor 1 / (1 - rho) stays at most 10
 
@@ -86,3 +99,20 @@ def externality_per_work(
     elif rho < 0.0:
         rho = 0.0
     return arrivals_per_s * mean_wait_s / ((1.0 - rho) * pool_rate)
+
+
+def shared_wait(waits: Sequence[float], rho: float) -> float:
+    """The mean of `waits` (seconds, one a worker of equal rates) over the workers later arrivals
+    share at pool load `rho`: the most backed-up left out while its wait exceeds `L / (1 -
+    rho_s)` (the module docstring), `L` the rest's mean, `rho_s = rho x n / (rest)`."""
+    ws = sorted(waits)
+    n = m = len(ws)
+    if n == 0:
+        return 0.0
+    while m > 1:
+        rest = m - 1
+        load = rho * n / rest
+        if load >= 1.0 or ws[rest] * (1.0 - load) <= math.fsum(ws[:rest]) / rest:
+            break
+        m = rest
+    return math.fsum(ws[:m]) / m

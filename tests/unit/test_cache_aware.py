@@ -573,6 +573,8 @@ SHAPES = {
     "saturated": {"saturation_wait_s": 1e-9},
     # the tail price over most predictions (policies/tail_price.py): both paths add it alike
     "tail": {"tail_price": 4.0, "tail_ttft_s": 0.05},
+    # the externality's wait over the workers later arrivals share (policies/pool_pressure.py)
+    "shared": {"shared_wait": True},
 }
 
 
