@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from bench.replay import misses
+from bench.replay import compare, misses
 from bench.replay.cluster import Counters
 from bench.replay.reference import SimResult
 from bench.replay.stats import Record, Summary
@@ -147,6 +147,16 @@ def markdown(rep: Report) -> str:
             cells = [_fmt([get(r) for r in runs], f) for _, get, f in COLUMNS]
             lines.append(f"| {target} | " + " | ".join(cells) + " |")
         lines.append("")
+        against = compare.table(rep, load)
+        if against:
+            lines += [
+                f"Each target against {targets_in_order([r for r in rep.runs if r.load == load])[0]}, "
+                "paired by repeat (bench/replay/compare.py): the ratio of the means, or the hit "
+                "rate's difference in points, with a 90 % bootstrap interval over the repeats",
+                "",
+                *against,
+                "",
+            ]
         where = misses.table(rep, load)
         if where:
             lines += [
