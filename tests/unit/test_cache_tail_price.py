@@ -15,19 +15,12 @@ from policies.build import cache_aware_settings
 from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState
 from policies.config import parse_policy
 from policies.decode_slo import SloSettings
-from policies.prompt_key import PromptKey
-from policies.snapshot import Colocated, RequestView, RouteKind, WorkerState
+from policies.snapshot import Colocated, RequestView, WorkerState
 from policies.tail_price import tail_s
 from policies.testing import ManualClock as Clock
-from policies.testing import make_worker
+from policies.testing import make_token_request, make_worker
 
 DOC = list(range(10_000, 20_000))  # a 10,000-token document the conversation keeps sending
-
-
-def request(rid: str, ids: list[int], max_tokens: int = 16) -> RequestView:
-    return RequestView(
-        rid, "m", RouteKind.COMPLETIONS, len(ids), max_tokens, prompt_key=PromptKey.from_token_ids(ids)
-    )
 
 
 @dataclass(frozen=True)
@@ -71,15 +64,15 @@ def scenario(case: Case) -> tuple[CacheAwareSelector, RequestView, list[WorkerSt
     st = CacheState(settings, clock=clock)
     sel = CacheAwareSelector("colocated", st)
     a, b = make_worker("a", engine="sglang"), make_worker("b", engine="sglang", inflight=9)
-    st.observe(routed_event(request("turn1", [*DOC, 1]), Colocated(a)))
+    st.observe(routed_event(make_token_request("turn1", [*DOC, 1]), Colocated(a)))
     clock.t += 5.0
     st.observe(Completed("turn1", ("a",), cached_tokens=0))
     queued = list(range(50_000, 50_000 + case.queued_tokens))
-    st.observe(routed_event(request("big", queued, 1), Colocated(a)))  # a one-token answer
+    st.observe(routed_event(make_token_request("big", queued, 1), Colocated(a)))  # a one-token answer
     if case.decoding_on_b:
-        st.observe(routed_event(request("short", [7, 7, 7], 10), Colocated(b)))
+        st.observe(routed_event(make_token_request("short", [7, 7, 7], 10), Colocated(b)))
     clock.t += 0.05
-    return sel, request("turn2", [*DOC, 2]), [a, b]
+    return sel, make_token_request("turn2", [*DOC, 2]), [a, b]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -15,10 +15,9 @@ from policies.build import cache_aware_settings
 from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState
 from policies.config import parse_policy
 from policies.pool_pressure import shared_wait
-from policies.prompt_key import PromptKey
-from policies.snapshot import Colocated, RequestView, RouteKind
+from policies.snapshot import Colocated
 from policies.testing import ManualClock as Clock
-from policies.testing import make_worker
+from policies.testing import make_token_request, make_worker
 
 
 @pytest.mark.parametrize(
@@ -45,12 +44,6 @@ def test_shared_wait(waits: list[float], rho: float, expect: float) -> None:
 
 PREFIX = list(range(1000, 1800))  # 800 tokens: what worker b holds
 ASK = PREFIX + [9] * 200  # 1000 tokens: b computes 200 of them, the others all 1000
-
-
-def req(ids: list[int], rid: str = "ask") -> RequestView:
-    return RequestView(
-        rid, "m", RouteKind.COMPLETIONS, len(ids), 16, prompt_key=PromptKey.from_token_ids(ids)
-    )
 
 
 @dataclass(frozen=True)
@@ -86,24 +79,32 @@ def test_a_backed_up_worker_does_not_price_the_pool(case: Case) -> None:
     st = CacheState(settings, clock=clock)
     workers = {w: make_worker(w) for w in "abcd"}
     clock.t = 60.0  # b computed the prefix long ago (a prompt is cached once its prefill ends)
-    st.observe(routed_event(req(PREFIX, "prefix"), Colocated(workers["b"])))
+    st.observe(routed_event(make_token_request("prefix", PREFIX), Colocated(workers["b"])))
     st.observe(Completed("prefix", ("b",), cached_tokens=0))
     clock.t = 100.0
     for i, (w, n) in enumerate(case.queued.items()):
         st.observe(
-            routed_event(req(list(range(10_000 * (i + 1), 10_000 * (i + 1) + n)), w), Colocated(workers[w]))
+            routed_event(
+                make_token_request(w, list(range(10_000 * (i + 1), 10_000 * (i + 1) + n))),
+                Colocated(workers[w]),
+            )
         )
     for i in range(30):
-        st.observe(routed_event(req([7000 + i], f"small{i}"), Colocated(workers["a"])))
+        st.observe(routed_event(make_token_request(f"small{i}", [7000 + i]), Colocated(workers["a"])))
     cands = list(workers.values())
-    chosen, record = CacheAwareSelector("x", st, rng=random.Random(0)).decide(req(ASK), cands)
+    chosen, record = CacheAwareSelector("x", st, rng=random.Random(0)).decide(
+        make_token_request("ask", ASK), cands
+    )
     assert record is not None
     by = {e.worker: e for e in record.candidates}
     assert by["c"].ttft_s < by["b"].ttft_s  # the request's own TTFT favours c in every case
     assert by["c"].externality_s >= by["b"].externality_s  # c recomputes the prefix: priced higher
     assert (by["c"].externality_s > by["b"].externality_s > 0.0) is case.priced
     assert chosen.id == case.best
-    assert CacheAwareSelector("x", st, rng=random.Random(0)).select(req(ASK), cands).id == case.best
+    assert (
+        CacheAwareSelector("x", st, rng=random.Random(0)).select(make_token_request("ask", ASK), cands).id
+        == case.best
+    )
 
 
 @pytest.mark.parametrize(
