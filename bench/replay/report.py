@@ -3,6 +3,7 @@ and min-max over repeats) and PNG plots (goodput vs rate, TTFT CDF, per-worker l
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import sys
@@ -12,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from bench.replay import compare, misses
+from bench.replay import compare, misses, posthoc
 from bench.replay.cluster import Counters
 from bench.replay.reference import SimResult
-from bench.replay.stats import Record, Summary
+from bench.replay.stats import Record, Slo, Summary
 
 
 class WorkerLoad(msgspec.Struct):
@@ -66,6 +67,10 @@ class Report(msgspec.Struct, kw_only=True):
     runs: list[RunResult]
     failures: list[Failure] = []
     partial: bool = False
+    # the SLOs the run was made with, when this report judges it at others after the fact
+    # (bench/replay/posthoc.py; empty: slo_ttft / slo_tpot are the run's own)
+    run_slo_ttft: str = ""
+    run_slo_tpot: str = ""
 
 
 def _fmt(values: Sequence[float], f: Callable[[float], str]) -> str:
@@ -131,6 +136,7 @@ def markdown(rep: Report) -> str:
         )
         + ".",
         "",
+        *posthoc.note(rep),
     ]
     repeats = max((r.repeat for r in rep.runs), default=0) + 1
     if repeats > 1:
@@ -146,7 +152,7 @@ def markdown(rep: Report) -> str:
                 continue
             cells = [_fmt([get(r) for r in runs], f) for _, get, f in COLUMNS]
             lines.append(f"| {target} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += ["", posthoc.ceiling_line(rep, load), ""]
         against = compare.table(rep, load)
         if against:
             lines += [
@@ -280,15 +286,62 @@ def plot(rep: Report, out: Path) -> list[Path]:
     return files
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.replay.report",
+        description="Render a replay's results again (report.md, plots) or, with other SLOs, judge its "
+        "stored records after the fact (bench/replay/posthoc.py) without touching its directory.",
+    )
+    p.add_argument("dir", help="the run's results folder (its results.json)")
+    p.add_argument(
+        "--slo-ttft", default=None, help="judge at this TTFT SLO ('2', '500ms', '3x'); default the run's"
+    )
+    p.add_argument("--slo-tpot", default=None, help="likewise for the TPOT SLO")
+    p.add_argument(
+        "--slo-sweep",
+        default=None,
+        metavar="LIST",
+        help="a table of goodput and attainment at each SLO: '3x,4x,5x,8x' (each for both) or '3x/5x,...' "
+        "(TTFT/TPOT)",
+    )
+    p.add_argument("--out", default=None, help="with other SLOs: also write report.md and results.json here")
+    return p
+
+
 def main(argv: list[str]) -> int:
-    """`python -m bench.replay.report DIR`: render DIR/results.json again (report.md, plots)."""
-    if len(argv) != 1:
-        print("usage: python -m bench.replay.report RESULTS_DIR", file=sys.stderr)
+    """`python -m bench.replay.report DIR`: render DIR/results.json again (report.md, plots).
+    With `--slo-ttft` / `--slo-tpot` the report is judged at those SLOs and printed (and written to
+    `--out`, never into DIR); with `--slo-sweep` a table of SLOs is printed after it."""
+    args = build_parser().parse_args(argv)
+    src = Path(args.dir)
+    if args.out and Path(args.out).resolve() == src.resolve():
+        print("python -m bench.replay.report: --out must not be the run's own folder", file=sys.stderr)
         return 2
-    out = Path(argv[0])
-    rep = msgspec.json.decode((out / "results.json").read_bytes(), type=Report)
-    for f in write(rep, out):
-        print(f)
+    rep = msgspec.json.decode((src / "results.json").read_bytes(), type=Report)
+    rejudge = args.slo_ttft is not None or args.slo_tpot is not None
+    try:
+        sweep = posthoc.sweep_slos(args.slo_sweep) if args.slo_sweep else []
+        if not rejudge and not sweep:
+            for f in write(rep, src):
+                print(f)
+            return 0
+        if rejudge:
+            rep = posthoc.rejudge(
+                rep, Slo.parse(args.slo_ttft or rep.slo_ttft), Slo.parse(args.slo_tpot or rep.slo_tpot)
+            )
+            print(markdown(rep))
+        for load in loads_in_order(rep.runs) if sweep else []:
+            print(
+                f"**{load}**, judged after the run (post hoc) at each SLO from the stored records and "
+                f"calibration. {posthoc.told(rep)}\n"
+            )
+            print("\n".join(posthoc.sweep_table(rep, load, sweep)) + "\n")
+    except ValueError as exc:
+        print(f"python -m bench.replay.report: {exc}", file=sys.stderr)
+        return 2
+    if args.out and rejudge:
+        for f in write(rep, Path(args.out), plots=False):
+            print(f, file=sys.stderr)
     return 0
 
 
