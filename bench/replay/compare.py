@@ -71,10 +71,24 @@ def _cell(value: float, lo: float, hi: float, ratio: bool) -> str:
     return f"{value:+.1f} ({lo:+.1f} to {hi:+.1f})"
 
 
+def order(rep: Report, load: str | None = None) -> list[str]:
+    """The targets in the command's order (at `load`: those that ran there), the first being every
+    comparison's reference. The runs alone do not give it at a second load: the order rotates by
+    repeat and by load (main.py), so the second load's first run is the second target's. A report
+    that did not keep `targets` (before 2026-12-06) gives it by first appearance over all the
+    runs, the first load's first repeat being in the command's order."""
+    given = list(rep.targets) or list(dict.fromkeys(r.target for r in rep.runs))
+    given += [r.target for r in rep.runs if r.target not in given]
+    if load is None:
+        return given
+    ran = {r.target for r in rep.runs if r.load == load}
+    return [t for t in given if t in ran]
+
+
 def table(rep: Report, load: str) -> list[str]:
     """The comparison's markdown rows at `load` (none with one target or too few pairs)."""
     runs = [r for r in rep.runs if r.load == load]
-    targets = list(dict.fromkeys(r.target for r in runs))
+    targets = order(rep, load)
     if len(targets) < 2:
         return []
     base = [r for r in runs if r.target == targets[0]]

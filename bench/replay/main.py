@@ -559,6 +559,7 @@ def _run(
         calibration=None,
         reachable={},
         runs=[],
+        targets=[t.label for t in targets],
     )
     loop = _new_loop()
     stopper.loop = loop

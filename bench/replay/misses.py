@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from bench.replay import compare
 from bench.replay.stats import Calibration, Record, Slo, meets
 
 if TYPE_CHECKING:
@@ -70,7 +71,8 @@ def table(rep: Report, load: str) -> list[str]:
         "| target | " + " | ".join(f"answer {h}" for h in head) + " |",
         "|---" * (len(head) + 1) + "|",
     ]
-    for target, runs in by_target.items():
+    for target in compare.order(rep, load):
+        runs = by_target[target]
         sums = [[0, 0, 0] for _ in BUCKETS]
         for r in runs:
             for acc, got in zip(sums, counts(r.records, ttft_slo, tpot_slo, calib), strict=True):

@@ -153,7 +153,7 @@ def ceiling_line(rep: Report, load: str) -> str:
     runs = [r for r in rep.runs if r.load == load]
     if not runs:
         return ""
-    first = runs[0].target
+    first = compare.order(rep, load)[0]
     offered, top, dur = ceiling(runs)
     base = [r for r in runs if r.target == first]
     good = statistics.fmean(r.summary.goodput_rps for r in base)
@@ -196,7 +196,7 @@ def sweep_table(rep: Report, load: str, slos: Sequence[tuple[Slo, Slo]]) -> list
     for ttft_slo, tpot_slo in slos:
         judged = rejudge(rep, ttft_slo, tpot_slo)
         runs = [r for r in judged.runs if r.load == load]
-        targets = list(dict.fromkeys(r.target for r in runs))
+        targets = compare.order(judged, load)
         if not targets:
             return []
         base = [r for r in runs if r.target == targets[0]]

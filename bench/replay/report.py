@@ -67,6 +67,7 @@ class Report(msgspec.Struct, kw_only=True):
     runs: list[RunResult]
     failures: list[Failure] = []
     partial: bool = False
+    targets: list[str] = []  # the command's order, the first the comparisons' reference (compare.order)
     # the SLOs the run was made with, when this report judges it at others after the fact
     # (bench/replay/posthoc.py; empty: slo_ttft / slo_tpot are the run's own)
     run_slo_ttft: str = ""
@@ -101,10 +102,6 @@ def _pct1(v: float) -> str:
 
 def loads_in_order(runs: Sequence[RunResult]) -> list[str]:
     return list(dict.fromkeys(r.load for r in runs))
-
-
-def targets_in_order(runs: Sequence[RunResult]) -> list[str]:
-    return list(dict.fromkeys(r.target for r in runs))
 
 
 COLUMNS: list[tuple[str, Callable[[RunResult], float], Callable[[float], str]]] = [
@@ -146,7 +143,7 @@ def markdown(rep: Report) -> str:
         lines.append("")
         lines.append("| target | " + " | ".join(c[0] for c in COLUMNS) + " |")
         lines.append("|---" * (len(COLUMNS) + 1) + "|")
-        for target in targets_in_order(rep.runs):
+        for target in compare.order(rep, load):
             runs = [r for r in rep.runs if r.load == load and r.target == target]
             if not runs:
                 continue
@@ -156,7 +153,7 @@ def markdown(rep: Report) -> str:
         against = compare.table(rep, load)
         if against:
             lines += [
-                f"Each target against {targets_in_order([r for r in rep.runs if r.load == load])[0]}, "
+                f"Each target against {compare.order(rep, load)[0]}, "
                 "paired by repeat (bench/replay/compare.py): the ratio of the means, or the hit "
                 "rate's difference in points, with a 90 % bootstrap interval over the repeats",
                 "",
@@ -213,7 +210,7 @@ def plot(rep: Report, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     files: list[Path] = []
-    targets = targets_in_order(rep.runs)
+    targets = compare.order(rep)
     loads = loads_in_order(rep.runs)
     # goodput vs rate (or concurrency)
     fig, ax = plt.subplots(figsize=(7.5, 3.6), dpi=80)

@@ -89,3 +89,22 @@ def test_no_table_with_one_target_or_too_few_pairs() -> None:
     assert compare.table(report_of(a, CALIB), "rate x1") == []
     assert compare.table(report_of([*a, *b], CALIB), "rate x1") == []
     assert "paired by repeat" not in report.markdown(report_of([*a, *b], CALIB))
+
+
+def at(rate: float, target: str, goodputs: list[float]) -> list[RunResult]:
+    return [
+        msgspec.structs.replace(r, load=f"rate x{rate:g}", rate=rate)
+        for r in runs_of(target, goodputs, [1.0] * len(goodputs), [0.5] * len(goodputs))
+    ]
+
+
+def test_the_reference_is_the_commands_first_target_at_every_load() -> None:
+    # main.py rotates the order by repeat and by load: at the second load, repeat 0 runs b first
+    x1 = [*at(1, "a", [10.0] * 3), *at(1, "b", [12.0] * 3)]
+    x2 = [*at(2, "b", [9.0] * 3), *at(2, "a", [10.0] * 3)]
+    rep = report_of([*x1, *x2], CALIB)  # kept no `targets`: the first load's first repeat tells
+    assert compare.order(rep, "rate x2") == ["a", "b"]
+    assert compare.table(rep, "rate x2")[2].startswith("| b | 3 | 0.90x (")
+    assert report.markdown(rep).count("Each target against a,") == 2
+    alone = msgspec.structs.replace(report_of(x2, CALIB), targets=["a", "b"])  # as main.py keeps it
+    assert compare.table(alone, "rate x2")[2].startswith("| b | 3 | 0.90x (")
