@@ -48,6 +48,7 @@ from policies.random import random_profile
 from policies.round_robin import RoundRobinPicker, round_robin_profile
 from policies.session_affinity import SessionAffinityPicker, session_affinity_profile
 from policies.snapshot import Role
+from policies.turn_keep import TurnKeep
 
 
 class PolicyBuildError(Exception):
@@ -128,6 +129,7 @@ def cache_aware_settings(cfg: CacheAwareCfg) -> CacheAwareSettings:
             pool_best=cfg.slo_best == "pool",
             queue_prefilled=cfg.queue_cache == "prefilled",
             ttft_after_tpot=cfg.ttft_slo_rank == "after_tpot",
+            keep=TurnKeep(cfg.turn_keep_x, cfg.turn_keep_share),
         ),
         prefill_fit_line=cfg.prefill_fit == "line",
         touch_done=cfg.lru_touch == "done",

@@ -91,6 +91,7 @@ from policies.least_load import LoadScorer, LoadWeights
 from policies.prefix_source import IndexLookup, Lookup
 from policies.snapshot import RequestView, WorkerState
 from policies.tail_price import tail_s
+from policies.turn_keep import keep_estimates, keep_parts
 
 
 class SaturationFilter:
@@ -234,9 +235,9 @@ class CacheAwareSelector:
         all_saturated = not ok
         if all_saturated:
             ok = pairs
-        if state.slo is not None:  # the fewest predicted SLO misses first (policies/decode_slo.py)
-            fewest = min(e.slo_misses for _, e in ok)
-            ok = [(w, e) for w, e in ok if e.slo_misses == fewest]
+        if (slo := state.slo) is not None:  # the fewest predicted SLO misses first (decode_slo.py,
+            prompt = max(1, req.prompt_tokens)  # a far cheaper holder of a turn too: turn_keep.py)
+            ok = keep_estimates(slo.settings.keep, prompt, state.settings.cache_threshold * prompt, ok)
         scores = ttft_scores([e for _, e in ok])
         chosen, why = self.picker.pick_why([(w, scores[w.id]) for w, _ in ok])
         return chosen, self._record_of(req, est, scores, chosen, "all_saturated" if all_saturated else why)
@@ -300,8 +301,9 @@ class CacheAwareSelector:
                 ]
             else:
                 counted = [slo.misses(w, now, wait, seconds, ttft_limit) for wait, seconds, _, _, w in parts]
-            fewest = min(counted)
-            parts = [p for p, n in zip(parts, counted, strict=True) if n == fewest]
+            parts = keep_parts(
+                slo.settings.keep, prompt, parts, counted, k, s.inflight_factor, state, lookups
+            )
         return self._rank(parts, k, s.inflight_factor, saturation)
 
     def _parts(

@@ -169,6 +169,11 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
     # decode broken is) or "after_tpot" (the fewest decodes broken first, then within its own
     # TTFT SLO, then the cost; policies/decode_slo.py `ttft_rank`)
     ttft_slo_rank: Literal["sum", "after_tpot"] = "sum"
+    # > 0 (needs an SLO): the cache holder of a turn (holding >= turn_keep_share of its prompt)
+    # stays among the candidates beside the fewest SLO misses where the cheapest of those costs
+    # >= turn_keep_x x (its extra misses) x the holder's cost (policies/turn_keep.py); 0: off
+    turn_keep_x: float = 0.0
+    turn_keep_share: float = 0.5
     seed: int | None = None
     # when the approximate index counts a colocated prompt as used: "routed" (as it is sent) or
     # "done" (also as its answer ends: an engine frees a request's blocks into its LRU then, so
@@ -231,8 +236,20 @@ class CacheAwareCfg(_Cfg, tag="cache_aware", frozen=True):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
         slo = self.ttft_slo_s + self.ttft_slo_x + self.tpot_slo_s + self.tpot_slo_x
+        self._check_turn_keep(slo)
         if self.large_pool == "exact" and slo > 0:
             raise ValueError('large_pool = "exact" does not weigh SLOs: set no ttft_slo_* / tpot_slo_*')
+
+    def _check_turn_keep(self, slo: float) -> None:
+        """`turn_keep_x` 0 or >= 1, `turn_keep_share` in (0, 1], the first only with an SLO."""
+        if not (math.isfinite(self.turn_keep_x) and (self.turn_keep_x == 0 or self.turn_keep_x >= 1)):
+            raise ValueError(f"turn_keep_x must be 0 (off) or a finite number >= 1, got {self.turn_keep_x}")
+        if not 0.0 < self.turn_keep_share <= 1.0:
+            raise ValueError(f"turn_keep_share must be in (0, 1], got {self.turn_keep_share}")
+        if self.turn_keep_x > 0 and slo <= 0:
+            raise ValueError(
+                "turn_keep_x needs an SLO (ttft_slo_* or tpot_slo_*): it keeps turns the SLO rank drops"
+            )
 
 
 class PluginCfg(_Cfg, tag="plugin", frozen=True):

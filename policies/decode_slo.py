@@ -47,7 +47,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -56,6 +56,7 @@ from policies.cost_model import CostModel, CostPriors
 from policies.estimators import prefill_work
 from policies.prompt_key import PromptKey
 from policies.snapshot import RequestView, WorkerState
+from policies.turn_keep import TurnKeep
 
 HORIZON_S = 600.0  # a request whose outcome never came is forgotten after this
 MAX_HELD = 100_000  # requests decoding the model keeps (the oldest go first)
@@ -76,6 +77,9 @@ class SloSettings:
     pool_best: bool = False  # best(w) of a worker with < 10 streams: the pool's least (`best`)
     queue_prefilled: bool = False  # a routed prefill queues the work of `prefilled`'s view (`queued_work`)
     ttft_after_tpot: bool = False  # `misses` ranks (decodes broken, own TTFT miss), not their sum
+    keep: TurnKeep = field(
+        default_factory=TurnKeep
+    )  # a cached turn's holder kept beside the fewest (policies/turn_keep.py)
 
     @property
     def on(self) -> bool:
