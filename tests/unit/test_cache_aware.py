@@ -23,12 +23,14 @@ from policies.cache_aware import (
     SaturationFilter,
 )
 from policies.config import CacheAwareCfg, DeciderCfg, parse_policy
+from policies.decode_slo import SloSettings
 from policies.estimators import prefill_work
 from policies.prefill_cost import PrefillQueues, RateSettings
 from policies.prompt_key import PromptKey, render_chat
 from policies.snapshot import Colocated, Disaggregated, RequestView, RouteKind, WorkerState
 from policies.testing import ManualClock as Clock
 from policies.testing import make_snapshot, make_worker, run_conformance
+from policies.turn_keep import TurnKeep
 
 
 def req(ids: list[int] | None, rid: str = "r", model: str = "m", text: str | None = None) -> RequestView:
@@ -575,6 +577,10 @@ SHAPES = {
     "tail": {"tail_price": 4.0, "tail_ttft_s": 0.05},
     # the externality's wait over the workers later arrivals share (policies/pool_pressure.py)
     "shared": {"shared_wait": True},
+    # the fewest predicted TPOT misses first, and a turn's far cheaper holder kept past them
+    # (policies/turn_keep.py): both paths cost and credit the holder alike
+    "slo": {"slo": SloSettings(tpot_slo_x=2.0)},
+    "keep": {"slo": SloSettings(tpot_slo_x=2.0, keep=TurnKeep(1.0, 0.3))},
 }
 
 
