@@ -146,6 +146,12 @@ async def cluster() -> AsyncIterator[Cluster]:
         await stop_cluster(c)
 
 
+def cached_tokens_of(usage: Any) -> int:
+    """The prompt tokens an OpenAI client's `usage` reports read from the engine's cache (0: none)."""
+    d = getattr(usage, "prompt_tokens_details", None)
+    return int(getattr(d, "cached_tokens", None) or 0)
+
+
 async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
     """An aiohttp app (a stand-in worker) on an ephemeral loopback port: (runner, base URL)."""
     runner = web.AppRunner(app)

@@ -23,6 +23,7 @@ from emulator.api import EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
 from policies.config import CacheAwareCfg
+from tests.integration.conftest import cached_tokens_of
 
 MODEL = "m-sgl"
 PROMPT = 16_000  # two prefill chunks of 8,192: the turn comes during the first
@@ -68,11 +69,6 @@ async def serve() -> AsyncIterator[Any]:
             await part.stop()
 
 
-def cached(usage: Any) -> int:
-    d = getattr(usage, "prompt_tokens_details", None)
-    return int(getattr(d, "cached_tokens", None) or 0)
-
-
 @pytest.mark.parametrize("hold", [0.0, 5.0])
 async def test_a_turn_behind_its_running_predecessor_finds_its_prefix_only_held(
     serve: Any, hold: float
@@ -88,10 +84,10 @@ async def test_a_turn_behind_its_running_predecessor_finds_its_prefix_only_held(
         began = time.monotonic()
         got = await client.completions.create(model=MODEL, prompt=turn, max_tokens=2)
         took = time.monotonic() - began
-        assert cached((await ahead).usage) == 0
+        assert cached_tokens_of((await ahead).usage) == 0
     finally:
         await client.close()
-    found = cached(got.usage)
+    found = cached_tokens_of(got.usage)
     if hold:
         # held until the predicted end (the prior rate, slower than the emulator's: a late
         # release), then read the whole prefix; the hold is counted

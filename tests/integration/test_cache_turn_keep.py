@@ -19,6 +19,7 @@ from emulator.api import EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
 from policies.config import CacheAwareCfg
+from tests.integration.conftest import cached_tokens_of
 
 MODEL = "m-sgl"
 DOC = 8_000  # the conversation so far, on its holder
@@ -77,16 +78,11 @@ async def serve() -> AsyncIterator[Any]:
             await part.stop()
 
 
-def cached(usage: Any) -> int:
-    d = getattr(usage, "prompt_tokens_details", None)
-    return int(getattr(d, "cached_tokens", None) or 0)
-
-
 async def explained(client: AsyncOpenAI, prompt: list[int]) -> tuple[dict[str, Any], int]:
     raw = await client.completions.with_raw_response.create(
         model=MODEL, prompt=prompt, max_tokens=1, extra_headers={"x-pdgw-explain": "1"}
     )
-    return json.loads(raw.headers["x-pdgw-decision"]), cached(raw.parse().usage)
+    return json.loads(raw.headers["x-pdgw-decision"]), cached_tokens_of(raw.parse().usage)
 
 
 @pytest.mark.parametrize("keep_x", [0.0, 2.0])

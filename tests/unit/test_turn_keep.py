@@ -17,20 +17,13 @@ from policies.build import cache_aware_settings
 from policies.cache_aware import CacheAwareSelector, CacheAwareSettings, CacheState
 from policies.config import CacheAwareCfg, parse_policy
 from policies.decode_slo import SloSettings
-from policies.prompt_key import PromptKey
-from policies.snapshot import Colocated, RequestView, RouteKind, WorkerState
+from policies.snapshot import Colocated, RequestView, WorkerState
 from policies.testing import ManualClock as Clock
-from policies.testing import make_worker
+from policies.testing import make_token_request, make_worker
 from policies.turn_keep import TurnKeep, holder, keep_parts, kept_holder, slo_kept
 
 DOC = list(range(10_000, 50_000))  # 40,000 tokens of a conversation, sent to `a` first
 SUFFIX = list(range(60_000, 70_000))  # the next turn's 10,000 new tokens
-
-
-def request(rid: str, ids: list[int], max_tokens: int = 16) -> RequestView:
-    return RequestView(
-        rid, "m", RouteKind.COMPLETIONS, len(ids), max_tokens, prompt_key=PromptKey.from_token_ids(ids)
-    )
 
 
 @dataclass(frozen=True)
@@ -68,13 +61,13 @@ def scenario(case: Case) -> tuple[CacheAwareSelector, RequestView, list[WorkerSt
     st = CacheState(settings, clock=clock)
     sel = CacheAwareSelector("colocated", st)
     a, b = make_worker("a", engine="sglang"), make_worker("b", engine="sglang")
-    st.observe(routed_event(request("turn1", [*DOC, 1], 1), Colocated(a)))
+    st.observe(routed_event(make_token_request("turn1", [*DOC, 1], 1), Colocated(a)))
     clock.t += 5.0  # turn1's prefill (1 s predicted) is over; its prefix stays on a
     for i in range(case.short_on_a):
-        st.observe(routed_event(request(f"short{i}", [7, 7, 7 + i], 10), Colocated(a)))
+        st.observe(routed_event(make_token_request(f"short{i}", [7, 7, 7 + i], 10), Colocated(a)))
     clock.t += 0.05
     ids = list(range(100_000, 150_000)) if case.cold else [*DOC, *SUFFIX]
-    return sel, request("turn2", ids), [a, b]
+    return sel, make_token_request("turn2", ids), [a, b]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -108,15 +101,17 @@ def test_both_paths_keep_alike() -> None:
         st = CacheState(settings, clock=clock)
         cands = [make_worker(w, inflight=rng.randrange(0, 4)) for w in "abcd"]
         doc = list(range(10_000, 10_000 + rng.randrange(2_000, 30_000)))
-        st.observe(routed_event(request("turn1", [*doc, 1], 1), Colocated(rng.choice(cands))))
+        st.observe(routed_event(make_token_request("turn1", [*doc, 1], 1), Colocated(rng.choice(cands))))
         clock.t += rng.choice([0.5, 5.0])
         for i in range(rng.randrange(0, 6)):
             ids = [7, 7, i] if rng.random() < 0.7 else list(range(i * 100_000, i * 100_000 + 3_000))
             st.observe(
-                routed_event(request(f"o{i}", ids, rng.choice([4, 10, 50])), Colocated(rng.choice(cands)))
+                routed_event(
+                    make_token_request(f"o{i}", ids, rng.choice([4, 10, 50])), Colocated(rng.choice(cands))
+                )
             )
             clock.t += rng.random() * 0.2
-        turn = request("turn2", [*doc, *range(70_000, 70_000 + rng.randrange(100, 8_000))])
+        turn = make_token_request("turn2", [*doc, *range(70_000, 70_000 + rng.randrange(100, 8_000))])
         chosen, record = CacheAwareSelector("x", st, rng=random.Random(seed)).decide(turn, cands)
         assert CacheAwareSelector("x", st, rng=random.Random(seed)).select(turn, cands) is chosen, seed
         assert record is not None
