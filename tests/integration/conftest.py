@@ -146,6 +146,15 @@ async def cluster() -> AsyncIterator[Cluster]:
         await stop_cluster(c)
 
 
+async def stop_started(started: list[Any]) -> None:
+    """Stop what a test fixture started (gateways and emulators), the last started first."""
+    for part in reversed(started):
+        if isinstance(part, Gateway):
+            await part.stop(grace_s=1.0)
+        else:
+            await part.stop()
+
+
 def cached_tokens_of(usage: Any) -> int:
     """The prompt tokens an OpenAI client's `usage` reports read from the engine's cache (0: none)."""
     d = getattr(usage, "prompt_tokens_details", None)

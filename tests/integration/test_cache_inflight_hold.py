@@ -23,7 +23,7 @@ from emulator.api import EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
 from policies.config import CacheAwareCfg
-from tests.integration.conftest import cached_tokens_of
+from tests.integration.conftest import cached_tokens_of, stop_started
 
 MODEL = "m-sgl"
 PROMPT = 16_000  # two prefill chunks of 8,192: the turn comes during the first
@@ -62,11 +62,7 @@ async def serve() -> AsyncIterator[Any]:
         return gw
 
     yield start
-    for part in reversed(started):
-        if isinstance(part, Gateway):
-            await part.stop(grace_s=1.0)
-        else:
-            await part.stop()
+    await stop_started(started)
 
 
 @pytest.mark.parametrize("hold", [0.0, 5.0])

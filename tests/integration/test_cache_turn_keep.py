@@ -19,7 +19,7 @@ from emulator.api import EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
 from policies.config import CacheAwareCfg
-from tests.integration.conftest import cached_tokens_of
+from tests.integration.conftest import cached_tokens_of, stop_started
 
 MODEL = "m-sgl"
 DOC = 8_000  # the conversation so far, on its holder
@@ -71,11 +71,7 @@ async def serve() -> AsyncIterator[Any]:
         return gw
 
     yield start
-    for part in reversed(started):
-        if isinstance(part, Gateway):
-            await part.stop(grace_s=1.0)
-        else:
-            await part.stop()
+    await stop_started(started)
 
 
 async def explained(client: AsyncOpenAI, prompt: list[int]) -> tuple[dict[str, Any], int]:
