@@ -291,15 +291,20 @@ def test_two_processes_do_not_book_a_worker_beyond_its_limit(
     """limits.max_inflight_per_worker = 3, one worker, 16 clients at once (the kernel spreads
     their connections over both processes): the engine never has more than 3 of them at once;
     the others are shed (503), as with one process. Two gateways that each counted only their
-    own requests would put up to 6 on it."""
+    own requests would put up to 6 on it. Rounds go on (4 at least, 12 at most) until both
+    processes have booked the worker: which process's requests win a round's 3 slots is the
+    kernel's and the scheduler's choice, and on a loaded 2-core machine one process can win the
+    first rounds."""
     e = CountingEngine(hold_s=0.4)
     engines.append(e)
     gw = Served(toml(e, cap=3), tmp_path)
     served.append(gw)
     statuses: list[int] = []
     with ThreadPoolExecutor(16) as pool:
-        for _ in range(4):
+        for round_ in range(12):
             statuses += [s for s, _ in pool.map(lambda _: complete(gw.url), range(16))]
+            if round_ >= 3 and processes_that_served(gw) == {0, 1}:
+                break
     assert e.peak == 3, (e.peak, statuses)
     assert statuses.count(200) >= 4 and set(statuses) <= {200, 503}
     assert processes_that_served(gw) == {0, 1}  # both processes booked the worker
