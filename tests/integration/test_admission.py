@@ -94,11 +94,15 @@ async def test_over_the_queue_is_503_with_retry_after_and_queued_ones_complete(s
     shed = [r for r in results if r[0] != 200]
     assert len(ok) == 4 and len(shed) == 2, [r[0] for r in results]
     assert all(completed_stream(r[2]) for r in ok)
+    # shed at once: back before any admitted stream (60 tokens, ~0.5 s or more) had finished, not
+    # after waiting for a slot. Compared with the admitted ones rather than a fixed bound, which a
+    # loaded 2-core CI machine overran (0.305 s against 0.3 s).
+    first_done = min(r[3] for r in ok)
     for status, headers, raw, took in shed:
         assert status == 503
         assert_openai_error(status, headers, raw, "overloaded", "server_error")
         assert headers["Retry-After"] == "3"  # limits.retry_after_s
-        assert took < 0.3  # shed at once, not after waiting
+        assert took < first_done, (took, first_done)
     await settle(c)
     st = c.gateway.admission.stats()
     assert (st.admitted, st.admitted_after_queue, st.shed["queue_full"]) == (2, 2, 2)
@@ -118,10 +122,13 @@ async def test_queue_timeout_is_503_and_the_running_stream_is_untouched() -> Non
         long = asyncio.create_task(call(c.url, stream_body(max_tokens=100)))
         await asyncio.sleep(0.1)
         waiting = await asyncio.gather(*(call(c.url, stream_body(max_tokens=5)) for _ in range(3)))
+        # they waited the queue timeout and gave up while the slot's holder (100 tokens, ~0.9 s) still
+        # ran: the ordering is the claim, not a wall-clock bound a loaded machine can overrun
+        assert not long.done()
         for status, headers, raw, took in waiting:
             assert status == 503
             assert_openai_error(status, headers, raw, "queue_timeout", "server_error")
-            assert 0.15 < took < 0.6
+            assert took > 0.15, took
         status, _, raw, _ = await long
         assert status == 200 and completed_stream(raw)
         await settle(c)
