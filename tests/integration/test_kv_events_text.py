@@ -121,6 +121,9 @@ async def test_a_long_prompt_tokenized_off_the_loop_is_routed_on_its_ids(tmp_pat
     path = str(write_tokenizer_json(tmp_path / "t.json"))
     s = await start(TokenizerConfig(kind="hf", path=path, offload_bytes=64))
     try:
+        # the index routes a worker on its events only once its stream is live (before that, on
+        # the approximate index): on a loaded machine the request can come first
+        await caught_up(s, "sglang")
         async with aiohttp.ClientSession() as http:
             await send(http, s, "sglang", {"prompt": "hello world the cat " * 20}, chat=False)
         (state,) = cache_states(s.gateway.policy)
