@@ -110,6 +110,9 @@ def keep_estimates(keep: TurnKeep, prompt: int, threshold: float, ok: list[tuple
     """`decide`'s SLO step over (worker, estimate) pairs (`threshold`: the tokens a match must
     exceed to count, `cache_threshold x prompt`)."""
     misses = [e.slo_misses for _, e in ok]
+    if not keep.on:  # the knob off (the default): the fewest misses, no more lists
+        fewest = min(misses)
+        return [p for p, n in zip(ok, misses, strict=True) if n == fewest]
     costs = [e.cost for _, e in ok]
     cached = [e.cached_tokens if e.cached_tokens > threshold else 0 for _, e in ok]
     mask = slo_kept(keep, prompt, costs, misses, cached)
