@@ -155,6 +155,22 @@ async def stop_started(started: list[Any]) -> None:
             await part.stop()
 
 
+async def start_cached_sglang(model: str, time_scale: float) -> EmulatorHandle:
+    """A colocated SGLang emulator that reports cached tokens (16-token blocks, a 32k context), as
+    the cache-aware integration tests route to."""
+    return await start_emulator(
+        EmulatorSpec(
+            engine="sglang",
+            role="both",
+            model=model,
+            block_size=16,
+            enable_cache_report=True,
+            time_scale=time_scale,
+            max_model_len=32_768,
+        )
+    )
+
+
 def cached_tokens_of(usage: Any) -> int:
     """The prompt tokens an OpenAI client's `usage` reports read from the engine's cache (0: none)."""
     d = getattr(usage, "prompt_tokens_details", None)

@@ -19,11 +19,10 @@ import pytest
 from openai import AsyncOpenAI
 
 from common.workers import Engine, Role
-from emulator.api import EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
 from policies.config import CacheAwareCfg
-from tests.integration.conftest import cached_tokens_of, stop_started
+from tests.integration.conftest import cached_tokens_of, start_cached_sglang, stop_started
 
 MODEL = "m-sgl"
 PROMPT = 16_000  # two prefill chunks of 8,192: the turn comes during the first
@@ -35,17 +34,7 @@ async def serve() -> AsyncIterator[Any]:
 
     async def start(hold: float) -> Gateway:
         # time 2x slower than the profile: the first prompt's two chunks take ~1.2 s
-        emu = await start_emulator(
-            EmulatorSpec(
-                engine="sglang",
-                role="both",
-                model=MODEL,
-                block_size=16,
-                enable_cache_report=True,
-                time_scale=2.0,
-                max_model_len=32_768,
-            )
-        )
+        emu = await start_cached_sglang(MODEL, time_scale=2.0)
         started.append(emu)
         cfg = GatewayConfig(
             listen=ListenConfig(host="127.0.0.1", port=0),

@@ -15,11 +15,10 @@ import pytest
 from openai import AsyncOpenAI
 
 from common.workers import Engine, Role
-from emulator.api import EmulatorSpec, start_emulator
 from gateway.app import Gateway
 from gateway.config import GatewayConfig, HealthConfig, ListenConfig, WorkerConfig
 from policies.config import CacheAwareCfg
-from tests.integration.conftest import cached_tokens_of, stop_started
+from tests.integration.conftest import cached_tokens_of, start_cached_sglang, stop_started
 
 MODEL = "m-sgl"
 DOC = 8_000  # the conversation so far, on its holder
@@ -33,19 +32,7 @@ async def serve() -> AsyncIterator[Any]:
     async def start(keep_x: float) -> Gateway:
         # 20x slower than the profile: a 3-token answer decodes for ~0.3 s after its first token
         for _ in range(2):
-            started.append(
-                await start_emulator(
-                    EmulatorSpec(
-                        engine="sglang",
-                        role="both",
-                        model=MODEL,
-                        block_size=16,
-                        enable_cache_report=True,
-                        time_scale=20.0,
-                        max_model_len=32_768,
-                    )
-                )
-            )
+            started.append(await start_cached_sglang(MODEL, time_scale=20.0))
         workers = tuple(
             WorkerConfig(url=e.url, role=Role.COLOCATED, engine=Engine.SGLANG, id=f"w{i}", vocab_size=256)
             for i, e in enumerate(started)
