@@ -25,30 +25,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.ports import free_port as free_port  # (re-exported: bench modules call procs.*)
+from common.ports import free_ports as free_ports
+
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 # --------------------------------------------------------------------------- ports
-
-
-def free_ports(n: int, host: str = HOST) -> list[int]:
-    """`n` distinct ports that were free a moment ago (all held open while picking)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port(host: str = HOST) -> int:
-    return free_ports(1, host)[0]
 
 
 def port_open(port: int, host: str = HOST, timeout: float = 0.5) -> bool:

@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from common.ports import free_ports  # noqa: E402
 from gateway.http import HttpRequest, HttpResponder, UpstreamPool, start_server  # noqa: E402
 
 JSON_BODY = json.dumps(
@@ -166,14 +166,6 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = int(s.getsockname()[1])
-    s.close()
-    return port
-
-
 def spawn(args: list[str], core: int | None) -> subprocess.Popen[str]:
     cmd = [sys.executable, __file__, *args]
     if core is not None:
@@ -213,7 +205,7 @@ def main() -> None:
     pin = not args.no_pin and shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
     if pin:
         os.sched_setaffinity(0, {1})
-    up_port, px_port = free_port(), free_port()
+    up_port, px_port = free_ports(2)
     upstream = spawn(["--role", "upstream", "--port", str(up_port)], 1 if pin else None)
     proxy = spawn(
         ["--role", "proxy", "--port", str(px_port), "--upstream-port", str(up_port)], 0 if pin else None

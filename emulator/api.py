@@ -18,8 +18,9 @@ from typing import Any
 
 import msgspec
 
+from common.ports import free_ports
 from emulator.bootstrap import url_host
-from emulator.server import EmulatorServer, free_port
+from emulator.server import EmulatorServer
 from emulator.sglang.api import SglangApi
 from emulator.spec import EmulatorSpec
 from emulator.vllm.api import VllmApi
@@ -136,13 +137,15 @@ class EmulatorProcess:
 def spawn_emulator(spec: EmulatorSpec, *, ready_timeout: float = 20.0) -> EmulatorProcess:
     """Start an emulated server as a subprocess and wait until ``/health`` answers 200. Free ports
     are chosen here (HTTP, bootstrap for an SGLang prefill, KV for a prefill) so the caller knows them."""
-    updates: dict[str, Any] = {}
+    wanted = []
     if spec.port == 0:
-        updates["port"] = free_port(spec.host)
+        wanted.append("port")
     if spec.engine == "sglang" and spec.role == "prefill" and spec.bootstrap_port is None:
-        updates["bootstrap_port"] = free_port(spec.host)
+        wanted.append("bootstrap_port")
     if spec.role in ("prefill", "both") and spec.kv_port is None:
-        updates["kv_port"] = free_port(spec.host)
+        wanted.append("kv_port")
+    # picked together, so distinct: one by one, the bootstrap and KV ports once came back equal
+    updates: dict[str, Any] = dict(zip(wanted, free_ports(len(wanted), spec.host), strict=True))
     spec = msgspec.structs.replace(spec, **updates)
     proc = subprocess.Popen(
         [sys.executable, "-m", "emulator", *spec.to_argv()],

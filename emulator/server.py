@@ -40,12 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("emulator")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class EmulatorServer:
     def __init__(self, spec: EmulatorSpec) -> None:
         self.spec = spec

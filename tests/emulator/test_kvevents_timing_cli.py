@@ -11,10 +11,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from common.ports import free_port
 from emulator import timing
 from emulator.api import EmulatorSpec, spawn_emulator
 from emulator.profiles import PROFILES, get_profile
-from emulator.server import free_port
 from tests.emulator.conftest import Factory
 
 
@@ -125,6 +125,8 @@ async def test_cached_prefix_shortens_prefill_wall_clock(emu: Factory, http: aio
 def test_spawn_and_cli(tmp_path: object) -> None:
     p = spawn_emulator(EmulatorSpec(engine="sglang", role="prefill", time_scale=0.0))
     d = spawn_emulator(EmulatorSpec(engine="sglang", role="decode", time_scale=0.0))
+    # the ports spawn_emulator picked (HTTP, bootstrap, KV) are three, not two or one
+    assert len({p.spec.port, p.spec.bootstrap_port, p.spec.kv_port}) == 3, p.spec
     try:
         import urllib.request
 
