@@ -25,8 +25,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.ports import free_port as free_port  # (re-exported: bench modules call procs.*)
-from common.ports import free_ports as free_ports
+from emulator.ports import free_port as free_port  # (re-exported: bench modules call procs.*)
+from emulator.ports import free_ports as free_ports
 
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.ports import free_ports  # noqa: E402
+from emulator.ports import free_ports  # noqa: E402
 from gateway.http import HttpRequest, HttpResponder, UpstreamPool, start_server  # noqa: E402
 
 JSON_BODY = json.dumps(

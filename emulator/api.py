@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
-from common.ports import free_ports
 from emulator.bootstrap import url_host
+from emulator.ports import free_ports
 from emulator.server import EmulatorServer
 from emulator.sglang.api import SglangApi
 from emulator.spec import EmulatorSpec

@@ -11,9 +11,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.ports import free_port
 from emulator import timing
 from emulator.api import EmulatorSpec, spawn_emulator
+from emulator.ports import free_port
 from emulator.profiles import PROFILES, get_profile
 from tests.emulator.conftest import Factory
 

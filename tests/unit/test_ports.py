@@ -1,4 +1,4 @@
-"""common/ports.py: ports picked together are distinct (the probes are held open while picking).
+"""emulator/ports.py: ports picked together are distinct (the probes are held open while picking).
 
 Picked one by one, each probe closed before the next, the kernel may hand the same port back:
 a fresh-clone CI run once started an SGLang prefill emulator with its bootstrap and KV ports both
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 
-from common.ports import free_port, free_ports
+from emulator.ports import free_port, free_ports
 
 
 def test_ports_picked_together_are_distinct_and_bindable() -> None:

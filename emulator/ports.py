@@ -1,4 +1,5 @@
-"""Free loopback ports for servers this project starts (emulators, gateways, routers).
+"""Free loopback ports for servers this project starts (emulators, gateways, routers; in the
+emulator package because it imports nothing of ours, and bench and the tests may import it).
 
 A port is free only a moment ago: another process may bind it before the caller does. Several
 ports picked one by one can also come back equal, since each probe socket is closed before the
